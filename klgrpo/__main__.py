@@ -1,0 +1,3 @@
+from klgrpo.cli import main
+
+raise SystemExit(main())

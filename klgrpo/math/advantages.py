@@ -1,0 +1,70 @@
+"""Group-relative advantages and the KL-in-reward penalty.
+
+Rewards are laid out group after group: ``rewards_N`` has N = num_groups * G entries and entries
+[g*G, (g+1)*G) are the G completions of prompt g.
+
+    group  A_i = (r_i - mean_g) / (std_g + eps)     GRPO / DeepSeekMath
+    batch  A_i = (r_i - mean_g) / (std_batch + eps) TRL's scale_rewards="batch" (std of all rewards)
+    none   A_i =  r_i - mean_g                      Dr. GRPO
+
+std uses ``ddof`` (1: the unbiased sample std, torch's default and TRL's; 0: the population std). A group
+whose rewards are all equal gets A = 0 exactly.
+
+KL in the reward (KL_MATH.md): the per-token k1 penalty enters as a reward-to-go with gamma = 1 and no length
+normalisation, A_it = A_i - beta * sum_{t' >= t} kl_it'. It is added AFTER the group normalisation so beta is not
+rescaled by 1/std; with k1 this gives exactly beta * grad KL(pi || ref) of the sequence, on-policy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ADVANTAGE_SCALES = ("group", "batch", "none")
+
+#: Added to the std before dividing (TRL uses 1e-4).
+DEFAULT_STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: str = "group",
+    eps: float = DEFAULT_STD_EPS,
+    ddof: int = 1,
+) -> Tensor:
+    """Advantages [N*G] from rewards [N*G] laid out group after group (module docstring)."""
+    if scale not in ADVANTAGE_SCALES:
+        raise KeyError(f"unknown advantage scale {scale!r}; choose one of: {', '.join(ADVANTAGE_SCALES)}")
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+    rewards_NG = rewards.reshape(-1, group_size)
+    centred_NG = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred_NG.reshape(-1)
+    if scale == "group":
+        std = _std(rewards_NG, dim=1, ddof=ddof)
+    else:
+        std = _std(rewards_NG.reshape(-1), dim=0, ddof=ddof)
+    return (centred_NG / (std + eps)).reshape(-1)
+
+
+def _std(x: Tensor, dim: int, ddof: int) -> Tensor:
+    n = x.shape[dim]
+    if n - ddof <= 0:
+        return torch.zeros_like(x.mean(dim=dim, keepdim=True))
+    var = ((x - x.mean(dim=dim, keepdim=True)) ** 2).sum(dim=dim, keepdim=True) / (n - ddof)
+    return var.sqrt()
+
+
+def reward_to_go(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """sum_{t' >= t} values_it' over masked tokens (gamma = 1); zero on masked-out positions."""
+    m = mask_BT.to(values_BT.dtype)
+    v = values_BT * m
+    return torch.flip(torch.cumsum(torch.flip(v, dims=[-1]), dim=-1), dims=[-1]) * m
+
+
+def apply_kl_penalty(advantages_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, coef: float) -> Tensor:
+    """Per-token advantages A_it = A_i - coef * reward_to_go(kl)_it, with ``kl_BT`` detached."""
+    return (advantages_B.unsqueeze(-1) - coef * reward_to_go(kl_BT.detach(), mask_BT)) * mask_BT.to(kl_BT.dtype)

@@ -1,0 +1,147 @@
+"""Controllers for the KL coefficient beta: tiny state machines with ``state_dict`` for checkpoints.
+
+Every controller exposes ``value`` (the beta to use now), ``update(observed_kl, n_steps, reward=None)``
+called once after each optimizer step, ``state_dict()`` / ``load_state_dict()``, and ``kl_measure``: the KL
+quantity it consumes, either "token_mean" (mean per-token KL over the batch's completion tokens, what
+verl/OpenRLHF feed back) or "sequence_sum" (mean over sequences of the summed per-token k1, what Ziegler et
+al. 2019 fed back). The trainer computes the declared one.
+
+    fixed     beta constant
+    adaptive  Ziegler et al. 2019: e = clip(KL / target - 1, -0.2, 0.2); beta <- beta (1 + e n_steps / horizon)
+    step      KL > 1.5 target -> beta * 1.5; KL < 0.5 target -> beta * 0.75 (factors and bands configurable)
+    dual      dual ascent on a KL budget eps: log beta <- log beta + lr (KL - eps) / eps
+    dynamic   beta <- beta * decay while mean reward > threshold; beta = beta_min after schedule_steps updates
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from klgrpo.math.registry import Registry
+
+KL_MEASURES = ("token_mean", "sequence_sum")
+
+
+class KLController:
+    """Base: holds beta and the number of updates; subclasses implement ``_next``."""
+
+    def __init__(self, init_coef: float, kl_measure: str = "token_mean"):
+        if kl_measure not in KL_MEASURES:
+            raise ValueError(f"kl_measure must be one of {KL_MEASURES}, got {kl_measure!r}")
+        self.value = float(init_coef)
+        self.kl_measure = kl_measure
+        self.num_updates = 0
+
+    def update(self, observed_kl: float, n_steps: int = 1, reward: float | None = None) -> float:
+        """Feed back the observed KL (in ``kl_measure`` units) after an update of ``n_steps`` samples."""
+        self.value = float(self._next(float(observed_kl), int(n_steps), reward))
+        self.num_updates += 1
+        return self.value
+
+    def _next(self, observed_kl: float, n_steps: int, reward: float | None) -> float:
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "num_updates": self.num_updates, "kl_measure": self.kl_measure}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+        self.num_updates = int(state["num_updates"])
+        self.kl_measure = state.get("kl_measure", self.kl_measure)
+
+
+class FixedKLController(KLController):
+    """beta never changes."""
+
+
+class AdaptiveKLController(KLController):
+    """Ziegler et al. (2019), proportional and multiplicative.
+
+    e = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon),
+    with n_steps the number of samples in the update and horizon ~ 10000 in the paper.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: float, kl_measure: str = "token_mean",
+                 error_clip: float = 0.2):
+        super().__init__(init_coef, kl_measure)
+        if target <= 0 or horizon <= 0:
+            raise ValueError("AdaptiveKLController needs target > 0 and horizon > 0")
+        self.target = float(target)
+        self.horizon = float(horizon)
+        self.error_clip = float(error_clip)
+
+    def _next(self, observed_kl, n_steps, reward):
+        error = min(max(observed_kl / self.target - 1.0, -self.error_clip), self.error_clip)
+        return self.value * (1.0 + error * n_steps / self.horizon)
+
+
+class StepKLController(KLController):
+    """The seed tutorial's band rule: KL > high * target -> beta * up; KL < low * target -> beta * down."""
+
+    def __init__(self, init_coef: float, target: float, up: float = 1.5, down: float = 0.75,
+                 high: float = 1.5, low: float = 0.5, kl_measure: str = "token_mean"):
+        super().__init__(init_coef, kl_measure)
+        if target <= 0:
+            raise ValueError("StepKLController needs target > 0")
+        self.target, self.up, self.down, self.high, self.low = map(float, (target, up, down, high, low))
+
+    def _next(self, observed_kl, n_steps, reward):
+        if observed_kl > self.high * self.target:
+            return self.value * self.up
+        if observed_kl < self.low * self.target:
+            return self.value * self.down
+        return self.value
+
+
+class DualAscentKLController(KLController):
+    """Dual ascent on a KL budget eps: log beta <- log beta + lr * (KL - eps) / eps, beta in [beta_min, beta_max].
+
+    At the regularised optimum pi*_beta = ref exp(R / beta) / Z the KL decreases in beta, so the budget has
+    one beta* and the ascent settles there.
+    """
+
+    def __init__(self, init_coef: float, target: float, lr: float = 0.1, beta_min: float = 1e-6,
+                 beta_max: float = 1e3, kl_measure: str = "token_mean"):
+        super().__init__(init_coef, kl_measure)
+        if init_coef <= 0 or target <= 0:
+            raise ValueError("DualAscentKLController needs init_coef > 0 and target > 0")
+        self.target, self.lr, self.beta_min, self.beta_max = map(float, (target, lr, beta_min, beta_max))
+
+    def _next(self, observed_kl, n_steps, reward):
+        log_beta = math.log(self.value) + self.lr * (observed_kl - self.target) / self.target
+        return min(max(math.exp(log_beta), self.beta_min), self.beta_max)
+
+
+class DynamicScheduleKLController(KLController):
+    """The seed "adaptive KL" schedule: decay beta while the mean reward beats a threshold, then a floor.
+
+    After each update: if reward > reward_threshold, beta <- max(beta * decay, beta_min); once
+    ``schedule_steps`` updates have happened (when > 0), beta = beta_min.
+    """
+
+    def __init__(self, init_coef: float, reward_threshold: float, decay: float = 0.9, beta_min: float = 0.0,
+                 schedule_steps: int = 0, kl_measure: str = "token_mean"):
+        super().__init__(init_coef, kl_measure)
+        self.reward_threshold, self.decay, self.beta_min = map(float, (reward_threshold, decay, beta_min))
+        self.schedule_steps = int(schedule_steps)
+
+    def _next(self, observed_kl, n_steps, reward):
+        if self.schedule_steps > 0 and self.num_updates + 1 >= self.schedule_steps:
+            return self.beta_min
+        if reward is not None and reward > self.reward_threshold:
+            return max(self.value * self.decay, self.beta_min)
+        return self.value
+
+
+CONTROLLERS: Registry[type[KLController]] = Registry("KL controller")
+CONTROLLERS.register("fixed", FixedKLController)
+CONTROLLERS.register("adaptive", AdaptiveKLController)
+CONTROLLERS.register("step", StepKLController)
+CONTROLLERS.register("dual", DualAscentKLController)
+CONTROLLERS.register("dynamic", DynamicScheduleKLController)
+
+
+def build_controller(name: str, init_coef: float, **params: Any) -> KLController:
+    """Construct the controller registered as ``name`` with its own parameters."""
+    return CONTROLLERS[name](init_coef, **params)

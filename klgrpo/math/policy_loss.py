@@ -1,0 +1,88 @@
+"""The PPO-clipped policy surrogate and the importance-corrected KL loss term, per token.
+
+Clipped surrogate with ratio rho_t = pi(y_t) / pi_old(y_t) and advantages A (per sequence or per token):
+
+    loss_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
+
+eps_high > eps_low is DAPO's clip-higher. The KL term with samples from pi_old (KL_MATH.md):
+
+    is_correction  term                           expected gradient (k3)
+    in_graph       w_t * k(l_t), w = pi/pi_old    reverse KL (DeepSeek-V3.2, TRL use_bias_correction_kl)
+    detached       sg(w_t) * k(l_t)               same as on-policy: forward KL for k3, reverse for k2
+    none           k(l_t)                         biased off-policy
+
+On-policy (pi_old == pi numerically) w = 1 in value and all three agree in value; in_graph adds E_pi[k s] to
+the gradient, which is what turns k3's forward gradient into the reverse one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, kl_estimate
+
+IS_CORRECTIONS = ("in_graph", "detached", "none")
+
+
+@dataclass
+class SurrogateOut:
+    """Per-token results of the clipped surrogate, all [B, T]."""
+
+    loss_BT: Tensor
+    ratio_BT: Tensor
+    clipped_low_BT: Tensor   # bool: the lower clip bound was active (A < 0 and rho < 1 - eps_low)
+    clipped_high_BT: Tensor  # bool: the upper clip bound was active (A > 0 and rho > 1 + eps_high)
+
+
+def clipped_surrogate(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> SurrogateOut:
+    """Per-token PPO loss; ``advantages`` is [B] (broadcast over tokens) or [B, T]."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.to(torch.float32)
+    ratio = torch.exp(logp_BT.float() - old_logp_BT.float().detach())
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    with torch.no_grad():
+        low = (ratio < 1.0 - eps_low) & (advantages < 0)
+        high = (ratio > 1.0 + eps_high) & (advantages > 0)
+    return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
+
+
+def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) -> Tensor:
+    """w = pi / pi_old per token, in the graph, detached, or 1 (see module docstring)."""
+    if is_correction not in IS_CORRECTIONS:
+        raise KeyError(f"unknown is_correction {is_correction!r}; choose one of: {', '.join(IS_CORRECTIONS)}")
+    if is_correction == "none":
+        return torch.ones_like(logp_BT, dtype=torch.float32)
+    w = torch.exp(logp_BT.float() - old_logp_BT.float().detach())
+    return w.detach() if is_correction == "detached" else w
+
+
+def kl_loss_term(
+    logp_BT: Tensor,
+    ref_logp_BT: Tensor,
+    estimator: str = "k3",
+    old_logp_BT: Tensor | None = None,
+    is_correction: str = "in_graph",
+    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
+) -> tuple[Tensor, Tensor]:
+    """Per-token KL loss term (before beta and shaping) and its raw estimate.
+
+    Returns ``(term_BT, kl_BT)``: ``kl_BT`` is the estimator's value at the current policy (in the graph);
+    ``term_BT`` multiplies it by the importance weight w = pi/pi_old per ``is_correction``
+    (w = 1 when ``old_logp_BT`` is None, the on-policy case).
+    """
+    kl_BT = kl_estimate(logp_BT, ref_logp_BT, estimator, clamp=clamp)
+    if old_logp_BT is None:
+        return kl_BT, kl_BT
+    return importance_weight(logp_BT, old_logp_BT, is_correction) * kl_BT, kl_BT
