@@ -36,11 +36,18 @@ def group_advantages(
     """Advantages [N*G] from rewards [N*G] laid out group after group (module docstring)."""
     if scale not in ADVANTAGE_SCALES:
         raise KeyError(f"unknown advantage scale {scale!r}; choose one of: {', '.join(ADVANTAGE_SCALES)}")
+    if not hasattr(group_size, "__index__") or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer (completions per prompt), got {group_size!r}")
+    group_size = int(group_size)
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
     rewards_NG = rewards.reshape(-1, group_size)
     centred_NG = rewards_NG - rewards_NG.mean(dim=1, keepdim=True)
+    # The rounded mean of equal values need not equal them (7 x 0.1 in float32 is off by 7e-9, which
+    # 1 / (std + eps) then blows up to 7e-5): force the promised exact zero for all-equal groups.
+    constant_N1 = rewards_NG.amax(dim=1, keepdim=True) == rewards_NG.amin(dim=1, keepdim=True)
+    centred_NG = centred_NG.masked_fill(constant_N1, 0.0)
     if scale == "none":
         return centred_NG.reshape(-1)
     if scale == "group":
