@@ -88,5 +88,7 @@ def token_entropy(logits_BTV: Tensor, temperature: float = 1.0, chunk_tokens: in
     for i, sl in _row_chunks(logits_BTV.shape, chunk_tokens):
         x = logits_BTV[i, sl].float() / temperature
         lse = torch.logsumexp(x, dim=-1)
-        out[i, sl] = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+        p = torch.softmax(x, dim=-1)
+        # 0 * (-inf) is nan: a masked-out vocabulary entry (logit -inf, p = 0) contributes 0 to the entropy.
+        out[i, sl] = lse - torch.where(p > 0, p * x, torch.zeros_like(p)).sum(-1)
     return out
