@@ -37,6 +37,17 @@ class SurrogateOut:
     clipped_high_BT: Tensor  # bool: the upper clip bound was active (A > 0 and rho > 1 + eps_high)
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs (the exact tests need the full precision)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _ratio(logp_BT: Tensor, old_logp_BT: Tensor) -> Tensor:
+    """pi / pi_old = exp(logp - sg(old_logp)) in at least float32; the gradient flows through ``logp_BT``."""
+    dtype = torch.promote_types(_compute_dtype(logp_BT), _compute_dtype(old_logp_BT))
+    return torch.exp(logp_BT.to(dtype) - old_logp_BT.to(dtype).detach())
+
+
 def clipped_surrogate(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -47,8 +58,8 @@ def clipped_surrogate(
     """Per-token PPO loss; ``advantages`` is [B] (broadcast over tokens) or [B, T]."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
-    advantages = advantages.to(torch.float32)
-    ratio = torch.exp(logp_BT.float() - old_logp_BT.float().detach())
+    ratio = _ratio(logp_BT, old_logp_BT)
+    advantages = advantages.to(ratio.dtype)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -63,8 +74,8 @@ def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) 
     if is_correction not in IS_CORRECTIONS:
         raise KeyError(f"unknown is_correction {is_correction!r}; choose one of: {', '.join(IS_CORRECTIONS)}")
     if is_correction == "none":
-        return torch.ones_like(logp_BT, dtype=torch.float32)
-    w = torch.exp(logp_BT.float() - old_logp_BT.float().detach())
+        return torch.ones_like(logp_BT, dtype=_compute_dtype(logp_BT))
+    w = _ratio(logp_BT, old_logp_BT)
     return w.detach() if is_correction == "detached" else w
 
 
