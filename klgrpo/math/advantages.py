@@ -54,7 +54,8 @@ def group_advantages(
         std = _std(rewards_NG, dim=1, ddof=ddof)
     else:
         std = _std(rewards_NG.reshape(-1), dim=0, ddof=ddof)
-    return (centred_NG / (std + eps)).reshape(-1)
+    # masked_fill again: with eps = 0 an all-equal group would otherwise give 0 / 0 = nan.
+    return (centred_NG / (std + eps)).masked_fill(constant_N1, 0.0).reshape(-1)
 
 
 def _std(x: Tensor, dim: int, ddof: int) -> Tensor:
