@@ -1,0 +1,347 @@
+"""One typed configuration tree for a run: defaults < YAML file < dotted command-line overrides.
+
+    klgrpo train --config run.yaml --kl.coef 0.02 --rollout.group_size 8
+
+Every field carries a one-line help text (``klgrpo train --help`` prints them all); validation errors name
+the field and the fix. The resolved tree is written into the run folder as config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from klgrpo.errors import ConfigError
+
+
+def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(0, "LoRA rank; 0 disables LoRA (full fine-tuning). With LoRA the reference is the base model "
+                   "with adapters disabled: no second copy of the weights")
+    alpha: float = _f(32.0, "LoRA alpha (scaling = alpha / r)")
+    dropout: float = _f(0.0, "LoRA dropout")
+    target_modules: list = _f(["all-linear"], "module names to adapt, or ['all-linear']")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("", "policy model: a local folder or a hub name; empty runs the embedded demo")
+    tokenizer: str = _f("", "tokenizer folder or hub name; empty uses the model's")
+    dtype: str = _f("auto", "weights dtype", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _f("auto", "device: auto picks cuda when present, else cpu")
+    trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
+    gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("", "prompts: a .jsonl/.csv/.parquet file, a dataset folder or a hub dataset name")
+    prompt_column: str = _f("prompt", "column holding the prompt (a string or a list of chat messages)")
+    columns: dict = _f({}, "rename columns for the reward functions: {our_name: dataset_column}")
+    split: str = _f("train", "dataset split (hub datasets)")
+    limit: int = _f(0, "use only the first N rows (0: all)")
+    shuffle: bool = _f(True, "shuffle prompts each epoch (seeded)")
+    system_prompt: str = _f("", "system message prepended when the tokenizer has a chat template")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = _f(8, "completions per prompt (G)")
+    prompts_per_step: int = _f(32, "prompts per optimizer step; the batch is prompts_per_step x group_size")
+    max_new_tokens: int = _f(64, "completion length limit; longer completions are truncated")
+    temperature: float = _f(1.0, "sampling temperature; log-probs of the policy and reference use the same one")
+    top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
+    top_k: int = _f(0, "top-k sampling (0: off)")
+    mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
+
+
+@dataclass
+class RewardFunctionConfig:
+    name: str = _f("exact_match", "a built-in (exact_match, numeric_match, format), 'module:function' or "
+                                  "'file.py:function'")
+    weight: float = _f(1.0, "weight in the total reward")
+    kwargs: dict = _f({}, "extra keyword arguments, e.g. {pattern: '...'} for format")
+
+
+@dataclass
+class RewardsConfig:
+    functions: list = _f([{"name": "exact_match"}], "reward functions: names or {name, weight, kwargs} entries")
+
+
+@dataclass
+class KLConfig:
+    coef: float = _f(0.04, "beta: the initial KL coefficient (0 with monitor=false: no reference model at all)")
+    estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each)",
+                        ("k1", "k2", "k3", "k1_st", "k3_st"))
+    placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
+                        ("loss", "reward", "both"))
+    is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
+                                        "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
+                            ("in_graph", "detached", "none"))
+    controller: str = _f("fixed", "how beta evolves", ("fixed", "adaptive", "step", "dual", "dynamic"))
+    target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)")
+    horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)")
+    dual_lr: float = _f(0.1, "dual controller step size on log beta")
+    beta_min: float = _f(0.0, "lower bound on beta (dual, dynamic)")
+    beta_max: float = _f(1000.0, "upper bound on beta (dual)")
+    reward_threshold: float = _f(0.0, "dynamic controller: decay beta while the mean reward exceeds this")
+    decay: float = _f(0.9, "dynamic controller: multiplicative decay")
+    schedule_steps: int = _f(0, "dynamic controller: set beta = beta_min after this many steps (0: never)")
+    kl_measure: str = _f("token_mean", "the KL a controller consumes: mean per-token, or mean per-sequence sum "
+                                       "(Ziegler's original)", ("token_mean", "sequence_sum"))
+    shaping: str = _f("none", "shape the per-token KL before beta multiplies it",
+                      ("none", "clip", "sigmoid", "length_normalized"))
+    clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token")
+    shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
+    log_ratio_clamp: float = _f(20.0, "k3 guard: |log pi - log ref| is clamped to this before exp (0: off)")
+    reference: str = _f("", "reference model: empty = a frozen copy of the initial policy; else a folder or "
+                            "hub name")
+    sync_every: int = _f(0, "reset the reference towards the policy every N steps (0: never)")
+    sync_alpha: float = _f(1.0, "reference sync mix: ref <- alpha * policy + (1 - alpha) * ref (1.0: copy)")
+    monitor: bool = _f(True, "compute and log KL metrics even when coef is 0")
+    dump_every: int = _f(0, "save per-token logp/ref_logp every N steps to kl_dumps/ for verify-kl --from-run")
+
+
+@dataclass
+class LossConfig:
+    aggregation: str = _f("token_mean", "how per-token terms become one loss",
+                          ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"))
+    eps_low: float = _f(0.2, "PPO clip: ratio >= 1 - eps_low")
+    eps_high: float = _f(0.2, "PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO's clip-higher)")
+    advantage_scale: str = _f("group", "divide centred rewards by the group std, the batch std, or nothing",
+                              ("group", "batch", "none"))
+    std_eps: float = _f(1e-4, "added to the std before dividing")
+    std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-6, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.999, "AdamW beta2")
+    schedule: str = _f("constant", "learning-rate schedule after warm-up", ("constant", "linear", "cosine"))
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    max_grad_norm: float = _f(1.0, "clip the gradient norm (0: off)")
+
+
+@dataclass
+class EvalSetConfig:
+    name: str = _f("", "name: logged as eval/<name>")
+    source: str = _f("", "prompts with answers (same formats as data.source)")
+    prompt_column: str = _f("prompt", "prompt column")
+    answer_column: str = _f("answer", "answer column")
+    reward: str = _f("exact_match", "reward function scoring a greedy completion (1 = correct)")
+    limit: int = _f(0, "use only the first N rows (0: all)")
+
+
+@dataclass
+class EvalConfig:
+    sets: list = _f([], "evaluation and retention sets: list of {name, source, prompt_column, answer_column, "
+                        "reward}")
+    every: int = _f(0, "evaluate every N steps (0: before and after training only)")
+    max_new_tokens: int = _f(0, "greedy completion limit (0: rollout.max_new_tokens)")
+    batch_size: int = _f(256, "prompts per greedy generate call")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(100, "optimizer steps")
+    num_iterations: int = _f(1, "updates per generated batch (mu in GRPO); > 1 reuses rollouts off-policy")
+    micro_batch_size: int = _f(0, "sequences per forward/backward (0: the whole batch); the loss does not "
+                                  "depend on it")
+    seed: int = _f(0, "random seed (CPU runs are bit-for-bit repeatable)")
+    save_every: int = _f(0, "checkpoint every N steps (0: only at the end); Ctrl-C also saves")
+    keep_checkpoints: int = _f(2, "keep the newest N checkpoints (0: all)")
+    max_wall_seconds: float = _f(0.0, "stop cleanly after this many seconds (0: no limit)")
+    output_dir: str = _f("", "run folder (default runs/<run_name>)")
+    run_name: str = _f("", "run name (default: a timestamp)")
+    torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(True, "write TensorBoard event files to <run>/tb")
+    progress: bool = _f(True, "show a progress bar with a one-line step summary")
+    plots: bool = _f(True, "draw PNG plots into <run>/plots at the end")
+
+
+@dataclass
+class GRPOConfig:
+    """The whole run. Groups: model, data, rollout, rewards, kl, loss, optim, eval, train, logging."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "config") -> "GRPOConfig":
+        return _build(cls, data or {}, prefix="", origin=origin)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "GRPOConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of groups (model:, data:, kl:, ...)")
+        return cls.from_dict(data, origin=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def override(self, dotted: dict[str, Any], origin: str = "command line") -> "GRPOConfig":
+        """Return a copy with ``{"kl.coef": 0.02, ...}`` applied (values are YAML-parsed strings or objects)."""
+        data = self.to_dict()
+        for key, value in dotted.items():
+            parts = key.split(".")
+            node = data
+            for i, part in enumerate(parts[:-1]):
+                if not isinstance(node.get(part), dict) or _is_free_dict(self, parts[: i + 1]):
+                    raise ConfigError(_unknown(key, origin))
+                node = node[part]
+            if parts[-1] not in node:
+                raise ConfigError(_unknown(key, origin))
+            node[parts[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
+        return GRPOConfig.from_dict(data, origin=origin)
+
+    def validate(self) -> list[str]:
+        """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones."""
+        from klgrpo.validation import validate_config
+
+        return validate_config(self)
+
+
+def _is_free_dict(cfg: GRPOConfig, parts: list[str]) -> bool:
+    obj: Any = cfg
+    for part in parts:
+        obj = getattr(obj, part, None)
+    return isinstance(obj, dict)
+
+
+def all_field_paths(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """Every leaf field as ("group.name", Field), in declaration order."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out += all_field_paths(typ, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", f))
+    return out
+
+
+def _unknown(key: str, origin: str) -> str:
+    names = [p for p, _ in all_field_paths()]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]}?" if close else "; `klgrpo train --help` lists every field"
+    return f"unknown config field {key!r} in {origin}{hint}"
+
+
+def _coerce(value: Any, typ: Any, path: str, origin: str) -> Any:
+    origin_type = typing.get_origin(typ)
+    if origin_type in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        return None if value is None else _coerce(value, args[0], path, origin)
+    bad = ConfigError(f"{path} in {origin} must be {getattr(typ, '__name__', typ)}, got {value!r}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise bad
+        return int(value)
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if typ is str:
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    if typ is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad
+        return value
+    if typ is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise bad
+        return value
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str, origin: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} in {origin} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(_unknown(prefix + key, origin))
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        typ, path = hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(typ):
+            kwargs[f.name] = _build(typ, data[f.name] or {}, path + ".", origin)
+        else:
+            value = _coerce(data[f.name], typ, path, origin)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ConfigError(f"{path} in {origin} is {value!r}; choose one of: {', '.join(choices)}")
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def config_help() -> str:
+    """Every field with its default and help text, grouped (shown by ``klgrpo train --help``)."""
+    lines, group = [], None
+    for path, f in all_field_paths():
+        g = path.rsplit(".", 1)[0]
+        if g != group:
+            group = g
+            lines.append(f"\n{g}:")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = f.metadata.get("choices")
+        extra = f" [{'|'.join(choices)}]" if choices else ""
+        lines.append(f"  --{path} {default!r}{extra}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""The frozen reference model behind a small interface: log-probs of a batch, optional sync, checkpointing.
+
+Kinds:
+    FrozenCopyReference   a copy of the initial policy (or another checkpoint), eval mode, no grad
+    (LoRA: the policy with adapters disabled slots in behind the same interface; see klgrpo.lora)
+
+Reference log-probs are computed once per generated batch without gradient and reused across
+num_iterations and micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from klgrpo.models import completion_logprobs
+from klgrpo.rollout import RolloutBatch
+
+
+class Reference(Protocol):
+    def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor: ...
+
+    def sync(self, policy, alpha: float) -> None: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+
+def _micro_slices(n: int, size: int):
+    size = size or n
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
+
+class FrozenCopyReference:
+    """A separate frozen model: a deep copy of the policy at start, or weights loaded from elsewhere."""
+
+    def __init__(self, model):
+        self.model = model
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.synced = False  # once synced, checkpoints must carry the reference's own weights
+
+    @classmethod
+    def copy_of(cls, policy) -> "FrozenCopyReference":
+        return cls(copy.deepcopy(policy))
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor:
+        parts = [completion_logprobs(self.model, batch, temperature, rows=sl)[0]
+                 for sl in _micro_slices(batch.size, micro_batch_size)]
+        return torch.cat(parts, dim=0)
+
+    @torch.no_grad()
+    def sync(self, policy, alpha: float = 1.0) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (alpha = 1: a copy), parameter by parameter."""
+        for p_ref, p in zip(self.model.parameters(), policy.parameters()):
+            p_ref.mul_(1.0 - alpha).add_(p.detach().to(p_ref.dtype), alpha=alpha)
+        self.synced = True
+
+    def save(self, folder: Path) -> None:
+        if self.synced:
+            self.model.save_pretrained(folder / "reference")
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_model
+
+        path = folder / "reference" / "model.safetensors"
+        if path.exists():
+            load_model(self.model, str(path), strict=False)
+            self.synced = True

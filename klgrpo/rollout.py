@@ -1,0 +1,120 @@
+"""Group sampling: G completions per prompt with transformers ``generate``, masks and truncation flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBatch:
+    """N prompts x G completions, laid out group after group (rows [g*G, (g+1)*G) share prompt g).
+
+    input_ids_BL       prompt (left-padded to prompt_len) followed by the completion (right-padded to T)
+    attention_mask_BL  1 on real prompt tokens and on completion tokens up to and including EOS
+    completion_ids_BT  the sampled tokens
+    completion_mask_BT 1 on completion tokens up to and including the first EOS
+    truncated_B        no EOS within max_new_tokens
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    prompt_len: int
+    group_size: int
+    prompts: list
+    completions: list[str]
+
+    @property
+    def size(self) -> int:
+        return self.completion_ids.shape[0]
+
+
+def encode_prompts(tokenizer, prompts: list, system_prompt: str = "") -> list[str]:
+    """Prompt texts: chat message lists go through the tokenizer's chat template, strings stay as they are."""
+    texts = []
+    for p in prompts:
+        if isinstance(p, list):
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + p
+            if getattr(tokenizer, "chat_template", None):
+                texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            else:
+                texts.append("\n".join(m["content"] for m in messages))
+        else:
+            texts.append(p)
+    return texts
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Mask through the first EOS (inclusive) and the truncated flag (no EOS at all)."""
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for e in eos_ids:
+        is_eos |= completion_ids == e
+    # Number of EOS strictly before position t: positions after the first EOS have >= 1.
+    eos_before = torch.cumsum(is_eos.long(), dim=-1) - is_eos.long()
+    mask = eos_before == 0
+    truncated = ~is_eos.any(dim=-1)
+    return mask, truncated
+
+
+@torch.no_grad()
+def generate_groups(
+    model,
+    tokenizer,
+    prompts: list,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    system_prompt: str = "",
+) -> RolloutBatch:
+    """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks."""
+    texts = encode_prompts(tokenizer, prompts, system_prompt)
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    device = next(model.parameters()).device
+    prompt_ids = enc["input_ids"].to(device).repeat_interleave(group_size, dim=0)
+    prompt_mask = enc["attention_mask"].to(device).repeat_interleave(group_size, dim=0)
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
+            top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=_eos_ids(model, tokenizer),
+        )
+    finally:
+        model.train(was_training)
+    prompt_len = prompt_ids.shape[1]
+    completion_ids = out[:, prompt_len:]
+    if completion_ids.shape[1] == 0:  # every row stopped at once: keep one (masked) column
+        completion_ids = torch.full((out.shape[0], 1), tokenizer.pad_token_id, device=device, dtype=out.dtype)
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, _eos_ids(model, tokenizer))
+    # Tokens after EOS are padding: give them a harmless id and no attention.
+    completion_ids = torch.where(completion_mask, completion_ids, torch.full_like(completion_ids,
+                                                                                  tokenizer.pad_token_id))
+    completions = [
+        tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, completion_mask)
+    ]
+    return RolloutBatch(
+        input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+        attention_mask=torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1),
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        prompt_len=prompt_len,
+        group_size=group_size,
+        prompts=[p for p in prompts for _ in range(group_size)],
+        completions=completions,
+    )

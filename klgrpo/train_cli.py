@@ -1,0 +1,82 @@
+"""``klgrpo train``: defaults < --config YAML < dotted overrides; no model configured -> the embedded demo."""
+
+from __future__ import annotations
+
+import sys
+
+from klgrpo.config import GRPOConfig, config_help
+from klgrpo.errors import KLGRPOError
+
+USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|PATH] [--<group>.<field> VALUE ...]
+
+With no model configured (model.name_or_path empty) this runs the embedded demo: a tiny model is
+SFT-trained on arithmetic on the CPU, then trained with GRPO and an adaptive KL, evaluated before and after.
+
+Options:
+  --config FILE        YAML file with any of the groups below
+  --output-dir DIR     run folder (same as --train.output_dir)
+  --resume latest|DIR  continue from the newest checkpoint of the run folder, or from a checkpoint folder
+  --print-config       print the resolved config and exit
+Every field below can be set as --group.field VALUE (or --group.field=VALUE); VALUE is parsed as YAML.
+"""
+
+
+def parse_args(argv: list[str]) -> tuple[GRPOConfig, dict]:
+    """Returns the resolved config and the non-config options (resume, print_config, explicit)."""
+    config_file, overrides, opts = None, {}, {"resume": None, "print_config": False}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise KLGRPOError(f"unexpected argument {arg!r}; options look like --kl.coef 0.02 (see klgrpo train --help)")
+        key, eq, value = arg[2:].partition("=")
+        if key == "print-config":
+            opts["print_config"] = True
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise KLGRPOError(f"--{key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        if key == "config":
+            config_file = value
+        elif key == "resume":
+            opts["resume"] = value
+        elif key == "output-dir":
+            overrides["train.output_dir"] = value
+        else:
+            overrides[key] = value
+    cfg = GRPOConfig.from_yaml(config_file) if config_file else GRPOConfig()
+    opts["explicit"] = set(overrides) | ({"config"} if config_file else set())
+    if overrides:
+        cfg = cfg.override(overrides)
+    return cfg, opts
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + config_help())
+        return 0
+    try:
+        cfg, opts = parse_args(argv)
+        if not cfg.model.name_or_path:
+            from klgrpo.demo_run import run_demo
+
+            return run_demo(argv, resume=opts["resume"], print_config=opts["print_config"])
+        if opts["print_config"]:
+            print(cfg.to_yaml())
+            return 0
+        from klgrpo.trainer import GRPOTrainer
+
+        trainer = GRPOTrainer(cfg)
+        summary = trainer.train(resume=opts["resume"])
+        print(f"\nrun folder: {summary['run_dir']}  (klgrpo report {summary['run_dir']})")
+        return 0
+    except KLGRPOError as exc:
+        print(f"klgrpo train: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("klgrpo train: interrupted", file=sys.stderr)
+        return 130

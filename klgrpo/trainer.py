@@ -1,0 +1,444 @@
+"""The GRPO loop. It composes the arrows of DESIGN.md and computes nothing itself:
+
+    prompts --rollout--> completions --rewards--> rewards --reference--> ref logp (once per batch)
+            --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
+
+A "step" is one optimizer update (TRL's convention): a batch of prompts_per_step x group_size completions
+is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from klgrpo.checkpoint import (list_checkpoints, load_trainer_state, resolve_resume, rng_state, save_checkpoint,
+                               set_rng_state)
+from klgrpo.config import GRPOConfig
+from klgrpo.data import PromptSampler, load_prompts
+from klgrpo.math.advantages import group_advantages
+from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.kl_control import build_controller
+from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.metrics import MetricsLogger
+from klgrpo.models import completion_logprobs, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from klgrpo.reference import FrozenCopyReference
+from klgrpo.rewards import RewardComputer, RewardSpec, load_reward_function
+from klgrpo.rollout import RolloutBatch, generate_groups
+
+
+@dataclass
+class StepBatch:
+    """A generated batch and everything computed once for it, reused for num_iterations updates."""
+
+    rollout: RolloutBatch
+    rewards: torch.Tensor            # [B] total reward
+    reward_columns: dict[str, torch.Tensor]
+    advantages: torch.Tensor         # [B]
+    loss_mask: torch.Tensor          # [B, T] completion mask (minus truncated rows when masked)
+    normalizer: Normalizer
+    ref_logp: torch.Tensor | None    # [B, T]
+    old_logp: torch.Tensor | None    # [B, T]; None when num_iterations == 1 (then old = logp.detach())
+    timings: dict[str, float] = field(default_factory=dict)
+    iterations_done: int = 0
+
+
+def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
+    k = cfg.kl
+    by_name = {
+        "fixed": {},
+        "adaptive": {"target": k.target, "horizon": k.horizon},
+        "step": {"target": k.target},
+        "dual": {"target": k.target, "lr": k.dual_lr, "beta_min": max(k.beta_min, 1e-12), "beta_max": k.beta_max},
+        "dynamic": {"reward_threshold": k.reward_threshold, "decay": k.decay, "beta_min": k.beta_min,
+                    "schedule_steps": k.schedule_steps},
+    }
+    return {**by_name[k.controller], "kl_measure": k.kl_measure}
+
+
+class GRPOTrainer:
+    """Train ``config.model`` with GRPO and the configured KL; ``train()`` returns the run summary."""
+
+    def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, train_dataset=None,
+                 eval_sets: dict[str, Any] | None = None, log=print):
+        self.cfg = config
+        self.log = log
+        self.warnings = config.validate()
+        for w in self.warnings:
+            log(f"warning: {w}")
+        cfg = config
+        if cfg.train.torch_threads:
+            torch.set_num_threads(cfg.train.torch_threads)
+        _seed_everything(cfg.train.seed)
+        self.device = resolve_device(cfg.model.device)
+        dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
+                                                     cfg.model.trust_remote_code)
+        self.model = model.to(self.device) if model is not None else load_causal_lm(
+            cfg.model.name_or_path, cfg.model, self.device, dtype)
+        _disable_dropout(self.model)
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
+                                                     columns=cfg.data.columns, split=cfg.data.split,
+                                                     limit=cfg.data.limit or None)
+        self.rewards = RewardComputer([_reward_spec(f) for f in cfg.rewards.functions])
+        self.eval_sets = eval_sets if eval_sets is not None else _load_eval_sets(cfg)
+        self.needs_reference = cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
+        self.reference = self._build_reference() if self.needs_reference else None
+        self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **_controller_params(cfg))
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+        self.scheduler = _make_scheduler(self.optimizer, cfg)
+        self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
+                                     shuffle=cfg.data.shuffle)
+        self.run_dir = _run_dir(cfg)
+        self.step = 0
+        self._batch: StepBatch | None = None
+        self._stop_reason = ""
+
+    # ------------------------------------------------------------------------------------------ pieces
+    def _build_reference(self):
+        ref_path = self.cfg.kl.reference
+        if ref_path:
+            dtype = next(self.model.parameters()).dtype
+            return FrozenCopyReference(load_causal_lm(ref_path, self.cfg.model, self.device, dtype))
+        return FrozenCopyReference.copy_of(self.model)
+
+    def _kl_term(self) -> KLTerm:
+        k = self.cfg.kl
+        return KLTerm(coef=self.controller.value, estimator=k.estimator, placement=k.placement,
+                      is_correction=k.is_correction, shaping=k.shaping, clip_threshold=k.clip_threshold,
+                      shaping_target=k.shaping_target, clamp=k.log_ratio_clamp or None)
+
+    def _micro_slices(self, n: int):
+        size = self.cfg.train.micro_batch_size or n
+        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+    def _make_batch(self) -> StepBatch:
+        cfg, timings = self.cfg, {}
+        rows = [self.dataset[i] for i in self.sampler.next_indices()]
+        prompts = [r["prompt"] for r in rows]
+        with _timed(timings, "time/generate"):
+            rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
+                                      cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
+                                      cfg.rollout.top_k, cfg.data.system_prompt)
+        with _timed(timings, "time/reward"):
+            columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
+                       for k in rows[0] if k != "prompt"}
+            result = self.rewards(rollout.prompts, rollout.completions, columns)
+        rewards = result.total.to(self.device)
+        advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.loss.advantage_scale,
+                                      cfg.loss.std_eps, cfg.loss.std_ddof)
+        loss_mask = rollout.completion_mask
+        if cfg.rollout.mask_truncated:
+            loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
+        ref_logp = old_logp = None
+        with _timed(timings, "time/reference"):
+            if self.reference is not None:
+                ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
+        if cfg.train.num_iterations > 1:
+            with torch.no_grad(), _timed(timings, "time/old_logp"):
+                old_logp = torch.cat([completion_logprobs(self.model, rollout, cfg.rollout.temperature, sl)[0]
+                                      for sl in self._micro_slices(rollout.size)])
+        return StepBatch(rollout=rollout, rewards=rewards, reward_columns=result.per_function,
+                         advantages=advantages, loss_mask=loss_mask,
+                         normalizer=Normalizer.of(loss_mask, max_len=cfg.rollout.max_new_tokens),
+                         ref_logp=ref_logp, old_logp=old_logp, timings=timings)
+
+    def _update(self, batch: StepBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``: micro-batched forward/backward, clip, step, controller."""
+        cfg, kl = self.cfg, self._kl_term()
+        timings: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
+        entropy_sum = torch.zeros((), device=self.device)
+        dump = [] if cfg.kl.dump_every and (self.step + 1) % cfg.kl.dump_every == 0 else None
+        self.optimizer.zero_grad(set_to_none=True)
+        with _timed(timings, "time/update"):
+            for sl in self._micro_slices(batch.rollout.size):
+                logp, entropy = completion_logprobs(self.model, batch.rollout, cfg.rollout.temperature, sl,
+                                                    with_entropy=True)
+                old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
+                ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
+                out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
+                                     cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high)
+                out.loss.backward()
+                for k, v in out.sums.items():
+                    sums[k] = sums.get(k, 0.0) + v.detach()
+                for k, v in out.maxes.items():
+                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+                sums["loss"] = sums.get("loss", 0.0) + out.loss.detach()
+                entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
+                if dump is not None:
+                    dump.append(logp.detach())
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            self.optimizer.step()
+            self.scheduler.step()
+        if dump is not None and batch.ref_logp is not None:
+            self._dump_kl(torch.cat(dump), batch)
+        return self._metrics(batch, sums, maxes, entropy_sum, grad_norm, kl.coef, timings)
+
+    def _metrics(self, batch, sums, maxes, entropy_sum, grad_norm, beta, timings) -> dict[str, float]:
+        """One host sync per step: every tensor metric becomes a float here."""
+        mask = batch.rollout.completion_mask
+        lengths = mask.sum(-1).float()
+        n_tok = batch.normalizer.num_tokens
+        n_seq = batch.rollout.size
+        t: dict[str, torch.Tensor] = {
+            "train/loss": sums["loss"], "train/policy_loss": sums["policy_loss"],
+            "train/reward": batch.rewards.mean(), "train/reward_std": batch.rewards.std(),
+            "train/advantage_abs": batch.advantages.abs().mean(),
+            "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": batch.rollout.truncated.float().mean(),
+            "clip_ratio/low": sums["clip_low"] / n_tok, "clip_ratio/high": sums["clip_high"] / n_tok,
+            "clip_ratio": (sums["clip_low"] + sums["clip_high"]) / n_tok,
+            "entropy": entropy_sum / mask.sum().clamp(min=1), "grad_norm": grad_norm,
+        }
+        for name, values in batch.reward_columns.items():
+            t[f"rewards/{name}"] = values.float().mean()
+        penalty = sums.get("loss_kl_penalty", 0.0) + sums.get("reward_kl_penalty", 0.0) / n_seq
+        if batch.ref_logp is not None:
+            t.update({
+                "train/kl_penalty": torch.as_tensor(penalty),
+                "adaptive_kl/raw_kl": sums["raw_kl"] / n_tok, "adaptive_kl/adapted_kl": sums["adapted_kl"] / n_tok,
+                "kl/k1": sums["k1"] / n_tok, "kl/k2": sums["k2"] / n_tok, "kl/k3": sums["k3"] / n_tok,
+                "kl/max": maxes["abs_log_ratio"], "kl/clamp_frac": sums["clamp"] / n_tok,
+                "kl/sequence_sum": sums["raw_kl"] / n_seq,
+            })
+            if "shaping_clip" in sums:
+                t["kl/shaping_clip_frac"] = sums["shaping_clip"] / n_tok
+        names = list(t)
+        values = torch.stack([torch.as_tensor(t[k], dtype=torch.float32).reshape(()).cpu() for k in names]).tolist()
+        metrics = dict(zip(names, values))
+        metrics["adaptive_kl/current_beta"] = beta
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics.update(timings)
+        return metrics
+
+    def _dump_kl(self, logp: torch.Tensor, batch: StepBatch) -> None:
+        folder = self.run_dir / "kl_dumps"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": self.step + 1, "logp": logp.float().cpu(), "ref_logp": batch.ref_logp.float().cpu(),
+                    "mask": batch.loss_mask.bool().cpu()}, folder / f"step_{self.step + 1:06d}.pt")
+
+    def evaluate(self) -> dict[str, float]:
+        from klgrpo.evaluation import greedy_accuracy
+
+        cfg = self.cfg
+        max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+        return {f"eval/{name}": greedy_accuracy(self.model, self.tokenizer, s["prompts"], s["answers"], max_new,
+                                                cfg.eval.batch_size, s["reward_fn"])
+                for name, s in self.eval_sets.items()}
+
+    # ------------------------------------------------------------------------------------------- loop
+    def train_step(self) -> dict[str, float]:
+        """Generate when needed, then one optimizer update and the controller update."""
+        t0 = time.perf_counter()
+        self._step_start = (self.sampler.state_dict(), rng_state(), self._batch,
+                            self._batch.iterations_done if self._batch else 0)
+        generated = self._batch is None
+        if generated:
+            self._batch = self._make_batch()
+        batch = self._batch
+        metrics = self._update(batch)
+        batch.iterations_done += 1
+        if batch.iterations_done >= self.cfg.train.num_iterations:
+            self._batch = None
+        if generated:
+            metrics.update(batch.timings)
+        observed = metrics.get("adaptive_kl/raw_kl", 0.0)
+        if self.controller.kl_measure == "sequence_sum":
+            observed = metrics.get("kl/sequence_sum", 0.0)
+        self.controller.update(observed, n_steps=batch.rollout.size, reward=metrics["train/reward"])
+        self.step += 1
+        self._step_start = None
+        metrics["time/step"] = time.perf_counter() - t0
+        return metrics
+
+    def _rollback_partial_step(self) -> None:
+        """Undo the data and RNG side effects of a step that did not finish (Ctrl-C mid-step)."""
+        snapshot = getattr(self, "_step_start", None)
+        if snapshot is None:
+            return
+        sampler_state, rng, batch, iterations_done = snapshot
+        self.sampler.load_state_dict(sampler_state)
+        set_rng_state(rng)
+        self._batch = batch
+        if batch is not None:
+            batch.iterations_done = iterations_done
+        self._step_start = None
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
+                "pending_batch": self._batch}
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
+                               trainer_state=self._trainer_state(), reference=self.reference,
+                               keep=self.cfg.train.keep_checkpoints)
+
+    def resume(self, resume: str) -> None:
+        from safetensors.torch import load_model
+
+        ckpt = resolve_resume(resume, self.run_dir)
+        load_model(self.model, str(ckpt / "model.safetensors"), strict=False, device=str(self.device))
+        state = load_trainer_state(ckpt)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.controller.load_state_dict(state["controller"])
+        self.sampler.load_state_dict(state["sampler"])
+        self._batch = state.get("pending_batch")
+        if self.reference is not None:
+            self.reference.load(ckpt)
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.log(f"resumed from {ckpt} at step {self.step}")
+
+    def train(self, resume: str | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if resume:
+            self.resume(resume)
+        start = time.perf_counter()
+        eval_before = self.evaluate() if self.eval_sets and self.step == 0 else {}
+        history: list[dict[str, float]] = []
+        with MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
+                           progress=cfg.logging.progress, start_step=self.step) as logger:
+            if eval_before:
+                logger.log(0, eval_before)
+            with _save_on_interrupt(self, logger):
+                while self.step < cfg.train.steps:
+                    metrics = self.train_step()
+                    if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
+                        metrics.update(self.evaluate())
+                    logger.log(self.step, metrics)
+                    history.append(metrics)
+                    if not all(math.isfinite(v) for k, v in metrics.items() if k.startswith(("train/loss", "kl/"))):
+                        self._stop_reason = f"non-finite loss or KL at step {self.step}; see metrics.jsonl"
+                        break
+                    if cfg.train.save_every and self.step % cfg.train.save_every == 0:
+                        self.save()
+                    if cfg.train.max_wall_seconds and time.perf_counter() - start > cfg.train.max_wall_seconds:
+                        self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
+                        break
+            if self._stop_reason:
+                logger.message(f"stopped at step {self.step}: {self._stop_reason}")
+            eval_after = self.evaluate() if self.eval_sets else {}
+            if eval_after:
+                logger.log(self.step, eval_after)
+        if not list_checkpoints(self.run_dir) or list_checkpoints(self.run_dir)[-1].name != f"step_{self.step}":
+            self.save()
+        summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.logging.plots:
+            from klgrpo.report import make_plots
+
+            make_plots(self.run_dir)
+        return summary
+
+    def _summary(self, history, eval_before, eval_after, wall) -> dict[str, Any]:
+        last = history[-1] if history else {}
+        steps = [h["time/step"] for h in history]
+        return {
+            "steps": self.step,
+            "wall_seconds": round(wall, 2),
+            "seconds_per_step": round(sum(steps) / len(steps), 4) if steps else None,
+            "eval_before": {k.removeprefix("eval/"): v for k, v in eval_before.items()},
+            "eval_after": {k.removeprefix("eval/"): v for k, v in eval_after.items()},
+            "final_kl": last.get("adaptive_kl/raw_kl"),
+            "final_beta": self.controller.value,
+            "final_reward": last.get("train/reward"),
+            "kl_estimator": self.cfg.kl.estimator,
+            "kl_placement": self.cfg.kl.placement,
+            "stopped_early": self._stop_reason or None,
+            "run_dir": str(self.run_dir),
+        }
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def _disable_dropout(model) -> None:
+    """Dropout off, so the log-probs of the rollout policy equal the old log-probs of the first update."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+def _reward_spec(entry) -> RewardSpec:
+    if isinstance(entry, str):
+        return RewardSpec(name=entry)
+    return RewardSpec(name=entry["name"], weight=float(entry.get("weight", 1.0)), kwargs=entry.get("kwargs") or {})
+
+
+def _load_eval_sets(cfg: GRPOConfig) -> dict[str, dict]:
+    sets = {}
+    for s in cfg.eval.sets:
+        ds = load_prompts(s["source"], prompt_column=s.get("prompt_column", "prompt"),
+                          columns={"answer": s.get("answer_column", "answer")}, limit=s.get("limit") or None)
+        sets[s["name"]] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
+                           "reward_fn": load_reward_function(s.get("reward", "exact_match"))}
+    return sets
+
+
+def _make_scheduler(optimizer, cfg: GRPOConfig):
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.optim.schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
+                         num_training_steps=cfg.train.steps)
+
+
+def _run_dir(cfg: GRPOConfig) -> Path:
+    if cfg.train.output_dir:
+        return Path(cfg.train.output_dir)
+    name = cfg.train.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / name
+
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str):
+    t0 = time.perf_counter()
+    yield
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+@contextmanager
+def _save_on_interrupt(trainer: GRPOTrainer, logger):
+    """Ctrl-C: write a checkpoint of the last completed step, then stop (exit code 130 from the CLI)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+        try:
+            trainer._rollback_partial_step()
+            path = trainer.save()
+            logger.message(f"interrupted: saved {path}; continue with --resume latest")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        raise

@@ -1,0 +1,87 @@
+"""Checks on a resolved GRPOConfig: errors name the field and the fix; warnings explain a biased KL choice."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from klgrpo.errors import ConfigError
+from klgrpo.math.kl import ESTIMATORS
+
+if TYPE_CHECKING:
+    from klgrpo.config import GRPOConfig
+
+
+def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int) -> str:
+    """The KL_MATH.md sampling row that a trainer configuration realises for the KL loss term.
+
+    With w in the graph the term is w * k even on the first (on-policy) iteration, where w = 1 in value but
+    carries the score; ``detached`` then equals the on-policy row; ``none`` is on-policy only while
+    num_iterations == 1.
+    """
+    if placement == "reward":
+        return "on_policy"  # the PPO ratio is the importance weight of the advantage
+    if is_correction == "in_graph":
+        return "off_policy_in_graph"
+    if is_correction == "detached":
+        return "off_policy_detached"
+    return "on_policy" if num_iterations == 1 else "off_policy_none"
+
+
+def kl_gradient_target(cfg: "GRPOConfig") -> str:
+    """What the expected KL gradient of this configuration follows, per token (ESTIMATORS' declarations)."""
+    sampling = kl_gradient_sampling(cfg.kl.placement, cfg.kl.is_correction, cfg.train.num_iterations)
+    return ESTIMATORS[cfg.kl.estimator].gradient_target(cfg.kl.placement, sampling, level="token")
+
+
+def validate_config(cfg: "GRPOConfig") -> list[str]:
+    warnings: list[str] = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    r, k, t, o, loss = cfg.rollout, cfg.kl, cfg.train, cfg.optim, cfg.loss
+    need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
+    need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    need(r.temperature > 0, "rollout.temperature must be > 0 (use a small value such as 0.1 for near-greedy)")
+    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(t.steps >= 1, "train.steps must be >= 1")
+    need(t.num_iterations >= 1, "train.num_iterations must be >= 1")
+    batch = r.prompts_per_step * r.group_size
+    if t.micro_batch_size:
+        need(t.micro_batch_size > 0 and batch % t.micro_batch_size == 0,
+             f"train.micro_batch_size={t.micro_batch_size} must divide the batch of "
+             f"rollout.prompts_per_step x rollout.group_size = {batch} sequences")
+    need(o.lr > 0, "optim.lr must be > 0")
+    need(o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 turns clipping off)")
+    need(loss.eps_low >= 0 and loss.eps_high >= 0, "loss.eps_low and loss.eps_high must be >= 0")
+    need(loss.std_ddof in (0, 1), "loss.std_ddof must be 0 (population std) or 1 (sample std)")
+    need(k.coef >= 0, "kl.coef must be >= 0")
+    need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the k3 guard off)")
+    if k.controller in ("adaptive", "step", "dual"):
+        need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
+        need(k.coef > 0, f"kl.controller={k.controller} multiplies beta: set kl.coef > 0 as its starting value")
+    if k.controller == "adaptive":
+        need(k.horizon > 0, "kl.horizon must be > 0 for the adaptive controller")
+    need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
+    if cfg.model.name_or_path:
+        need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
+                                    "model.name_or_path empty to run the embedded demo)")
+    need(len(cfg.rewards.functions) > 0, "rewards.functions is empty: name at least one reward function")
+    for i, s in enumerate(cfg.eval.sets):
+        need(isinstance(s, dict) and s.get("name") and s.get("source"),
+             f"eval.sets[{i}] needs a name and a source, e.g. {{name: gsm8k, source: test.jsonl}}")
+
+    if k.coef > 0 or k.controller != "fixed":
+        target = kl_gradient_target(cfg)
+        if target != "reverse":
+            warnings.append(
+                f"kl.estimator={k.estimator} with kl.placement={k.placement} and kl.is_correction={k.is_correction}"
+                f" (num_iterations={t.num_iterations}) has an expected gradient that follows "
+                f"{'the FORWARD KL(ref||pi)' if target == 'forward' else target!r}, not the reverse KL(pi||ref) "
+                f"(see `klgrpo verify-kl`); for the reverse KL use kl.estimator=k3_st or k2, or "
+                f"kl.estimator=k3 with kl.is_correction=in_graph, or k1 with kl.placement=reward")
+    if k.shaping == "clip" and k.estimator in ("k1", "k1_st"):
+        warnings.append("kl.shaping=clip on a signed estimator clips only from above; negative k1 values pass")
+    return warnings
