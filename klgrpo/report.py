@@ -1,0 +1,294 @@
+"""``klgrpo report RUN_DIR``: redraw a run folder's plots and print a summary table.
+
+    plots/reward.png   train/reward (raw and smoothed), rewards/<function> when there are several, eval/<name>
+    plots/kl.png       adaptive_kl/raw_kl and adaptive_kl/adapted_kl, plus kl/k1, kl/k2, kl/k3 when logged
+    plots/beta.png     adaptive_kl/current_beta
+    plots/length.png   completions/mean_length (and max_length), completions/clipped_ratio
+
+A plot whose metrics are absent is skipped. Non-finite values leave gaps and are counted in the legend.
+The table gives first, last, min, max and the mean of the last 10% of the logged values of each key metric,
+then summary.json when the trainer has written it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from klgrpo.errors import KLGRPOError
+from klgrpo.metrics import METRICS_FILE, read_metrics
+
+PLOTS_DIR = "plots"
+SUMMARY_FILE = "summary.json"
+
+#: The rows of the summary table, in order (eval/<name> keys follow them); absent keys are left out.
+TABLE_KEYS = (
+    "train/reward", "train/reward_std", "train/loss", "train/policy_loss", "train/kl_penalty",
+    "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
+    "kl/k1", "kl/k2", "kl/k3", "kl/max", "kl/clamp_frac", "kl/sequence_sum", "kl/replay",
+    "completions/mean_length", "completions/clipped_ratio", "clip_ratio", "entropy", "grad_norm",
+    "time/step",
+)
+
+Series = tuple[list[int], list[float]]
+
+
+def _series(rows: list[dict], key: str) -> Series:
+    """(steps, values) of one key over the rows that carry it, as floats (NaN for anything unreadable)."""
+    steps, values = [], []
+    for row in rows:
+        if key in row:
+            steps.append(row["step"])
+            try:
+                values.append(float(row[key]))
+            except (TypeError, ValueError):
+                values.append(math.nan)
+    return steps, values
+
+
+def _keys(rows: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for row in rows:
+        seen.update(dict.fromkeys(row))
+    return [k for k in seen if k not in ("step", "wall_time")]
+
+
+def _last_fraction(values: list[float], fraction: float = 0.1) -> list[float]:
+    """The last ceil(fraction * n) values (at least one)."""
+    return values[-max(1, math.ceil(fraction * len(values))):]
+
+
+# -- plots ------------------------------------------------------------------------------------------------------
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """Trailing mean over a window of ~n/20 points (NaNs ignored), so the trend reads at a glance."""
+    window = max(1, len(values) // 20)
+    out = []
+    for i in range(len(values)):
+        chunk = [v for v in values[max(0, i - window + 1): i + 1] if math.isfinite(v)]
+        out.append(sum(chunk) / len(chunk) if chunk else math.nan)
+    return out
+
+
+def _plot_line(ax, series: Series, label: str, *, smooth: bool = False, **style) -> None:
+    steps, values = series
+    bad = sum(not math.isfinite(v) for v in values)
+    if bad:
+        label += f" ({bad} non-finite)"
+    shown = [v if math.isfinite(v) else math.nan for v in values]
+    many = len(values) >= 40
+    if smooth and many:
+        line, = ax.plot(steps, shown, alpha=0.3, linewidth=1, **style)
+        ax.plot(steps, _smooth(shown), color=line.get_color(), linewidth=2, label=f"{label} (smoothed)")
+    else:
+        ax.plot(steps, shown, marker="o" if len(values) <= 30 else None, markersize=3, label=label, **style)
+
+
+def _finish(ax, title: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _new_figure(nrows: int = 1):
+    from matplotlib.figure import Figure  # no pyplot: no display, no global figure state
+
+    fig = Figure(figsize=(8, 3.6 * nrows), layout="constrained")
+    axes = [fig.add_subplot(nrows, 1, i + 1) for i in range(nrows)]
+    for ax in axes[1:]:
+        ax.sharex(axes[0])
+    return fig, axes
+
+
+def _reward_plot(rows, keys):
+    evals = sorted(k for k in keys if k.startswith("eval/"))
+    per_function = sorted(k for k in keys if k.startswith("rewards/"))
+    if "train/reward" not in keys and not evals:
+        return None
+    panels = ("train/reward" in keys) + bool(evals)
+    fig, axes = _new_figure(panels)
+    if "train/reward" in keys:
+        ax = axes[0]
+        _plot_line(ax, _series(rows, "train/reward"), "train/reward", smooth=True)
+        if len(per_function) > 1:
+            for k in per_function:
+                _plot_line(ax, _series(rows, k), k, smooth=True, linestyle="--")
+        _finish(ax, "Training reward (mean over the step's completions)", "reward")
+    if evals:
+        ax = axes[-1]
+        for k in evals:
+            _plot_line(ax, _series(rows, k), k)
+        _finish(ax, "Evaluation: greedy accuracy per set", "accuracy")
+    return fig
+
+
+def _kl_plot(rows, keys):
+    names = [k for k in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "kl/k1", "kl/k2", "kl/k3") if k in keys]
+    if not names:
+        return None
+    fig, (ax,) = _new_figure()
+    for k in names:
+        _plot_line(ax, _series(rows, k), k, smooth=True, linestyle="-" if k.startswith("adaptive_kl/") else ":")
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    _finish(ax, "KL to the reference (mean per completion token)", "KL (nats per token)")
+    return fig
+
+
+def _beta_plot(rows, keys):
+    if "adaptive_kl/current_beta" not in keys:
+        return None
+    fig, (ax,) = _new_figure()
+    _plot_line(ax, _series(rows, "adaptive_kl/current_beta"), "adaptive_kl/current_beta")
+    _finish(ax, "KL coefficient beta", "beta")
+    return fig
+
+
+def _length_plot(rows, keys):
+    has_len = "completions/mean_length" in keys
+    has_clip = "completions/clipped_ratio" in keys
+    if not (has_len or has_clip):
+        return None
+    fig, axes = _new_figure(has_len + has_clip)
+    if has_len:
+        _plot_line(axes[0], _series(rows, "completions/mean_length"), "completions/mean_length", smooth=True)
+        if "completions/max_length" in keys:
+            _plot_line(axes[0], _series(rows, "completions/max_length"), "completions/max_length", linestyle="--")
+        _finish(axes[0], "Completion length", "tokens")
+    if has_clip:
+        _plot_line(axes[-1], _series(rows, "completions/clipped_ratio"), "completions/clipped_ratio", smooth=True)
+        axes[-1].set_ylim(-0.02, 1.02)
+        _finish(axes[-1], "Completions cut at max_new_tokens", "fraction")
+    return fig
+
+
+_PLOTS = {"reward.png": _reward_plot, "kl.png": _kl_plot, "beta.png": _beta_plot, "length.png": _length_plot}
+
+
+def make_plots(run_dir: str | os.PathLike) -> list[Path]:
+    """Draw run_dir/plots/{reward,kl,beta,length}.png from metrics.jsonl; returns the files written."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    keys = set(_keys(rows))
+    out_dir = run_dir / PLOTS_DIR
+    written = []
+    for filename, draw in _PLOTS.items():
+        fig = draw(rows, keys)
+        if fig is None:
+            continue
+        out_dir.mkdir(exist_ok=True)
+        path = out_dir / filename
+        fig.savefig(path, dpi=110)
+        written.append(path)
+    return written
+
+
+# -- table ------------------------------------------------------------------------------------------------------
+
+
+def _num(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def summary_table(run_dir: str | os.PathLike) -> str:
+    """A plain-text table of the key metrics, then summary.json's contents when present.
+
+    Columns: n (rows carrying the key), first, last, min and max (over the finite values), and last10%: the
+    mean of the finite values among the last ceil(n / 10) logged ones. Non-finite values are listed below.
+    """
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    keys = _keys(rows)
+    chosen = [k for k in TABLE_KEYS if k in keys] + sorted(k for k in keys if k.startswith("eval/"))
+    header = ("metric", "n", "first", "last", "min", "max", "last10%")
+    table = [header]
+    notes = []
+    for key in chosen:
+        steps, values = _series(rows, key)
+        finite = [v for v in values if math.isfinite(v)]
+        tail = [v for v in _last_fraction(values) if math.isfinite(v)]
+        table.append((
+            key, str(len(values)), _num(values[0]), _num(values[-1]),
+            _num(min(finite)) if finite else "-", _num(max(finite)) if finite else "-",
+            _num(sum(tail) / len(tail)) if tail else "-",
+        ))
+        bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
+        if bad:
+            notes.append(f"  {key}: {len(bad)} non-finite value(s), first at step {bad[0]}")
+    last_step = rows[-1]["step"] if rows else 0
+    lines = [f"{run_dir}: {len(rows)} rows, last step {last_step}"]
+    if len(table) > 1:
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        for r in table:
+            lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
+                                   for i in range(len(header))).rstrip())
+    else:
+        lines.append("(none of the key metrics is in metrics.jsonl yet)")
+    if notes:
+        lines.append("non-finite values (NaN/inf are excluded from min, max and last10%):")
+        lines += notes
+    lines += _summary_json_lines(run_dir)
+    return "\n".join(lines)
+
+
+def _summary_json_lines(run_dir: Path) -> list[str]:
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return []
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        return ["", f"{SUMMARY_FILE}: unreadable ({err})"]
+    if not isinstance(summary, dict):
+        return ["", f"{SUMMARY_FILE}: {json.dumps(summary)}"]
+    lines = ["", f"{SUMMARY_FILE}:"]
+    width = max((len(str(k)) for k in summary), default=0)
+    for key, value in summary.items():
+        shown = _num(value) if isinstance(value, float) else json.dumps(value) if not isinstance(value, str) else value
+        lines.append(f"  {str(key).ljust(width)}  {shown}")
+    return lines
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="klgrpo report",
+        description="Redraw a run folder's plots (plots/*.png) and print a summary of its metrics.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `klgrpo train` (runs/<name>)")
+    parser.add_argument("--no-plots", action="store_true", help="print the table only; leave plots/ alone")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"klgrpo report: {run_dir} is not a folder; pass a run folder (runs/<name>), which holds "
+              f"{METRICS_FILE}.", file=sys.stderr)
+        return 2
+    if not (run_dir / METRICS_FILE).is_file():
+        print(f"klgrpo report: {run_dir / METRICS_FILE} does not exist; a run folder holds {METRICS_FILE} "
+              f"from its first logged step on.", file=sys.stderr)
+        return 2
+    try:
+        print(summary_table(run_dir))
+        if not args.no_plots:
+            paths = make_plots(run_dir)
+            print()
+            print("plots:" if paths else "plots: none (no plotted metric is in metrics.jsonl yet)")
+            for path in paths:
+                print(f"  {path}")
+    except KLGRPOError as err:
+        print(f"klgrpo report: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["make_plots", "summary_table", "main", "TABLE_KEYS"]
