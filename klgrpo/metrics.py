@@ -187,7 +187,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step makes TensorBoard drop events from earlier sessions at steps >= purge_step.
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=start_step + 1 if start_step else 0)
+            purge_step = start_step + 1 if start_step else 0
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge_step)
 
         self._bar = None
         if progress:
