@@ -203,6 +203,10 @@ class GRPOConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "GRPOConfig":
+        return cls().merge_yaml(path)
+
+    def merge_yaml(self, path: str | Path) -> "GRPOConfig":
+        """A copy with the YAML file's values laid over this config's."""
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
@@ -212,7 +216,7 @@ class GRPOConfig:
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of groups (model:, data:, kl:, ...)")
-        return cls.from_dict(data, origin=str(path))
+        return GRPOConfig.from_dict(_deep_merge(self.to_dict(), data), origin=str(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -240,6 +244,16 @@ class GRPOConfig:
         from klgrpo.validation import validate_config
 
         return validate_config(self)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("columns", "kwargs"):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _is_free_dict(cfg: GRPOConfig, parts: list[str]) -> bool:

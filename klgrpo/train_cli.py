@@ -21,8 +21,8 @@ Every field below can be set as --group.field VALUE (or --group.field=VALUE); VA
 """
 
 
-def parse_args(argv: list[str]) -> tuple[GRPOConfig, dict]:
-    """Returns the resolved config and the non-config options (resume, print_config, explicit)."""
+def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOConfig, dict]:
+    """Resolve ``base`` (default: GRPOConfig()) < --config YAML < overrides; also return the other options."""
     config_file, overrides, opts = None, {}, {"resume": None, "print_config": False}
     i = 0
     while i < len(argv):
@@ -48,8 +48,9 @@ def parse_args(argv: list[str]) -> tuple[GRPOConfig, dict]:
             overrides["train.output_dir"] = value
         else:
             overrides[key] = value
-    cfg = GRPOConfig.from_yaml(config_file) if config_file else GRPOConfig()
-    opts["explicit"] = set(overrides) | ({"config"} if config_file else set())
+    cfg = base or GRPOConfig()
+    if config_file:
+        cfg = cfg.merge_yaml(config_file)
     if overrides:
         cfg = cfg.override(overrides)
     return cfg, opts

@@ -71,6 +71,9 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, train_dataset=None,
                  eval_sets: dict[str, Any] | None = None, log=print):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # per-shard save/load bars would break the step progress bar
         self.cfg = config
         self.log = log
         self.warnings = config.validate()
@@ -127,7 +130,7 @@ class GRPOTrainer:
         size = self.cfg.train.micro_batch_size or n
         return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
-    def _make_batch(self) -> StepBatch:
+    def make_batch(self) -> StepBatch:
         cfg, timings = self.cfg, {}
         rows = [self.dataset[i] for i in self.sampler.next_indices()]
         prompts = [r["prompt"] for r in rows]
@@ -158,39 +161,48 @@ class GRPOTrainer:
                          normalizer=Normalizer.of(loss_mask, max_len=cfg.rollout.max_new_tokens),
                          ref_logp=ref_logp, old_logp=old_logp, timings=timings)
 
-    def _update(self, batch: StepBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``: micro-batched forward/backward, clip, step, controller."""
+    def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
+        """Forward/backward over micro-batches; the loss is normalised globally, so .grad is the full-batch
+        gradient whatever the micro-batch size. Returns (metric sums, maxima, entropy sum, logp or None)."""
         cfg, kl = self.cfg, self._kl_term()
-        timings: dict[str, float] = {}
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
-        dump = [] if cfg.kl.dump_every and (self.step + 1) % cfg.kl.dump_every == 0 else None
+        kept = []
+        for sl in self._micro_slices(batch.rollout.size):
+            logp, entropy = completion_logprobs(self.model, batch.rollout, cfg.rollout.temperature, sl,
+                                                with_entropy=True)
+            old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
+            ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
+            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
+                                 cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high)
+            out.loss.backward()
+            for k, v in out.sums.items():
+                sums[k] = sums.get(k, 0.0) + v.detach()
+            for k, v in out.maxes.items():
+                maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
+            sums["loss"] = sums.get("loss", 0.0) + out.loss.detach()
+            entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
+            if keep_logp:
+                kept.append(logp.detach())
+        return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)
+
+    def _update(self, batch: StepBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``: gradients, clipping, AdamW, scheduler."""
+        cfg = self.cfg
+        beta = self.controller.value
+        timings: dict[str, float] = {}
+        dump = bool(cfg.kl.dump_every and (self.step + 1) % cfg.kl.dump_every == 0 and batch.ref_logp is not None)
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, "time/update"):
-            for sl in self._micro_slices(batch.rollout.size):
-                logp, entropy = completion_logprobs(self.model, batch.rollout, cfg.rollout.temperature, sl,
-                                                    with_entropy=True)
-                old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
-                ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
-                out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
-                                     cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high)
-                out.loss.backward()
-                for k, v in out.sums.items():
-                    sums[k] = sums.get(k, 0.0) + v.detach()
-                for k, v in out.maxes.items():
-                    maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
-                sums["loss"] = sums.get("loss", 0.0) + out.loss.detach()
-                entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
-                if dump is not None:
-                    dump.append(logp.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+            sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump)
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
             self.scheduler.step()
-        if dump is not None and batch.ref_logp is not None:
-            self._dump_kl(torch.cat(dump), batch)
-        return self._metrics(batch, sums, maxes, entropy_sum, grad_norm, kl.coef, timings)
+        if dump:
+            self._dump_kl(logp, batch)
+        return self._metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, timings)
 
     def _metrics(self, batch, sums, maxes, entropy_sum, grad_norm, beta, timings) -> dict[str, float]:
         """One host sync per step: every tensor metric becomes a float here."""
@@ -200,7 +212,8 @@ class GRPOTrainer:
         n_seq = batch.rollout.size
         t: dict[str, torch.Tensor] = {
             "train/loss": sums["loss"], "train/policy_loss": sums["policy_loss"],
-            "train/reward": batch.rewards.mean(), "train/reward_std": batch.rewards.std(),
+            "train/reward": batch.rewards.mean(),
+            "train/reward_std": batch.rewards.view(-1, batch.rollout.group_size).std(dim=1).mean(),
             "train/advantage_abs": batch.advantages.abs().mean(),
             "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
             "completions/clipped_ratio": batch.rollout.truncated.float().mean(),
@@ -216,8 +229,8 @@ class GRPOTrainer:
                 "train/kl_penalty": torch.as_tensor(penalty),
                 "adaptive_kl/raw_kl": sums["raw_kl"] / n_tok, "adaptive_kl/adapted_kl": sums["adapted_kl"] / n_tok,
                 "kl/k1": sums["k1"] / n_tok, "kl/k2": sums["k2"] / n_tok, "kl/k3": sums["k3"] / n_tok,
-                "kl/max": maxes["abs_log_ratio"], "kl/clamp_frac": sums["clamp"] / n_tok,
-                "kl/sequence_sum": sums["raw_kl"] / n_seq,
+                "kl/max": maxes["k3"], "kl/clamp_frac": sums["clamp"] / n_tok,
+                "kl/sequence_sum": sums["k1"] / n_seq,
             })
             if "shaping_clip" in sums:
                 t["kl/shaping_clip_frac"] = sums["shaping_clip"] / n_tok
@@ -252,7 +265,7 @@ class GRPOTrainer:
                             self._batch.iterations_done if self._batch else 0)
         generated = self._batch is None
         if generated:
-            self._batch = self._make_batch()
+            self._batch = self.make_batch()
         batch = self._batch
         metrics = self._update(batch)
         batch.iterations_done += 1

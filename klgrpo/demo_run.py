@@ -1,0 +1,98 @@
+"""The embedded demo behind ``klgrpo train`` with no arguments (CPU, no download, a few minutes).
+
+1. A tiny Llama-style model with a character tokenizer is SFT-trained on addition and subtraction
+   (cached in the user's cache folder), so the reference is a real SFT model as in RLHF practice.
+2. GRPO with a KL toward that reference (k3 value with the reverse-KL gradient, adaptive beta) trains
+   addition only; reward 1 for the exact answer.
+3. Greedy accuracy on held-out prompts, before and after: addition (the trained skill) and subtraction
+   (retention: the forgetting the KL is meant to limit).
+
+Every setting can be overridden like any run: ``klgrpo train --kl.coef 0 --train.steps 100``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+
+from klgrpo.config import GRPOConfig
+
+TRAINED, HELD_OUT = "addition", "subtraction"
+
+
+def demo_config(assets, seed: int = 0) -> GRPOConfig:
+    """Demo defaults (NOTES_DEMO.md's measured settings), before any user override."""
+    return GRPOConfig.from_dict({
+        "model": {"name_or_path": str(assets.model_dir), "dtype": "float32", "device": "cpu"},
+        "data": {"source": str(assets.train_file)},
+        "rollout": {"group_size": 8, "prompts_per_step": 32, "max_new_tokens": 4, "temperature": 1.0},
+        "rewards": {"functions": [{"name": "exact_match"}]},
+        "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": "adaptive",
+               "target": 0.05, "horizon": 10000},
+        "optim": {"lr": 3e-4, "max_grad_norm": 1.0},
+        "eval": {"sets": [{"name": name, "source": str(path)} for name, path in assets.eval_files.items()],
+                 "every": 100},
+        "train": {"steps": 300, "seed": seed, "save_every": 100, "max_wall_seconds": 240,
+                  "output_dir": f"runs/demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"},
+    }, origin="demo defaults")
+
+
+def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False) -> int:
+    from klgrpo.demo.assets import prepare_demo_assets
+    from klgrpo.train_cli import parse_args
+    from klgrpo.trainer import GRPOTrainer
+
+    t0 = time.perf_counter()
+    seed = parse_args(argv)[0].train.seed
+    print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.")
+    print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
+    assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
+    cfg, _ = parse_args(argv, base=demo_config(assets, seed))
+    if print_config:
+        print(cfg.to_yaml())
+        return 0
+    print(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
+          f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
+          f"{HELD_OUT} is never trained")
+    trainer = GRPOTrainer(cfg, log=lambda m: print(f"      {m}"))
+    summary = trainer.train(resume=resume)
+    print("  3/3 greedy evaluation on held-out prompts, before and after")
+    before, after = summary["eval_before"], summary["eval_after"]
+    summary.update({
+        "accuracy_before": before.get(TRAINED), "accuracy_after": after.get(TRAINED),
+        "retention_before": before.get(HELD_OUT), "retention_after": after.get(HELD_OUT),
+        "sft": assets.sft_stats, "sft_from_cache": assets.from_cache,
+        "total_wall_seconds": round(time.perf_counter() - t0, 2),
+    })
+    run_dir = trainer.run_dir
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _print_summary(summary, run_dir)
+    return 0
+
+
+def _pct(x) -> str:
+    return "  n/a" if x is None else f"{100 * x:5.1f}%"
+
+
+def _print_summary(s: dict, run_dir) -> None:
+    gain = None if s["accuracy_before"] is None or s["accuracy_after"] is None else \
+        100 * (s["accuracy_after"] - s["accuracy_before"])
+    ret = None if s["retention_before"] is None or s["retention_after"] is None else \
+        100 * (s["retention_after"] - s["retention_before"])
+    print()
+    print(f"  {'':<28}{'before':>8}{'after':>8}{'change':>9}")
+    print(f"  {TRAINED + ' (trained)':<28}{_pct(s['accuracy_before']):>8}{_pct(s['accuracy_after']):>8}"
+          f"{'' if gain is None else f'{gain:+8.1f}':>9}")
+    print(f"  {HELD_OUT + ' (retention)':<28}{_pct(s['retention_before']):>8}{_pct(s['retention_after']):>8}"
+          f"{'' if ret is None else f'{ret:+8.1f}':>9}")
+    kl = s.get("final_kl")
+    print(f"\n  steps {s['steps']}, {s['seconds_per_step']} s/step, GRPO wall {s['wall_seconds']} s, "
+          f"total {s['total_wall_seconds']} s; final KL {kl if kl is None else round(kl, 4)}, "
+          f"final beta {s['final_beta']:.4f}")
+    if s.get("stopped_early"):
+        print(f"  stopped early: {s['stopped_early']}")
+    print(f"\n  run folder   {run_dir}  (summary.json, metrics.jsonl, config.yaml, checkpoints/)")
+    print(f"  plots        {run_dir / 'plots'}  (redraw: klgrpo report {run_dir})")
+    print(f"  TensorBoard  tensorboard --logdir {run_dir / 'tb'}")
+    print("  real model   klgrpo train --config examples/qwen2.5-0.5b-gsm8k.yaml  (GPU and network; see README)")

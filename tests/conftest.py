@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny random-init model and tokenizer saved with save_pretrained, and prompt files.
+
+Everything is built locally (no network); models load back through the real transformers loading code.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # tests run beside other processes on 2 cores; one thread avoids oversubscription
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from klgrpo.demo.model import save_tiny_model_and_tokenizer
+
+    return save_tiny_model_and_tokenizer(tmp_path_factory.mktemp("tiny_model"), seed=0, hidden=32, layers=1,
+                                         heads=2, intermediate=64)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def addition_file(tmp_path_factory):
+    rows = [{"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"} for a in range(0, 40, 3) for b in range(5)]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "add.jsonl", rows)
