@@ -1,0 +1,31 @@
+"""Reward functions: plain ``fn(prompts, completions, **columns) -> list[float]``.
+
+Built-ins are registered by name in ``BUILTIN_REWARDS`` (exact_match, numeric_match, format); any other
+function is named "module.path:function" or "path/to/file.py:function". ``RewardComputer`` calls every
+configured function on a batch and forms the weighted total.
+"""
+
+from klgrpo.rewards.builtins import (
+    BUILTIN_REWARDS,
+    exact_match,
+    extract_answer_number,
+    extract_completion_number,
+    format_match,
+    numeric_match,
+)
+from klgrpo.rewards.computer import RewardComputer, RewardResult, RewardSpec
+from klgrpo.rewards.loading import display_name, load_reward_function
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardComputer",
+    "RewardResult",
+    "RewardSpec",
+    "display_name",
+    "exact_match",
+    "extract_answer_number",
+    "extract_completion_number",
+    "format_match",
+    "load_reward_function",
+    "numeric_match",
+]

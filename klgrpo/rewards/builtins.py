@@ -1,0 +1,142 @@
+"""Built-in reward functions, registered by name.
+
+Every reward function has the signature ``fn(prompts, completions, **columns) -> list[float]``: the batch's
+prompts and completions, row-aligned with one list per dataset column, returning one float per completion.
+Built-ins take ``**_`` so that they ignore the columns they do not use.
+
+    exact_match    1.0 if completion.strip() == str(answer).strip() else 0.0
+    numeric_match  1.0 if the completion's number equals the answer's within a relative tolerance
+    format         1.0 if re.search(pattern, completion, re.DOTALL) else 0.0 (pattern from the reward's kwargs)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from klgrpo.math.registry import Registry
+
+#: name -> reward function; ``load_reward_function`` looks names up here first.
+BUILTIN_REWARDS: Registry = Registry("built-in reward function")
+
+#: Default relative tolerance of ``numeric_match``: |pred - gold| <= rel_tol * max(|pred|, |gold|).
+DEFAULT_REL_TOL = 1e-6
+
+# A decimal number: thousands separated by commas (1,234,567.5), plain digits (1234.5) or a leading dot (.5).
+# A minus sign counts only when it does not follow a word character or a closing bracket, so "3-5" reads
+# as 3 and 5 rather than 3 and -5; the Unicode minus sign counts too.
+_NUMBER = r"(?:(?<![\w)\]])[-\u2212])?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+_FRACTION = rf"(?:(?<![\w)\]])[-\u2212])?\\[dt]?frac\s*\{{\s*({_NUMBER})\s*\}}\s*\{{\s*({_NUMBER})\s*\}}"
+_TOKEN = re.compile(rf"{_FRACTION}|({_NUMBER})")
+# LaTeX spacing that may separate thousands or wrap a number: 1{,}000, 1\,000, 1\!000, $42$.
+_LATEX_NOISE = re.compile(r"\\[,!;: ]|\$")
+
+
+def _number_value(text: str) -> float:
+    return float(text.replace(",", "").replace("\u2212", "-"))
+
+
+def numbers_in(text: str) -> list[float]:
+    """Every number in ``text`` in order: decimals with optional thousands commas, and \\frac{a}{b}."""
+    text = _LATEX_NOISE.sub("", text.replace("{,}", ","))
+    values = []
+    for match in _TOKEN.finditer(text):
+        numerator, denominator, plain = match.groups()
+        if plain is not None:
+            values.append(_number_value(plain))
+            continue
+        den = _number_value(denominator)
+        if den != 0:
+            sign = -1.0 if match.group(0).lstrip()[0] in "-\u2212" else 1.0
+            values.append(sign * _number_value(numerator) / den)
+    return values
+
+
+def boxed_content(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, nested braces included."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    if not starts:
+        return None
+    start = starts[-1]
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i]
+    return text[start:]  # unclosed: everything after the brace
+
+
+def extract_completion_number(completion: str) -> float | None:
+    """The completion's answer: the last number in its last \\boxed{...} if it has one, else its last number."""
+    boxed = boxed_content(completion)
+    values = numbers_in(completion if boxed is None else boxed)
+    return values[-1] if values else None
+
+
+def extract_answer_number(answer: Any) -> float | None:
+    """The reference answer's number: a number as is; in text, the first number after the last "####"
+    (GSM8K), else the last number in its last \\boxed{...}, else its last number."""
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return float(answer)
+    text = str(answer)
+    if "####" in text:
+        values = numbers_in(text.rsplit("####", 1)[1])
+        return values[0] if values else None
+    boxed = boxed_content(text)
+    values = numbers_in(text if boxed is None else boxed)
+    return values[-1] if values else None
+
+
+def _check_column(name: str, values: Any, completions: list) -> None:
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        raise ValueError(f"column {name!r} must hold one value per completion ({len(completions)}), got {got}")
+
+
+def exact_match(prompts: list, completions: list[str], answer: list, **_: Any) -> list[float]:
+    """1.0 where the stripped completion equals the stripped ``str(answer)``, else 0.0."""
+    _check_column("answer", answer, completions)
+    rewards = []
+    for i, (completion, gold) in enumerate(zip(completions, answer)):
+        if gold is None:
+            raise ValueError(f"the answer at index {i} is missing (None)")
+        rewards.append(1.0 if completion.strip() == str(gold).strip() else 0.0)
+    return rewards
+
+
+def numeric_match(prompts: list, completions: list[str], answer: list, rel_tol: float = DEFAULT_REL_TOL,
+                  **_: Any) -> list[float]:
+    """1.0 where the completion's number equals the answer's, |pred - gold| <= rel_tol * max(|pred|, |gold|).
+
+    The completion's number is the last one in its last \\boxed{...}, or its last number when nothing is
+    boxed; a completion without a number scores 0.0. The answer's number is the first after "####" when the
+    answer has one (GSM8K's "... #### 42"), else as for the completion. Commas in numbers ("1,234") and
+    \\frac{a}{b} are read; "a/b" is read as two numbers.
+    """
+    _check_column("answer", answer, completions)
+    rewards = []
+    for i, (completion, gold) in enumerate(zip(completions, answer)):
+        gold_value = extract_answer_number(gold) if gold is not None else None
+        if gold_value is None:
+            raise ValueError(f"the answer at index {i} ({gold!r}) contains no number")
+        pred = extract_completion_number(completion)
+        ok = pred is not None and math.isclose(pred, gold_value, rel_tol=rel_tol, abs_tol=0.0)
+        rewards.append(1.0 if ok else 0.0)
+    return rewards
+
+
+def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) -> list[float]:
+    """1.0 where ``re.search(pattern, completion, re.DOTALL)`` finds a match, else 0.0."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a regular expression string, got a {type(pattern).__name__}")
+    try:
+        regex = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"pattern {pattern!r} is not a valid regular expression ({e})") from None
+    return [1.0 if regex.search(completion) else 0.0 for completion in completions]
+
+
+BUILTIN_REWARDS.register("exact_match", exact_match)
+BUILTIN_REWARDS.register("numeric_match", numeric_match)
+BUILTIN_REWARDS.register("format", format_match)

@@ -1,0 +1,223 @@
+"""Score a batch of completions with weighted reward functions.
+
+    total_i = sum_f weight_f * r_f(prompts, completions, **columns)_i
+
+Each function sees the whole batch once. A function receives every dataset column unless its signature
+neither names the column nor takes ``**kwargs`` (so a custom ``def reward(prompts, completions, answer)``
+works on a dataset with more columns). A column the function requires but the batch lacks, an exception,
+a result of the wrong length and a None, NaN, infinite or non-numeric value each raise a ``RewardError``
+naming the function and, where there is one, the row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from klgrpo.errors import ConfigError, RewardError
+from klgrpo.rewards.loading import _describe, display_name, load_reward_function
+
+#: Column names the reward functions take as their first two arguments.
+RESERVED_ARGUMENTS = ("prompts", "completions")
+
+
+@dataclass
+class RewardSpec:
+    """One reward function in the weighted sum.
+
+    name: a built-in name, "module.path:function" or "path/to/file.py:function".
+    weight: its factor in the total reward.
+    kwargs: extra keyword arguments for every call (e.g. {"pattern": "<answer>.*</answer>"} for "format").
+    """
+
+    name: str
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError(f"a reward function needs a non-empty name, got {self.name!r}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
+            raise ConfigError(f"reward function {self.name!r}: weight must be a finite number, got {self.weight!r}")
+        self.weight = float(self.weight)
+        if self.kwargs is None:
+            self.kwargs = {}
+        if not isinstance(self.kwargs, dict):
+            raise ConfigError(f"reward function {self.name!r}: kwargs must be a mapping of argument names to "
+                              f"values, got {self.kwargs!r}")
+        for reserved in RESERVED_ARGUMENTS:
+            if reserved in self.kwargs:
+                raise ConfigError(f"reward function {self.name!r}: {reserved!r} cannot be a kwarg (the function "
+                                  f"receives the batch's {reserved} itself); remove it")
+
+    @classmethod
+    def parse(cls, entry: Any) -> "RewardSpec":
+        """A spec from a config entry: a name, a {name, weight, kwargs} mapping, or an object with those fields."""
+        if isinstance(entry, RewardSpec):
+            return entry
+        if isinstance(entry, str):
+            return cls(entry)
+        if isinstance(entry, dict):
+            unknown = set(entry) - {"name", "weight", "kwargs"}
+            if unknown or "name" not in entry:
+                raise ConfigError(f"a reward function entry needs 'name' and may have 'weight' and 'kwargs', got "
+                                  f"{entry!r}")
+            return cls(entry["name"], entry.get("weight", 1.0), dict(entry.get("kwargs") or {}))
+        if hasattr(entry, "name"):
+            return cls(entry.name, getattr(entry, "weight", 1.0), dict(getattr(entry, "kwargs", None) or {}))
+        raise ConfigError(f"a reward function entry must be a name or a {{name, weight, kwargs}} mapping, "
+                          f"got {entry!r}")
+
+
+@dataclass
+class RewardResult:
+    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N]."""
+
+    total: Tensor
+    per_function: dict[str, Tensor]
+    weights: dict[str, float]
+
+
+@dataclass
+class _Bound:
+    spec: RewardSpec
+    fn: Callable
+    display: str
+    accepts_any: bool  # has **kwargs
+    accepted: frozenset[str]  # keyword-passable parameter names after the first two
+    required: tuple[str, ...]  # of those, the ones without a default
+
+
+class RewardComputer:
+    """Calls every reward function on a batch and forms the weighted total (module docstring)."""
+
+    def __init__(self, specs: list[RewardSpec]):
+        specs = [RewardSpec.parse(s) for s in specs]
+        if not specs:
+            raise ConfigError("rewards.functions is empty; add at least one reward function, e.g. exact_match")
+        self._bound: list[_Bound] = []
+        taken: set[str] = set()
+        for spec in specs:
+            fn = load_reward_function(spec.name)
+            display = display_name(spec.name)
+            base, k = display, 2
+            while display in taken:  # the same function twice (e.g. two format patterns): format, format_2
+                display, k = f"{base}_{k}", k + 1
+            taken.add(display)
+            self._bound.append(_bind(spec, fn, display))
+
+    @property
+    def names(self) -> list[str]:
+        """Display names, in spec order (the keys of ``RewardResult.per_function``)."""
+        return [b.display for b in self._bound]
+
+    def __call__(self, prompts: list, completions: list[str], columns: dict[str, list] | None = None) -> RewardResult:
+        columns = dict(columns or {})
+        n = len(completions)
+        if len(prompts) != n:
+            raise RewardError(f"the reward functions got {len(prompts)} prompts for {n} completions; repeat each "
+                              f"prompt once per completion")
+        for col, values in columns.items():
+            if col in RESERVED_ARGUMENTS:
+                raise RewardError(f"a dataset column is named {col!r}, which the reward functions take as their "
+                                  f"own argument; rename it with data.columns")
+            if not isinstance(values, (list, tuple)) or len(values) != n:
+                got = f"{len(values)} values" if hasattr(values, "__len__") else f"a {type(values).__name__}"
+                raise RewardError(f"column {col!r} has {got} for {n} completions; repeat each prompt's column "
+                                  f"values once per completion")
+        per_function: dict[str, Tensor] = {}
+        total = torch.zeros(n, dtype=torch.float64)
+        for bound in self._bound:
+            values = _call(bound, prompts, completions, columns)
+            per_function[bound.display] = torch.tensor(values, dtype=torch.float32)
+            total += bound.spec.weight * torch.tensor(values, dtype=torch.float64)
+        weights = {b.display: b.spec.weight for b in self._bound}
+        return RewardResult(total=total.to(torch.float32), per_function=per_function, weights=weights)
+
+
+def _bind(spec: RewardSpec, fn: Callable, display: str) -> _Bound:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return _Bound(spec, fn, display, accepts_any=True, accepted=frozenset(), required=())
+    accepts_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = [p for p in params if p not in positional[:2]
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    accepted = frozenset(p.name for p in rest)
+    required = tuple(p.name for p in rest if p.default is p.empty)
+    if not accepts_any:
+        unknown = sorted(set(spec.kwargs) - accepted)
+        if unknown:
+            raise RewardError(f"reward function {display!r} does not accept the kwargs {', '.join(unknown)} "
+                              f"(its arguments after prompts, completions: {', '.join(sorted(accepted)) or 'none'}); "
+                              f"remove them from the reward's kwargs")
+    return _Bound(spec, fn, display, accepts_any, accepted, required)
+
+
+def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[str, list]) -> list[float]:
+    clash = sorted(set(columns) & set(bound.spec.kwargs))
+    if clash:
+        raise RewardError(f"reward function {bound.display!r}: {', '.join(clash)} is both a dataset column and a "
+                          f"kwarg of the reward; rename the column with data.columns or drop the kwarg")
+    available = {**columns, **bound.spec.kwargs}
+    missing = [name for name in bound.required if name not in available]
+    if missing:
+        have = ", ".join(sorted(columns)) or "none"
+        raise RewardError(f"reward function {bound.display!r} needs the argument {missing[0]!r}, which is neither a "
+                          f"dataset column (columns: {have}) nor in its kwargs; map a column to it with data.columns "
+                          f"(e.g. {{{missing[0]}: <dataset column>}}) or add it to the reward's kwargs")
+    if not bound.accepts_any:
+        available = {k: v for k, v in available.items() if k in bound.accepted}
+    try:
+        result = bound.fn(prompts, completions, **available)
+    except Exception as e:
+        raise RewardError(f"reward function {bound.display!r} raised {_describe(e)}") from e
+    return _as_floats(result, len(completions), bound.display, completions)
+
+
+def _as_floats(result: Any, n: int, display: str, completions: list[str]) -> list[float]:
+    expected = f"a list of {n} numbers, one per completion"
+    if result is None:
+        raise RewardError(f"reward function {display!r} returned None; it must return {expected} "
+                          f"(is a return statement missing?)")
+    if hasattr(result, "ndim") and hasattr(result, "tolist"):  # torch or numpy array
+        if result.ndim != 1:
+            raise RewardError(f"reward function {display!r} returned an array of shape {tuple(result.shape)}; "
+                              f"it must return {expected}")
+        result = result.tolist()
+    if not isinstance(result, (list, tuple)):
+        raise RewardError(f"reward function {display!r} returned a {type(result).__name__}; it must return {expected}")
+    if len(result) != n:
+        raise RewardError(f"reward function {display!r} returned {len(result)} values, expected {n} (one per "
+                          f"completion)")
+    values = []
+    for i, value in enumerate(result):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool):
+            value = float(value)
+        where = f"at index {i} (completion {_preview(completions[i])})"
+        if value is None:
+            raise RewardError(f"reward function {display!r} returned None {where}; return a number for every "
+                              f"completion (0.0 for a wrong one)")
+        if not isinstance(value, numbers.Real):
+            raise RewardError(f"reward function {display!r} returned a {type(value).__name__} ({_preview(value)}) "
+                              f"{where}; return a number for every completion")
+        value = float(value)
+        if not math.isfinite(value):
+            raise RewardError(f"reward function {display!r} returned {value} {where}; return a finite number for "
+                              f"every completion")
+        values.append(value)
+    return values
+
+
+def _preview(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."

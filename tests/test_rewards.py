@@ -1,0 +1,380 @@
+"""Reward functions: built-ins (hand-computed values), loading by name, the weighted total and every error."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from klgrpo.errors import ConfigError, KLGRPOError, RewardError
+from klgrpo.rewards import (
+    BUILTIN_REWARDS,
+    RewardComputer,
+    RewardSpec,
+    exact_match,
+    extract_answer_number,
+    extract_completion_number,
+    format_match,
+    load_reward_function,
+    numeric_match,
+)
+
+# A batch every built-in can score (format's pattern comes from the kwargs).
+_BATCH = dict(prompts=["p1", "p2"], completions=["42", "<a>7</a>"], answer=["42", "#### 8"])
+_KWARGS = {"format": {"pattern": r"<a>.*</a>"}}
+_EXPECTED = {"exact_match": [1.0, 0.0], "numeric_match": [1.0, 0.0], "format": [0.0, 1.0]}
+
+
+@pytest.mark.parametrize("name", BUILTIN_REWARDS.names())
+def test_every_builtin_loads_runs_and_ignores_extra_columns(name):
+    fn = load_reward_function(name)
+    assert fn is BUILTIN_REWARDS[name]
+    values = fn(**_BATCH, unused_column=[1, 2], **_KWARGS.get(name, {}))
+    assert values == _EXPECTED[name]
+    result = RewardComputer([RewardSpec(name, kwargs=_KWARGS.get(name, {}))])(
+        _BATCH["prompts"], _BATCH["completions"], {"answer": _BATCH["answer"], "unused_column": [1, 2]})
+    assert result.per_function[name].tolist() == _EXPECTED[name]
+
+
+def test_builtin_registry_is_complete():
+    assert set(BUILTIN_REWARDS.names()) == set(_EXPECTED)
+
+
+# ---------------------------------------------------------------------------------------------- built-ins
+
+def test_exact_match_strips_and_stringifies():
+    completions = [" 42\n", "42.0", "forty-two", "7"]
+    assert exact_match(None, completions, answer=["42", "42", "42", 7]) == [1.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("The answer is 42.", "#### 42", 1.0),
+    ("3 + 4 = 7", "She has 3 apples and gets 4 more: 3+4=7\n#### 7", 1.0),  # number after ####, not the last
+    ("total 1,234", "#### 1,234", 1.0),                                     # commas on both sides
+    ("\\boxed{1,234}", "1234", 1.0),
+    ("first 12, \\boxed{7}, then 9", "7", 1.0),       # the boxed number wins over the last number 9
+    ("\\boxed{a} then \\boxed{x = 5}", "5", 1.0),     # the last box, its last number
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{-\\dfrac{3}{4}}", "-0.75", 1.0),
+    ("answer: -5", "#### -5", 1.0),
+    ("range 3-5", "5", 1.0),                          # 3-5 reads as 3 and 5, not -5
+    ("3.0000001", "3", 1.0),                          # |diff| / 3 = 3.3e-8 <= 1e-6
+    ("3.0001", "3", 0.0),                             # 3.3e-5 > 1e-6
+    ("1000001", "1000000", 1.0),                      # 1 / 1e6 = 1e-6 <= 1e-6
+    ("1000002", "1000000", 0.0),                      # 2e-6 > 1e-6
+    ("no number here", "5", 0.0),
+    ("0", "#### 0", 1.0),
+    ("the result is 12", 12, 1.0),                    # a numeric answer is used as is
+    ("12", 12.5, 0.0),
+    ("so $\\boxed{1\\,000}$", "1000", 1.0),           # LaTeX thin space as thousands separator
+])
+def test_numeric_match_cases(completion, answer, expected):
+    assert numeric_match(["p"], [completion], [answer]) == [expected]
+
+
+def test_numeric_match_rel_tol_is_a_kwarg():
+    # |3.01 - 3| / 3.01 = 3.3e-3: outside the default 1e-6, inside 1e-2.
+    computer = RewardComputer([RewardSpec("numeric_match"), RewardSpec("numeric_match", kwargs={"rel_tol": 1e-2})])
+    result = computer(["p"], ["3.01"], {"answer": ["3"]})
+    assert result.per_function == {"numeric_match": torch.tensor([0.0]), "numeric_match_2": torch.tensor([1.0])}
+
+
+def test_number_extraction_helpers():
+    assert extract_completion_number("nothing") is None
+    assert extract_completion_number("x 2, y 1,000,000.5") == 1000000.5
+    assert extract_answer_number("#### nothing") is None
+    assert extract_answer_number("\\boxed{\\frac{3}{2}} and 9") == 1.5
+
+
+def test_format_match_uses_dotall_search():
+    pattern = r"^<think>.*</think>\s*<answer>.*</answer>$"
+    completions = ["<think>a\nb</think>\n<answer>4</answer>", "<answer>4</answer>",
+                   "x <think></think><answer></answer>"]
+    assert format_match(None, completions, pattern=pattern) == [1.0, 0.0, 0.0]
+    assert format_match(None, ["foo bar"], pattern="bar") == [1.0]  # search, not match
+
+
+# ---------------------------------------------------------------------------------------------- computer
+
+def test_weighted_total_and_per_function_values():
+    specs = [RewardSpec("exact_match", weight=0.5), RewardSpec("numeric_match", weight=2.0),
+             RewardSpec("format", weight=-1.0, kwargs={"pattern": r"\\boxed"})]
+    completions = ["42", "\\boxed{42}", "41"]
+    result = RewardComputer(specs)(["a", "b", "c"], completions, {"answer": ["42", "42", "42"]})
+    # exact [1, 0, 0], numeric [1, 1, 0], format [0, 1, 0]
+    # total = 0.5*exact + 2*numeric - format = [2.5, 1.0, 0.0]
+    assert result.total.dtype == torch.float32 and result.total.shape == (3,)
+    assert result.total.tolist() == [2.5, 1.0, 0.0]
+    assert list(result.per_function) == ["exact_match", "numeric_match", "format"]
+    assert result.per_function["format"].tolist() == [0.0, 1.0, 0.0]
+    assert result.weights == {"exact_match": 0.5, "numeric_match": 2.0, "format": -1.0}
+
+
+def test_same_function_twice_gets_unique_keys():
+    computer = RewardComputer([RewardSpec("format", kwargs={"pattern": "a"}),
+                               RewardSpec("format", kwargs={"pattern": "b"})])
+    assert computer.names == ["format", "format_2"]
+    result = computer(["p", "p"], ["a", "b"], {})
+    assert result.per_function["format"].tolist() == [1.0, 0.0]
+    assert result.per_function["format_2"].tolist() == [0.0, 1.0]
+    assert result.total.tolist() == [1.0, 1.0]
+
+
+def test_spec_parse_and_validation():
+    assert RewardSpec.parse("exact_match") == RewardSpec("exact_match", 1.0, {})
+    assert RewardSpec.parse({"name": "format", "weight": 2, "kwargs": {"pattern": "x"}}) == RewardSpec(
+        "format", 2.0, {"pattern": "x"})
+    for bad in ({"weight": 1.0}, {"name": "f", "wieght": 1.0}, 3):
+        with pytest.raises(ConfigError, match="reward function entry"):
+            RewardSpec.parse(bad)
+    for weight in (float("nan"), float("inf"), "1", None):
+        with pytest.raises(ConfigError, match="weight must be a finite number"):
+            RewardSpec("exact_match", weight)
+    with pytest.raises(ConfigError, match="'completions' cannot be a kwarg"):
+        RewardSpec("format", kwargs={"completions": 1})
+    with pytest.raises(ConfigError, match="rewards.functions is empty"):
+        RewardComputer([])
+
+
+# ---------------------------------------------------------------------------------------------- custom functions
+
+CUSTOM = textwrap.dedent("""
+    import torch
+
+    def length_reward(prompts, completions, answer):
+        # no **kwargs: must not receive the dataset's other columns
+        return [float(len(c)) + (1.0 if c == a else 0.0) for c, a in zip(completions, answer)]
+
+    def sees_everything(prompts, completions, **columns):
+        return [float(len(columns)) + b for b in columns["bonus"]]
+
+    def with_default(prompts, completions, scale=3.0):
+        return [scale] * len(completions)
+
+    def as_tuple(prompts, completions, **_):
+        return tuple(True for _ in completions)
+
+    def as_numpy(prompts, completions, **_):
+        import numpy
+        return numpy.arange(len(completions), dtype=numpy.float64)
+
+    def as_tensor(prompts, completions, **_):
+        return torch.full((len(completions),), 0.25)
+
+    def as_scalar_tensors(prompts, completions, **_):
+        return [torch.tensor(1.5) for _ in completions]
+
+    def boom(prompts, completions, **_):
+        raise ZeroDivisionError("division by zero in my reward")
+
+    def wrong_length(prompts, completions, **_):
+        return [1.0]
+
+    def returns_none(prompts, completions, **_):
+        pass
+
+    def none_at_1(prompts, completions, **_):
+        return [1.0, None, 1.0]
+
+    def nan_at_2(prompts, completions, **_):
+        return [1.0, 1.0, float("nan")]
+
+    def inf_at_0(prompts, completions, **_):
+        return [float("inf"), 1.0, 1.0]
+
+    def string_at_1(prompts, completions, **_):
+        return [1.0, "0.5", 1.0]
+
+    def two_d(prompts, completions, **_):
+        return torch.zeros(len(completions), 2)
+
+    def a_dict(prompts, completions, **_):
+        return {"r": 1.0}
+
+    def one_arg(completions):
+        return [0.0] * len(completions)
+
+    NOT_A_FUNCTION = 3
+""")
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(CUSTOM)
+    return path
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    name = "klgrpo_test_user_rewards"
+    (tmp_path / f"{name}.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    yield name
+    sys.modules.pop(name, None)
+
+
+COMPLETIONS = ["ab", "abc", "x"]
+COLUMNS = {"answer": ["ab", "no", "no"], "bonus": [0.5, 0.5, 0.5]}
+
+
+def test_custom_file_function_gets_only_the_columns_it_accepts(reward_file, tmp_path, monkeypatch):
+    computer = RewardComputer([RewardSpec(f"{reward_file}:length_reward")])
+    # len(c) + (c == answer): [2 + 1, 3 + 0, 1 + 0]
+    assert computer(["p"] * 3, COMPLETIONS, COLUMNS).total.tolist() == [3.0, 3.0, 1.0]
+    assert computer.names == ["length_reward"]
+    monkeypatch.chdir(tmp_path)  # a relative path starts at the working directory
+    assert load_reward_function("my_rewards.py:length_reward").__name__ == "length_reward"
+
+
+def test_custom_module_function_with_kwargs_sees_all_columns_and_spec_kwargs(reward_module):
+    computer = RewardComputer([
+        RewardSpec(f"{reward_module}:sees_everything"),
+        RewardSpec(f"{reward_module}:with_default"),
+        RewardSpec(f"{reward_module}:with_default", weight=2.0, kwargs={"scale": 0.5}),
+    ])
+    result = computer(["p"] * 3, COMPLETIONS, COLUMNS)
+    # sees_everything: 2 columns + bonus 0.5 = 2.5; with_default: 3.0; then 2 * 0.5 = 1.0 -> 6.5
+    assert result.per_function["sees_everything"].tolist() == [2.5] * 3
+    assert result.per_function["with_default_2"].tolist() == [0.5] * 3
+    assert result.total.tolist() == [6.5] * 3
+
+
+@pytest.mark.parametrize("fn, expected", [
+    ("as_tuple", [1.0, 1.0, 1.0]),
+    ("as_numpy", [0.0, 1.0, 2.0]),
+    ("as_tensor", [0.25, 0.25, 0.25]),
+    ("as_scalar_tensors", [1.5, 1.5, 1.5]),
+])
+def test_accepted_return_types(reward_module, fn, expected):
+    result = RewardComputer([RewardSpec(f"{reward_module}:{fn}")])(["p"] * 3, COMPLETIONS, COLUMNS)
+    assert result.per_function[fn].tolist() == expected
+
+
+def test_module_in_working_directory_found_without_it_on_sys_path(tmp_path, monkeypatch):
+    name = "klgrpo_test_cwd_rewards"
+    (tmp_path / f"{name}.py").write_text("def one(prompts, completions):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    # As under a console script: neither "" nor the working directory on sys.path (restored afterwards).
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        assert load_reward_function(f"{name}:one")(["p"], ["c"]) == [1.0]
+    finally:
+        sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def _load_error(name) -> str:
+    with pytest.raises(RewardError) as info:
+        load_reward_function(name)
+    return str(info.value)
+
+
+def test_error_unknown_builtin_lists_the_builtins():
+    message = _load_error("exact_macth")
+    assert "'exact_macth'" in message
+    assert "exact_match, numeric_match, format" in message and "module.path:function" in message
+
+
+def test_error_unimportable_module():
+    message = _load_error("klgrpo_no_such_module_xyz:fn")
+    assert "no module named 'klgrpo_no_such_module_xyz'" in message and "PYTHONPATH" in message
+
+
+def test_error_module_raising_on_import(tmp_path, monkeypatch):
+    (tmp_path / "klgrpo_test_broken.py").write_text("import klgrpo_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = _load_error("klgrpo_test_broken:fn")
+    assert "importing klgrpo_test_broken raised ModuleNotFoundError" in message
+    assert "klgrpo_missing_dependency_xyz" in message
+    sys.modules.pop("klgrpo_test_broken", None)
+
+
+def test_error_missing_function_lists_functions(reward_module, reward_file):
+    message = _load_error(f"{reward_module}:lenght_reward")
+    assert "has no attribute 'lenght_reward'" in message and "length_reward" in message and "boom" in message
+    message = _load_error(f"{reward_file}:nope")
+    assert "has no attribute 'nope'" in message and "length_reward" in message
+
+
+def test_error_file_not_found_or_broken(tmp_path):
+    message = _load_error(f"{tmp_path}/missing.py:fn")
+    assert "missing.py not found" in message
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    message = _load_error(f"{broken}:f")
+    assert "importing" in message and "broken.py raised SyntaxError" in message
+
+
+def test_error_not_callable_or_bad_signature(reward_module):
+    assert "is of type int, not a function" in _load_error(f"{reward_module}:NOT_A_FUNCTION")
+    assert "must accept (prompts, completions, **columns)" in _load_error(f"{reward_module}:one_arg")
+
+
+def _call_error(spec_name, kwargs=None, columns=COLUMNS, prompts=("p",) * 3, completions=COMPLETIONS) -> str:
+    computer = RewardComputer([RewardSpec(spec_name, kwargs=kwargs or {})])
+    with pytest.raises(RewardError) as info:
+        computer(list(prompts), list(completions), columns)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("fn, fragments", [
+    ("boom", ["'boom' raised ZeroDivisionError: division by zero in my reward"]),
+    ("wrong_length", ["'wrong_length' returned 1 values, expected 3"]),
+    ("returns_none", ["'returns_none' returned None", "return statement missing"]),
+    ("none_at_1", ["'none_at_1' returned None at index 1 (completion 'abc')"]),
+    ("nan_at_2", ["'nan_at_2' returned nan at index 2 (completion 'x')", "finite"]),
+    ("inf_at_0", ["'inf_at_0' returned inf at index 0"]),
+    ("string_at_1", ["'string_at_1' returned a str ('0.5') at index 1"]),
+    ("two_d", ["'two_d' returned an array of shape (3, 2)"]),
+    ("a_dict", ["'a_dict' returned a dict", "a list of 3 numbers"]),
+])
+def test_error_bad_results_name_function_and_row(reward_module, fn, fragments):
+    message = _call_error(f"{reward_module}:{fn}")
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_error_missing_required_column_names_it_and_the_fix():
+    message = _call_error("exact_match", columns={"solution": ["a", "b", "c"]})
+    assert "'exact_match' needs the argument 'answer'" in message
+    assert "columns: solution" in message and "data.columns" in message
+    message = _call_error("format", columns={})
+    assert "'format' needs the argument 'pattern'" in message and "kwargs" in message
+
+
+def test_error_builtin_rows_with_bad_answers():
+    message = _call_error("numeric_match", columns={"answer": ["1", "none here", "3"]})
+    assert "'numeric_match' raised ValueError" in message and "index 1 ('none here') contains no number" in message
+    message = _call_error("exact_match", columns={"answer": ["1", None, "3"]})
+    assert "index 1 is missing" in message
+    assert "not a valid regular expression" in _call_error("format", kwargs={"pattern": "("}, columns={})
+
+
+def test_error_batch_shape_mismatches():
+    assert "got 2 prompts for 3 completions" in _call_error("exact_match", prompts=("p", "p"))
+    message = _call_error("exact_match", columns={"answer": ["a"]})
+    assert "column 'answer' has 1 values for 3 completions" in message
+    message = _call_error("exact_match", columns={"answer": ["a"] * 3, "completions": ["a"] * 3})
+    assert "'completions'" in message and "data.columns" in message
+
+
+def test_error_column_and_kwarg_clash():
+    message = _call_error("format", kwargs={"pattern": "a"}, columns={"pattern": ["a"] * 3})
+    assert "pattern is both a dataset column and a kwarg" in message
+
+
+def test_error_kwarg_the_function_does_not_accept(reward_module):
+    with pytest.raises(RewardError, match=r"'length_reward' does not accept the kwargs scale \(its arguments .*answer"):
+        RewardComputer([RewardSpec(f"{reward_module}:length_reward", kwargs={"scale": 1})])
+
+
+def test_errors_are_user_facing():
+    assert issubclass(RewardError, KLGRPOError)
