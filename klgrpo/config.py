@@ -84,6 +84,22 @@ class RewardsConfig:
 
 
 @dataclass
+class ReplayConfig:
+    coef: float = _f(0.0, "weight of the replay KL anchor (0: off): KL to the reference on unlabeled prompts of "
+                          "other skills, which the KL on the training prompts does not constrain")
+    source: str = _f("", "replay prompts (same formats as data.source)")
+    prompt_column: str = _f("prompt", "column holding the replay prompt")
+    num_prompts: int = _f(64, "how many replay prompts to use (the first N)")
+    completions_per_prompt: int = _f(2, "completions sampled once from the reference per replay prompt "
+                                        "(cached in the run folder, reused on resume)")
+    batch_size: int = _f(32, "replay sequences per optimizer step")
+    estimator: str = _f("full", "KL form: 'full' (exact over the vocabulary at every position) or a "
+                                "registered estimator (k1, k2, k3, k1_st, k3_st)")
+    max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")
+    temperature: float = _f(1.0, "sampling temperature of the reference for replay completions")
+
+
+@dataclass
 class KLConfig:
     coef: float = _f(0.04, "beta: the initial KL coefficient (0 with monitor=false: no reference model at all)")
     estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each)",
@@ -115,6 +131,7 @@ class KLConfig:
     sync_alpha: float = _f(1.0, "reference sync mix: ref <- alpha * policy + (1 - alpha) * ref (1.0: copy)")
     monitor: bool = _f(True, "compute and log KL metrics even when coef is 0")
     dump_every: int = _f(0, "save per-token logp/ref_logp every N steps to kl_dumps/ for verify-kl --from-run")
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 @dataclass

@@ -17,12 +17,16 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from klgrpo.models import completion_logprobs
+from klgrpo.models import completion_logprobs, position_ids_from_mask
 from klgrpo.rollout import RolloutBatch
 
 
 class Reference(Protocol):
     def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor: ...
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Full next-token logits [B, L, V] of the reference (no grad), e.g. for the exact replay KL."""
+        ...
 
     def sync(self, policy, alpha: float) -> None: ...
 
@@ -55,6 +59,11 @@ class FrozenCopyReference:
         parts = [completion_logprobs(self.model, batch, temperature, rows=sl)[0]
                  for sl in _micro_slices(batch.size, micro_batch_size)]
         return torch.cat(parts, dim=0)
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
 
     @torch.no_grad()
     def sync(self, policy, alpha: float = 1.0) -> None:

@@ -90,13 +90,17 @@ class GRPOTrainer:
         self.model = model.to(self.device) if model is not None else load_causal_lm(
             cfg.model.name_or_path, cfg.model, self.device, dtype)
         _disable_dropout(self.model)
+        if cfg.model.lora.r > 0:
+            from klgrpo.lora import apply_lora
+
+            self.model = apply_lora(self.model, cfg.model.lora)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
-        self.rewards = RewardComputer([_reward_spec(f) for f in cfg.rewards.functions])
+        self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
         self.eval_sets = eval_sets if eval_sets is not None else _load_eval_sets(cfg)
         self.needs_reference = cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
         self.reference = self._build_reference() if self.needs_reference else None
@@ -108,6 +112,11 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
                                      shuffle=cfg.data.shuffle)
         self.run_dir = _run_dir(cfg)
+        self.replay = None
+        if cfg.kl.replay.coef > 0:
+            from klgrpo.replay import ReplayAnchor
+
+            self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir)
         self.step = 0
         self._batch: StepBatch | None = None
         self._stop_reason = ""
@@ -115,6 +124,10 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------ pieces
     def _build_reference(self):
         ref_path = self.cfg.kl.reference
+        if self.cfg.model.lora.r > 0 and not ref_path:
+            from klgrpo.lora import AdapterDisabledReference
+
+            return AdapterDisabledReference(self.model)
         if ref_path:
             dtype = next(self.model.parameters()).dtype
             return FrozenCopyReference(load_causal_lm(ref_path, self.cfg.model, self.device, dtype))
@@ -196,13 +209,16 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, "time/update"):
             sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump)
+            replay_metrics = self.replay.accumulate_gradients(self.model) if self.replay is not None else {}
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
             self.scheduler.step()
         if dump:
             self._dump_kl(logp, batch)
-        return self._metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, timings)
+        metrics = self._metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, timings)
+        metrics.update(replay_metrics)
+        return metrics
 
     def _metrics(self, batch, sums, maxes, entropy_sum, grad_norm, beta, timings) -> dict[str, float]:
         """One host sync per step: every tensor metric becomes a float here."""
@@ -278,6 +294,8 @@ class GRPOTrainer:
             observed = metrics.get("kl/sequence_sum", 0.0)
         self.controller.update(observed, n_steps=batch.rollout.size, reward=metrics["train/reward"])
         self.step += 1
+        if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
+            self.reference.sync(self.model, self.cfg.kl.sync_alpha)
         self._step_start = None
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
@@ -298,7 +316,7 @@ class GRPOTrainer:
     def _trainer_state(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
-                "pending_batch": self._batch}
+                "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None}
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
@@ -309,13 +327,20 @@ class GRPOTrainer:
         from safetensors.torch import load_model
 
         ckpt = resolve_resume(resume, self.run_dir)
-        load_model(self.model, str(ckpt / "model.safetensors"), strict=False, device=str(self.device))
+        if (ckpt / "adapter_model.safetensors").exists():
+            from klgrpo.lora import load_adapter_weights
+
+            load_adapter_weights(self.model, ckpt)
+        else:
+            load_model(self.model, str(ckpt / "model.safetensors"), strict=False, device=str(self.device))
         state = load_trainer_state(ckpt)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
         self._batch = state.get("pending_batch")
+        if self.replay is not None and state.get("replay") is not None:
+            self.replay.load_state_dict(state["replay"])
         if self.reference is not None:
             self.reference.load(ckpt)
         set_rng_state(state["rng"])
@@ -401,12 +426,6 @@ def _disable_dropout(model) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-
-
-def _reward_spec(entry) -> RewardSpec:
-    if isinstance(entry, str):
-        return RewardSpec(name=entry)
-    return RewardSpec(name=entry["name"], weight=float(entry.get("weight", 1.0)), kwargs=entry.get("kwargs") or {})
 
 
 def _load_eval_sets(cfg: GRPOConfig) -> dict[str, dict]:
