@@ -56,7 +56,9 @@ class DataConfig:
     split: str = _f("train", "dataset split (hub datasets)")
     limit: int = _f(0, "use only the first N rows (0: all)")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded)")
-    system_prompt: str = _f("", "system message prepended when the tokenizer has a chat template")
+    system_prompt: str = _f("", "system message prepended to chat prompts")
+    as_chat: bool = _f(False, "wrap string prompts as one user message and apply the tokenizer's chat template "
+                              "(for instruct models)")
 
 
 @dataclass
@@ -163,6 +165,7 @@ class EvalSetConfig:
     source: str = _f("", "prompts with answers (same formats as data.source)")
     prompt_column: str = _f("prompt", "prompt column")
     answer_column: str = _f("answer", "answer column")
+    split: str = _f("test", "dataset split (hub datasets)")
     reward: str = _f("exact_match", "reward function scoring a greedy completion (1 = correct)")
     limit: int = _f(0, "use only the first N rows (0: all)")
 

@@ -34,10 +34,13 @@ class RolloutBatch:
         return self.completion_ids.shape[0]
 
 
-def encode_prompts(tokenizer, prompts: list, system_prompt: str = "") -> list[str]:
-    """Prompt texts: chat message lists go through the tokenizer's chat template, strings stay as they are."""
+def encode_prompts(tokenizer, prompts: list, system_prompt: str = "", as_chat: bool = False) -> list[str]:
+    """Prompt texts: chat message lists (and strings when ``as_chat``) go through the tokenizer's chat template;
+    other strings stay as they are."""
     texts = []
     for p in prompts:
+        if as_chat and isinstance(p, str):
+            p = [{"role": "user", "content": p}]
         if isinstance(p, list):
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + p
             if getattr(tokenizer, "chat_template", None):
@@ -79,9 +82,10 @@ def generate_groups(
     top_p: float = 1.0,
     top_k: int = 0,
     system_prompt: str = "",
+    as_chat: bool = False,
 ) -> RolloutBatch:
     """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks."""
-    texts = encode_prompts(tokenizer, prompts, system_prompt)
+    texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
     prompt_ids = enc["input_ids"].to(device).repeat_interleave(group_size, dim=0)

@@ -34,7 +34,7 @@ from klgrpo.metrics import MetricsLogger
 from klgrpo.models import completion_logprobs, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from klgrpo.reference import FrozenCopyReference
 from klgrpo.rewards import RewardComputer, RewardSpec, load_reward_function
-from klgrpo.rollout import RolloutBatch, generate_groups
+from klgrpo.rollout import RolloutBatch, encode_prompts, generate_groups
 
 
 @dataclass
@@ -150,7 +150,7 @@ class GRPOTrainer:
         with _timed(timings, "time/generate"):
             rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
                                       cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                                      cfg.rollout.top_k, cfg.data.system_prompt)
+                                      cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat)
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -269,9 +269,12 @@ class GRPOTrainer:
 
         cfg = self.cfg
         max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-        return {f"eval/{name}": greedy_accuracy(self.model, self.tokenizer, s["prompts"], s["answers"], max_new,
-                                                cfg.eval.batch_size, s["reward_fn"])
-                for name, s in self.eval_sets.items()}
+        results = {}
+        for name, s in self.eval_sets.items():
+            texts = encode_prompts(self.tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
+            results[f"eval/{name}"] = greedy_accuracy(self.model, self.tokenizer, texts, s["answers"], max_new,
+                                                      cfg.eval.batch_size, s["reward_fn"])
+        return results
 
     # ------------------------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, float]:
@@ -432,7 +435,8 @@ def _load_eval_sets(cfg: GRPOConfig) -> dict[str, dict]:
     sets = {}
     for s in cfg.eval.sets:
         ds = load_prompts(s["source"], prompt_column=s.get("prompt_column", "prompt"),
-                          columns={"answer": s.get("answer_column", "answer")}, limit=s.get("limit") or None)
+                          columns={"answer": s.get("answer_column", "answer")}, split=s.get("split", "test"),
+                          limit=s.get("limit") or None)
         sets[s["name"]] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
                            "reward_fn": load_reward_function(s.get("reward", "exact_match"))}
     return sets
