@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from klgrpo.checkpoint import (list_checkpoints, load_trainer_state, resolve_resume, rng_state, save_checkpoint,
-                               set_rng_state)
+from klgrpo.checkpoint import load_trainer_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
 from klgrpo.config import GRPOConfig
 from klgrpo.data import PromptSampler, load_prompts
+from klgrpo.distributed import Distributed
+from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import group_advantages
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import build_controller
@@ -51,6 +52,22 @@ class StepBatch:
     old_logp: torch.Tensor | None    # [B, T]; None when num_iterations == 1 (then old = logp.detach())
     timings: dict[str, float] = field(default_factory=dict)
     iterations_done: int = 0
+
+    def rows(self, sl: slice) -> "StepBatch":
+        """The same batch restricted to rows ``sl`` (whole groups), keeping the global normaliser."""
+        r = self.rollout
+        g = r.group_size
+        assert sl.start % g == 0 and sl.stop % g == 0, "a shard must hold whole groups"
+        rollout = RolloutBatch(
+            input_ids=r.input_ids[sl], attention_mask=r.attention_mask[sl], completion_ids=r.completion_ids[sl],
+            completion_mask=r.completion_mask[sl], truncated=r.truncated[sl], prompt_len=r.prompt_len,
+            group_size=g, prompts=r.prompts[sl], completions=r.completions[sl])
+        pick = (lambda t: None if t is None else t[sl])
+        return StepBatch(rollout=rollout, rewards=self.rewards[sl],
+                         reward_columns={k: v[sl] for k, v in self.reward_columns.items()},
+                         advantages=self.advantages[sl], loss_mask=self.loss_mask[sl], normalizer=self.normalizer,
+                         ref_logp=pick(self.ref_logp), old_logp=pick(self.old_logp), timings=dict(self.timings),
+                         iterations_done=self.iterations_done)
 
 
 def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
@@ -82,8 +99,14 @@ class GRPOTrainer:
         cfg = config
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
-        _seed_everything(cfg.train.seed)
+        self.dist = Distributed()
+        if cfg.rollout.prompts_per_step % self.dist.world_size:
+            raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                              f"{self.dist.world_size} processes, so every prompt's group stays on one process")
+        _seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
         self.device = resolve_device(cfg.model.device)
+        if self.dist.device is not None and cfg.model.device == "auto":
+            self.device = self.dist.device
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
                                                      cfg.model.trust_remote_code)
@@ -145,7 +168,8 @@ class GRPOTrainer:
 
     def make_batch(self) -> StepBatch:
         cfg, timings = self.cfg, {}
-        rows = [self.dataset[i] for i in self.sampler.next_indices()]
+        indices = self.sampler.next_indices()  # the same global indices on every rank
+        rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
         prompts = [r["prompt"] for r in rows]
         with _timed(timings, "time/generate"):
             rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
@@ -156,8 +180,9 @@ class GRPOTrainer:
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
         rewards = result.total.to(self.device)
-        advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.loss.advantage_scale,
-                                      cfg.loss.std_eps, cfg.loss.std_ddof)
+        all_rewards = self.dist.gather(rewards)  # groups never straddle ranks; "batch" scale needs them all
+        advantages = group_advantages(all_rewards, cfg.rollout.group_size, cfg.loss.advantage_scale,
+                                      cfg.loss.std_eps, cfg.loss.std_ddof)[self.dist.local_slice(all_rewards.numel())]
         loss_mask = rollout.completion_mask
         if cfg.rollout.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
@@ -171,7 +196,9 @@ class GRPOTrainer:
                                       for sl in self._micro_slices(rollout.size)])
         return StepBatch(rollout=rollout, rewards=rewards, reward_columns=result.per_function,
                          advantages=advantages, loss_mask=loss_mask,
-                         normalizer=Normalizer.of(loss_mask, max_len=cfg.rollout.max_new_tokens),
+                         normalizer=Normalizer(num_sequences=float(all_rewards.numel()),
+                                               num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
+                                               max_len=float(cfg.rollout.max_new_tokens)),
                          ref_logp=ref_logp, old_logp=old_logp, timings=timings)
 
     def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
@@ -209,7 +236,10 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, "time/update"):
             sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump)
-            replay_metrics = self.replay.accumulate_gradients(self.model) if self.replay is not None else {}
+            # The replay batch is the same on every rank: only rank 0 adds its gradient before the sum.
+            replay_metrics = (self.replay.accumulate_gradients(self.model)
+                              if self.replay is not None and self.dist.is_main else {})
+            self.dist.sum_gradients(self.model.parameters())
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
@@ -221,38 +251,48 @@ class GRPOTrainer:
         return metrics
 
     def _metrics(self, batch, sums, maxes, entropy_sum, grad_norm, beta, timings) -> dict[str, float]:
-        """One host sync per step: every tensor metric becomes a float here."""
-        mask = batch.rollout.completion_mask
-        lengths = mask.sum(-1).float()
-        n_tok = batch.normalizer.num_tokens
-        n_seq = batch.rollout.size
-        t: dict[str, torch.Tensor] = {
-            "train/loss": sums["loss"], "train/policy_loss": sums["policy_loss"],
-            "train/reward": batch.rewards.mean(),
-            "train/reward_std": batch.rewards.view(-1, batch.rollout.group_size).std(dim=1).mean(),
-            "train/advantage_abs": batch.advantages.abs().mean(),
-            "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
-            "completions/clipped_ratio": batch.rollout.truncated.float().mean(),
-            "clip_ratio/low": sums["clip_low"] / n_tok, "clip_ratio/high": sums["clip_high"] / n_tok,
-            "clip_ratio": (sums["clip_low"] + sums["clip_high"]) / n_tok,
-            "entropy": entropy_sum / mask.sum().clamp(min=1), "grad_norm": grad_norm,
-        }
+        """Reduce this rank's sums across ranks, then one host sync turns every metric into a float."""
+        rollout, g = batch.rollout, batch.rollout.group_size
+        lengths = rollout.completion_mask.sum(-1).float()
+        local = dict(sums)
+        local.update({
+            "entropy": entropy_sum, "completion_tokens": lengths.sum(), "truncated": rollout.truncated.float().sum(),
+            "reward": batch.rewards.sum(), "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
+            "advantage_abs": batch.advantages.abs().sum(),
+        })
         for name, values in batch.reward_columns.items():
-            t[f"rewards/{name}"] = values.float().mean()
-        penalty = sums.get("loss_kl_penalty", 0.0) + sums.get("reward_kl_penalty", 0.0) / n_seq
+            local[f"rewards/{name}"] = values.to(self.device).float().sum()
+        local_max = dict(maxes, length=lengths.max())
+        keys, max_keys = sorted(local), sorted(local_max)
+        total = self.dist.sum(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=self.device)
+                                           .reshape(()) for k in keys]))
+        peak = self.dist.max(torch.stack([local_max[k].float().reshape(()) for k in max_keys]))
+        values = dict(zip(keys, total.tolist()))
+        values.update({f"max/{k}": v for k, v in zip(max_keys, peak.tolist())})
+        n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
+        n_tok_safe = max(n_tok, 1.0)
+        metrics = {
+            "train/loss": values["loss"], "train/policy_loss": values["policy_loss"],
+            "train/reward": values["reward"] / n_seq, "train/reward_std": values["reward_group_std"] / (n_seq / g),
+            "train/advantage_abs": values["advantage_abs"] / n_seq,
+            "completions/mean_length": values["completion_tokens"] / n_seq, "completions/max_length": values["max/length"],
+            "completions/clipped_ratio": values["truncated"] / n_seq,
+            "clip_ratio/low": values["clip_low"] / n_tok_safe, "clip_ratio/high": values["clip_high"] / n_tok_safe,
+            "clip_ratio": (values["clip_low"] + values["clip_high"]) / n_tok_safe,
+            "entropy": values["entropy"] / max(values["completion_tokens"], 1.0), "grad_norm": float(grad_norm),
+        }
+        metrics.update({k: v / n_seq for k, v in values.items() if k.startswith("rewards/")})
         if batch.ref_logp is not None:
-            t.update({
-                "train/kl_penalty": torch.as_tensor(penalty),
-                "adaptive_kl/raw_kl": sums["raw_kl"] / n_tok, "adaptive_kl/adapted_kl": sums["adapted_kl"] / n_tok,
-                "kl/k1": sums["k1"] / n_tok, "kl/k2": sums["k2"] / n_tok, "kl/k3": sums["k3"] / n_tok,
-                "kl/max": maxes["k3"], "kl/clamp_frac": sums["clamp"] / n_tok,
-                "kl/sequence_sum": sums["k1"] / n_seq,
+            metrics.update({
+                "train/kl_penalty": values.get("loss_kl_penalty", 0.0) + values.get("reward_kl_penalty", 0.0) / n_seq,
+                "adaptive_kl/raw_kl": values["raw_kl"] / n_tok_safe,
+                "adaptive_kl/adapted_kl": values["adapted_kl"] / n_tok_safe,
+                "kl/k1": values["k1"] / n_tok_safe, "kl/k2": values["k2"] / n_tok_safe, "kl/k3": values["k3"] / n_tok_safe,
+                "kl/max": values["max/k3"], "kl/clamp_frac": values["clamp"] / n_tok_safe,
+                "kl/sequence_sum": values["k1"] / n_seq,
             })
-            if "shaping_clip" in sums:
-                t["kl/shaping_clip_frac"] = sums["shaping_clip"] / n_tok
-        names = list(t)
-        values = torch.stack([torch.as_tensor(t[k], dtype=torch.float32).reshape(()).cpu() for k in names]).tolist()
-        metrics = dict(zip(names, values))
+            if "shaping_clip" in values:
+                metrics["kl/shaping_clip_frac"] = values["shaping_clip"] / n_tok_safe
         metrics["adaptive_kl/current_beta"] = beta
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics.update(timings)
@@ -322,9 +362,15 @@ class GRPOTrainer:
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None}
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
-                               trainer_state=self._trainer_state(), reference=self.reference,
-                               keep=self.cfg.train.keep_checkpoints)
+        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
+        rng = self.dist.gather_objects(rng_state())
+        path = self.run_dir / "checkpoints" / f"step_{self.step}"
+        if self.dist.is_main:
+            path = save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
+                                   trainer_state={**self._trainer_state(), "rng_by_rank": rng},
+                                   reference=self.reference, keep=self.cfg.train.keep_checkpoints)
+        self.dist.barrier()
+        return path
 
     def resume(self, resume: str) -> None:
         from safetensors.torch import load_model
@@ -342,55 +388,76 @@ class GRPOTrainer:
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
         self._batch = state.get("pending_batch")
+        if self._batch is not None and len(state.get("rng_by_rank", [None])) != self.dist.world_size:
+            self._batch = None  # a half-used batch belongs to the old process layout: draw a new one
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
         if self.reference is not None:
             self.reference.load(ckpt)
-        set_rng_state(state["rng"])
+        rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
+        if len(rng_by_rank) == self.dist.world_size:
+            set_rng_state(rng_by_rank[self.dist.rank])
+        else:  # another world size: resumes correctly but not bit-identically
+            _seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
         self.step = int(state["step"])
         self.log(f"resumed from {ckpt} at step {self.step}")
 
-    def train(self, resume: str | None = None) -> dict[str, Any]:
+    def _should_stop(self, metrics: dict[str, float], start: float) -> bool:
+        """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if not all(math.isfinite(v) for k, v in metrics.items() if k.startswith(("train/loss", "kl/"))):
+            self._stop_reason = f"non-finite loss or KL at step {self.step}; see metrics.jsonl"
+            return True
+        over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
+        if self.dist.enabled:
+            over = bool(self.dist.max(torch.tensor(float(over and self.dist.is_main), device=self.device)).item())
+        if over:
+            self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
+        return over
+
+    def train(self, resume: str | None = None) -> dict[str, Any]:
+        cfg, main = self.cfg, self.dist.is_main
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         if resume:
             self.resume(resume)
         start = time.perf_counter()
-        eval_before = self.evaluate() if self.eval_sets and self.step == 0 else {}
+        evaluate = main and bool(self.eval_sets)  # greedy evaluation runs on rank 0 only
+        eval_before = self.evaluate() if evaluate and self.step == 0 else {}
         history: list[dict[str, float]] = []
-        with MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                           progress=cfg.logging.progress, start_step=self.step) as logger:
+        logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
+                                progress=cfg.logging.progress, start_step=self.step) if main else _SilentLogger())
+        with logger:
             if eval_before:
                 logger.log(0, eval_before)
             with _save_on_interrupt(self, logger):
                 while self.step < cfg.train.steps:
                     metrics = self.train_step()
-                    if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
+                    if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                         metrics.update(self.evaluate())
                     logger.log(self.step, metrics)
                     history.append(metrics)
-                    if not all(math.isfinite(v) for k, v in metrics.items() if k.startswith(("train/loss", "kl/"))):
-                        self._stop_reason = f"non-finite loss or KL at step {self.step}; see metrics.jsonl"
-                        break
-                    if cfg.train.save_every and self.step % cfg.train.save_every == 0:
+                    stop = self._should_stop(metrics, start)
+                    if cfg.train.save_every and self.step % cfg.train.save_every == 0 and not stop:
                         self.save()
-                    if cfg.train.max_wall_seconds and time.perf_counter() - start > cfg.train.max_wall_seconds:
-                        self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
+                    if stop:
                         break
             if self._stop_reason:
                 logger.message(f"stopped at step {self.step}: {self._stop_reason}")
-            eval_after = self.evaluate() if self.eval_sets else {}
+            eval_after = self.evaluate() if evaluate else {}
             if eval_after:
                 logger.log(self.step, eval_after)
-        if not list_checkpoints(self.run_dir) or list_checkpoints(self.run_dir)[-1].name != f"step_{self.step}":
+        if not (self.run_dir / "checkpoints" / f"step_{self.step}").exists():
             self.save()
         summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if cfg.logging.plots:
-            from klgrpo.report import make_plots
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if cfg.logging.plots:
+                from klgrpo.report import make_plots
 
-            make_plots(self.run_dir)
+                make_plots(self.run_dir)
+        self.dist.barrier()
         return summary
 
     def _summary(self, history, eval_before, eval_after, wall) -> dict[str, Any]:
@@ -408,6 +475,7 @@ class GRPOTrainer:
             "kl_estimator": self.cfg.kl.estimator,
             "kl_placement": self.cfg.kl.placement,
             "stopped_early": self._stop_reason or None,
+            "world_size": self.dist.world_size,
             "run_dir": str(self.run_dir),
         }
 
@@ -455,6 +523,22 @@ def _run_dir(cfg: GRPOConfig) -> Path:
         return Path(cfg.train.output_dir)
     name = cfg.train.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / name
+
+
+class _SilentLogger:
+    """The metrics sink of ranks other than 0."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def log(self, step, metrics):
+        pass
+
+    def message(self, text):
+        pass
 
 
 @contextmanager
