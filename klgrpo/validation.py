@@ -63,7 +63,9 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
         need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
         need(k.coef > 0, f"kl.controller={k.controller} multiplies beta: set kl.coef > 0 as its starting value")
     if k.controller == "adaptive":
-        need(k.horizon > 0, "kl.horizon must be > 0 for the adaptive controller")
+        # Ziegler's factor 1 + e * n / horizon with |e| <= 0.2 stays positive only if horizon > 0.2 * n.
+        need(k.horizon > 0.2 * batch, f"kl.horizon={k.horizon:g} must exceed 0.2 x the batch of {batch} sequences "
+                                      f"(Ziegler et al. use ~10000), or beta could reach 0 in one update")
     need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
     if cfg.model.name_or_path:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
