@@ -35,6 +35,8 @@ class LoraConfig:
     alpha: float = _f(32.0, "LoRA alpha (scaling = alpha / r)")
     dropout: float = _f(0.0, "LoRA dropout")
     target_modules: list = _f(["all-linear"], "module names to adapt, or ['all-linear']")
+    save_merged: bool = _f(False, "at the end, also write merged full weights (base + adapter, loadable with "
+                                  "AutoModelForCausalLM) to <output_dir>/merged; see klgrpo.lora.export_merged")
 
 
 @dataclass
