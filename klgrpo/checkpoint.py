@@ -57,7 +57,10 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     tmp = root / f".tmp_step_{step}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
+        model.save_pretrained(tmp, safe_serialization=True, selected_adapters=["default"])
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if reference is not None:

@@ -450,6 +450,11 @@ class GRPOTrainer:
                 logger.log(self.step, eval_after)
         if not (self.run_dir / "checkpoints" / f"step_{self.step}").exists():
             self.save()
+        if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
+            from klgrpo.lora import export_merged
+
+            export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
+                          base_model=cfg.model.name_or_path or None)
         summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -67,6 +67,9 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
         need(k.horizon > 0.2 * batch, f"kl.horizon={k.horizon:g} must exceed 0.2 x the batch of {batch} sequences "
                                       f"(Ziegler et al. use ~10000), or beta could reach 0 in one update")
     need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
+    need(not (cfg.model.lora.r > 0 and k.reference and k.sync_every),
+         "kl.sync_every with LoRA needs the adapter-disabled reference: leave kl.reference empty (a separate "
+         "reference checkpoint cannot be synced from adapter weights)")
     if cfg.model.name_or_path:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
                                     "model.name_or_path empty to run the embedded demo)")
