@@ -1,0 +1,27 @@
+"""The embedded demo's assets: char tokenizer, tiny Llama, arithmetic tasks, SFT warm start, cache.
+
+The entry point is :func:`prepare_demo_assets`; submodules are imported lazily so that importing
+``klgrpo.demo`` stays cheap.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DemoAssets", "DemoSettings", "prepare_demo_assets", "build_char_tokenizer", "build_tiny_model",
+           "save_tiny_model_and_tokenizer"]
+
+_WHERE = {
+    "DemoAssets": "klgrpo.demo.assets",
+    "DemoSettings": "klgrpo.demo.assets",
+    "prepare_demo_assets": "klgrpo.demo.assets",
+    "build_char_tokenizer": "klgrpo.demo.tokenizer",
+    "build_tiny_model": "klgrpo.demo.model",
+    "save_tiny_model_and_tokenizer": "klgrpo.demo.model",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        from importlib import import_module
+
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'klgrpo.demo' has no attribute {name!r}")

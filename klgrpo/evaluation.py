@@ -1,0 +1,111 @@
+"""Greedy-decoding accuracy of a causal LM on (prompt, answer) pairs.
+
+Used for the demo's before/after numbers, the trainer's evaluation and retention sets, and the SFT
+warm start's stopping rule. Prompts are tokenized with the tokenizer's defaults (``add_special_tokens``
+left on, as for any generation), left-padded, and decoded greedily with transformers ``generate``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+#: reward_fn(prompts, completions, answer=answers) -> one score per completion (klgrpo.rewards' signature).
+RewardFn = Callable[..., Sequence[float]]
+
+
+def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_) -> list[float]:
+    """1.0 where the stripped completion equals the stripped answer, else 0.0."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def greedy_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> list[str]:
+    """The greedy completion of every prompt, cut at the first EOS, special tokens removed.
+
+    EOS means any id in ``model.generation_config.eos_token_id`` (an id or a list, as chat models
+    have) or ``tokenizer.eos_token_id``, the same rule as the rollout. The model's train/eval mode is
+    restored afterwards; no gradients are recorded.
+    """
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token before evaluating")
+    eos_ids = _eos_ids(model, tokenizer)
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=eos_ids or None
+    )
+    was_training = model.training
+    model.eval()
+    completions: list[str] = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(prompts), batch_size):
+                chunk = list(prompts[start : start + batch_size])
+                rows = tokenizer(chunk)["input_ids"]
+                if not all(rows):
+                    empty = start + next(i for i, r in enumerate(rows) if not r)
+                    raise ValueError(f"prompt {empty} ({prompts[empty]!r}) encodes to no tokens; give every prompt some text")
+                input_ids, attention_mask = _left_padded(rows, pad_id, model.device)
+                output_ids = model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+                )
+                new_ids = output_ids[:, input_ids.shape[1] :].tolist()
+                completions += [tokenizer.decode(_cut_at(ids, eos_ids), skip_special_tokens=True) for ids in new_ids]
+    finally:
+        model.train(was_training)
+    return completions
+
+
+def greedy_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 256,
+    reward_fn: RewardFn | None = None,
+) -> float:
+    """Mean of ``reward_fn(prompts, completions, answer=answers)`` over greedy completions.
+
+    The default ``reward_fn`` is :func:`exact_match`. An empty prompt list is an error (no accuracy).
+    """
+    if len(prompts) != len(answers):
+        raise ValueError(f"greedy_accuracy: {len(prompts)} prompts but {len(answers)} answers; pass one answer per prompt")
+    if not prompts:
+        raise ValueError("greedy_accuracy: no prompts to evaluate")
+    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    scores = (reward_fn or exact_match)(list(prompts), completions, answer=list(answers))
+    return float(sum(float(s) for s in scores) / len(prompts))
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, width - len(row) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _cut_at(ids: list[int], eos_ids: list[int]) -> list[int]:
+    """``ids`` up to (excluding) the first EOS."""
+    for t, token in enumerate(ids):
+        if token in eos_ids:
+            return ids[:t]
+    return ids
