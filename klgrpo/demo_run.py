@@ -4,10 +4,13 @@
    (cached in the user's cache folder), so the reference is a real SFT model as in RLHF practice.
 2. GRPO with a KL toward that reference (k3 value with the reverse-KL gradient, adaptive beta) trains
    addition only; reward 1 for the exact answer.
+   A replay anchor (on by default) adds the exact KL to the reference on unlabeled subtraction prompts:
+   the KL on the addition prompts alone does not keep subtraction where it was (issue 7; klgrpo/replay.py).
 3. Greedy accuracy on held-out prompts, before and after: addition (the trained skill) and subtraction
    (retention: the forgetting the KL is meant to limit).
 
-Every setting can be overridden like any run: ``klgrpo train --kl.coef 0 --train.steps 100``.
+Every setting can be overridden like any run: ``klgrpo train --kl.coef 0 --train.steps 100``; the anchor
+goes off with ``--kl.replay.coef 0``.
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
         "rollout": {"group_size": 8, "prompts_per_step": 32, "max_new_tokens": 4, "temperature": 1.0},
         "rewards": {"functions": [{"name": "exact_match"}]},
         "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": "adaptive",
-               "target": 0.05, "horizon": 10000},
+               "target": 0.05, "horizon": 10000,
+               # The retention guard: exact KL on 64 subtraction prompts x 2 reference completions, 32 a step.
+               "replay": {"coef": 1.0, "source": str(assets.replay_file), "estimator": "full", "num_prompts": 64,
+                          "completions_per_prompt": 2, "batch_size": 32}},
         "optim": {"lr": 3e-4, "max_grad_norm": 1.0},
         "eval": {"sets": [{"name": name, "source": str(path)} for name, path in assets.eval_files.items()],
                  "every": 100},
-        "train": {"steps": 300, "seed": seed, "save_every": 100, "max_wall_seconds": 240,
+        # One torch thread: beside another CPU-bound process, 2 OpenMP threads made steps 4-11x slower
+        # (NOTES_DEMO.md; measured again here: 2.2 s/step vs 0.2 s/step with one thread on a busy machine).
+        "train": {"steps": 300, "seed": seed, "save_every": 100, "max_wall_seconds": 240, "torch_threads": 1,
                   "output_dir": f"runs/demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"},
     }, origin="demo defaults")
 
@@ -55,6 +63,9 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     print(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
           f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
           f"{HELD_OUT} is never trained")
+    if cfg.kl.replay.coef > 0:
+        print(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
+              f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
     trainer = GRPOTrainer(cfg, log=lambda m: print(f"      {m}"))
     summary = trainer.train(resume=resume)
     print("  3/3 greedy evaluation on held-out prompts, before and after")
@@ -62,6 +73,7 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     summary.update({
         "accuracy_before": before.get(TRAINED), "accuracy_after": after.get(TRAINED),
         "retention_before": before.get(HELD_OUT), "retention_after": after.get(HELD_OUT),
+        "replay_coef": cfg.kl.replay.coef, "final_replay_kl": _last(trainer.run_dir, "kl/replay"),
         "sft": assets.sft_stats, "sft_from_cache": assets.from_cache,
         "total_wall_seconds": round(time.perf_counter() - t0, 2),
     })
@@ -71,8 +83,23 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     return 0
 
 
+def _last(run_dir, name: str):
+    """The last logged value of a metric (None when never logged)."""
+    from klgrpo.metrics import read_metrics
+
+    try:
+        values = [r[name] for r in read_metrics(run_dir) if name in r]
+    except FileNotFoundError:
+        return None
+    return values[-1] if values else None
+
+
 def _pct(x) -> str:
     return "  n/a" if x is None else f"{100 * x:5.1f}%"
+
+
+def _signed(points) -> str:
+    return "n/a" if points is None else f"{points:+.1f}"
 
 
 def _print_summary(s: dict, run_dir) -> None:
@@ -92,6 +119,15 @@ def _print_summary(s: dict, run_dir) -> None:
           f"final beta {s['final_beta']:.4f}")
     if s.get("stopped_early"):
         print(f"  stopped early: {s['stopped_early']}")
+    print()
+    if s.get("replay_coef"):
+        rkl = s.get("final_replay_kl")
+        print(f"  with the replay anchor (coef {s['replay_coef']:g}, final replay KL "
+              f"{rkl if rkl is None else round(rkl, 4)}): {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points")
+        print(f"  the same run without it (the KL on {TRAINED} prompts only):  klgrpo train --kl.replay.coef 0")
+    else:
+        print(f"  replay anchor off: {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points; "
+              f"the anchor keeps {HELD_OUT} near the reference: klgrpo train --kl.replay.coef 1")
     print(f"\n  run folder   {run_dir}  (summary.json, metrics.jsonl, config.yaml, checkpoints/)")
     print(f"  plots        {run_dir / 'plots'}  (redraw: klgrpo report {run_dir})")
     print(f"  TensorBoard  tensorboard --logdir {run_dir / 'tb'}")

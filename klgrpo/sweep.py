@@ -1,0 +1,499 @@
+"""``klgrpo sweep``: a grid of trainings (the demo by default), one normal run folder per cell and seed, and
+one table of accuracy, retention, final KL and wall time with the spread over seeds.
+
+    klgrpo sweep --grid kl.coef=0,0.04 --grid kl.replay.coef=0,1 --seeds 0,1
+    klgrpo sweep --config run.yaml --grid kl.estimator=k2,k3_st --output-dir runs/sweep-est -- --train.steps 200
+
+Each run is ``python -m klgrpo train`` in a subprocess (a crash in one cell is reported, the others still
+run), in ``<output-dir>/<key=value,...>/seed=<s>/`` with its output in ``sweep.log`` there. Running the same
+command again skips the runs that finished (their summary.json exists) and reruns the others from scratch.
+
+The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png):
+    accuracy   greedy accuracy after training on the trained skill, and its change in points from before
+    retention  the same for every other evaluation set (forgetting shows as a negative change)
+    which set is which: the demo's names (addition trained, subtraction held out) when present; otherwise
+               the first entry of eval.sets is the task and the others are retention sets
+    final KL   adaptive_kl/raw_kl of the last step (training prompts); replay KL = the last kl/replay
+    wall s     the run's total wall seconds (the demo's includes loading; the trainer's is GRPO + evaluation)
+Each value is the mean +- the sample standard deviation over the seeds that finished (min..max in
+table.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from klgrpo.errors import KLGRPOError
+
+SUMMARY_FILE = "summary.json"
+LOG_FILE = "sweep.log"
+PLOT_FILE = "accuracy_vs_retention.png"
+#: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter
+#: (no TensorBoard, plots or intermediate checkpoints), one torch thread (repeatable, and no OpenMP
+#: blow-up beside other processes), and no wall-clock guard (a busy machine must not cut some cells short).
+SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "logging.plots": "false",
+                  "train.save_every": "0", "train.torch_threads": "1", "train.max_wall_seconds": "0"}
+#: Owned by the sweep: a run's folder and seed.
+_RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")
+
+USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--seeds 0,1] [--config FILE] [--output-dir DIR]
+                    [--jobs N] [--dry-run] [-- extra train overrides ...]
+
+Runs `klgrpo train` for every combination of the --grid values and every seed (no --config and no
+model.name_or_path: the embedded demo). Re-running the same command skips finished runs.
+
+  --grid KEY=V1,V2,...  a config field (as in `klgrpo train --KEY VALUE`) and its values; repeat for a product
+  --seeds S1,S2,...     training seeds (default 0); the table gives mean +- std over them
+  --config FILE         YAML config of every run
+  --output-dir DIR      the sweep folder (default runs/sweep-<timestamp>)
+  --jobs N              runs at once (default 1; each run uses one torch thread)
+  --dry-run             print the commands and exit
+  -- ...                overrides for every run, e.g. -- --train.steps 150
+"""
+
+
+class SweepError(KLGRPOError):
+    """A bad sweep command line."""
+
+
+@dataclass
+class Cell:
+    """One grid point: the (key, value text) overrides in --grid order."""
+
+    overrides: tuple[tuple[str, str], ...]
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"{k}={_safe(v)}" for k, v in self.overrides) or "base"
+
+
+@dataclass
+class Run:
+    cell: Cell
+    seed: int
+    run_dir: Path
+    status: str = "pending"        # finished | skipped (finished before) | failed
+    error: str = ""
+    summary: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def split_values(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes: ``0,[a,b],'x,y'`` -> ['0', '[a,b]', "'x,y'"]."""
+    out, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur.strip())
+    return out
+
+
+def parse_grid(args: list[str]) -> list[tuple[str, list[str]]]:
+    """``["kl.coef=0,0.1", ...]`` -> [("kl.coef", ["0", "0.1"]), ...], each value checked against the field's type."""
+    from klgrpo.config import GRPOConfig
+
+    grid: list[tuple[str, list[str]]] = []
+    for arg in args:
+        key, eq, values_text = arg.partition("=")
+        key = key.strip().removeprefix("--")
+        if not eq or not key or not values_text.strip():
+            raise SweepError(f"--grid {arg!r}: write KEY=V1,V2,... e.g. --grid kl.coef=0,0.04")
+        if key in _RESERVED:
+            raise SweepError(f"--grid {arg!r}: {key} is set by the sweep for each run; use --seeds for seeds")
+        if any(k == key for k, _ in grid):
+            raise SweepError(f"--grid {arg!r}: {key} is already in another --grid; list all its values in one")
+        values = split_values(values_text)
+        if any(v == "" for v in values):
+            raise SweepError(f"--grid {arg!r}: an empty value; separate values by single commas")
+        if len(set(values)) != len(values):
+            raise SweepError(f"--grid {arg!r}: a value is repeated")
+        for v in values:
+            try:
+                GRPOConfig().override({key: v}, origin=f"--grid {arg}")
+            except KLGRPOError as exc:
+                raise SweepError(str(exc)) from None
+        grid.append((key, values))
+    return grid
+
+
+def cells_of(grid: list[tuple[str, list[str]]]) -> list[Cell]:
+    """The product of the grid in --grid order (the last key varies fastest)."""
+    keys = [k for k, _ in grid]
+    return [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*[v for _, v in grid])]
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in split_values(text)]
+    except ValueError:
+        raise SweepError(f"--seeds {text!r}: write integers separated by commas, e.g. --seeds 0,1,2") from None
+    if len(set(seeds)) != len(seeds):
+        raise SweepError(f"--seeds {text!r}: a seed is repeated")
+    return seeds
+
+
+def _overrides_in(extra: list[str]) -> set[str]:
+    return {a[2:].partition("=")[0] for a in extra if a.startswith("--")}
+
+
+def _safe(value: str) -> str:
+    """A value as it appears in a folder name (path separators and spaces replaced)."""
+    return "".join("_" if c in "/\\ :*?\"<>|" else c for c in value)
+
+
+# ---------------------------------------------------------------------------------------------- running
+def train_argv_prefix() -> list[str]:
+    """How a run starts (tests replace it with a fake trainer)."""
+    return [sys.executable, "-m", "klgrpo", "train"]
+
+
+def run_argv(run: Run, config: str | None, extra: list[str]) -> list[str]:
+    argv = list(train_argv_prefix())
+    if config:
+        argv += ["--config", config]
+    for key, value in SWEEP_DEFAULTS.items():
+        if key not in _overrides_in(extra):
+            argv += [f"--{key}", value]
+    argv += list(extra)
+    for key, value in run.cell.overrides:
+        argv += [f"--{key}", value]
+    return argv + ["--train.seed", str(run.seed), "--output-dir", str(run.run_dir)]
+
+
+def execute(run: Run, argv: list[str]) -> None:
+    """Run one training in a subprocess, its output into <run>/sweep.log; sets status, error, summary."""
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    with open(run.run_dir / LOG_FILE, "w", encoding="utf-8") as log:
+        log.write("$ " + " ".join(argv) + "\n")
+        log.flush()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    run.seconds = time.perf_counter() - t0
+    summary = _read_summary(run.run_dir)
+    if code != 0 or summary is None:
+        run.status = "failed"
+        why = f"exit code {code}" if code != 0 else f"no {SUMMARY_FILE} written"
+        run.error = f"{why}: {_last_line(run.run_dir / LOG_FILE)}"
+    else:
+        run.status, run.summary = "finished", summary
+
+
+def _read_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
+              log: Callable[[str], None] = print) -> list[Run]:
+    runs = [Run(cell, seed, out / cell.name / f"seed={seed}") for cell in cells for seed in seeds]
+    todo = []
+    for run in runs:
+        summary = _read_summary(run.run_dir)
+        if summary is not None:
+            run.status, run.summary = "skipped", summary
+        else:
+            todo.append(run)
+    done = len(runs) - len(todo)
+    log(f"klgrpo sweep: {len(cells)} settings x {len(seeds)} seeds = {len(runs)} runs in {out}"
+        + (f" ({done} finished before, skipped)" if done else ""))
+    counter = itertools.count(done + 1)
+
+    def one(run: Run) -> Run:
+        execute(run, run_argv(run, config, extra))
+        verdict = f"{run.seconds:.0f} s" if run.status == "finished" else f"FAILED ({run.error})"
+        log(f"  [{next(counter)}/{len(runs)}] {run.cell.name} seed={run.seed}: {verdict}")
+        return run
+
+    if jobs <= 1:
+        for run in todo:
+            one(run)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, todo))
+    return runs
+
+
+# --------------------------------------------------------------------------------------------- the table
+def skill_names(summary: dict) -> tuple[str | None, list[str]]:
+    """(trained set, retention sets) of a run: the demo's names when present, else first / the others."""
+    from klgrpo.demo_run import HELD_OUT, TRAINED
+
+    names = list(summary.get("eval_after") or summary.get("eval_before") or {})
+    if TRAINED in names and HELD_OUT in names:
+        return TRAINED, [HELD_OUT] + [n for n in names if n not in (TRAINED, HELD_OUT)]
+    return (names[0] if names else None), names[1:]
+
+
+def _final_replay_kl(run: Run) -> float | None:
+    if run.summary.get("final_replay_kl") is not None:
+        return run.summary["final_replay_kl"]
+    try:
+        from klgrpo.metrics import read_metrics
+
+        values = [r["kl/replay"] for r in read_metrics(run.run_dir) if "kl/replay" in r]
+    except (OSError, KLGRPOError):
+        return None
+    return values[-1] if values else None
+
+
+def run_values(run: Run, trained: str | None, retention: list[str]) -> dict[str, float | None]:
+    """The table's numbers for one finished run (accuracies as fractions, changes in points)."""
+    s = run.summary
+    before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
+    values: dict[str, float | None] = {}
+    for name in ([trained] if trained else []) + retention:
+        a, b = after.get(name), before.get(name)
+        values[f"{name}/after"] = a
+        values[f"{name}/change"] = None if a is None or b is None else 100.0 * (a - b)
+    values["final_kl"] = s.get("final_kl")
+    values["replay_kl"] = _final_replay_kl(run)
+    values["wall_seconds"] = s.get("total_wall_seconds", s.get("wall_seconds"))
+    values["steps"] = s.get("steps")
+    return values
+
+
+def aggregate(xs: list[float | None]) -> dict[str, Any] | None:
+    """mean, sample std (ddof 1; 0 for one value), min, max and n of the non-missing, finite values."""
+    vals = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+    if not vals:
+        return None
+    n = len(vals)
+    mean = sum(vals) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
+    return {"mean": mean, "std": sd, "min": min(vals), "max": max(vals), "n": n}
+
+
+def build_table(runs: list[Run]) -> dict[str, Any]:
+    ok = [r for r in runs if r.status in ("finished", "skipped")]
+    trained, retention = skill_names(ok[0].summary) if ok else (None, [])
+    cells: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        entry = cells.setdefault(run.cell.name, {"setting": run.cell.name, "overrides": dict(run.cell.overrides),
+                                                 "seeds": [], "failed": [], "runs": []})
+        record = {"seed": run.seed, "run_dir": str(run.run_dir), "status": run.status}
+        if run.status == "failed":
+            entry["failed"].append({"seed": run.seed, "error": run.error, "log": str(run.run_dir / LOG_FILE)})
+        else:
+            record["values"] = run_values(run, trained, retention)
+            if run.summary.get("stopped_early"):
+                record["stopped_early"] = run.summary["stopped_early"]
+            entry["seeds"].append(run.seed)
+        entry["runs"].append(record)
+    for entry in cells.values():
+        keys = {k for r in entry["runs"] for k in r.get("values", {})}
+        entry["stats"] = {k: aggregate([r["values"].get(k) for r in entry["runs"] if "values" in r])
+                          for k in sorted(keys)}
+    return {"trained": trained, "retention": retention, "cells": list(cells.values())}
+
+
+def _fmt(stat: dict | None, kind: str) -> str:
+    if stat is None:
+        return "n/a"
+    m, sd, n = stat["mean"], stat["std"], stat["n"]
+    if kind == "pct":
+        text, spread = f"{100 * m:.1f}%", f"{100 * sd:.1f}"
+    elif kind == "pts":
+        text, spread = f"{round(m, 1) + 0.0:+.1f}", f"{sd:.1f}"  # + 0.0: no "-0.0"
+    elif kind == "kl":
+        text, spread = f"{m:.4f}", f"{sd:.4f}"
+    elif kind == "range":
+        lo, hi = stat["min"], stat["max"]
+        return f"{lo:.0f}" if lo == hi else f"{lo:.0f}..{hi:.0f}"
+    else:
+        text, spread = f"{m:.0f}", f"{sd:.0f}"
+    return text if n < 2 else f"{text} ± {spread}"
+
+
+def table_markdown(table: dict[str, Any], header: list[str]) -> str:
+    trained, retention = table["trained"], table["retention"]
+    has_replay = any(c["stats"].get("replay_kl") for c in table["cells"])
+    cols = ["setting", "seeds"]
+    if trained:
+        cols += [f"{trained} after", f"{trained} change (pts)"]
+    for name in retention:
+        cols += [f"{name} after", f"{name} change (pts)"]
+    cols += ["final KL"] + (["replay KL"] if has_replay else []) + ["wall s", "steps"]
+    lines = [*header, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    notes = []
+    for c in table["cells"]:
+        st = c["stats"]
+        seeds = ",".join(map(str, c["seeds"])) or "-"
+        if c["failed"]:
+            seeds += f" (failed: {','.join(str(f['seed']) for f in c['failed'])})"
+            notes += [f"- {c['setting']} seed={f['seed']} failed: {f['error']} (log: {f['log']})" for f in c["failed"]]
+        row = [c["setting"], seeds]
+        for name in ([trained] if trained else []) + retention:
+            row += [_fmt(st.get(f"{name}/after"), "pct"), _fmt(st.get(f"{name}/change"), "pts")]
+        row += [_fmt(st.get("final_kl"), "kl")] + ([_fmt(st.get("replay_kl"), "kl")] if has_replay else [])
+        row += [_fmt(st.get("wall_seconds"), "s"), _fmt(st.get("steps"), "range")]
+        lines.append("| " + " | ".join(row) + " |")
+    if notes:
+        lines += ["", "Failed runs (rerun the same command to retry them):", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict[str, Any], path: Path) -> Path | None:
+    """Trained-skill change (y) against the first retention set's change (x), error bars = std over seeds."""
+    trained, retention = table["trained"], table["retention"]
+    if not trained or not retention:
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5), dpi=110)
+    ax = fig.add_subplot()
+    for c in table["cells"]:
+        x, y = c["stats"].get(f"{retention[0]}/change"), c["stats"].get(f"{trained}/change")
+        if x is None or y is None:
+            continue
+        ax.errorbar(x["mean"], y["mean"], xerr=x["std"], yerr=y["std"], fmt="o", capsize=3)
+        ax.annotate(c["setting"], (x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel(f"{retention[0]} change (points): retention, higher is better")
+    ax.set_ylabel(f"{trained} change (points): the trained skill")
+    ax.set_title("accuracy vs retention (mean ± std over seeds)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="klgrpo sweep", usage=USAGE, add_help=False)
+    p.add_argument("--grid", action="append", default=[])
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--config")
+    p.add_argument("--output-dir")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    parser = _parser()
+
+    def fail(message: str) -> None:
+        raise SweepError(message.replace("argument ", "").replace("unrecognized arguments", "unknown options"))
+
+    parser.error = fail  # one-sentence errors instead of argparse's usage dump
+    args = parser.parse_args(argv)
+    if args.help:
+        return args, extra
+    if not args.grid:
+        raise SweepError("give at least one --grid KEY=V1,V2,... (e.g. --grid kl.coef=0,0.04)")
+    if args.jobs < 1:
+        raise SweepError(f"--jobs {args.jobs}: must be >= 1")
+    if args.config and not Path(args.config).is_file():
+        raise SweepError(f"--config {args.config}: no such file")
+    clash = _overrides_in(extra) & set(_RESERVED)
+    if clash:
+        raise SweepError(f"-- {' '.join(sorted(clash))}: set by the sweep for each run (use --seeds and --output-dir)")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, extra = parse_args(argv)
+        if args.help:
+            print(USAGE)
+            return 0
+        grid = parse_grid(args.grid)
+        both = _overrides_in(extra) & {k for k, _ in grid}
+        if both:
+            raise SweepError(f"{', '.join(sorted(both))} is both in --grid and after --; keep it in one place")
+        seeds = parse_seeds(args.seeds)
+    except KLGRPOError as exc:
+        print(f"klgrpo sweep: error: {exc}", file=sys.stderr)
+        return 2
+    cells = cells_of(grid)
+    out = Path(args.output_dir or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    if args.dry_run:
+        for cell in cells:
+            for seed in seeds:
+                print(" ".join(run_argv(Run(cell, seed, out / cell.name / f"seed={seed}"), args.config, extra)))
+        return 0
+    t0 = time.perf_counter()
+    try:
+        runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
+    except KeyboardInterrupt:
+        print(f"klgrpo sweep: interrupted; run the same command with --output-dir {out} to continue "
+              f"(finished runs are skipped)", file=sys.stderr)
+        return 130
+    wall = time.perf_counter() - t0
+    table = build_table(runs)
+    header = _header(grid, seeds, args.config, extra, table, out, wall)
+    text = table_markdown(table, header)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text)
+    (out / "table.json").write_text(json.dumps({"header": header, "grid": dict(grid), "seeds": seeds,
+                                                "sweep_wall_seconds": round(wall, 1), **table}, indent=2))
+    print()
+    print(text)
+    try:
+        picture = plot(table, out / PLOT_FILE)
+    except Exception as exc:  # a plot must not hide the table
+        picture = None
+        print(f"(no plot: {type(exc).__name__}: {exc})")
+    print(f"saved {out / 'table.md'}, {out / 'table.json'}" + (f", {picture}" if picture else ""))
+    return 1 if any(r.status == "failed" for r in runs) else 0
+
+
+def _header(grid, seeds, config, extra, table, out: Path, wall: float) -> list[str]:
+    trained, retention = table["trained"], table["retention"]
+    base = f"--config {config}" if config else "the embedded demo"
+    defaults = " ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items() if k not in _overrides_in(extra))
+    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid)
+    lines = [f"# klgrpo sweep {out}",
+             "",
+             f"- grid: {axes}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s",
+             f"- runs: {base}" + (f", with {' '.join(extra)}" if extra else "") + f"; sweep defaults: {defaults}",
+             f"- accuracy = {trained or 'n/a'} (trained); retention = {', '.join(retention) or 'none'}; "
+             f"after = greedy accuracy after training, change = after - before in points",
+             "- values: mean ± sample std over the seeds that finished (min..max in table.json); "
+             "final KL = adaptive_kl/raw_kl of the last step; replay KL = the last kl/replay"]
+    return lines

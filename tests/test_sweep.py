@@ -1,0 +1,218 @@
+"""klgrpo sweep: grid parsing, cell naming, skipping finished runs, failed runs reported while the others run,
+and the table's mean and spread over seeds. A fake trainer (a tiny script) stands in for `klgrpo train`;
+one real sweep on a tiny model is marked slow."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+
+import pytest
+
+from klgrpo import sweep
+from klgrpo.sweep import Cell, Run, SweepError, aggregate, build_table, cells_of, parse_grid, run_sweep
+
+FAKE_TRAIN = textwrap.dedent("""
+    import json, pathlib, sys
+    args = sys.argv[1:]
+    kv = dict(zip([a[2:] for a in args[0::2]], args[1::2]))
+    coef, seed = float(kv.get("kl.coef", 0)), int(kv["train.seed"])
+    print("fake training", coef, seed)
+    if coef == 0.5:
+        print("RuntimeError: boom at step 3")
+        sys.exit(3)
+    out = pathlib.Path(kv["output-dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    # Hand-made numbers: addition gains 10 + 10 * seed points; subtraction loses 100 * coef points.
+    summary = {"steps": 5, "wall_seconds": 2.0 + seed,
+               "eval_before": {"addition": 0.30, "subtraction": 0.80},
+               "eval_after": {"addition": 0.40 + 0.10 * seed, "subtraction": 0.80 - coef},
+               "final_kl": coef / 10, "final_replay_kl": float(kv.get("kl.replay.coef", 0)) / 100,
+               "args": kv}
+    (out / "summary.json").write_text(json.dumps(summary))
+""")
+
+
+@pytest.fixture
+def fake_trainer(tmp_path, monkeypatch):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    monkeypatch.setattr(sweep, "train_argv_prefix", lambda: [sys.executable, str(script)])
+    return script
+
+
+def quiet(*_):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def test_grid_product_order_and_names():
+    grid = parse_grid(["kl.coef=0,0.04", "kl.replay.coef=0,1", "kl.estimator=k2,k3_st"])
+    assert grid == [("kl.coef", ["0", "0.04"]), ("kl.replay.coef", ["0", "1"]), ("kl.estimator", ["k2", "k3_st"])]
+    cells = cells_of(grid)
+    assert len(cells) == 8
+    assert cells[0].name == "kl.coef=0,kl.replay.coef=0,kl.estimator=k2"
+    assert cells[1].name == "kl.coef=0,kl.replay.coef=0,kl.estimator=k3_st"  # the last key varies fastest
+    assert cells[-1].name == "kl.coef=0.04,kl.replay.coef=1,kl.estimator=k3_st"
+    assert len({c.name for c in cells}) == 8
+
+
+def test_grid_values_split_outside_brackets_and_folder_safe():
+    assert sweep.split_values("0,[a,b],'x,y', 3") == ["0", "[a,b]", "'x,y'", "3"]
+    grid = parse_grid(["--eval.sets=[],[{name: a, source: b}]", "model.name_or_path=a/b,c"])
+    assert grid[0][1] == ["[]", "[{name: a, source: b}]"]
+    cell = cells_of(grid)[2]
+    assert "/" not in cell.name and cell.name.endswith("model.name_or_path=a_b")
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("kl.coef", "--grid 'kl.coef': write KEY=V1,V2"),
+    ("kl.coef=", "--grid 'kl.coef=': write KEY=V1,V2"),
+    ("kl.coef=0,,1", "--grid 'kl.coef=0,,1': an empty value"),
+    ("kl.coef=0,0", "a value is repeated"),
+    ("kl.coeff=0,1", "unknown config field 'kl.coeff' in --grid kl.coeff=0,1; did you mean kl.coef?"),
+    ("kl.coef=0,abc", "kl.coef in --grid kl.coef=0,abc must be float, got 'abc'"),
+    ("train.steps=10,1.5", "train.steps in --grid train.steps=10,1.5 must be int"),
+    ("kl.estimator=k2,k4", "choose one of"),
+    ("train.seed=0,1", "use --seeds"),
+])
+def test_bad_grid_errors_name_the_argument(arg, expected):
+    with pytest.raises(SweepError) as info:
+        parse_grid([arg])
+    assert expected in str(info.value)
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path):
+    for argv, expected in [(["--grid", "kl.coef=0", "--grid", "kl.coef=1"], "already in another --grid"),
+                           ([], "at least one --grid"),
+                           (["--grid", "kl.coef=0", "--seeds", "0,x"], "--seeds '0,x'"),
+                           (["--grid", "kl.coef=0", "--frob"], "unknown options: --frob"),
+                           (["--grid", "kl.coef=0", "--", "--kl.coef", "1"], "both in --grid and after --"),
+                           (["--grid", "kl.coef=0", "--", "--output-dir", "x"], "set by the sweep"),
+                           (["--grid", "kl.coef=0", "--config", str(tmp_path / "no.yaml")], "no such file")]:
+        assert sweep.main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_run_arguments_order(tmp_path):
+    run = Run(Cell((("kl.coef", "0.1"),)), 3, tmp_path / "c" / "seed=3")
+    argv = sweep.run_argv(run, "run.yaml", ["--train.steps", "7", "--logging.plots=true"])
+    text = " ".join(argv)
+    assert "--config run.yaml" in text and "--train.steps 7" in text
+    assert "--logging.plots false" not in text  # the user's override replaces the sweep default
+    assert "--logging.tensorboard false" in text
+    assert argv[-6:] == ["--kl.coef", "0.1", "--train.seed", "3", "--output-dir", str(tmp_path / "c" / "seed=3")]
+
+
+# ---------------------------------------------------------------------------------------------- running
+def test_failed_run_is_reported_and_others_run(fake_trainer, tmp_path, capsys):
+    code = sweep.main(["--grid", "kl.coef=0,0.5,0.2", "--seeds", "0,1", "--output-dir", str(tmp_path / "s")])
+    out = capsys.readouterr().out
+    assert code == 1  # a failed run makes the sweep's exit code non-zero
+    table = json.loads((tmp_path / "s" / "table.json").read_text())
+    by_name = {c["setting"]: c for c in table["cells"]}
+    assert by_name["kl.coef=0.5"]["seeds"] == [] and len(by_name["kl.coef=0.5"]["failed"]) == 2
+    assert "exit code 3: RuntimeError: boom at step 3" in by_name["kl.coef=0.5"]["failed"][0]["error"]
+    assert by_name["kl.coef=0.2"]["seeds"] == [0, 1]  # the cell after the failing one still ran
+    assert "FAILED (exit code 3" in out
+    md = (tmp_path / "s" / "table.md").read_text()
+    assert "| kl.coef=0.5 | - (failed: 0,1) |" in md and "boom at step 3" in md
+    assert (tmp_path / "s" / "kl.coef=0.5" / "seed=0" / "sweep.log").read_text().count("fake training") == 1
+    assert (tmp_path / "s" / sweep.PLOT_FILE).stat().st_size > 0
+
+
+def test_finished_runs_are_skipped(fake_trainer, tmp_path, monkeypatch):
+    cells = cells_of(parse_grid(["kl.coef=0,0.5"]))
+    first = run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)
+    assert [r.status for r in first] == ["finished", "failed"]
+    # Second pass: only the failed run executes again (the command now fails for everyone, to prove it).
+    monkeypatch.setattr(sweep, "train_argv_prefix", lambda: [sys.executable, "-c", "import sys; sys.exit(5)"])
+    second = run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)
+    assert [r.status for r in second] == ["skipped", "failed"]
+    assert "exit code 5" in second[1].error
+    assert second[0].summary["eval_after"]["addition"] == pytest.approx(0.4)
+
+
+def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):
+    cells = cells_of(parse_grid(["kl.coef=0,0.2", "kl.replay.coef=0,1"]))
+    serial = build_table(run_sweep(cells, [0, 1], tmp_path / "a", None, [], jobs=1, log=quiet))
+    parallel = build_table(run_sweep(cells, [0, 1], tmp_path / "b", None, [], jobs=3, log=quiet))
+    strip = (lambda t: [{k: v for k, v in c.items() if k != "runs"} for c in t["cells"]])
+    assert strip(serial) == strip(parallel)
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def _run_with(tmp_path, name, seed, before, after, **extra):
+    run = Run(Cell((("kl.coef", name),)), seed, tmp_path / name / f"seed={seed}", status="finished")
+    run.summary = {"eval_before": before, "eval_after": after, "final_kl": 0.01 * (seed + 1), "steps": 4,
+                   "wall_seconds": 10.0 + seed, **extra}
+    return run
+
+
+def test_table_mean_and_spread_over_seeds(tmp_path):
+    after = [(0.4, 0.7), (0.6, 0.8), (0.5, 0.9)]
+    runs = [_run_with(tmp_path, "0.1", s, {"addition": 0.3, "subtraction": 0.8}, {"addition": a, "subtraction": b})
+            for s, (a, b) in enumerate(after)]
+    table = build_table(runs)
+    assert table["trained"] == "addition" and table["retention"] == ["subtraction"]
+    st = table["cells"][0]["stats"]
+    # addition change: +10, +30, +20 points -> mean 20, sample std sqrt((100 + 100 + 0) / 2) = 10
+    assert st["addition/change"]["mean"] == pytest.approx(20.0)
+    assert st["addition/change"]["std"] == pytest.approx(10.0)
+    assert (st["addition/change"]["min"], st["addition/change"]["max"]) == (pytest.approx(10.0), pytest.approx(30.0))
+    # subtraction change: -10, 0, +10 -> mean 0, std 10
+    assert st["subtraction/change"]["mean"] == pytest.approx(0.0, abs=1e-9)
+    assert st["subtraction/change"]["std"] == pytest.approx(10.0)
+    assert st["final_kl"]["mean"] == pytest.approx(0.02) and st["wall_seconds"]["mean"] == pytest.approx(11.0)
+    md = sweep.table_markdown(table, ["# t"])
+    row = "| kl.coef=0.1 | 0,1,2 | 50.0% ± 10.0 | +20.0 ± 10.0 | 80.0% ± 10.0 | +0.0 ± 10.0 | 0.0200 ± 0.0100 |"
+    assert row in md
+    assert "replay KL" not in md  # no run had the anchor on
+
+
+def test_table_generic_names_and_missing_values(tmp_path):
+    runs = [_run_with(tmp_path, "0", 0, {"task": 0.1, "keep_a": 0.5, "keep_b": 0.2},
+                      {"task": 0.3, "keep_a": 0.4, "keep_b": 0.2}, final_replay_kl=0.003),
+            _run_with(tmp_path, "1", 0, {}, {"task": 0.5, "keep_a": 0.5, "keep_b": 0.1})]
+    table = build_table(runs)
+    assert table["trained"] == "task" and table["retention"] == ["keep_a", "keep_b"]
+    second = table["cells"][1]["stats"]
+    assert second["task/change"] is None and second["task/after"]["mean"] == 0.5  # no "before": change n/a
+    md = sweep.table_markdown(table, [])
+    assert "replay KL" in md and "0.0030" in md and "n/a" in md
+
+
+def test_aggregate():
+    assert aggregate([None, float("nan")]) is None
+    one = aggregate([2.0])
+    assert one == {"mean": 2.0, "std": 0.0, "min": 2.0, "max": 2.0, "n": 1}
+    two = aggregate([1.0, None, 3.0])
+    assert two["n"] == 2 and two["std"] == pytest.approx(math.sqrt(2.0))
+
+
+# ------------------------------------------------------------------------------------------ a real sweep
+@pytest.mark.slow
+def test_real_sweep_on_a_tiny_model(tiny_model_dir, addition_file, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        model: {{name_or_path: {tiny_model_dir}, dtype: float32, device: cpu}}
+        data: {{source: {addition_file}}}
+        rollout: {{group_size: 4, prompts_per_step: 4, max_new_tokens: 4}}
+        rewards: {{functions: [{{name: format, kwargs: {{pattern: "0"}}}}]}}
+        kl: {{replay: {{source: {addition_file}, num_prompts: 4, batch_size: 4}}}}
+        optim: {{lr: 0.01}}
+        eval:
+          sets: [{{name: add, source: {addition_file}, limit: 8}}, {{name: keep, source: {addition_file}, limit: 4}}]
+        train: {{steps: 2}}
+    """))
+    code = sweep.main(["--config", str(cfg), "--grid", "kl.replay.coef=0,1", "--output-dir", str(tmp_path / "s")])
+    assert code == 0, capsys.readouterr()
+    table = json.loads((tmp_path / "s" / "table.json").read_text())
+    assert table["trained"] == "add" and table["retention"] == ["keep"]
+    cells = {c["setting"]: c for c in table["cells"]}
+    assert cells["kl.replay.coef=0"]["stats"]["replay_kl"] is None
+    assert cells["kl.replay.coef=1"]["stats"]["replay_kl"]["mean"] >= 0
+    assert cells["kl.replay.coef=1"]["stats"]["steps"]["mean"] == 2
