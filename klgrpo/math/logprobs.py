@@ -4,10 +4,13 @@
     entropy_t = logsumexp(x_t) - sum_v softmax(x_t)[v] x_t[v]
 
 The naive ``log_softmax(logits.float()).gather(...)`` allocates a float32 copy of the whole logit tensor
-(4x a bf16 tensor with its intermediates) and autograd keeps it for the backward. Here the rows are processed
-in chunks of ``chunk_tokens`` positions, each upcast to float32 on its own, and a custom autograd function
-keeps only the logits (already alive for the model's own backward) and one float32 logsumexp per position;
-the backward recomputes softmax chunk by chunk: d logp_t / d x_t = onehot(y_t) - softmax(x_t).
+plus its log-softmax (4x a bf16 tensor) and autograd keeps one for the backward. Here the positions are
+processed in blocks (whole rows when they fit, else pieces of a row) of at most ``chunk_tokens`` positions and
+at most ``MAX_BLOCK_BYTES`` of float32 scratch; each block is upcast once into a fresh buffer that every
+later step overwrites in place, so the extra memory is about one block. A custom autograd function keeps
+only the logits (already alive for the model's own backward) and one float32 logsumexp per position; the
+backward recomputes softmax block by block: d logp_t / d x_t = (onehot(y_t) - softmax(x_t)) / temperature.
+Blocks spanning many rows also keep the number of small operations low when the vocabulary is small.
 """
 
 from __future__ import annotations
@@ -15,55 +18,99 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: Positions per chunk (within one row): 256 x 151,936 vocabulary x 4 bytes = 0.16 GB of float32 scratch.
-DEFAULT_CHUNK_TOKENS = 256
+#: Positions per block at most. Small vocabularies get few, large blocks; large ones are capped below.
+DEFAULT_CHUNK_TOKENS = 8192
+#: float32 scratch per block at most: 64 MiB is 110 positions of a 151,936-token vocabulary
+#: (0.2x of the bf16 logits of 8 x 128 positions, 0.05x of 8 x 288).
+MAX_BLOCK_BYTES = 64 * 2 ** 20
 
 
-def _row_chunks(shape: torch.Size, chunk: int):
-    """(row, slice) pairs covering [B, T] with at most ``chunk`` positions each; each block is contiguous in V."""
+def _blocks(shape: torch.Size, chunk: int, bytes_per_position: int):
+    """(rows, positions) slice pairs tiling [B, T]: whole rows when a row fits in a block, else pieces of a row;
+    each block holds at most ``chunk`` positions and at most MAX_BLOCK_BYTES of scratch."""
     b, t = shape[0], shape[1]
-    step = max(1, chunk)
-    for i in range(b):
-        for start in range(0, t, step):
-            yield i, slice(start, start + step)
+    size = max(1, min(chunk, MAX_BLOCK_BYTES // max(1, bytes_per_position)))
+    if t == 0:
+        return
+    if size >= t:
+        rows = size // t
+        for i in range(0, b, rows):
+            yield slice(i, i + rows), slice(0, t)
+    else:
+        for i in range(b):
+            for start in range(0, t, size):
+                yield slice(i, i + 1), slice(start, start + size)
 
 
 def _accumulation_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _scaled_copy(block: Tensor, acc: torch.dtype, temperature: float) -> Tensor:
+    """A fresh ``acc`` copy of ``block`` / temperature (safe to overwrite in place)."""
+    x = block.to(acc, copy=True)
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def _logsumexp_(x: Tensor) -> Tensor:
+    """logsumexp over the last dim, overwriting ``x`` with exp(x - max); a row of -inf gives -inf."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return x.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_BTV: Tensor, targets_BT: Tensor, temperature: float, chunk: int) -> Tensor:
-        b, t, _ = logits_BTV.shape
+    def forward(ctx, logits_BTV: Tensor, targets_BT: Tensor, temperature: float, chunk: int, with_entropy: bool):
+        b, t, v = logits_BTV.shape
         acc = _accumulation_dtype(logits_BTV)
         logp_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device)
         lse_BT = torch.empty_like(logp_BT)
-        for i, sl in _row_chunks(logits_BTV.shape, chunk):
-            x = logits_BTV[i, sl].to(acc)
-            if temperature != 1.0:
-                x = x / temperature
-            lse = torch.logsumexp(x, dim=-1)
-            lse_BT[i, sl] = lse
-            logp_BT[i, sl] = x.gather(-1, targets_BT[i, sl, None]).squeeze(-1) - lse
+        entropy_BT = torch.empty(b, t, dtype=torch.float32, device=logits_BTV.device) if with_entropy else None
+        buffers = 2 if with_entropy else 1  # the entropy needs exp(z) beside z
+        for rows, cols in _blocks(logits_BTV.shape, chunk, buffers * v * torch.finfo(acc).bits // 8):
+            x = _scaled_copy(logits_BTV[rows, cols], acc, temperature)
+            target_x = x.gather(-1, targets_BT[rows, cols, None]).squeeze(-1)
+            if with_entropy:
+                lse, entropy_BT[rows, cols] = _logsumexp_and_entropy_(x)
+            else:
+                lse = _logsumexp_(x)
+            lse_BT[rows, cols] = lse
+            logp_BT[rows, cols] = target_x - lse
         ctx.save_for_backward(logits_BTV, targets_BT, lse_BT)
         ctx.temperature, ctx.chunk = temperature, chunk
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy_BT)
+            return logp_BT, entropy_BT
         return logp_BT
 
     @staticmethod
-    def backward(ctx, grad_BT: Tensor):
+    def backward(ctx, grad_BT: Tensor, *_entropy_grad):
         logits_BTV, targets_BT, lse_BT = ctx.saved_tensors
         temperature = ctx.temperature
+        acc = lse_BT.dtype
         grad_logits = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
-        for i, sl in _row_chunks(logits_BTV.shape, ctx.chunk):
-            g = grad_BT[i, sl].to(lse_BT.dtype).unsqueeze(-1) / temperature
-            x = logits_BTV[i, sl].to(lse_BT.dtype)
-            if temperature != 1.0:
-                x = x / temperature
-            block = torch.exp(x - lse_BT[i, sl, None]).mul_(-g)
-            block.scatter_add_(-1, targets_BT[i, sl, None], g)
-            grad_logits[i, sl] = block.to(grad_logits.dtype)
-        return grad_logits, None, None, None
+        v = logits_BTV.shape[-1]
+        for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, v * torch.finfo(acc).bits // 8):
+            g = (grad_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)
+            p = _scaled_copy(logits_BTV[rows, cols], acc, temperature).sub_(lse_BT[rows, cols, None]).exp_()
+            p.mul_(-g).scatter_add_(-1, targets_BT[rows, cols, None], g)  # g * (onehot - softmax)
+            grad_logits[rows, cols] = p
+        return grad_logits, None, None, None, None
+
+
+def _logsumexp_and_entropy_(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(logsumexp, float32 entropy of softmax(x)) over the last dim, overwriting ``x``.
+
+    H = log Z - sum_v e_v z_v / Z with z = x - max, e = exp(z), Z = sum e; a -inf logit (p = 0) adds 0."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    z = x.sub_(m)
+    e = torch.exp(z)
+    total = e.sum(dim=-1)
+    weighted = e.mul_(z.clamp_(min=torch.finfo(z.dtype).min)).sum(dim=-1)  # 0 * (-inf) would be nan
+    log_total = total.log()
+    return log_total + m.squeeze(-1), (log_total - weighted / total).float()
 
 
 def token_logprobs(
@@ -78,17 +125,25 @@ def token_logprobs(
 
     ``logits_BTV`` may be a slice of the model output (e.g. ``logits[:, P-1:-1]``); it is never copied whole.
     """
-    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens))
+    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), False)
+
+
+def token_logprobs_and_entropy(
+    logits_BTV: Tensor,
+    targets_BT: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor]:
+    """(token_logprobs(...), token_entropy(...)) from one pass over the logits: each block is upcast once
+    instead of twice. The log-probs are differentiable as in ``token_logprobs``; the entropy is a metric
+    (float32, no gradient)."""
+    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), True)
 
 
 @torch.no_grad()
 def token_entropy(logits_BTV: Tensor, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """Entropy of softmax(logits / temperature) per position, float32 [B, T] (no gradient: a metric)."""
     out = torch.empty(logits_BTV.shape[:2], dtype=torch.float32, device=logits_BTV.device)
-    for i, sl in _row_chunks(logits_BTV.shape, chunk_tokens):
-        x = logits_BTV[i, sl].float() / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        p = torch.softmax(x, dim=-1)
-        # 0 * (-inf) is nan: a masked-out vocabulary entry (logit -inf, p = 0) contributes 0 to the entropy.
-        out[i, sl] = lse - torch.where(p > 0, p * x, torch.zeros_like(p)).sum(-1)
+    for rows, cols in _blocks(logits_BTV.shape, chunk_tokens, 2 * 4 * logits_BTV.shape[-1]):
+        out[rows, cols] = _logsumexp_and_entropy_(_scaled_copy(logits_BTV[rows, cols], torch.float32, temperature))[1]
     return out

@@ -1,0 +1,185 @@
+"""klgrpo's KV-cached sampling loop (klgrpo/rollout.py) against the model's own forward and transformers' generate.
+
+The loop is correct when (1) its next-token logits equal the model's forward logits at every position of a
+teacher-forced, left-padded batch, (2) its filters equal transformers' temperature/top-k/top-p warpers, and
+(3) it draws with one torch.multinomial per step like generate, so a float64 model sampled under the same seed
+gives generate's very tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import klgrpo.rollout as rollout
+from klgrpo.models import position_ids_from_mask
+from klgrpo.rollout import _KVSampler, filter_logits, generate_groups
+
+V = 23
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=48, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=None, **kw)
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2():  # grouped-query attention (4 heads, 2 KV heads) and q/k/v biases
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=48, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=None, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg)
+
+
+def _qwen3():  # per-head q/k RMSNorm
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, intermediate_size=48, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=None)
+    return Qwen3ForCausalLM(cfg)
+
+
+def _lora():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():  # non-zero adapters, so that they change the logits
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+BUILDERS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "lora": _lora}
+
+
+def _randomise(model):
+    """Random init has zero biases and unit norms: give every parameter some value so each path is exercised."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _batch(seed=0):
+    """Left-padded prompts (lengths 5, 3, 1, 5) and a 6-token continuation per row."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 3, 1, 5]
+    p, n = max(lengths), 6
+    ids = torch.randint(2, V, (len(lengths), p + n), generator=g)
+    mask = torch.ones_like(ids)
+    for i, length in enumerate(lengths):
+        ids[i, : p - length] = 0
+        mask[i, : p - length] = 0
+    return ids, mask, p
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("arch", list(BUILDERS))
+def test_teacher_forced_logits_equal_the_forward(arch, dtype, tol):
+    torch.manual_seed(0)
+    model = _randomise(BUILDERS[arch]()).to(dtype).eval()
+    ids, mask, p = _batch()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+        sampler = _KVSampler.for_model(model, ids.shape[1])
+        assert sampler is not None
+        caches = sampler.new_caches(ids.shape[0])
+        logits, keys_valid, last = sampler.prefill(ids[:, :p], mask[:, :p], caches)
+        got = [logits]
+        for t in range(ids.shape[1] - p - 1):
+            got.append(sampler.logits(ids[:, p + t, None], last + 1 + t, p + t,
+                                      keys_valid[:, None, None, :p + t + 1], caches))
+    got = torch.stack(got, dim=1)  # predictions made at positions p-1 .. L-2
+    torch.testing.assert_close(got, want[:, p - 1:-1], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8),
+                                                     (0.9, 7, 0.6), (1.0, 1, 1.0), (1.0, 0, 0.01)])
+def test_filters_equal_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(1)
+    logits = 3 * torch.randn(6, 50, generator=g)
+    logits[0, :10] = logits[0, 10]  # ties at the cut
+    warpers = LogitsProcessorList(
+        ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])
+        + ([TopKLogitsWarper(top_k)] if top_k > 0 else [])
+        + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []))
+    want = warpers(None, logits.clone())
+    got = filter_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got[~torch.isinf(got)], want[~torch.isinf(want)], rtol=0, atol=1e-6)
+
+
+def _tokenizer():
+    from klgrpo.demo.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (4, 0.9)])
+def test_same_seed_gives_generate_tokens(top_k, top_p, monkeypatch):
+    """float64 logits agree to ~1e-13, so the same multinomial draws pick the same tokens as generate."""
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    model = _randomise(_llama()).to(torch.float64)
+    model.config.vocab_size = V
+    prompts = ["12+3=", "7-1=", "99+99="]  # different lengths: left padding
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(rollout, "FAST_SAMPLING", fast)
+        torch.manual_seed(42)
+        runs.append(generate_groups(model, tok, prompts, group_size=4, max_new_tokens=12, temperature=0.9,
+                                    top_p=top_p, top_k=top_k))
+    fast, slow = runs
+    assert fast.completion_ids.shape[1] > 1
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert torch.equal(fast.completion_mask, slow.completion_mask)
+    assert torch.equal(fast.truncated, slow.truncated)
+    assert torch.equal(fast.attention_mask, slow.attention_mask)
+    assert fast.completions == slow.completions
+    assert model.training  # the train/eval state is restored
+
+
+def test_eos_stops_rows_and_the_loop():
+    """A model that always emits EOS (id 1): one column, every row finished, nothing truncated."""
+    tok = _tokenizer()
+    model = _llama()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[1] = 0  # logits all 0 except...
+        model.lm_head.bias = None
+        model.model.norm.weight.zero_()  # the final hidden state is 0, so every logit is 0 ...
+    model.lm_head.register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([1]), 50.0))  # ... but EOS
+    batch = generate_groups(model, tok, ["1+1="], group_size=3, max_new_tokens=8)
+    assert batch.completion_ids.shape == (3, 1)
+    assert batch.completion_mask.all() and not batch.truncated.any()
+
+
+def test_unsupported_architectures_use_generate():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    assert _KVSampler.for_model(gpt2, 16) is None
+    mistral_window = _mistral(sliding_window=4)
+    assert _KVSampler.for_model(mistral_window, 16) is None  # the window would cut the context
+    assert _KVSampler.for_model(mistral_window, 4) is not None
+    dynamic = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert _KVSampler.for_model(dynamic, 16) is None  # cos/sin would depend on the sequence length
+
+
+def _mistral(**kw):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=48, **kw))
