@@ -6,8 +6,9 @@
 The naive ``log_softmax(logits.float()).gather(...)`` allocates a float32 copy of the whole logit tensor
 plus its log-softmax (4x a bf16 tensor) and autograd keeps one for the backward. Here the positions are
 processed in blocks (whole rows when they fit, else pieces of a row) of at most ``chunk_tokens`` positions and
-at most ``MAX_BLOCK_BYTES`` of float32 scratch; each block is upcast once into a fresh buffer that every
-later step overwrites in place, so the extra memory is about one block. A custom autograd function keeps
+a bounded float32 scratch (``_block_budget``: at most a quarter of the logits' bytes and 64 MiB); each block
+is upcast once into a fresh buffer that every later step overwrites in place, so the extra memory is about
+one block. A custom autograd function keeps
 only the logits (already alive for the model's own backward) and one float32 logsumexp per position; the
 backward recomputes softmax block by block: d logp_t / d x_t = (onehot(y_t) - softmax(x_t)) / temperature.
 Blocks spanning many rows also keep the number of small operations low when the vocabulary is small.
@@ -20,16 +21,22 @@ from torch import Tensor
 
 #: Positions per block at most. Small vocabularies get few, large blocks; large ones are capped below.
 DEFAULT_CHUNK_TOKENS = 8192
-#: float32 scratch per block at most: 64 MiB is 110 positions of a 151,936-token vocabulary
-#: (0.2x of the bf16 logits of 8 x 128 positions, 0.05x of 8 x 288).
+#: Scratch per block at most: the smaller of MAX_BLOCK_BYTES and a quarter of the logits' own bytes, so the
+#: extra memory stays a fraction of the logits whatever their size, but at least MIN_BLOCK_BYTES (a small
+#: vocabulary then fits in one block). 64 MiB is 110 positions of a 151,936-token vocabulary in float32.
 MAX_BLOCK_BYTES = 64 * 2 ** 20
+MIN_BLOCK_BYTES = 2 ** 20
 
 
-def _blocks(shape: torch.Size, chunk: int, bytes_per_position: int):
+def _block_budget(logits: Tensor) -> int:
+    return max(MIN_BLOCK_BYTES, min(MAX_BLOCK_BYTES, logits.numel() * logits.element_size() // 4))
+
+
+def _blocks(shape: torch.Size, chunk: int, bytes_per_position: int, budget: int):
     """(rows, positions) slice pairs tiling [B, T]: whole rows when a row fits in a block, else pieces of a row;
-    each block holds at most ``chunk`` positions and at most MAX_BLOCK_BYTES of scratch."""
+    each block holds at most ``chunk`` positions and at most ``budget`` bytes of scratch."""
     b, t = shape[0], shape[1]
-    size = max(1, min(chunk, MAX_BLOCK_BYTES // max(1, bytes_per_position)))
+    size = max(1, min(chunk, budget // max(1, bytes_per_position)))
     if t == 0:
         return
     if size >= t:
@@ -68,7 +75,8 @@ class _TokenLogProbs(torch.autograd.Function):
         lse_BT = torch.empty_like(logp_BT)
         entropy_BT = torch.empty(b, t, dtype=torch.float32, device=logits_BTV.device) if with_entropy else None
         buffers = 2 if with_entropy else 1  # the entropy needs exp(z) beside z
-        for rows, cols in _blocks(logits_BTV.shape, chunk, buffers * v * torch.finfo(acc).bits // 8):
+        budget = _block_budget(logits_BTV)
+        for rows, cols in _blocks(logits_BTV.shape, chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
             x = _scaled_copy(logits_BTV[rows, cols], acc, temperature)
             target_x = x.gather(-1, targets_BT[rows, cols, None]).squeeze(-1)
             if with_entropy:
@@ -77,6 +85,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 lse = _logsumexp_(x)
             lse_BT[rows, cols] = lse
             logp_BT[rows, cols] = target_x - lse
+            del x  # before the next block's buffer exists: one block of scratch at a time
         ctx.save_for_backward(logits_BTV, targets_BT, lse_BT)
         ctx.temperature, ctx.chunk = temperature, chunk
         if with_entropy:
@@ -91,11 +100,13 @@ class _TokenLogProbs(torch.autograd.Function):
         acc = lse_BT.dtype
         grad_logits = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
         v = logits_BTV.shape[-1]
-        for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, v * torch.finfo(acc).bits // 8):
+        budget = _block_budget(logits_BTV)
+        for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, v * torch.finfo(acc).bits // 8, budget):
             g = (grad_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)
             p = _scaled_copy(logits_BTV[rows, cols], acc, temperature).sub_(lse_BT[rows, cols, None]).exp_()
             p.mul_(-g).scatter_add_(-1, targets_BT[rows, cols, None], g)  # g * (onehot - softmax)
             grad_logits[rows, cols] = p
+            del p
         return grad_logits, None, None, None, None
 
 
@@ -144,6 +155,9 @@ def token_logprobs_and_entropy(
 def token_entropy(logits_BTV: Tensor, temperature: float = 1.0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """Entropy of softmax(logits / temperature) per position, float32 [B, T] (no gradient: a metric)."""
     out = torch.empty(logits_BTV.shape[:2], dtype=torch.float32, device=logits_BTV.device)
-    for rows, cols in _blocks(logits_BTV.shape, chunk_tokens, 2 * 4 * logits_BTV.shape[-1]):
-        out[rows, cols] = _logsumexp_and_entropy_(_scaled_copy(logits_BTV[rows, cols], torch.float32, temperature))[1]
+    budget = _block_budget(logits_BTV)
+    for rows, cols in _blocks(logits_BTV.shape, chunk_tokens, 2 * 4 * logits_BTV.shape[-1], budget):
+        x = _scaled_copy(logits_BTV[rows, cols], torch.float32, temperature)
+        out[rows, cols] = _logsumexp_and_entropy_(x)[1]
+        del x
     return out

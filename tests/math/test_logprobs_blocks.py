@@ -28,10 +28,9 @@ def _naive(logits, targets, temperature):
 
 @pytest.mark.parametrize("chunk,max_bytes", [(1, 2 ** 30), (3, 2 ** 30), (7, 2 ** 30), (14, 2 ** 30), (15, 2 ** 30),
                                              (1000, 2 ** 30), (1000, 3 * V * 8), (1000, 1)])
-def test_blocks_tile_every_position_once(chunk, max_bytes, monkeypatch):
-    monkeypatch.setattr(lp, "MAX_BLOCK_BYTES", max_bytes)
+def test_blocks_tile_every_position_once(chunk, max_bytes):
     seen = torch.zeros(B, T, dtype=torch.long)
-    for rows, cols in _blocks(torch.Size([B, T, V]), chunk, V * 8):
+    for rows, cols in _blocks(torch.Size([B, T, V]), chunk, V * 8, max_bytes):
         block = seen[rows, cols]
         assert block.numel() <= max(1, min(chunk, max_bytes // (V * 8)))
         seen[rows, cols] += 1
@@ -42,6 +41,7 @@ def test_blocks_tile_every_position_once(chunk, max_bytes, monkeypatch):
                                              (1000, 3 * V * 8)])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_one_pass_logprobs_and_entropy_match_naive(chunk, max_bytes, temperature, monkeypatch):
+    monkeypatch.setattr(lp, "MIN_BLOCK_BYTES", 1)
     monkeypatch.setattr(lp, "MAX_BLOCK_BYTES", max_bytes)
     logits, targets = _data()
     upstream = torch.randn(B, T, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -71,3 +71,10 @@ def test_one_pass_bf16_like_the_model_output():
     torch.testing.assert_close(entropy.double(), ref_entropy, rtol=0, atol=1e-5)
     logp.sum().backward()
     assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad[:, 0], torch.zeros_like(x.grad[:, 0]))
+
+
+def test_block_budget_is_a_fraction_of_the_logits():
+    big = torch.empty(8, 32, 151936, dtype=torch.bfloat16, device="meta")  # 78 MB: a quarter, below the 64 MiB cap
+    assert lp._block_budget(big) == big.numel() * 2 // 4
+    assert lp._block_budget(torch.empty(2, 3, 4)) == lp.MIN_BLOCK_BYTES
+    assert lp._block_budget(torch.empty(64, 288, 151936, dtype=torch.bfloat16, device="meta")) == lp.MAX_BLOCK_BYTES
