@@ -19,7 +19,8 @@ Samplings (what ``old_logp`` the library receives):
 
 The reward-placed value is the estimator evaluated at the current policy (``kl_estimate(logp, ref_logp)``,
 detached by ``apply_kl_penalty``). A trainer that freezes it at the rollout policy mu for later PPO epochs
-gets E_pi[k(l_mu) s] instead, which differs from E_pi[k(l_pi) s] by a term of second order in pi - mu.
+gets E_pi[k(l_mu) s] instead; for k1 that is the exact gradient minus grad KL(pi||mu), which vanishes at
+pi = mu (the first epoch, where both coincide) and grows with the distance between pi and mu.
 """
 
 from __future__ import annotations
@@ -146,10 +147,11 @@ def classify_gradient(g: Tensor, grad_reverse: Tensor, grad_forward: Tensor, rto
         target = "zero"
     else:
         target = "neither"
+    # The cosine of a gradient that is zero up to rounding is the cosine of rounding noise: report 0.
     return {
         "gradient_target": target,
-        "cosine_reverse": _cosine(g, rev),
-        "cosine_forward": _cosine(g, fwd),
+        "cosine_reverse": 0.0 if target == "zero" else _cosine(g, rev),
+        "cosine_forward": 0.0 if target == "zero" else _cosine(g, fwd),
         "rel_err_reverse": err_rev,
         "rel_err_forward": err_fwd,
         "norm_ratio": size,
