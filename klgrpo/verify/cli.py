@@ -3,7 +3,8 @@
     klgrpo verify-kl                         values, token/sequence gradient tables, Monte Carlo, optimum
     klgrpo verify-kl --json out.json         the same, plus the results as JSON (schema: VerifyReport.as_dict)
     klgrpo verify-kl --samples 5000 --seed 3 Monte Carlo sample count and seed
-    klgrpo verify-kl --from-run runs/demo    k1/k2/k3 statistics of the log-probs a run dumped (kl_dumps/)
+    klgrpo verify-kl --from-run runs/demo    k1/k2/k3 statistics of the log-probs a run dumped (kl_dumps/);
+                                             with --json: {"run_dir": ..., "dumps": [EstimatorStats]}
 
 Exit status 0 when every check passes, 1 when one fails, 2 for a usage or input error.
 """
