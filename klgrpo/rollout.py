@@ -171,9 +171,9 @@ def sample_next_token(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 
     return torch.multinomial(filter_logits(logits_BV, temperature, top_k, top_p).softmax(dim=-1), 1).squeeze(-1)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _linear(module, x: Tensor) -> Tensor:
+    """A plain nn.Linear without its module call overhead; anything else (a LoRA layer) through its own call."""
+    return F.linear(x, module.weight, module.bias) if type(module) is torch.nn.Linear else module(x)
 
 
 class _KVSampler:
@@ -199,9 +199,13 @@ class _KVSampler:
         self.device = decoder.embed_tokens.weight.device
         positions = torch.arange(total_len, device=self.device)[None]
         cos, sin = decoder.rotary_emb(decoder.embed_tokens.weight[:1], positions)
-        self.cos, self.sin = cos[0], sin[0]  # [L, head_dim]
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin[:D/2], sin[D/2:]]: two operations fewer per use
+        half = self.head_dim // 2
+        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [L, head_dim]
         self.fast_norm = self.dtype == torch.float32
         self.layers = list(decoder.layers)
+        mlp_names = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
+        self.gated_mlp = all(type(layer.mlp).__name__ in mlp_names for layer in self.layers)
 
     @classmethod
     def for_model(cls, model, total_len: int) -> "_KVSampler | None":
@@ -231,27 +235,32 @@ class _KVSampler:
             return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
         return module(x)
 
+    def _rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
+
     def _layer(self, layer, h: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor], start: int,
                mask: Tensor) -> Tensor:
         b, s, _ = h.shape
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         x = self._norm(layer.input_layernorm, h)
-        q = attn.q_proj(x).reshape(b, s, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).reshape(b, s, self.n_kv, self.head_dim)
-        v = attn.v_proj(x).reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q = _linear(attn.q_proj, x).reshape(b, s, self.n_heads, self.head_dim)
+        k = _linear(attn.k_proj, x).reshape(b, s, self.n_kv, self.head_dim)
+        v = _linear(attn.v_proj, x).reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = self._rotary(q.transpose(1, 2), cos, sin)
+        k = self._rotary(k.transpose(1, 2), cos, sin)
         end = start + s
         keys, values = cache
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
                                            scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
-        return h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
+        h = h + _linear(attn.o_proj, o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+        x = self._norm(layer.post_attention_layernorm, h)
+        if self.gated_mlp:  # down(act(gate(x)) * up(x)), as Llama/Mistral/Qwen's MLP computes it
+            return h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)).mul_(_linear(mlp.up_proj, x)))
+        return h + mlp(x)
 
     def logits(self, ids_BS: Tensor, positions_BS: Tensor, start: int, mask: Tensor, caches) -> Tensor:
         """Next-token logits after the last of ``ids_BS`` (placed at cache columns start..start+S-1), [B, V]."""
