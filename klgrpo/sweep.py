@@ -17,6 +17,11 @@ The table (printed, and saved as table.md and table.json, plus accuracy_vs_reten
     wall s     the run's total wall seconds (the demo's includes loading; the trainer's is GRPO + evaluation)
 Each value is the mean +- the sample standard deviation over the seeds that finished (min..max in
 table.json).
+
+Sweep defaults (printed in the table header; any of them can be overridden after --): no TensorBoard, plots,
+progress bar or intermediate checkpoints, one torch thread, no wall-clock guard (train.max_wall_seconds 0, so
+a busy machine cannot cut some runs short and not others), and on the demo, when kl.coef is swept,
+kl.controller fixed (the demo's adaptive beta would make kl.coef only a starting value, and refuses 0).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ PLOT_FILE = "accuracy_vs_retention.png"
 #: blow-up beside other processes), and no wall-clock guard (a busy machine must not cut some cells short).
 SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "logging.plots": "false",
                   "train.save_every": "0", "train.torch_threads": "1", "train.max_wall_seconds": "0"}
+#: The demo's beta is adaptive (kl.coef is only its start, and 0 is refused); a sweep of kl.coef on the demo
+#: compares fixed betas, as issue 7 did, unless kl.controller is given.
+DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
 #: Owned by the sweep: a run's folder and seed.
 _RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")
 
@@ -173,13 +181,21 @@ def train_argv_prefix() -> list[str]:
     return [sys.executable, "-m", "klgrpo", "train"]
 
 
+def sweep_defaults(config: str | None, grid_keys: list[str], extra: list[str]) -> dict[str, str]:
+    """SWEEP_DEFAULTS, plus DEMO_COEF_SWEEP_DEFAULTS when kl.coef is swept on the demo; minus what the user sets."""
+    defaults = dict(SWEEP_DEFAULTS)
+    if not config and "kl.coef" in grid_keys:
+        defaults.update(DEMO_COEF_SWEEP_DEFAULTS)
+    user = _overrides_in(extra) | set(grid_keys)
+    return {k: v for k, v in defaults.items() if k not in user}
+
+
 def run_argv(run: Run, config: str | None, extra: list[str]) -> list[str]:
     argv = list(train_argv_prefix())
     if config:
         argv += ["--config", config]
-    for key, value in SWEEP_DEFAULTS.items():
-        if key not in _overrides_in(extra):
-            argv += [f"--{key}", value]
+    for key, value in sweep_defaults(config, [k for k, _ in run.cell.overrides], extra).items():
+        argv += [f"--{key}", value]
     argv += list(extra)
     for key, value in run.cell.overrides:
         argv += [f"--{key}", value]
@@ -195,7 +211,12 @@ def execute(run: Run, argv: list[str]) -> None:
         log.write("$ " + " ".join(argv) + "\n")
         log.flush()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        _LIVE.add(proc)
+        try:
+            code = proc.wait()
+        finally:
+            _LIVE.discard(proc)
     run.seconds = time.perf_counter() - t0
     summary = _read_summary(run.run_dir)
     if code != 0 or summary is None:
@@ -204,6 +225,20 @@ def execute(run: Run, argv: list[str]) -> None:
         run.error = f"{why}: {_last_line(run.run_dir / LOG_FILE)}"
     else:
         run.status, run.summary = "finished", summary
+
+
+_LIVE: set[subprocess.Popen] = set()
+
+
+def _stop_live_runs() -> None:
+    """Terminate the runs still going (Ctrl-C of the sweep); their folders are rerun next time."""
+    for proc in list(_LIVE):
+        proc.terminate()
+    for proc in list(_LIVE):
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _read_summary(run_dir: Path) -> dict | None:
@@ -385,6 +420,7 @@ def plot(table: dict[str, Any], path: Path) -> Path | None:
             continue
         ax.errorbar(x["mean"], y["mean"], xerr=x["std"], yerr=y["std"], fmt="o", capsize=3)
         ax.annotate(c["setting"], (x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.margins(x=0.3, y=0.15)  # room for the labels
     ax.axvline(0, color="grey", lw=0.8)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel(f"{retention[0]} change (points): retention, higher is better")
@@ -461,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
     except KeyboardInterrupt:
+        _stop_live_runs()
         print(f"klgrpo sweep: interrupted; run the same command with --output-dir {out} to continue "
               f"(finished runs are skipped)", file=sys.stderr)
         return 130
@@ -486,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
 def _header(grid, seeds, config, extra, table, out: Path, wall: float) -> list[str]:
     trained, retention = table["trained"], table["retention"]
     base = f"--config {config}" if config else "the embedded demo"
-    defaults = " ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items() if k not in _overrides_in(extra))
+    defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(config, [k for k, _ in grid], extra).items())
     axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid)
     lines = [f"# klgrpo sweep {out}",
              "",

@@ -216,3 +216,13 @@ def test_real_sweep_on_a_tiny_model(tiny_model_dir, addition_file, tmp_path, cap
     assert cells["kl.replay.coef=0"]["stats"]["replay_kl"] is None
     assert cells["kl.replay.coef=1"]["stats"]["replay_kl"]["mean"] >= 0
     assert cells["kl.replay.coef=1"]["stats"]["steps"]["mean"] == 2
+
+
+def test_demo_coef_sweep_fixes_beta_unless_told(tmp_path):
+    run = Run(Cell((("kl.coef", "0"),)), 0, tmp_path / "r")
+    assert "--kl.controller fixed" in " ".join(sweep.run_argv(run, None, []))  # the demo: beta is kl.coef
+    assert "--kl.controller" not in " ".join(sweep.run_argv(run, "run.yaml", []))  # a user config decides
+    told = " ".join(sweep.run_argv(run, None, ["--kl.controller", "dual"]))
+    assert "fixed" not in told and "--kl.controller dual" in told
+    other = Run(Cell((("kl.replay.coef", "1"),)), 0, tmp_path / "r")
+    assert "--kl.controller" not in " ".join(sweep.run_argv(other, None, []))
