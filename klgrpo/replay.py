@@ -106,6 +106,7 @@ class ReplayAnchor:
         self.clamp = log_ratio_clamp or None
         self.reference = reference  # used only when "full" recomputes the reference each step
         self.sampler = PromptSampler(cache.size, self.batch_size, seed, shuffle=True)
+        self._lengths = cache.completion_mask.sum(-1).cpu()  # on the host: no device sync to size a batch
         if estimator == "full" and cache.ref_logsoftmax is None and reference is None:
             raise ConfigError("the replay anchor recomputes the reference's logits each step but has no reference")
 
@@ -150,8 +151,8 @@ class ReplayAnchor:
 
     # -------------------------------------------------------------------------------------------- step
     def per_token_kl(self, logits_BTV: Tensor, rows: Tensor) -> Tensor:
-        """KL_t of the policy to the reference at each completion position of cache rows ``rows``, [b, T]
-        (differentiable in the policy's logits; masked positions hold garbage-free but meaningless values)."""
+        """KL_t of the policy to the reference at each completion position of cache rows ``rows``, [b, T],
+        differentiable in the policy's logits; the caller masks the positions past each row's EOS."""
         c = self.cache
         t = logits_BTV.shape[1]
         if self.estimator == "full":
@@ -174,10 +175,10 @@ class ReplayAnchor:
         penalty). One host sync."""
         t0 = time.perf_counter()
         c = self.cache
-        rows = torch.tensor(self.sampler.next_indices(), device=c.input_ids.device)
-        mask = c.completion_mask[rows]
-        t_max = max(int(mask.sum(-1).max()), 1)  # positions past every row's EOS carry no KL
-        n_tok = mask[:, :t_max].sum().clamp(min=1)
+        indices = self.sampler.next_indices()
+        rows = torch.tensor(indices, device=c.input_ids.device)
+        t_max = max(int(self._lengths[indices].max()), 1)  # positions past every row's EOS carry no KL
+        n_tok = c.completion_mask[rows, :t_max].sum().clamp(min=1)
         kl_sum = torch.zeros((), device=c.input_ids.device)
         size = self.micro_batch_size or len(rows)
         for start in range(0, len(rows), size):
