@@ -98,7 +98,8 @@ class ReplayConfig:
                                         "(cached in the run folder, reused on resume)")
     batch_size: int = _f(32, "replay sequences per optimizer step")
     estimator: str = _f("full", "KL form: 'full' (exact over the vocabulary at every position) or a "
-                                "registered estimator (k1, k2, k3, k1_st, k3_st)")
+                                "registered estimator (k1 and k3 give the reverse-KL gradient here)",
+                        ("full", "k1", "k2", "k3", "k1_st", "k3_st"))
     max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")
     temperature: float = _f(1.0, "sampling temperature of the reference for replay completions")
 

@@ -38,8 +38,9 @@ TB_DIR = "tb"
 #: Names with <...> are patterns: one metric per reward function or evaluation set.
 GLOSSARY: dict[str, str] = {
     # train
-    "train/loss": "the scalar the optimizer step differentiated: train/policy_loss + train/kl_penalty "
-                  "+ train/replay_penalty, aggregated per loss.aggregation, averaged over micro-batches",
+    "train/loss": "the GRPO loss of the step: policy loss + beta * KL loss term, aggregated per loss.aggregation "
+                  "with the global normaliser (summed over micro-batches it equals the full-batch loss); the replay "
+                  "anchor's term is logged apart as train/replay_penalty",
     "train/policy_loss": "clipped surrogate -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), "
                          "rho_t = pi(y_t) / pi_old(y_t), aggregated as the loss",
     "train/kl_penalty": "beta times the KL that entered the objective: the shaped, importance-corrected loss "
@@ -69,6 +70,8 @@ GLOSSARY: dict[str, str] = {
                             "shaping (zero KL gradient there); 0 for other shapings",
     "kl/sequence_sum": "mean over completions of sum_t l_t (summed k1): the sequence KL estimate, "
                        "Ziegler's controller input",
+    "train/replay_share": "train/replay_penalty / (|train/loss| + train/replay_penalty): the anchor's share of "
+                          "the objective",
     "kl/replay": "mean per token of the configured estimator's KL value on the replay prompts' completions",
     # completions
     "completions/mean_length": "mean over the step's completions of the completion length in tokens (EOS included)",
@@ -89,6 +92,7 @@ GLOSSARY: dict[str, str] = {
     "time/reference": "wall seconds spent computing the reference log-probs",
     "time/old_logp": "wall seconds spent computing pi_old log-probs before the update "
                      "(only when train.num_iterations > 1)",
+    "time/replay": "wall seconds of the replay anchor's forward/backward",
     "time/update": "wall seconds of the policy forward/backward passes and optimizer step(s)",
     "time/step": "wall seconds of the whole step, from sampling to logging",
     # eval

@@ -125,7 +125,8 @@ class GRPOTrainer:
                                                      limit=cfg.data.limit or None)
         self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
         self.eval_sets = eval_sets if eval_sets is not None else _load_eval_sets(cfg)
-        self.needs_reference = cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
+        self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
+                                or cfg.kl.replay.coef > 0)
         self.reference = self._build_reference() if self.needs_reference else None
         self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **_controller_params(cfg))
         self.optimizer = torch.optim.AdamW(
@@ -139,10 +140,11 @@ class GRPOTrainer:
         if cfg.kl.replay.coef > 0:
             from klgrpo.replay import ReplayAnchor
 
-            self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir)
+            self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log)
         self.step = 0
         self._batch: StepBatch | None = None
         self._stop_reason = ""
+        self._eval_before: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ pieces
     def _build_reference(self):
@@ -237,7 +239,7 @@ class GRPOTrainer:
         with _timed(timings, "time/update"):
             sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump)
             # The replay batch is the same on every rank: only rank 0 adds its gradient before the sum.
-            replay_metrics = (self.replay.accumulate_gradients(self.model)
+            replay_metrics = (self.replay.accumulate_gradients(self.model, main_loss=sums["loss"])
                               if self.replay is not None and self.dist.is_main else {})
             self.dist.sum_gradients(self.model.parameters())
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
@@ -359,7 +361,8 @@ class GRPOTrainer:
     def _trainer_state(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
-                "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None}
+                "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
+                "eval_before": self._eval_before}
 
     def save(self) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
@@ -399,6 +402,7 @@ class GRPOTrainer:
             set_rng_state(rng_by_rank[self.dist.rank])
         else:  # another world size: resumes correctly but not bit-identically
             _seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
+        self._eval_before = state.get("eval_before") or {}
         self.step = int(state["step"])
         self.log(f"resumed from {ckpt} at step {self.step}")
 
@@ -424,12 +428,14 @@ class GRPOTrainer:
             self.resume(resume)
         start = time.perf_counter()
         evaluate = main and bool(self.eval_sets)  # greedy evaluation runs on rank 0 only
-        eval_before = self.evaluate() if evaluate and self.step == 0 else {}
+        if evaluate and self.step == 0:
+            self._eval_before = self.evaluate()
+        eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step
         history: list[dict[str, float]] = []
         logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                                 progress=cfg.logging.progress, start_step=self.step) if main else _SilentLogger())
         with logger:
-            if eval_before:
+            if eval_before and self.step == 0:
                 logger.log(0, eval_before)
             with _save_on_interrupt(self, logger):
                 while self.step < cfg.train.steps:
@@ -475,6 +481,7 @@ class GRPOTrainer:
             "eval_before": {k.removeprefix("eval/"): v for k, v in eval_before.items()},
             "eval_after": {k.removeprefix("eval/"): v for k, v in eval_after.items()},
             "final_kl": last.get("adaptive_kl/raw_kl"),
+            "final_replay_kl": last.get("kl/replay"),
             "final_beta": self.controller.value,
             "final_reward": last.get("train/reward"),
             "kl_estimator": self.cfg.kl.estimator,

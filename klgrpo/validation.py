@@ -74,6 +74,12 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
                                     "model.name_or_path empty to run the embedded demo)")
     need(len(cfg.rewards.functions) > 0, "rewards.functions is empty: name at least one reward function")
+    rp = k.replay
+    need(rp.coef >= 0, "kl.replay.coef must be >= 0 (0 turns the replay anchor off)")
+    if rp.coef > 0:
+        need(bool(rp.source), "kl.replay.coef > 0 needs kl.replay.source: a file or dataset of replay prompts")
+        need(rp.num_prompts >= 1 and rp.completions_per_prompt >= 1 and rp.batch_size >= 1,
+             "kl.replay.num_prompts, kl.replay.completions_per_prompt and kl.replay.batch_size must be >= 1")
     for i, s in enumerate(cfg.eval.sets):
         need(isinstance(s, dict) and s.get("name") and s.get("source"),
              f"eval.sets[{i}] needs a name and a source, e.g. {{name: gsm8k, source: test.jsonl}}")
