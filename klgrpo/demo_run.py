@@ -32,7 +32,7 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
         "rollout": {"group_size": 8, "prompts_per_step": 32, "max_new_tokens": 4, "temperature": 1.0},
         "rewards": {"functions": [{"name": "exact_match"}]},
         "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": "adaptive",
-               "target": 0.05, "horizon": 10000,
+               "target": 0.1, "horizon": 10000,
                # The retention guard: exact KL on 64 subtraction prompts x 2 reference completions, 32 a step.
                "replay": {"coef": 1.0, "source": str(assets.replay_file), "estimator": "full", "num_prompts": 64,
                           "completions_per_prompt": 2, "batch_size": 32}},
