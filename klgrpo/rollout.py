@@ -4,8 +4,8 @@ Sampling runs klgrpo's own KV-cached loop (``_KVSampler``) when the model is a s
 Mistral, Qwen2, Qwen3; LoRA-wrapped or not), else transformers ``generate``. The loop draws each token from
 softmax(logits / temperature) after the top-k and top-p filters, as ``generate`` with do_sample=True does,
 without its per-step machinery (logits processors, stopping criteria, cache objects, mask builders), which
-dominates the time of small models (about 0.65x of ``generate``'s time per token for the demo-size model on the
-CPU, docs/benchmarks.md). It reads nothing else from ``model.generation_config`` (no repetition penalty, no
+dominates the time of small models (0.6x of ``generate``'s time for the demo-size model on the CPU,
+docs/benchmarks.md). It reads nothing else from ``model.generation_config`` (no repetition penalty, no
 suppressed tokens), so the samples come from the very distribution whose log-probs the loss uses.
 """
 
