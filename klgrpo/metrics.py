@@ -90,8 +90,6 @@ GLOSSARY: dict[str, str] = {
     "time/generate": "wall seconds spent sampling the step's completions",
     "time/reward": "wall seconds spent in the reward functions",
     "time/reference": "wall seconds spent computing the reference log-probs",
-    "time/old_logp": "wall seconds spent computing pi_old log-probs before the update "
-                     "(only when train.num_iterations > 1)",
     "time/replay": "wall seconds of the replay anchor's forward/backward",
     "time/update": "wall seconds of the policy forward/backward passes and optimizer step(s)",
     "time/step": "wall seconds of the whole step, from sampling to logging",

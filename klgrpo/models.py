@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.errors import ConfigError
-from klgrpo.math.logprobs import token_entropy, token_logprobs
+from klgrpo.math.logprobs import token_logprobs, token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     from klgrpo.config import ModelConfig
@@ -80,10 +80,11 @@ def completion_logprobs(
     completion_ids = batch.completion_ids
     if rows is not None:
         input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
-    p = batch.prompt_len
+    t = completion_ids.shape[1]
+    # Only the last T + 1 positions' logits are needed: no output-layer work on the prompt.
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-    logits = out.logits[:, p - 1:-1]
-    logp = token_logprobs(logits, completion_ids, temperature)
-    entropy = token_entropy(logits.detach(), temperature) if with_entropy else None
-    return logp, entropy
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=t + 1)
+    logits = out.logits[:, :-1]
+    if with_entropy:
+        return token_logprobs_and_entropy(logits, completion_ids, temperature)
+    return token_logprobs(logits, completion_ids, temperature), None

@@ -98,8 +98,12 @@ def generate_groups(
     top_k: int = 0,
     system_prompt: str = "",
     as_chat: bool = False,
+    sampler: str = "auto",
 ) -> RolloutBatch:
-    """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks."""
+    """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks.
+
+    ``sampler``: "auto" uses the KV-cached loop for the architectures it reproduces, else transformers
+    ``generate``; "generate" always uses ``generate`` (and its generation_config)."""
     texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
@@ -109,9 +113,10 @@ def generate_groups(
     was_training = model.training
     model.eval()
     try:
-        sampler = _KVSampler.for_model(model, prompt_len + max_new_tokens) if temperature > 0 else None
-        if sampler is not None:
-            completion_ids = sampler.sample(prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, top_k,
+        loop = (_KVSampler.for_model(model, prompt_len + max_new_tokens)
+                if temperature > 0 and sampler == "auto" else None)
+        if loop is not None:
+            completion_ids = loop.sample(prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, top_k,
                                             tokenizer.pad_token_id, _eos_ids(model, tokenizer))
         else:
             out = model.generate(

@@ -49,7 +49,7 @@ class StepBatch:
     loss_mask: torch.Tensor          # [B, T] completion mask (minus truncated rows when masked)
     normalizer: Normalizer
     ref_logp: torch.Tensor | None    # [B, T]
-    old_logp: torch.Tensor | None    # [B, T]; None when num_iterations == 1 (then old = logp.detach())
+    old_logp: torch.Tensor | None    # [B, T]; None until the batch's first update (then old = logp.detach())
     timings: dict[str, float] = field(default_factory=dict)
     iterations_done: int = 0
 
@@ -176,7 +176,8 @@ class GRPOTrainer:
         with _timed(timings, "time/generate"):
             rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
                                       cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                                      cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat)
+                                      cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat,
+                                      cfg.rollout.sampler)
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -192,10 +193,6 @@ class GRPOTrainer:
         with _timed(timings, "time/reference"):
             if self.reference is not None:
                 ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
-        if cfg.train.num_iterations > 1:
-            with torch.no_grad(), _timed(timings, "time/old_logp"):
-                old_logp = torch.cat([completion_logprobs(self.model, rollout, cfg.rollout.temperature, sl)[0]
-                                      for sl in self._micro_slices(rollout.size)])
         return StepBatch(rollout=rollout, rewards=rewards, reward_columns=result.per_function,
                          advantages=advantages, loss_mask=loss_mask,
                          normalizer=Normalizer(num_sequences=float(all_rewards.numel()),
@@ -235,9 +232,14 @@ class GRPOTrainer:
         beta = self.controller.value
         timings: dict[str, float] = {}
         dump = bool(cfg.kl.dump_every and (self.step + 1) % cfg.kl.dump_every == 0 and batch.ref_logp is not None)
+        # The first update of a batch runs at the sampling policy, so its log-probs ARE pi_old: later updates of
+        # the same batch reuse them instead of paying a separate no-grad forward.
+        keep_old = batch.old_logp is None and cfg.train.num_iterations > 1
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, "time/update"):
-            sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump)
+            sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump or keep_old)
+            if keep_old:
+                batch.old_logp = logp
             # The replay batch is the same on every rank: only rank 0 adds its gradient before the sum.
             replay_metrics = (self.replay.accumulate_gradients(self.model, main_loss=sums["loss"])
                               if self.replay is not None and self.dist.is_main else {})

@@ -227,3 +227,10 @@ def test_yaml_then_cli_override_order(tmp_path):
     assert (cfg.kl.coef, cfg.kl.estimator, cfg.rollout.group_size) == (0.02, "k2", 4)
     assert cfg.rollout.max_new_tokens == GRPOConfig().rollout.max_new_tokens
     json.dumps(cfg.to_dict())  # the resolved tree is plain data
+
+
+def test_transformers_generate_sampler_path(tiny_model_dir, addition_file, tmp_path):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "g", rollout={"sampler": "generate"})
+    GRPOTrainer(cfg, log=quiet).train()
+    rows = [r for r in read_metrics(tmp_path / "g") if "train/loss" in r]
+    assert len(rows) == 2 and 1 <= rows[-1]["completions/mean_length"] <= 4
