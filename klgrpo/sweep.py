@@ -40,7 +40,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 
 from klgrpo.errors import KLGRPOError
 

@@ -27,20 +27,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args, timeout=180):
+def torchrun(args, timeout=180, attempts=2):
+    """Run ``args`` under torchrun with 2 CPU processes. A worker killed by a signal (seen once in many runs
+    here: gloo aborting while the loopback rendezvous was set up) is retried once on a fresh port; an ordinary
+    non-zero exit (a Python error in our code) fails at once."""
     env = dict(os.environ, ACCELERATE_USE_CPU="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
                OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # torchrun stops its workers on SIGTERM
-        out, _ = proc.communicate(timeout=30)
-        pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    outputs = []
+    for _ in range(attempts):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), *args]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its workers on SIGTERM
+            out, _ = proc.communicate(timeout=30)
+            pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
+        if proc.returncode == 0:
+            return out
+        outputs.append(out)
+        if "exitcode  : -" not in out:  # not killed by a signal: a real failure
+            break
+    pytest.fail("torchrun failed:\n" + "\n----- retry -----\n".join(o[-3000:] for o in outputs))
 
 
 def config_dict(model_dir, data_file, out, **train):

@@ -17,8 +17,8 @@ from klgrpo.lora import (REFERENCE_ADAPTER, AdapterDisabledReference, _adapter_p
 from klgrpo.metrics import read_metrics  # noqa: E402
 from klgrpo.models import completion_logprobs  # noqa: E402
 from klgrpo.trainer import GRPOTrainer  # noqa: E402
+from tests.helpers.configs import make_config as base_config, quiet  # noqa: E402
 
-HAS_ZERO = {"name": "format", "kwargs": {"pattern": "0"}}
 RANK = 4
 # The tiny model (hidden 32, intermediate 64, 1 layer, 2 heads of 16, 2 kv heads): "all-linear" adapts
 # q,k,v,o (32 -> 32), gate, up (32 -> 64) and down (64 -> 32); lm_head is excluded (tied to the embedding).
@@ -28,24 +28,9 @@ ADAPTER_BYTES = 4 * 544 * RANK
 
 
 def make_config(model_dir, data_file, out, **groups) -> GRPOConfig:
-    base = {
-        "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu",
-                  "lora": {"r": RANK, "alpha": 8.0}},
-        "data": {"source": str(data_file)},
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
-        "rewards": {"functions": [HAS_ZERO]},
-        "kl": {"coef": 0.1},
-        "optim": {"lr": 5e-2},
-        "train": {"steps": 2, "output_dir": str(out), "seed": 0},
-        "logging": {"progress": False, "tensorboard": False, "plots": False},
-    }
-    for group, values in groups.items():
-        base.setdefault(group, {}).update(values)
-    return GRPOConfig.from_dict(base)
-
-
-def quiet(*_):
-    pass
+    """The trainer tests' run with LoRA at RANK and a larger learning rate for the adapters."""
+    model = {"lora": {"r": RANK, "alpha": 8.0}, **groups.pop("model", {})}
+    return base_config(model_dir, data_file, out, model=model, **{"optim": {"lr": 5e-2}, **groups})
 
 
 def load_base(model_dir):

@@ -13,28 +13,7 @@ from klgrpo.config import GRPOConfig
 from klgrpo.metrics import read_metrics
 from klgrpo.trainer import GRPOTrainer
 
-# A reward that varies across a random model's samples, so advantages are non-zero.
-HAS_ZERO = {"name": "format", "kwargs": {"pattern": "0"}}
-
-
-def make_config(model_dir, data_file, out, **groups) -> GRPOConfig:
-    base = {
-        "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
-        "data": {"source": str(data_file)},
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
-        "rewards": {"functions": [HAS_ZERO]},
-        "kl": {"coef": 0.1},
-        "optim": {"lr": 1e-2},
-        "train": {"steps": 2, "output_dir": str(out), "seed": 0},
-        "logging": {"progress": False, "tensorboard": False, "plots": False},
-    }
-    for group, values in groups.items():
-        base.setdefault(group, {}).update(values)
-    return GRPOConfig.from_dict(base)
-
-
-def quiet(*_):
-    pass
+from tests.helpers.configs import make_config, quiet
 
 
 def test_smoke_end_to_end(tiny_model_dir, addition_file, tmp_path):

@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS, exact_kl, kl_estimate
-from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, classify_gradient, flat_grad, penalty_objective
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, exact_kl, kl_estimate
+from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
+                                   penalty_objective)
 
 #: Per-sample gradient of each estimator as f(l) * s (KL_MATH.md, "Gradients"): grad k1 = s, grad k2 = l s,
 #: grad k3 = (1 - r) s with r = exp(-l). Straight-through names "<base>_st" have the gradient of k2.
@@ -151,16 +152,5 @@ def per_sample_gradient_error(problem: CategoricalProblem, estimator: str) -> fl
 
 def gradient_rows(problem: CategoricalProblem, rtol: float = GRADIENT_RTOL) -> list[GradientCheck]:
     """Every registered estimator x placement x sampling at level "token", against its declaration."""
-    kl = kl_values_and_gradients(problem)
-    rows = []
-    for name in ESTIMATORS:
-        est = ESTIMATORS[name]
-        for placement in PLACEMENTS:
-            for sampling in SAMPLINGS:
-                g = expected_gradient(problem, name, placement, sampling)
-                found = classify_gradient(g, kl["grad_reverse"], kl["grad_forward"], rtol)
-                declared = est.gradient_target(placement, sampling, "token")
-                rows.append(GradientCheck(estimator=name, placement=placement, sampling=sampling, level="token",
-                                          declared=declared, passed=found["gradient_target"] == declared,
-                                          **found))
-    return rows
+    return declared_gradient_rows("token", lambda *setting: expected_gradient(problem, *setting),
+                                  kl_values_and_gradients(problem), rtol)

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from klgrpo.math.advantages import apply_kl_penalty
 from klgrpo.math.aggregation import Normalizer, aggregate
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, kl_estimate
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS, kl_estimate
 from klgrpo.math.policy_loss import clipped_surrogate, kl_loss_term
 
 #: eps_low = eps_high for the reward-placement surrogate: the clip never binds, so the PPO loss is the plain
@@ -175,3 +176,22 @@ def bonferroni_z(alpha: float, num_tests: int) -> float:
         else:
             hi = mid
     return 0.5 * (lo + hi)
+
+
+def declared_gradient_rows(level: str, expected_gradient: Callable[[str, str, str], Tensor], kl: dict,
+                           rtol: float = GRADIENT_RTOL) -> list[GradientCheck]:
+    """Every registered estimator x placement x sampling at ``level``, classified against its declaration.
+
+    ``expected_gradient(estimator, placement, sampling)`` is the problem's exact expected penalty gradient;
+    ``kl`` holds the exact "grad_reverse" and "grad_forward" of the same problem."""
+    rows = []
+    for name in ESTIMATORS:
+        est = ESTIMATORS[name]
+        for placement in PLACEMENTS:
+            for sampling in SAMPLINGS:
+                found = classify_gradient(expected_gradient(name, placement, sampling), kl["grad_reverse"],
+                                          kl["grad_forward"], rtol)
+                declared = est.gradient_target(placement, sampling, level)
+                rows.append(GradientCheck(estimator=name, placement=placement, sampling=sampling, level=level,
+                                          declared=declared, passed=found["gradient_target"] == declared, **found))
+    return rows

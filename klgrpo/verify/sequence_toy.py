@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS, kl_estimate
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, kl_estimate
 from klgrpo.verify.categorical import BIAS_MIN_REL
-from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, classify_gradient, flat_grad, penalty_objective
+from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
+                                   penalty_objective)
 
 A, B, EOS = 0, 1, 2
 TOKEN_NAMES = ("a", "b", "EOS")
@@ -167,16 +168,5 @@ def value_check(problem: ToyProblem, estimator: str) -> dict:
 
 def gradient_rows(problem: ToyProblem, rtol: float = GRADIENT_RTOL) -> list[GradientCheck]:
     """Every registered estimator x placement x sampling at level "sequence", against its declaration."""
-    kl = kl_values_and_gradients(problem)
-    rows = []
-    for name in ESTIMATORS:
-        est = ESTIMATORS[name]
-        for placement in PLACEMENTS:
-            for sampling in SAMPLINGS:
-                g = expected_gradient(problem, name, placement, sampling)
-                found = classify_gradient(g, kl["grad_reverse"], kl["grad_forward"], rtol)
-                declared = est.gradient_target(placement, sampling, "sequence")
-                rows.append(GradientCheck(estimator=name, placement=placement, sampling=sampling, level="sequence",
-                                          declared=declared, passed=found["gradient_target"] == declared,
-                                          **found))
-    return rows
+    return declared_gradient_rows("sequence", lambda *setting: expected_gradient(problem, *setting),
+                                  kl_values_and_gradients(problem), rtol)
