@@ -109,3 +109,31 @@ def _cut_at(ids: list[int], eos_ids: list[int]) -> list[int]:
         if token in eos_ids:
             return ids[:t]
     return ids
+
+
+def load_eval_sets(cfg) -> dict[str, dict]:
+    """The config's eval.sets as {name: {"prompts", "answers", "reward_fn"}} (prompts with answers)."""
+    from klgrpo.data import load_prompts
+    from klgrpo.rewards import load_reward_function
+
+    sets = {}
+    for s in cfg.eval.sets:
+        ds = load_prompts(s["source"], prompt_column=s.get("prompt_column", "prompt"),
+                          columns={"answer": s.get("answer_column", "answer")}, split=s.get("split", "test"),
+                          limit=s.get("limit") or None)
+        sets[s["name"]] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
+                           "reward_fn": load_reward_function(s.get("reward", "exact_match"))}
+    return sets
+
+
+def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, float]:
+    """Greedy accuracy of every set, as {"eval/<name>": value}; prompts are templated like the rollout's."""
+    from klgrpo.rollout import encode_prompts
+
+    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    results = {}
+    for name, s in sets.items():
+        texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
+        results[f"eval/{name}"] = greedy_accuracy(model, tokenizer, texts, s["answers"], max_new,
+                                                  cfg.eval.batch_size, s["reward_fn"])
+    return results

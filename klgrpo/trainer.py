@@ -15,7 +15,6 @@ import random
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from klgrpo.config import GRPOConfig
 from klgrpo.data import PromptSampler, load_prompts
 from klgrpo.distributed import Distributed
 from klgrpo.errors import ConfigError
+from klgrpo.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import build_controller
@@ -34,40 +34,9 @@ from klgrpo.math.objective import KLTerm, grpo_objective
 from klgrpo.metrics import MetricsLogger
 from klgrpo.models import completion_logprobs, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from klgrpo.reference import FrozenCopyReference
-from klgrpo.rewards import RewardComputer, RewardSpec, load_reward_function
-from klgrpo.rollout import RolloutBatch, encode_prompts, generate_groups
-
-
-@dataclass
-class StepBatch:
-    """A generated batch and everything computed once for it, reused for num_iterations updates."""
-
-    rollout: RolloutBatch
-    rewards: torch.Tensor            # [B] total reward
-    reward_columns: dict[str, torch.Tensor]
-    advantages: torch.Tensor         # [B]
-    loss_mask: torch.Tensor          # [B, T] completion mask (minus truncated rows when masked)
-    normalizer: Normalizer
-    ref_logp: torch.Tensor | None    # [B, T]
-    old_logp: torch.Tensor | None    # [B, T]; None until the batch's first update (then old = logp.detach())
-    timings: dict[str, float] = field(default_factory=dict)
-    iterations_done: int = 0
-
-    def rows(self, sl: slice) -> "StepBatch":
-        """The same batch restricted to rows ``sl`` (whole groups), keeping the global normaliser."""
-        r = self.rollout
-        g = r.group_size
-        assert sl.start % g == 0 and sl.stop % g == 0, "a shard must hold whole groups"
-        rollout = RolloutBatch(
-            input_ids=r.input_ids[sl], attention_mask=r.attention_mask[sl], completion_ids=r.completion_ids[sl],
-            completion_mask=r.completion_mask[sl], truncated=r.truncated[sl], prompt_len=r.prompt_len,
-            group_size=g, prompts=r.prompts[sl], completions=r.completions[sl])
-        pick = (lambda t: None if t is None else t[sl])
-        return StepBatch(rollout=rollout, rewards=self.rewards[sl],
-                         reward_columns={k: v[sl] for k, v in self.reward_columns.items()},
-                         advantages=self.advantages[sl], loss_mask=self.loss_mask[sl], normalizer=self.normalizer,
-                         ref_logp=pick(self.ref_logp), old_logp=pick(self.old_logp), timings=dict(self.timings),
-                         iterations_done=self.iterations_done)
+from klgrpo.rewards import RewardComputer, RewardSpec
+from klgrpo.rollout import generate_groups
+from klgrpo.step import StepBatch, step_metrics
 
 
 def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
@@ -124,7 +93,7 @@ class GRPOTrainer:
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
         self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
-        self.eval_sets = eval_sets if eval_sets is not None else _load_eval_sets(cfg)
+        self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
                                 or cfg.kl.replay.coef > 0)
         self.reference = self._build_reference() if self.needs_reference else None
@@ -250,56 +219,9 @@ class GRPOTrainer:
             self.scheduler.step()
         if dump:
             self._dump_kl(logp, batch)
-        metrics = self._metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, timings)
+        metrics = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, self.scheduler.get_last_lr()[0],
+                               timings, self.dist, self.device)
         metrics.update(replay_metrics)
-        return metrics
-
-    def _metrics(self, batch, sums, maxes, entropy_sum, grad_norm, beta, timings) -> dict[str, float]:
-        """Reduce this rank's sums across ranks, then one host sync turns every metric into a float."""
-        rollout, g = batch.rollout, batch.rollout.group_size
-        lengths = rollout.completion_mask.sum(-1).float()
-        local = dict(sums)
-        local.update({
-            "entropy": entropy_sum, "completion_tokens": lengths.sum(), "truncated": rollout.truncated.float().sum(),
-            "reward": batch.rewards.sum(), "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
-            "advantage_abs": batch.advantages.abs().sum(),
-        })
-        for name, values in batch.reward_columns.items():
-            local[f"rewards/{name}"] = values.to(self.device).float().sum()
-        local_max = dict(maxes, length=lengths.max())
-        keys, max_keys = sorted(local), sorted(local_max)
-        total = self.dist.sum(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=self.device)
-                                           .reshape(()) for k in keys]))
-        peak = self.dist.max(torch.stack([local_max[k].float().reshape(()) for k in max_keys]))
-        values = dict(zip(keys, total.tolist()))
-        values.update({f"max/{k}": v for k, v in zip(max_keys, peak.tolist())})
-        n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
-        n_tok_safe = max(n_tok, 1.0)
-        metrics = {
-            "train/loss": values["loss"], "train/policy_loss": values["policy_loss"],
-            "train/reward": values["reward"] / n_seq, "train/reward_std": values["reward_group_std"] / (n_seq / g),
-            "train/advantage_abs": values["advantage_abs"] / n_seq,
-            "completions/mean_length": values["completion_tokens"] / n_seq, "completions/max_length": values["max/length"],
-            "completions/clipped_ratio": values["truncated"] / n_seq,
-            "clip_ratio/low": values["clip_low"] / n_tok_safe, "clip_ratio/high": values["clip_high"] / n_tok_safe,
-            "clip_ratio": (values["clip_low"] + values["clip_high"]) / n_tok_safe,
-            "entropy": values["entropy"] / max(values["completion_tokens"], 1.0), "grad_norm": float(grad_norm),
-        }
-        metrics.update({k: v / n_seq for k, v in values.items() if k.startswith("rewards/")})
-        if batch.ref_logp is not None:
-            metrics.update({
-                "train/kl_penalty": values.get("loss_kl_penalty", 0.0) + values.get("reward_kl_penalty", 0.0) / n_seq,
-                "adaptive_kl/raw_kl": values["raw_kl"] / n_tok_safe,
-                "adaptive_kl/adapted_kl": values["adapted_kl"] / n_tok_safe,
-                "kl/k1": values["k1"] / n_tok_safe, "kl/k2": values["k2"] / n_tok_safe, "kl/k3": values["k3"] / n_tok_safe,
-                "kl/max": values["max/k3"], "kl/clamp_frac": values["clamp"] / n_tok_safe,
-                "kl/sequence_sum": values["k1"] / n_seq,
-            })
-            if "shaping_clip" in values:
-                metrics["kl/shaping_clip_frac"] = values["shaping_clip"] / n_tok_safe
-        metrics["adaptive_kl/current_beta"] = beta
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics.update(timings)
         return metrics
 
     def _dump_kl(self, logp: torch.Tensor, batch: StepBatch) -> None:
@@ -309,16 +231,7 @@ class GRPOTrainer:
                     "mask": batch.loss_mask.bool().cpu()}, folder / f"step_{self.step + 1:06d}.pt")
 
     def evaluate(self) -> dict[str, float]:
-        from klgrpo.evaluation import greedy_accuracy
-
-        cfg = self.cfg
-        max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-        results = {}
-        for name, s in self.eval_sets.items():
-            texts = encode_prompts(self.tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
-            results[f"eval/{name}"] = greedy_accuracy(self.model, self.tokenizer, texts, s["answers"], max_new,
-                                                      cfg.eval.batch_size, s["reward_fn"])
-        return results
+        return evaluate_sets(self.model, self.tokenizer, self.eval_sets, self.cfg)
 
     # ------------------------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, float]:
@@ -511,17 +424,6 @@ def _disable_dropout(model) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-
-
-def _load_eval_sets(cfg: GRPOConfig) -> dict[str, dict]:
-    sets = {}
-    for s in cfg.eval.sets:
-        ds = load_prompts(s["source"], prompt_column=s.get("prompt_column", "prompt"),
-                          columns={"answer": s.get("answer_column", "answer")}, split=s.get("split", "test"),
-                          limit=s.get("limit") or None)
-        sets[s["name"]] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
-                           "reward_fn": load_reward_function(s.get("reward", "exact_match"))}
-    return sets
 
 
 def _make_scheduler(optimizer, cfg: GRPOConfig):

@@ -7,6 +7,7 @@ import sys
 import torch
 
 from klgrpo.config import GRPOConfig
+from klgrpo.step import step_metrics
 from klgrpo.trainer import GRPOTrainer
 
 
@@ -22,7 +23,8 @@ def gradient_and_metrics(trainer, batch):
     sums, maxes, entropy, _ = trainer.accumulate_gradients(batch)
     trainer.dist.sum_gradients(trainer.model.parameters())
     grad = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
-    metrics = trainer._metrics(batch, sums, maxes, entropy, torch.tensor(0.0), trainer.controller.value, {})
+    metrics = step_metrics(batch, sums, maxes, entropy, torch.tensor(0.0), trainer.controller.value, 0.0, {},
+                           trainer.dist, trainer.device)
     return grad, metrics
 
 
