@@ -104,9 +104,9 @@ class GRPOTrainer:
         self.scheduler = _make_scheduler(self.optimizer, cfg)
         self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
                                      shuffle=cfg.data.shuffle)
-        self.run_dir = _run_dir(cfg)
+        self.run_dir = Path(self.dist.gather_objects(str(_run_dir(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.replay = None
-        if cfg.kl.replay.coef > 0:
+        if cfg.kl.replay.coef > 0 and self.dist.is_main:  # the anchor's gradient is added on rank 0 only
             from klgrpo.replay import ReplayAnchor
 
             self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log)
