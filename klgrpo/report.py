@@ -108,7 +108,7 @@ def _new_figure(nrows: int = 1):
     return fig, axes
 
 
-def _reward_plot(rows, keys):
+def _reward_plot(rows, keys, kl_target=None):
     evals = sorted(k for k in keys if k.startswith("eval/"))
     per_function = sorted(k for k in keys if k.startswith("rewards/"))
     if "train/reward" not in keys and not evals:
@@ -130,7 +130,7 @@ def _reward_plot(rows, keys):
     return fig
 
 
-def _kl_plot(rows, keys):
+def _kl_plot(rows, keys, kl_target=None):
     names = [k for k in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "kl/k1", "kl/k2", "kl/k3") if k in keys]
     if not names:
         return None
@@ -138,11 +138,13 @@ def _kl_plot(rows, keys):
     for k in names:
         _plot_line(ax, _series(rows, k), k, smooth=True, linestyle="-" if k.startswith("adaptive_kl/") else ":")
     ax.axhline(0.0, color="grey", linewidth=0.8)
+    if kl_target is not None:
+        ax.axhline(kl_target, color="black", linestyle="--", linewidth=1.0, label=f"controller target {kl_target:g}")
     _finish(ax, "KL to the reference (mean per completion token)", "KL (nats per token)")
     return fig
 
 
-def _beta_plot(rows, keys):
+def _beta_plot(rows, keys, kl_target=None):
     if "adaptive_kl/current_beta" not in keys:
         return None
     fig, (ax,) = _new_figure()
@@ -151,7 +153,7 @@ def _beta_plot(rows, keys):
     return fig
 
 
-def _length_plot(rows, keys):
+def _length_plot(rows, keys, kl_target=None):
     has_len = "completions/mean_length" in keys
     has_clip = "completions/clipped_ratio" in keys
     if not (has_len or has_clip):
@@ -172,6 +174,19 @@ def _length_plot(rows, keys):
 _PLOTS = {"reward.png": _reward_plot, "kl.png": _kl_plot, "beta.png": _beta_plot, "length.png": _length_plot}
 
 
+def _controller_target(run_dir: Path) -> float | None:
+    """The per-token KL target of a controller that steers toward one (from the run's config.yaml), else None."""
+    try:
+        import yaml
+
+        kl = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("kl", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    if kl.get("controller") in ("adaptive", "step", "dual") and kl.get("kl_measure", "token_mean") == "token_mean":
+        return float(kl.get("target"))
+    return None
+
+
 def make_plots(run_dir: str | os.PathLike) -> list[Path]:
     """Draw run_dir/plots/{reward,kl,beta,length}.png from metrics.jsonl; returns the files written."""
     run_dir = Path(run_dir)
@@ -179,8 +194,9 @@ def make_plots(run_dir: str | os.PathLike) -> list[Path]:
     keys = set(_keys(rows))
     out_dir = run_dir / PLOTS_DIR
     written = []
+    kl_target = _controller_target(run_dir)
     for filename, draw in _PLOTS.items():
-        fig = draw(rows, keys)
+        fig = draw(rows, keys, kl_target)
         if fig is None:
             continue
         out_dir.mkdir(exist_ok=True)

@@ -125,3 +125,14 @@ def test_main_error_paths_print_one_line_and_return_2(tmp_path, capsys):
     assert main([str(corrupt)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "line 2" in lines[0] and "Traceback" not in lines[0]
+
+
+def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
+    from klgrpo.report import _controller_target
+
+    (tmp_path / "config.yaml").write_text("kl:\n  controller: adaptive\n  target: 0.07\n  kl_measure: token_mean\n")
+    assert _controller_target(tmp_path) == 0.07
+    (tmp_path / "config.yaml").write_text("kl:\n  controller: fixed\n  target: 0.07\n")
+    assert _controller_target(tmp_path) is None
+    (tmp_path / "config.yaml").write_text("kl:\n  controller: dual\n  target: 3.0\n  kl_measure: sequence_sum\n")
+    assert _controller_target(tmp_path) is None  # a sequence-sum target is not on the per-token axis
