@@ -207,10 +207,11 @@ def prepare_assets(shape: str, root: Path, dtype: str = "float32") -> tuple[Path
 def klgrpo_config(model_dir: Path, data: Path, out: Path, *, device: str = "cpu", dtype: str = "float32",
                   prompts: int = 4, group_size: int = 8, max_new_tokens: int = 16, lr: float = 1e-6,
                   coef: float = 0.04, num_iterations: int = 1, threads: int = 1, steps: int = 100000,
-                  micro_batch_size: int = 0, **extra):
+                  micro_batch_size: int = 0, package=None, **extra):
     """klgrpo's config for a benchmark run: token_mean aggregation, fixed beta, no evaluation, no plots,
-    no TensorBoard, no progress bar (metrics.jsonl only, when train() is used)."""
-    from klgrpo import GRPOConfig
+    no TensorBoard, no progress bar (metrics.jsonl only, when train() is used). ``package``: another klgrpo
+    (``klgrpo_at``) whose config class to fill."""
+    GRPOConfig = package.GRPOConfig if package is not None else __import__("klgrpo").GRPOConfig
 
     tree = {
         "model": {"name_or_path": str(model_dir), "dtype": dtype, "device": device},
@@ -281,3 +282,34 @@ def gpu_preset(args) -> None:
             args.prompts = 8
         if args.max_new_tokens == 16:
             args.max_new_tokens = 64
+
+
+# ------------------------------------------------------------------------------------- a git revision of klgrpo
+def klgrpo_at(rev: str, folder: Path):
+    """The whole klgrpo package as git revision ``rev`` had it, importable beside the working tree's as
+    ``klgrpo_<rev>`` (its own ``import klgrpo...`` lines rewritten), so one process can interleave steps of the
+    old and the new trainer on the same machine load. Returns the package module."""
+    import importlib
+    import io
+    import re
+    import sys
+    import tarfile
+
+    root = Path(__file__).resolve().parent.parent
+    name = "klgrpo_" + re.sub(r"\W", "_", rev)
+    if name in sys.modules:
+        return sys.modules[name]
+    archive = subprocess.run(["git", "archive", rev, "klgrpo"], cwd=root, capture_output=True, check=True).stdout
+    target = folder / name
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if not member.isfile():
+                continue
+            path = target / Path(member.name).relative_to("klgrpo")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = tar.extractfile(member).read()
+            if member.name.endswith(".py"):
+                data = re.sub(rb"\b(from|import) klgrpo\b", rb"\1 " + name.encode(), data)
+            path.write_bytes(data)
+    sys.path.insert(0, str(folder))
+    return importlib.import_module(name)

@@ -107,17 +107,18 @@ def generate_groups(
     texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
-    prompt_ids = enc["input_ids"].to(device).repeat_interleave(group_size, dim=0)
-    prompt_mask = enc["attention_mask"].to(device).repeat_interleave(group_size, dim=0)
+    unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    prompt_ids = unique_ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = unique_mask.repeat_interleave(group_size, dim=0)
     prompt_len = prompt_ids.shape[1]
     was_training = model.training
     model.eval()
     try:
         loop = (_KVSampler.for_model(model, prompt_len + max_new_tokens)
                 if temperature > 0 and sampler == "auto" else None)
-        if loop is not None:
-            completion_ids = loop.sample(prompt_ids, prompt_mask, max_new_tokens, temperature, top_p, top_k,
-                                            tokenizer.pad_token_id, _eos_ids(model, tokenizer))
+        if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
+            completion_ids = loop.sample(unique_ids, unique_mask, max_new_tokens, temperature, top_p, top_k,
+                                         tokenizer.pad_token_id, _eos_ids(model, tokenizer), group_size)
         else:
             out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
@@ -134,9 +135,9 @@ def generate_groups(
     # Tokens after EOS are padding: give them a harmless id and no attention.
     completion_ids = torch.where(completion_mask, completion_ids, torch.full_like(completion_ids,
                                                                                   tokenizer.pad_token_id))
-    completions = [
-        tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, completion_mask)
-    ]
+    # The mask is a prefix of each row (through the first EOS): one batch_decode of the rows cut to their lengths.
+    rows, lengths = completion_ids.tolist(), completion_mask.sum(-1).tolist()
+    completions = tokenizer.batch_decode([row[:n] for row, n in zip(rows, lengths)], skip_special_tokens=True)
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1),
@@ -181,6 +182,12 @@ def _linear(module, x: Tensor) -> Tensor:
     return F.linear(x, module.weight, module.bias) if type(module) is torch.nn.Linear else module(x)
 
 
+#: The loop fuses each layer's q/k/v and gate/up projections into one matrix each (a copy of those weights per
+#: rollout) only while the copies stay below this size: the calls they save matter for small models, whose
+#: steps are dominated by per-operation overhead, and the copies would cost memory for large ones.
+FUSE_MAX_BYTES = 256 * 2 ** 20
+
+
 class _KVSampler:
     """A decoder-only transformer (Llama family) run step by step over a preallocated KV cache.
 
@@ -188,7 +195,8 @@ class _KVSampler:
     layers apply; only the attention and the cache are written here: scaled_dot_product_attention over the
     cache with a key mask (left padding), causal inside the prompt. ``logits`` equals the model's forward
     (up to float rounding): tests/test_rollout_sampler.py checks it on Llama, Qwen2 (GQA, q/k/v biases), Qwen3
-    (q/k norms) and LoRA.
+    (q/k norms) and LoRA. For small float32 models with plain linear layers the projections run fused
+    (``_fuse_projections``).
     """
 
     def __init__(self, model, decoder, total_len: int):
@@ -211,6 +219,7 @@ class _KVSampler:
         self.layers = list(decoder.layers)
         mlp_names = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
         self.gated_mlp = all(type(layer.mlp).__name__ in mlp_names for layer in self.layers)
+        self.fused = self._fuse_projections()
 
     @classmethod
     def for_model(cls, model, total_len: int) -> "_KVSampler | None":
@@ -234,14 +243,62 @@ class _KVSampler:
                 return None  # a sliding window that matters: leave it to transformers
         return cls(base, decoder, total_len)
 
+    def _is_rms_norm(self, module) -> bool:
+        return (self.fast_norm and getattr(module, "variance_epsilon", None) is not None
+                and type(module).__name__.endswith("RMSNorm"))
+
+    def _fuse_projections(self) -> list[tuple[Tensor, Tensor | None, Tensor]] | None:
+        """Per layer (W_qkv, b_qkv, W_gate_up): q/k/v and gate/up concatenated, each scaled by the RMSNorm weight
+        in front of it (W (w * x) = (W diag(w)) x), so a step runs 2 matmuls where it ran 5 and its norms skip
+        the weight multiply. None (the modules run as they are) unless the model is float32 with plain linear
+        projections, a gated MLP without biases and RMSNorms, and the copies fit in FUSE_MAX_BYTES."""
+        if not self.gated_mlp:
+            return None
+        total = 0
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+            if not all(type(m) is torch.nn.Linear for m in linears):
+                return None  # LoRA layers (or anything else) keep their own call
+            if not (self._is_rms_norm(layer.input_layernorm) and self._is_rms_norm(layer.post_attention_layernorm)):
+                return None
+            if len({m.bias is None for m in linears[:3]}) > 1 or mlp.gate_proj.bias is not None \
+                    or mlp.up_proj.bias is not None:
+                return None
+            total += sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        if total > FUSE_MAX_BYTES:
+            return None
+        fused = []
+        with torch.no_grad():
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+                bias = (None if attn.q_proj.bias is None
+                        else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+                gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                fused.append((qkv.mul_(layer.input_layernorm.weight), bias,
+                              gate_up.mul_(layer.post_attention_layernorm.weight)))
+        return fused
+
     def _norm(self, module, x: Tensor) -> Tensor:
-        eps = getattr(module, "variance_epsilon", None)
-        if self.fast_norm and eps is not None and type(module).__name__.endswith("RMSNorm"):
-            return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+        if self._is_rms_norm(module):
+            return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
         return module(x)
 
     def _rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: tuple[Tensor, Tensor], start: int,
+                mask: Tensor) -> Tensor:
+        """Write k, v [B, KV, S, D] at cache columns start..start+S-1; attention of q over the cache so far."""
+        b, _, s, _ = q.shape
+        end = start + s
+        keys, values = cache
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                           scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
+        return o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
 
     def _layer(self, layer, h: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor], start: int,
                mask: Tensor) -> Tensor:
@@ -255,24 +312,45 @@ class _KVSampler:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = self._rotary(q.transpose(1, 2), cos, sin)
         k = self._rotary(k.transpose(1, 2), cos, sin)
-        end = start + s
-        keys, values = cache
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                           scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
-        h = h + _linear(attn.o_proj, o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+        h = h + _linear(attn.o_proj, self._attend(q, k, v, cache, start, mask))
         x = self._norm(layer.post_attention_layernorm, h)
         if self.gated_mlp:  # down(act(gate(x)) * up(x)), as Llama/Mistral/Qwen's MLP computes it
             return h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)).mul_(_linear(mlp.up_proj, x)))
         return h + mlp(x)
 
+    def _fused_layer(self, layer, fused, h: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor],
+                     start: int, mask: Tensor) -> Tensor:
+        """``_layer`` with the fused projections: one matmul for q/k/v, one rotary for q and k together, one
+        matmul for gate/up."""
+        w_qkv, b_qkv, w_gate_up = fused
+        b, s, d = h.shape
+        attn, mlp = layer.self_attn, layer.mlp
+        nh, nqk = self.n_heads, self.n_heads + self.n_kv
+        x = F.rms_norm(h, (d,), None, layer.input_layernorm.variance_epsilon)
+        qkv = F.linear(x, w_qkv, b_qkv).view(b, s, nqk + self.n_kv, self.head_dim)
+        qk = qkv[:, :, :nqk]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
+            qk = torch.cat([attn.q_norm(qk[:, :, :nh]), attn.k_norm(qk[:, :, nh:])], dim=2)
+        qk = self._rotary(qk.transpose(1, 2), cos, sin)
+        o = self._attend(qk[:, :nh], qk[:, nh:], qkv[:, :, nqk:].transpose(1, 2), cache, start, mask)
+        h = h + _linear(attn.o_proj, o)
+        x = F.rms_norm(h, (d,), None, layer.post_attention_layernorm.variance_epsilon)
+        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+        return h + _linear(mlp.down_proj, mlp.act_fn(gate).mul_(up))
+
     def logits(self, ids_BS: Tensor, positions_BS: Tensor, start: int, mask: Tensor, caches) -> Tensor:
         """Next-token logits after the last of ``ids_BS`` (placed at cache columns start..start+S-1), [B, V]."""
-        h = self.decoder.embed_tokens(ids_BS)
         cos, sin = self.cos[positions_BS].unsqueeze(1), self.sin[positions_BS].unsqueeze(1)  # [B, 1, S, D]
-        for layer, cache in zip(self.layers, caches):
-            h = self._layer(layer, h, cos, sin, cache, start, mask)
+        return self._logits(ids_BS, cos, sin, start, mask, caches)
+
+    def _logits(self, ids_BS: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor, caches) -> Tensor:
+        h = self.decoder.embed_tokens(ids_BS)
+        if self.fused is not None:
+            for layer, fused, cache in zip(self.layers, self.fused, caches):
+                h = self._fused_layer(layer, fused, h, cos, sin, cache, start, mask)
+        else:
+            for layer, cache in zip(self.layers, caches):
+                h = self._layer(layer, h, cos, sin, cache, start, mask)
         return self.model.lm_head(self._norm(self.decoder.norm, h[:, -1]))
 
     def new_caches(self, batch: int):
@@ -292,12 +370,19 @@ class _KVSampler:
         return self.logits(prompt_ids, positions, 0, mask[:, None], caches), keys_valid, positions[:, -1:]
 
     def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, pad_id: int, eos_ids: list[int]) -> Tensor:
-        """Completion ids [B, n], n <= max_new_tokens (the loop stops once every row has emitted an EOS);
-        after its EOS a row holds ``pad_id``, as ``generate`` pads it."""
-        b, p = prompt_ids.shape
-        caches = self.new_caches(b)
+               top_p: float, top_k: int, pad_id: int, eos_ids: list[int], group_size: int = 1) -> Tensor:
+        """Completion ids [B * group_size, n], n <= max_new_tokens (the loop stops once every row has emitted an
+        EOS), rows [i*G, (i+1)*G) continuing prompt i; after its EOS a row holds ``pad_id``, as ``generate`` pads
+        it. Each prompt is prefilled once and its cache copied to its G rows."""
+        caches = self.new_caches(prompt_ids.shape[0])
         logits, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
+        if group_size > 1:
+            caches = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in caches]
+            logits, keys_valid, last = (x.repeat_interleave(group_size, 0) for x in (logits, keys_valid, last))
+        b, p = keys_valid.shape[0], prompt_ids.shape[1]
+        # cos/sin of every step's position at once: [B, 1, steps, D], one column per step
+        steps = last + 1 + torch.arange(max_new_tokens, device=self.device)
+        cos, sin = self.cos[steps].unsqueeze(1), self.sin[steps].unsqueeze(1)
         out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         eos = torch.tensor(eos_ids or [-1], device=self.device)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
@@ -307,5 +392,6 @@ class _KVSampler:
             done |= torch.isin(token, eos)
             if t + 1 == max_new_tokens or bool(done.all()):
                 return out[:, :t + 1]
-            logits = self.logits(token[:, None], last + 1 + t, p + t, keys_valid[:, None, None, :p + t + 1], caches)
+            logits = self._logits(token[:, None], cos[:, :, t:t + 1], sin[:, :, t:t + 1], p + t,
+                                  keys_valid[:, None, None, :p + t + 1], caches)
         return out[:, :0]
