@@ -54,11 +54,14 @@ class FrozenCopyReference:
     def copy_of(cls, policy) -> "FrozenCopyReference":
         return cls(copy.deepcopy(policy))
 
-    @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor:
-        parts = [completion_logprobs(self.model, batch, temperature, rows=sl)[0]
-                 for sl in _micro_slices(batch.size, micro_batch_size)]
-        return torch.cat(parts, dim=0)
+        # inference_mode skips autograd's version counting and view tracking, which no_grad keeps; the result
+        # is copied out of it as a normal tensor, which the loss may save for its backward.
+        with torch.inference_mode():
+            parts = [completion_logprobs(self.model, batch, temperature, rows=sl)[0]
+                     for sl in _micro_slices(batch.size, micro_batch_size)]
+            out = torch.cat(parts, dim=0)
+        return out.clone()
 
     @torch.no_grad()
     def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
