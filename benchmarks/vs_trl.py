@@ -22,9 +22,10 @@ Interleaving: TRL's train() runs; at each of its on_step_end callbacks, one step
 metrics row) of each klgrpo variant runs and is timed, in an order that rotates every step. A TRL step's time is
 the wall time from the end of the previous callback to its on_step_end: it includes TRL's data loading and
 logging. All see the same machine load, step by step. Medians over the steps after warm-up; the ratio is also
-the median of per-step ratios. klgrpo variants: "klgrpo" (as it is: the goal's row), "klgrpo, transformers
-generate" (the sampling path before this benchmark's rollout change) and "klgrpo + P2-P5" (proposed trainer,
-models and reference changes, see step_breakdown.py); --only-current keeps the first.
+the median of per-step ratios. klgrpo variants: "klgrpo" (as it is, default config: the goal's row),
+"klgrpo, train.compile" (the same with train.compile=true; its compilation falls in the warm-up steps) and,
+with --baseline-rev REV, "klgrpo@REV" (the package as git revision REV had it, benchmarks/_common.py:klgrpo_at);
+--only-current keeps the first.
 
 Where the time goes: klgrpo's own time/* metrics, and TRL's phases timed by wrapping its methods on the
 instance (class TRLPhases); --profile adds a cProfile of the whole interleaved run.
@@ -42,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (add_common_args, gpu_preset, has_zero, klgrpo_config, median,  # noqa: E402
-                                prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
+from benchmarks._common import (add_common_args, gpu_preset, has_zero, klgrpo_at, klgrpo_config,  # noqa: E402
+                                median, prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
                                 sync_timer_on_cuda, verdict)
 
 
@@ -135,17 +136,21 @@ def compare(shape: str, args, root: Path) -> dict:
     batch = args.prompts * args.group_size
     total = args.warmup + args.steps
 
-    from benchmarks.step_breakdown import proposed_trainer
+    kinds = {"klgrpo": (GRPOTrainer, None, {})}  # label: (trainer class, klgrpo package, config extras)
+    if not args.only_current:
+        kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
+        if args.baseline_rev:
+            import importlib
 
-    kinds = {"klgrpo": GRPOTrainer, "klgrpo, transformers generate": proposed_trainer(sampler="generate"),
-             "klgrpo + P2-P5": proposed_trainer(fused_adamw=True, one_pass=True, inference_reference=True)}
-    if args.only_current:
-        kinds = {"klgrpo": GRPOTrainer}
+            package = klgrpo_at(args.baseline_rev, root / "revisions")
+            trainer_class = importlib.import_module(package.__name__ + ".trainer").GRPOTrainer
+            kinds[f"klgrpo@{args.baseline_rev}"] = (trainer_class, package, {})
     ours, loggers = {}, {}
-    for label, cls in kinds.items():
+    for label, (cls, package, extra) in kinds.items():
         ours[label] = cls(klgrpo_config(model_dir, data, root / label.replace(" ", "_") / shape, device=args.device,
                                         dtype=dtype, prompts=args.prompts, group_size=args.group_size,
-                                        max_new_tokens=args.max_new_tokens, coef=args.beta, threads=args.threads),
+                                        max_new_tokens=args.max_new_tokens, coef=args.beta, threads=args.threads,
+                                        package=package, **extra),
                           log=quiet)
         loggers[label] = MetricsLogger(ours[label].run_dir, total, tensorboard=False, progress=False)
 
@@ -247,8 +252,8 @@ def main(argv=None) -> int:
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient for both")
     parser.add_argument("--profile", action="store_true", help="cProfile the interleaved run, print the top")
     parser.add_argument("--only-current", action="store_true",
-                        help="interleave TRL with klgrpo as it is only (no transformers-generate and proposal "
-                             "variants)")
+                        help="interleave TRL with klgrpo as it is only (no train.compile or baseline variants)")
+    parser.add_argument("--baseline-rev", default="", help="also interleave klgrpo as this git revision had it")
     args = parser.parse_args(argv)
     gpu_preset(args)
     set_threads(args.threads)

@@ -49,6 +49,11 @@ class FrozenCopyReference:
         self.model.eval()
         self.model.requires_grad_(False)
         self.synced = False  # once synced, checkpoints must carry the reference's own weights
+        self.forward_model = model  # what logprobs runs: the model, or its compiled wrapper (compile())
+
+    def compile(self) -> None:
+        """Run ``logprobs`` through torch.compile(model) (train.compile): same weights, so ``sync`` still applies."""
+        self.forward_model = torch.compile(self.model)
 
     @classmethod
     def copy_of(cls, policy) -> "FrozenCopyReference":
@@ -58,7 +63,7 @@ class FrozenCopyReference:
         # inference_mode skips autograd's version counting and view tracking, which no_grad keeps; the result
         # is copied out of it as a normal tensor, which the loss may save for its backward.
         with torch.inference_mode():
-            parts = [completion_logprobs(self.model, batch, temperature, rows=sl)[0]
+            parts = [completion_logprobs(self.forward_model, batch, temperature, rows=sl)[0]
                      for sl in _micro_slices(batch.size, micro_batch_size)]
             out = torch.cat(parts, dim=0)
         return out.clone()

@@ -12,6 +12,7 @@ suppressed tokens), so the samples come from the very distribution whose log-pro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -99,11 +100,13 @@ def generate_groups(
     system_prompt: str = "",
     as_chat: bool = False,
     sampler: str = "auto",
+    compiled: bool = False,
 ) -> RolloutBatch:
     """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks.
 
     ``sampler``: "auto" uses the KV-cached loop for the architectures it reproduces, else transformers
-    ``generate``; "generate" always uses ``generate`` (and its generation_config)."""
+    ``generate``; "generate" always uses ``generate`` (and its generation_config). ``compiled``: the loop's steps
+    run through torch.compile where the model allows it (train.compile)."""
     texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
@@ -118,7 +121,7 @@ def generate_groups(
                 if temperature > 0 and sampler == "auto" else None)
         if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
             completion_ids = loop.sample(unique_ids, unique_mask, max_new_tokens, temperature, top_p, top_k,
-                                         tokenizer.pad_token_id, _eos_ids(model, tokenizer), group_size)
+                                         tokenizer.pad_token_id, _eos_ids(model, tokenizer), group_size, compiled)
         else:
             out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
@@ -186,6 +189,99 @@ def _linear(module, x: Tensor) -> Tensor:
 #: rollout) only while the copies stay below this size: the calls they save matter for small models, whose
 #: steps are dominated by per-operation overhead, and the copies would cost memory for large ones.
 FUSE_MAX_BYTES = 256 * 2 ** 20
+_SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
+
+
+class _FusedLayer(NamedTuple):
+    """One layer's weights for ``_fused_layer``: q/k/v and gate/up concatenated, each scaled by the RMSNorm weight
+    in front of it (W (w * x) = (W diag(w)) x)."""
+
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    eps_in: float
+    o: Tensor
+    o_bias: Tensor | None
+    gate_up: Tensor
+    eps_post: float
+    down: Tensor
+    down_bias: Tensor | None
+    q_norm: Tensor | None   # Qwen3: RMSNorm weights over each head of q and k
+    k_norm: Tensor | None
+    eps_qk: float
+
+
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, start: int | Tensor, mask: Tensor,
+            scale: float) -> Tensor:
+    """Write k, v [B, KV, S, D] into the cache at columns start..start+S-1; q's attention over the cache so far,
+    [B, S, H * D]. ``start`` an int: the cache is sliced to its filled columns (eager). ``start`` a one-element
+    tensor (S = 1): the whole cache under ``mask`` [B, 1, 1, L], so shapes never change (torch.compile)."""
+    b, h, s, d = q.shape
+    if isinstance(start, int):
+        end = start + s
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=scale,
+                                           enable_gqa=h != k.shape[1])
+        return o.transpose(1, 2).reshape(b, s, h * d)
+    keys.index_copy_(2, start, k)
+    values.index_copy_(2, start, v)
+    q = q.reshape(b, keys.shape[1], -1, d)  # the heads sharing a KV head side by side (s = 1)
+    weights = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(weights, values).reshape(b, s, h * d)
+
+
+def _fused_layer(w: _FusedLayer, h: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                 start: int | Tensor, mask: Tensor, n_heads: int, scale: float) -> Tensor:
+    """A decoder layer on h [B, S, d] with fused projections: one matmul for q/k/v, one rotary for q and k
+    together, one matmul for gate/up; tensors only, so torch.compile traces it once for every rollout."""
+    b, s, d = h.shape
+    head_dim = cos.shape[-1]
+    n_kv = (w.qkv.shape[0] // head_dim - n_heads) // 2
+    nqk = n_heads + n_kv
+    x = F.rms_norm(h, (d,), None, w.eps_in)
+    qkv = F.linear(x, w.qkv, w.qkv_bias).view(b, s, nqk + n_kv, head_dim)
+    qk = qkv[:, :, :nqk]
+    if w.q_norm is not None:
+        qk = torch.cat([F.rms_norm(qk[:, :, :n_heads], (head_dim,), w.q_norm, w.eps_qk),
+                        F.rms_norm(qk[:, :, n_heads:], (head_dim,), w.k_norm, w.eps_qk)], dim=2)
+    qk = _rotary(qk.transpose(1, 2), cos, sin)
+    o = _attend(qk[:, :n_heads], qk[:, n_heads:], qkv[:, :, nqk:].transpose(1, 2), keys, values, start, mask, scale)
+    h = h + F.linear(o, w.o, w.o_bias)
+    x = F.rms_norm(h, (d,), None, w.eps_post)
+    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate).mul_(up), w.down, w.down_bias)
+
+
+def _decode_step(token_B: Tensor, cos: Tensor, sin: Tensor, column: Tensor, keys_valid: Tensor, done: Tensor,
+                 caches, layers: list[_FusedLayer], head: tuple, n_heads: int, scale: float, sampling: tuple,
+                 eos: Tensor) -> tuple[Tensor, Tensor]:
+    """One step of the fused loop as a function of tensors only (what train.compile compiles): feed token_B at
+    cache ``column``, draw the next token as ``sample_next_token`` does; returns (token, done)."""
+    embed, norm, norm_eps, lm_head, lm_head_bias = head
+    temperature, top_k, top_p, pad_id = sampling
+    h = F.embedding(token_B[:, None], embed)
+    mask = (keys_valid & (torch.arange(keys_valid.shape[1], device=column.device) <= column))[:, None, None]
+    for w, (keys, values) in zip(layers, caches):
+        h = _fused_layer(w, h, cos, sin, keys, values, column, mask, n_heads, scale)
+    logits = F.linear(F.rms_norm(h[:, -1], (h.shape[-1],), norm, norm_eps), lm_head, lm_head_bias)
+    token = sample_next_token(logits, temperature, top_k, top_p).masked_fill(done, pad_id)
+    return token, done | torch.isin(token, eos)
+
+
+_compiled_decode_step = None
+
+
+def _compiled_step():
+    """``_decode_step`` under torch.compile, built once per process; random ops stay torch's own, so a seed
+    draws the same tokens as the eager loop."""
+    global _compiled_decode_step
+    if _compiled_decode_step is None:
+        _compiled_decode_step = torch.compile(_decode_step, options={"fallback_random": True})
+    return _compiled_decode_step
 
 
 class _KVSampler:
@@ -196,7 +292,7 @@ class _KVSampler:
     cache with a key mask (left padding), causal inside the prompt. ``logits`` equals the model's forward
     (up to float rounding): tests/test_rollout_sampler.py checks it on Llama, Qwen2 (GQA, q/k/v biases), Qwen3
     (q/k norms) and LoRA. For small float32 models with plain linear layers the projections run fused
-    (``_fuse_projections``).
+    (``_fused_layer``), and ``sample(compiled=True)`` runs each step through torch.compile.
     """
 
     def __init__(self, model, decoder, total_len: int):
@@ -247,25 +343,26 @@ class _KVSampler:
         return (self.fast_norm and getattr(module, "variance_epsilon", None) is not None
                 and type(module).__name__.endswith("RMSNorm"))
 
-    def _fuse_projections(self) -> list[tuple[Tensor, Tensor | None, Tensor]] | None:
-        """Per layer (W_qkv, b_qkv, W_gate_up): q/k/v and gate/up concatenated, each scaled by the RMSNorm weight
-        in front of it (W (w * x) = (W diag(w)) x), so a step runs 2 matmuls where it ran 5 and its norms skip
-        the weight multiply. None (the modules run as they are) unless the model is float32 with plain linear
-        projections, a gated MLP without biases and RMSNorms, and the copies fit in FUSE_MAX_BYTES."""
+    def _fuse_projections(self) -> list[_FusedLayer] | None:
+        """The layers' weights for ``_fused_layer``, or None (the modules run as they are) unless the model is
+        float32 with plain linear projections, a SiLU-gated MLP without gate/up biases, RMSNorms, and the copies
+        fit in FUSE_MAX_BYTES (LoRA layers, other dtypes and big models keep the modules)."""
         if not self.gated_mlp:
             return None
         total = 0
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+            linears = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, attn.o_proj, mlp.down_proj)
             if not all(type(m) is torch.nn.Linear for m in linears):
                 return None  # LoRA layers (or anything else) keep their own call
-            if not (self._is_rms_norm(layer.input_layernorm) and self._is_rms_norm(layer.post_attention_layernorm)):
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+            if not all(self._is_rms_norm(n) for n in norms) or type(mlp.act_fn).__name__ not in _SILU_ACTIVATIONS:
                 return None
             if len({m.bias is None for m in linears[:3]}) > 1 or mlp.gate_proj.bias is not None \
                     or mlp.up_proj.bias is not None:
                 return None
-            total += sum(m.weight.numel() * m.weight.element_size() for m in linears)
+            total += sum(m.weight.numel() * m.weight.element_size() for m in linears[:5])
         if total > FUSE_MAX_BYTES:
             return None
         fused = []
@@ -276,29 +373,19 @@ class _KVSampler:
                 bias = (None if attn.q_proj.bias is None
                         else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-                fused.append((qkv.mul_(layer.input_layernorm.weight), bias,
-                              gate_up.mul_(layer.post_attention_layernorm.weight)))
+                qk_norm = hasattr(attn, "q_norm")
+                fused.append(_FusedLayer(
+                    qkv.mul_(layer.input_layernorm.weight), bias, layer.input_layernorm.variance_epsilon,
+                    attn.o_proj.weight, attn.o_proj.bias, gate_up.mul_(layer.post_attention_layernorm.weight),
+                    layer.post_attention_layernorm.variance_epsilon, mlp.down_proj.weight, mlp.down_proj.bias,
+                    attn.q_norm.weight if qk_norm else None, attn.k_norm.weight if qk_norm else None,
+                    attn.q_norm.variance_epsilon if qk_norm else 0.0))
         return fused
 
     def _norm(self, module, x: Tensor) -> Tensor:
         if self._is_rms_norm(module):
             return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
         return module(x)
-
-    def _rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: tuple[Tensor, Tensor], start: int,
-                mask: Tensor) -> Tensor:
-        """Write k, v [B, KV, S, D] at cache columns start..start+S-1; attention of q over the cache so far."""
-        b, _, s, _ = q.shape
-        end = start + s
-        keys, values = cache
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                           scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
-        return o.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
 
     def _layer(self, layer, h: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor], start: int,
                mask: Tensor) -> Tensor:
@@ -310,33 +397,13 @@ class _KVSampler:
         v = _linear(attn.v_proj, x).reshape(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = self._rotary(q.transpose(1, 2), cos, sin)
-        k = self._rotary(k.transpose(1, 2), cos, sin)
-        h = h + _linear(attn.o_proj, self._attend(q, k, v, cache, start, mask))
+        q = _rotary(q.transpose(1, 2), cos, sin)
+        k = _rotary(k.transpose(1, 2), cos, sin)
+        h = h + _linear(attn.o_proj, _attend(q, k, v, *cache, start, mask, self.scaling))
         x = self._norm(layer.post_attention_layernorm, h)
         if self.gated_mlp:  # down(act(gate(x)) * up(x)), as Llama/Mistral/Qwen's MLP computes it
             return h + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)).mul_(_linear(mlp.up_proj, x)))
         return h + mlp(x)
-
-    def _fused_layer(self, layer, fused, h: Tensor, cos: Tensor, sin: Tensor, cache: tuple[Tensor, Tensor],
-                     start: int, mask: Tensor) -> Tensor:
-        """``_layer`` with the fused projections: one matmul for q/k/v, one rotary for q and k together, one
-        matmul for gate/up."""
-        w_qkv, b_qkv, w_gate_up = fused
-        b, s, d = h.shape
-        attn, mlp = layer.self_attn, layer.mlp
-        nh, nqk = self.n_heads, self.n_heads + self.n_kv
-        x = F.rms_norm(h, (d,), None, layer.input_layernorm.variance_epsilon)
-        qkv = F.linear(x, w_qkv, b_qkv).view(b, s, nqk + self.n_kv, self.head_dim)
-        qk = qkv[:, :, :nqk]
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
-            qk = torch.cat([attn.q_norm(qk[:, :, :nh]), attn.k_norm(qk[:, :, nh:])], dim=2)
-        qk = self._rotary(qk.transpose(1, 2), cos, sin)
-        o = self._attend(qk[:, :nh], qk[:, nh:], qkv[:, :, nqk:].transpose(1, 2), cache, start, mask)
-        h = h + _linear(attn.o_proj, o)
-        x = F.rms_norm(h, (d,), None, layer.post_attention_layernorm.variance_epsilon)
-        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-        return h + _linear(mlp.down_proj, mlp.act_fn(gate).mul_(up))
 
     def logits(self, ids_BS: Tensor, positions_BS: Tensor, start: int, mask: Tensor, caches) -> Tensor:
         """Next-token logits after the last of ``ids_BS`` (placed at cache columns start..start+S-1), [B, V]."""
@@ -346,12 +413,24 @@ class _KVSampler:
     def _logits(self, ids_BS: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor, caches) -> Tensor:
         h = self.decoder.embed_tokens(ids_BS)
         if self.fused is not None:
-            for layer, fused, cache in zip(self.layers, self.fused, caches):
-                h = self._fused_layer(layer, fused, h, cos, sin, cache, start, mask)
+            for w, (keys, values) in zip(self.fused, caches):
+                h = _fused_layer(w, h, cos, sin, keys, values, start, mask, self.n_heads, self.scaling)
         else:
             for layer, cache in zip(self.layers, caches):
                 h = self._layer(layer, h, cos, sin, cache, start, mask)
         return self.model.lm_head(self._norm(self.decoder.norm, h[:, -1]))
+
+    def _compilable(self) -> tuple | None:
+        """(embedding, final norm weight, its eps, head weight, head bias) when the whole step is tensors only:
+        fused layers, plain embedding and head without hooks, an RMSNorm at the end; else None."""
+        embed, head, norm = self.decoder.embed_tokens, self.model.lm_head, self.decoder.norm
+        if self.fused is None or type(embed) is not torch.nn.Embedding or type(head) is not torch.nn.Linear:
+            return None
+        if embed.max_norm is not None or not self._is_rms_norm(norm):
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in (embed, head, norm)):
+            return None
+        return embed.weight, norm.weight, norm.variance_epsilon, head.weight, head.bias
 
     def new_caches(self, batch: int):
         shape = (batch, self.n_kv, self.total_len, self.head_dim)
@@ -370,10 +449,12 @@ class _KVSampler:
         return self.logits(prompt_ids, positions, 0, mask[:, None], caches), keys_valid, positions[:, -1:]
 
     def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, temperature: float,
-               top_p: float, top_k: int, pad_id: int, eos_ids: list[int], group_size: int = 1) -> Tensor:
+               top_p: float, top_k: int, pad_id: int, eos_ids: list[int], group_size: int = 1,
+               compiled: bool = False) -> Tensor:
         """Completion ids [B * group_size, n], n <= max_new_tokens (the loop stops once every row has emitted an
         EOS), rows [i*G, (i+1)*G) continuing prompt i; after its EOS a row holds ``pad_id``, as ``generate`` pads
-        it. Each prompt is prefilled once and its cache copied to its G rows."""
+        it. Each prompt is prefilled once and its cache copied to its G rows. ``compiled``: the steps after the
+        first run through torch.compile (``_decode_step``) where the model allows it (``_compilable``)."""
         caches = self.new_caches(prompt_ids.shape[0])
         logits, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
         if group_size > 1:
@@ -385,13 +466,21 @@ class _KVSampler:
         cos, sin = self.cos[steps].unsqueeze(1), self.sin[steps].unsqueeze(1)
         out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         eos = torch.tensor(eos_ids or [-1], device=self.device)
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        head = self._compilable() if compiled else None
+        columns = torch.arange(p, p + max_new_tokens, device=self.device)
+        token = sample_next_token(logits, temperature, top_k, top_p)
+        done = torch.isin(token, eos)
         for t in range(max_new_tokens):
-            token = sample_next_token(logits, temperature, top_k, top_p).masked_fill(done, pad_id)
             out[:, t] = token
-            done |= torch.isin(token, eos)
             if t + 1 == max_new_tokens or bool(done.all()):
                 return out[:, :t + 1]
-            logits = self._logits(token[:, None], cos[:, :, t:t + 1], sin[:, :, t:t + 1], p + t,
-                                  keys_valid[:, None, None, :p + t + 1], caches)
+            if head is not None:
+                token, done = _compiled_step()(token, cos[:, :, t:t + 1], sin[:, :, t:t + 1], columns[t:t + 1],
+                                               keys_valid, done, caches, self.fused, head, self.n_heads,
+                                               self.scaling, (temperature, top_k, top_p, pad_id), eos)
+            else:
+                logits = self._logits(token[:, None], cos[:, :, t:t + 1], sin[:, :, t:t + 1], p + t,
+                                      keys_valid[:, None, None, :p + t + 1], caches)
+                token = sample_next_token(logits, temperature, top_k, top_p).masked_fill(done, pad_id)
+                done = done | torch.isin(token, eos)
         return out[:, :0]

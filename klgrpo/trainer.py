@@ -97,6 +97,13 @@ class GRPOTrainer:
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
                                 or cfg.kl.replay.coef > 0)
         self.reference = self._build_reference() if self.needs_reference else None
+        # What the loss's forward runs: the policy, or with train.compile its compiled wrapper (same weights);
+        # sampling, evaluation and checkpoints always use the model itself.
+        self.train_forward = self.model
+        if cfg.train.compile:
+            self.train_forward = torch.compile(self.model)
+            if isinstance(self.reference, FrozenCopyReference):
+                self.reference.compile()
         self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **_controller_params(cfg))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         # One fused kernel over all parameters instead of a loop of small ops per tensor (0.45 ms of a 38 ms step
@@ -149,7 +156,7 @@ class GRPOTrainer:
             rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
                                       cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                                       cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat,
-                                      cfg.rollout.sampler)
+                                      cfg.rollout.sampler, cfg.train.compile)
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -181,7 +188,7 @@ class GRPOTrainer:
         entropy_sum = torch.zeros((), device=self.device)
         kept = []
         for sl in self._micro_slices(batch.rollout.size):
-            logp, entropy = completion_logprobs(self.model, batch.rollout, cfg.rollout.temperature, sl,
+            logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
                                                 with_entropy=True)
             old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
             ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
