@@ -9,7 +9,9 @@ klgrpo_<rev>); both trainers get the same config (vs_trl.py's: 4 prompts x 8 com
 k3_st in the loss at beta 0.04, token_mean, one thread). Timing: every round runs one train_step() of each
 variant in an order that rotates every round, so they share the machine's load; medians over the rounds
 after warm-up, and the ratio is also the median of per-round ratios. With --compile the compiled variant's
-first step (the compilation) is reported apart, with the break-even step count.
+first step (the compilation, with an empty inductor cache unless --warm-compile-cache) is reported apart, with
+the break-even step count. Shapes stay fixed here (4 fixed-width prompts, and some completion nearly always
+runs to max_new_tokens); a run whose widths change recompiles once more with dynamic shapes.
 
 Exactness: each trainer alone, freshly built with the same seed, runs --check-steps steps; the sampled
 completions must be identical and the table gives the largest difference of the logged loss / KL metrics and
@@ -19,6 +21,7 @@ of the parameters at the end (float rounding only, or the change is not the same
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -86,7 +89,6 @@ def run_shape(shape: str, args, root: Path) -> dict:
     package = klgrpo_at(args.baseline_rev, root / "revisions")
     shape_dir, data = prepare_assets(shape, root, resolve_dtype(args))
     variants = _variants(args, package)
-    exact = check_exactness(shape_dir, data, root, args, variants) if args.check_steps else []
     trainers, first = [], {}
     for label, package_, extra in variants:
         trainers.append(_trainer(shape_dir, data, root / "runs" / shape / label.replace(" ", "_"), args, package_,
@@ -105,6 +107,7 @@ def run_shape(shape: str, args, root: Path) -> dict:
             if r >= args.warmup:
                 records[label].append(metrics)
         print(f"  {shape}: round {r + 1}/{args.warmup + args.rounds}", file=sys.stderr, flush=True)
+    exact = check_exactness(shape_dir, data, root, args, variants) if args.check_steps else []
     return {"shape": shape, "records": records, "first": first, "exact": exact,
             "labels": [v[0] for v in variants]}
 
@@ -146,12 +149,17 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured rounds first")
     parser.add_argument("--check-steps", type=int, default=5, help="steps of the exactness check (0: skip it)")
     parser.add_argument("--compile", action="store_true", help="add a variant with train.compile=true")
+    parser.add_argument("--warm-compile-cache", action="store_true",
+                        help="keep torch inductor's on-disk cache (default: a fresh one, so the first compiled step "
+                             "pays the whole compilation)")
     args = parser.parse_args(argv)
     set_threads(args.threads)
     print_machine({"device": args.device, "dtype": resolve_dtype(args)})
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)
+        if not args.warm_compile_cache:  # a cold compilation, as a fresh machine pays it
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
         for shape in args.model_shape.split(","):
             report(run_shape(shape.strip(), args, root), args)
     print(f"\n({time.perf_counter() - t0:.0f} s)")

@@ -198,9 +198,10 @@ class TrainConfig:
     output_dir: str = _f("", "run folder (default runs/<run_name>)")
     run_name: str = _f("", "run name (default: a timestamp)")
     torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
-    compile: bool = _f(False, "torch.compile the policy's training forward and the reference's forward: faster "
-                              "steps after a one-off compilation (about 20-40 s on a CPU, again when shapes "
-                              "change); pays on long runs, see docs/benchmarks.md for the break-even step count")
+    compile: bool = _f(False, "torch.compile the policy's and the reference's forward and the sampling loop's "
+                              "step: faster steps after a one-off compilation (tens of seconds on a CPU, again "
+                              "once when the shapes change); pays on long runs, see docs/benchmarks.md for the "
+                              "break-even step count")
 
 
 @dataclass

@@ -75,12 +75,18 @@ def completion_logprobs(
     """log pi(y_t | prefix) for the completion tokens of ``batch`` (optionally a subset of rows), [b, T].
 
     One forward over prompt + completion; logits at positions P-1 .. P+T-2 predict the T completion tokens.
+    For the architectures klgrpo's sampling loop reproduces, that forward is the loop's layer code run with each
+    distinct prompt once (``_KVSampler.teacher_forced_logits``); else the model's own forward.
     """
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
     completion_ids = batch.completion_ids
     if rows is not None:
         input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
     t = completion_ids.shape[1]
+    base = _teacher_forcing_model(model, input_ids.shape[1])
+    if base is not None:
+        return _shared_prompt_logprobs(base, model is not base, input_ids, attention_mask, completion_ids,
+                                       batch.group_size, temperature, with_entropy)
     # Only the last T + 1 positions' logits are needed: no output-layer work on the prompt.
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=t + 1)
@@ -88,3 +94,62 @@ def completion_logprobs(
     if with_entropy:
         return token_logprobs_and_entropy(logits, completion_ids, temperature)
     return token_logprobs(logits, completion_ids, temperature), None
+
+
+def _teacher_forcing_model(model, total_len: int):
+    """The model whose layers the sampling loop's code runs for ``completion_logprobs`` (the wrapped one when
+    ``model`` is torch.compile's wrapper), or None where the model's own forward must run: an architecture the
+    loop does not reproduce, gradient checkpointing (the loop keeps every activation) or attention dropout while
+    training (the loop has none)."""
+    from klgrpo.rollout import _KVSampler
+
+    base = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+    if base.training and getattr(getattr(base, "config", None), "attention_dropout", 0.0):
+        return None
+    if any(getattr(m, "gradient_checkpointing", False) for m in base.modules()):
+        return None
+    return base if _KVSampler.supports(base, total_len) is not None else None
+
+
+def _teacher_forced_logits(model, prompts: Tensor, masks: Tensor, completion_ids: Tensor, group_size: int):
+    from klgrpo.rollout import _KVSampler
+
+    loop = _KVSampler.for_model(model, prompts.shape[1] + completion_ids.shape[1], fuse=False)
+    return loop.teacher_forced_logits(prompts, masks, completion_ids, group_size)
+
+
+_compiled_teacher_forced_logits = None
+
+
+def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) -> tuple[Tensor, Tensor, int]:
+    """(prompts, masks, G): each prompt once when the rows hold whole groups of G copies, else every row (G=1)."""
+    g = group_size
+    if g > 1 and prompt_ids.shape[0] % g == 0:
+        ids, mask = prompt_ids[::g], prompt_mask[::g]
+        if torch.equal(ids.repeat_interleave(g, 0), prompt_ids) and torch.equal(mask.repeat_interleave(g, 0),
+                                                                                prompt_mask):
+            return ids, mask, g
+    return prompt_ids, prompt_mask, 1
+
+
+def _shared_prompt_logprobs(model, compiled: bool, input_ids: Tensor, attention_mask: Tensor,
+                            completion_ids: Tensor, group_size: int, temperature: float, with_entropy: bool):
+    """completion_logprobs through ``_KVSampler.teacher_forced_logits``: the G rows of a group share one prompt
+    pass; ``compiled``: that function under torch.compile (train.compile), built once per process."""
+    global _compiled_teacher_forced_logits
+    t = completion_ids.shape[1]
+    p = input_ids.shape[1] - t
+    prompts, masks, g = _distinct_prompts(input_ids[:, :p], attention_mask[:, :p], group_size)
+    forward = _teacher_forced_logits
+    if compiled:
+        if _compiled_teacher_forced_logits is None:
+            _compiled_teacher_forced_logits = torch.compile(_teacher_forced_logits)
+        forward = _compiled_teacher_forced_logits
+    first, rest = forward(model, prompts, masks, completion_ids, g)
+    per_position = token_logprobs_and_entropy if with_entropy else token_logprobs
+    parts = [per_position(first[:, None], completion_ids[:, :1], temperature)]
+    if rest is not None:
+        parts.append(per_position(rest, completion_ids[:, 1:], temperature))
+    if not with_entropy:
+        return torch.cat(parts, dim=1), None
+    return torch.cat([lp for lp, _ in parts], dim=1), torch.cat([ent for _, ent in parts], dim=1)

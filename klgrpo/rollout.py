@@ -118,7 +118,7 @@ def generate_groups(
     model.eval()
     try:
         loop = (_KVSampler.for_model(model, prompt_len + max_new_tokens)
-                if temperature > 0 and sampler == "auto" else None)
+                if FAST_SAMPLING and temperature > 0 and sampler == "auto" else None)
         if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
             completion_ids = loop.sample(unique_ids, unique_mask, max_new_tokens, temperature, top_p, top_k,
                                          tokenizer.pad_token_id, _eos_ids(model, tokenizer), group_size, compiled)
@@ -295,7 +295,7 @@ class _KVSampler:
     (``_fused_layer``), and ``sample(compiled=True)`` runs each step through torch.compile.
     """
 
-    def __init__(self, model, decoder, total_len: int):
+    def __init__(self, model, decoder, total_len: int, fuse: bool = True):
         self.model, self.decoder = model, decoder
         cfg = model.config
         attn = decoder.layers[0].self_attn
@@ -315,13 +315,19 @@ class _KVSampler:
         self.layers = list(decoder.layers)
         mlp_names = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
         self.gated_mlp = all(type(layer.mlp).__name__ in mlp_names for layer in self.layers)
-        self.fused = self._fuse_projections()
+        self.fused = self._fuse_projections() if fuse else None
 
     @classmethod
-    def for_model(cls, model, total_len: int) -> "_KVSampler | None":
-        """The loop for ``model``, or None when its architecture is not one the loop reproduces exactly."""
-        if not FAST_SAMPLING:
-            return None
+    def for_model(cls, model, total_len: int, fuse: bool = True) -> "_KVSampler | None":
+        """The loop for ``model``, or None when its architecture is not one the loop reproduces exactly.
+        ``fuse=False``: the modules' own projections (the fused copies pay for themselves over a rollout's many
+        steps, not in one teacher-forced pass)."""
+        found = cls.supports(model, total_len)
+        return cls(*found, total_len, fuse) if found is not None else None
+
+    @staticmethod
+    def supports(model, total_len: int):
+        """(base model, decoder) when the loop reproduces ``model``'s forward over ``total_len`` positions."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         cfg = getattr(base, "config", None)
         decoder = getattr(base, "model", None)
@@ -337,7 +343,7 @@ class _KVSampler:
                 window = getattr(cfg, "sliding_window", None)
             if window is not None and window < total_len:
                 return None  # a sliding window that matters: leave it to transformers
-        return cls(base, decoder, total_len)
+        return base, decoder
 
     def _is_rms_norm(self, module) -> bool:
         return (self.fast_norm and getattr(module, "variance_epsilon", None) is not None
@@ -366,7 +372,7 @@ class _KVSampler:
         if total > FUSE_MAX_BYTES:
             return None
         fused = []
-        with torch.no_grad():
+        with torch.no_grad():  # the sampling loop needs no gradient
             for layer in self.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
@@ -410,7 +416,9 @@ class _KVSampler:
         cos, sin = self.cos[positions_BS].unsqueeze(1), self.sin[positions_BS].unsqueeze(1)  # [B, 1, S, D]
         return self._logits(ids_BS, cos, sin, start, mask, caches)
 
-    def _logits(self, ids_BS: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor, caches) -> Tensor:
+    def _logits(self, ids_BS: Tensor, cos: Tensor, sin: Tensor, start: int, mask: Tensor, caches,
+                last_only: bool = True) -> Tensor:
+        """Logits after the last of ``ids_BS`` [B, V], or after each of them [B, S, V] (``last_only=False``)."""
         h = self.decoder.embed_tokens(ids_BS)
         if self.fused is not None:
             for w, (keys, values) in zip(self.fused, caches):
@@ -418,7 +426,29 @@ class _KVSampler:
         else:
             for layer, cache in zip(self.layers, caches):
                 h = self._layer(layer, h, cos, sin, cache, start, mask)
-        return self.model.lm_head(self._norm(self.decoder.norm, h[:, -1]))
+        return self.model.lm_head(self._norm(self.decoder.norm, h[:, -1] if last_only else h))
+
+    def teacher_forced_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                              group_size: int = 1) -> tuple[Tensor, Tensor]:
+        """The model's next-token logits over given completions, as its forward on prompt + completion gives them
+        at positions P-1 .. P+T-2, with each distinct prompt run once: rows [i*G, (i+1)*G) of ``completion_ids``
+        [B, T] continue ``prompt_ids[i]``. Returns (logits predicting completion token 0 [B, V], logits
+        predicting tokens 1..T-1 [B, T-1, V], None when T = 1); differentiable when gradients are on."""
+        caches = self.new_caches(prompt_ids.shape[0])
+        first, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
+        if group_size > 1:
+            caches = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in caches]
+            first, keys_valid, last = (x.repeat_interleave(group_size, 0) for x in (first, keys_valid, last))
+        (b, t), p = completion_ids.shape, prompt_ids.shape[1]
+        if t == 1:
+            return first, None
+        steps = last + 1 + torch.arange(t - 1, device=self.device)
+        cos, sin = self.cos[steps].unsqueeze(1), self.sin[steps].unsqueeze(1)
+        # completion query i sees the valid prompt keys and completion keys 0..i
+        causal = torch.ones(t - 1, t - 1, dtype=torch.bool, device=self.device).tril()
+        mask = torch.cat([keys_valid[:, None, :p].expand(b, t - 1, p), causal.expand(b, t - 1, t - 1)], dim=-1)
+        rest = self._logits(completion_ids[:, :-1], cos, sin, p, mask[:, None], caches, last_only=False)
+        return first, rest
 
     def _compilable(self) -> tuple | None:
         """(embedding, final norm weight, its eps, head weight, head bias) when the whole step is tensors only:
