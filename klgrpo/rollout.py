@@ -11,6 +11,7 @@ suppressed tokens), so the samples come from the very distribution whose log-pro
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -272,16 +273,19 @@ def _decode_step(token_B: Tensor, cos: Tensor, sin: Tensor, column: Tensor, keys
     return token, done | torch.isin(token, eos)
 
 
-_compiled_decode_step = None
+_compiled_decode_steps: dict[tuple, object] = {}
 
 
-def _compiled_step():
-    """``_decode_step`` under torch.compile, built once per process; random ops stay torch's own, so a seed
-    draws the same tokens as the eager loop."""
-    global _compiled_decode_step
-    if _compiled_decode_step is None:
-        _compiled_decode_step = torch.compile(_decode_step, options={"fallback_random": True})
-    return _compiled_decode_step
+def _compiled_step(architecture: tuple):
+    """``_decode_step`` under torch.compile, one per model architecture, each with its own code object and so
+    its own compilation cache: within one, only the cache length varies (a second width recompiles it once with
+    that dimension dynamic), while a cache shared by two models made every dimension dynamic and the kernels
+    100x slower. Random ops stay torch's own, so a seed draws the same tokens as the eager loop."""
+    if architecture not in _compiled_decode_steps:
+        code = _decode_step.__code__.replace(co_name=f"_decode_step_{len(_compiled_decode_steps)}")
+        step = types.FunctionType(code, _decode_step.__globals__, code.co_name, _decode_step.__defaults__)
+        _compiled_decode_steps[architecture] = torch.compile(step, options={"fallback_random": True})
+    return _compiled_decode_steps[architecture]
 
 
 class _KVSampler:
@@ -497,6 +501,9 @@ class _KVSampler:
         out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         eos = torch.tensor(eos_ids or [-1], device=self.device)
         head = self._compilable() if compiled else None
+        if head is not None:
+            step = _compiled_step((tuple(w.shape for w in head if isinstance(w, Tensor)), len(self.fused),
+                                   self.fused[0].qkv.shape, self.fused[0].down.shape, self.dtype, self.device))
         columns = torch.arange(p, p + max_new_tokens, device=self.device)
         token = sample_next_token(logits, temperature, top_k, top_p)
         done = torch.isin(token, eos)
@@ -505,7 +512,7 @@ class _KVSampler:
             if t + 1 == max_new_tokens or bool(done.all()):
                 return out[:, :t + 1]
             if head is not None:
-                token, done = _compiled_step()(token, cos[:, :, t:t + 1], sin[:, :, t:t + 1], columns[t:t + 1],
+                token, done = step(token, cos[:, :, t:t + 1], sin[:, :, t:t + 1], columns[t:t + 1],
                                                keys_valid, done, caches, self.fused, head, self.n_heads,
                                                self.scaling, (temperature, top_k, top_p, pad_id), eos)
             else:
