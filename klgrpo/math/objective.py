@@ -19,7 +19,7 @@ from torch import Tensor
 
 from klgrpo.math.advantages import apply_kl_penalty
 from klgrpo.math.aggregation import Normalizer, aggregate
-from klgrpo.math.kl import kl_estimate, log_ratio
+from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
 from klgrpo.math.policy_loss import clipped_surrogate, importance_weight
 
@@ -81,22 +81,25 @@ def grpo_objective(
     sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
 
     if ref_logp_BT is not None:
-        kl_BT = kl_estimate(logp_BT, ref_logp_BT, kl.estimator, clamp=kl.clamp)
+        l_BT = log_ratio(logp_BT, ref_logp_BT)  # once: the KL term, its weight and the monitors all read it
+        kl_BT = ESTIMATORS[kl.estimator].fn(l_BT, kl.clamp)  # = kl_estimate(logp, ref_logp, kl.estimator)
         adapted_BT = shape_kl(kl_BT, mask, kl.shaping, kl_clip_threshold=kl.clip_threshold,
                               kl_target=kl.shaping_target)
         if kl.in_loss and kl.coef > 0:
-            w = importance_weight(logp_BT, old_logp_BT, kl.is_correction)
+            # the detached weight is the surrogate's ratio itself (the same exp(logp - old_logp))
+            w = (pg.ratio_BT.detach() if kl.is_correction == "detached"
+                 else importance_weight(logp_BT, old_logp_BT, kl.is_correction))
             per_token = per_token + kl.coef * w * adapted_BT
             sums["loss_kl_penalty"] = kl.coef * aggregate((w * adapted_BT).detach(), mask, aggregation, normalizer)
         with torch.no_grad():
-            l = log_ratio(logp_BT.detach(), ref_logp_BT)
-            sums["raw_kl"] = (kl_BT.detach() * mask).sum()
-            sums["adapted_kl"] = (adapted_BT.detach() * mask).sum()
-            for name in ("k1", "k2", "k3"):
-                value_BT = kl_estimate(l, torch.zeros_like(l), name, clamp=kl.clamp) * mask
-                sums[name] = value_BT.sum()
-            maxes["k3"] = value_BT.max()  # the heavy-tailed estimator's spikes
-            sums["clamp"] = ((l.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
+            ratio_BT = l_BT.detach()
+            # raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio: masked and summed at once
+            monitors = [ESTIMATORS[name].fn(ratio_BT, kl.clamp) for name in ("k2", "k3")]
+            masked = torch.stack([kl_BT.detach(), adapted_BT.detach(), ratio_BT, *monitors]) * mask
+            for name, value in zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()):
+                sums[name] = value
+            maxes["k3"] = masked[4].max()  # the heavy-tailed estimator's spikes
+            sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
             if kl.shaping == "clip":
                 sums["shaping_clip"] = clip_fraction(kl_BT, mask, kl.clip_threshold) * mask.sum()
     loss = aggregate(per_token, mask, aggregation, normalizer)
