@@ -29,8 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (add_common_args, klgrpo_at, klgrpo_config, median, prepare_assets,  # noqa: E402
-                                print_machine, print_table, quiet, resolve_dtype, set_threads)
+from benchmarks._common import (add_common_args, gpu_preset, klgrpo_at, klgrpo_config, median,  # noqa: E402
+                                prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
+                                sync_timer_on_cuda)
 
 PHASES = ("time/generate", "time/reference", "time/update", "time/step")
 CHECKED = ("train/loss", "train/policy_loss", "kl/k1", "kl/k3", "adaptive_kl/raw_kl", "entropy", "grad_norm")
@@ -87,6 +88,12 @@ def check_exactness(shape_dir, data, root: Path, args, variants) -> list[list]:
 
 def run_shape(shape: str, args, root: Path) -> dict:
     package = klgrpo_at(args.baseline_rev, root / "revisions")
+    if args.device.startswith("cuda"):  # the baseline's phase timers synchronise too (sync_timer_on_cuda)
+        import importlib
+
+        import klgrpo.trainer
+
+        importlib.import_module(package.__name__ + ".trainer")._timed = klgrpo.trainer._timed
     shape_dir, data = prepare_assets(shape, root, resolve_dtype(args))
     variants = _variants(args, package)
     trainers, first = [], {}
@@ -153,7 +160,9 @@ def main(argv=None) -> int:
                         help="keep torch inductor's on-disk cache (default: a fresh one, so the first compiled step "
                              "pays the whole compilation)")
     args = parser.parse_args(argv)
+    gpu_preset(args)
     set_threads(args.threads)
+    sync_timer_on_cuda(args.device)
     print_machine({"device": args.device, "dtype": resolve_dtype(args)})
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

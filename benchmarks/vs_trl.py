@@ -136,6 +136,7 @@ def compare(shape: str, args, root: Path) -> dict:
     batch = args.prompts * args.group_size
     total = args.warmup + args.steps
 
+    cuda = args.device.startswith("cuda")
     kinds = {"klgrpo": (GRPOTrainer, None, {})}  # label: (trainer class, klgrpo package, config extras)
     if not args.only_current:
         kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
@@ -143,7 +144,12 @@ def compare(shape: str, args, root: Path) -> dict:
             import importlib
 
             package = klgrpo_at(args.baseline_rev, root / "revisions")
-            trainer_class = importlib.import_module(package.__name__ + ".trainer").GRPOTrainer
+            trainer_module = importlib.import_module(package.__name__ + ".trainer")
+            if cuda:  # its phase timers synchronise too (sync_timer_on_cuda)
+                import klgrpo.trainer
+
+                trainer_module._timed = klgrpo.trainer._timed
+            trainer_class = trainer_module.GRPOTrainer
             kinds[f"klgrpo@{args.baseline_rev}"] = (trainer_class, package, {})
     ours, loggers = {}, {}
     for label, (cls, package, extra) in kinds.items():
@@ -169,7 +175,6 @@ def compare(shape: str, args, root: Path) -> dict:
     phases = TRLPhases(args.device)
     record = {"trl": [], "trl_peak_gb": [], **{k: [] for label in kinds for k in (label, label + " phases",
                                                                                     label + " peak_gb")}}
-    cuda = args.device.startswith("cuda")
 
     class Interleave(TrainerCallback):
         resumed = None
