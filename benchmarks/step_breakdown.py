@@ -16,7 +16,7 @@ Goals (issue 6):
   num_iterations > 1: the reference is paid once per generated batch (time/reference only on generating steps).
 
 Also measured, as one more interleaved variant: klgrpo's KV-cached sampling loop (klgrpo/rollout.py) against
-transformers generate (rollout.sampler=generate). The changes this script once prototyped (P1-P5 in
+transformers generate (model.fast_path=false). The changes this script once prototyped (P1-P5 in
 docs/benchmarks.md: old_logp from the first update, fused AdamW, one-pass logp + entropy, logits_to_keep, the
 reference under inference_mode) are all in klgrpo now; benchmarks/speedup.py compares whole revisions.
 """
@@ -48,7 +48,7 @@ def run_shape(shape: str, args, root: Path) -> list[dict]:
         ("KL 0.04, mu=1", 0.04, 1, {}),
         ("no KL, mu=4", 0.0, 4, {}),
         ("KL 0.04, mu=4", 0.04, 4, {}),
-        ("KL 0.04, mu=1, transformers generate", 0.04, 1, {"rollout": {"sampler": "generate"}}),
+        ("KL 0.04, mu=1, transformers generate", 0.04, 1, {"model": {"fast_path": False}}),
     ]
     if args.core_only:
         variants = variants[:4]

@@ -47,6 +47,9 @@ class ModelConfig:
     device: str = _f("auto", "device: auto picks cuda when present, else cpu")
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
+    fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: sample with klgrpo's KV-cached loop and compute log-probs "
+                               "with each prompt run once per group (same numbers as transformers to float rounding, "
+                               "tested); false: transformers' generate and forward everywhere")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -72,9 +75,6 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
-    sampler: str = _f("auto", "auto: klgrpo's KV-cached sampling loop for Llama/Mistral/Qwen2/Qwen3 (0.6x the time "
-                              "of generate on small models, same distribution), else transformers generate; "
-                              "generate: always generate", ("auto", "generate"))
 
 
 @dataclass

@@ -85,8 +85,11 @@ def completion_logprobs(
     t = completion_ids.shape[1]
     base = _teacher_forcing_model(model, input_ids.shape[1])
     if base is not None:
-        return _shared_prompt_logprobs(base, model is not base, input_ids, attention_mask, completion_ids,
-                                       batch.group_size, temperature, with_entropy)
+        p = input_ids.shape[1] - t
+        prompts, masks, g = _distinct_prompts(input_ids[:, :p], attention_mask[:, :p], batch.group_size)
+        if g > 1:  # rows hold whole groups: one prompt pass per group; otherwise nothing to share
+            return _shared_prompt_logprobs(base, model is not base, prompts, masks, completion_ids, g, temperature,
+                                           with_entropy)
     # Only the last T + 1 positions' logits are needed: no output-layer work on the prompt.
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=t + 1)
@@ -132,14 +135,12 @@ def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) 
     return prompt_ids, prompt_mask, 1
 
 
-def _shared_prompt_logprobs(model, compiled: bool, input_ids: Tensor, attention_mask: Tensor,
-                            completion_ids: Tensor, group_size: int, temperature: float, with_entropy: bool):
+def _shared_prompt_logprobs(model, compiled: bool, prompts: Tensor, masks: Tensor, completion_ids: Tensor, g: int,
+                            temperature: float, with_entropy: bool):
     """completion_logprobs through ``_KVSampler.teacher_forced_logits``: the G rows of a group share one prompt
-    pass; ``compiled``: that function under torch.compile (train.compile), built once per process."""
+    pass (``prompts``/``masks`` hold each prompt once); ``compiled``: that function under torch.compile
+    (train.compile), built once per process."""
     global _compiled_teacher_forced_logits
-    t = completion_ids.shape[1]
-    p = input_ids.shape[1] - t
-    prompts, masks, g = _distinct_prompts(input_ids[:, :p], attention_mask[:, :p], group_size)
     forward = _teacher_forced_logits
     if compiled:
         if _compiled_teacher_forced_logits is None:

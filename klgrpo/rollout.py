@@ -333,6 +333,8 @@ class _KVSampler:
     def supports(model, total_len: int):
         """(base model, decoder) when the loop reproduces ``model``'s forward over ``total_len`` positions."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not getattr(base, "klgrpo_fast_path", True):  # model.fast_path: false
+            return None
         cfg = getattr(base, "config", None)
         decoder = getattr(base, "model", None)
         if getattr(cfg, "model_type", None) not in _SUPPORTED_MODEL_TYPES or not hasattr(base, "lm_head"):

@@ -82,6 +82,7 @@ class GRPOTrainer:
         self.model = model.to(self.device) if model is not None else load_causal_lm(
             cfg.model.name_or_path, cfg.model, self.device, dtype)
         _disable_dropout(self.model)
+        self.model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
         if cfg.model.lora.r > 0:
             from klgrpo.lora import apply_lora
 
@@ -134,7 +135,9 @@ class GRPOTrainer:
             return AdapterDisabledReference(self.model)
         if ref_path:
             dtype = next(self.model.parameters()).dtype
-            return FrozenCopyReference(load_causal_lm(ref_path, self.cfg.model, self.device, dtype))
+            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype)
+            ref_model.klgrpo_fast_path = self.cfg.model.fast_path
+            return FrozenCopyReference(ref_model)
         return FrozenCopyReference.copy_of(self.model)
 
     def _kl_term(self) -> KLTerm:
@@ -156,7 +159,7 @@ class GRPOTrainer:
             rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
                                       cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                                       cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat,
-                                      cfg.rollout.sampler, cfg.train.compile)
+                                      "auto", cfg.train.compile)
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}

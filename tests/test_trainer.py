@@ -208,8 +208,16 @@ def test_yaml_then_cli_override_order(tmp_path):
     json.dumps(cfg.to_dict())  # the resolved tree is plain data
 
 
-def test_transformers_generate_sampler_path(tiny_model_dir, addition_file, tmp_path):
-    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "g", rollout={"sampler": "generate"})
+def test_transformers_generate_and_forward_path(tiny_model_dir, addition_file, tmp_path):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "g", model={"fast_path": False})
     GRPOTrainer(cfg, log=quiet).train()
     rows = [r for r in read_metrics(tmp_path / "g") if "train/loss" in r]
     assert len(rows) == 2 and 1 <= rows[-1]["completions/mean_length"] <= 4
+
+
+def test_micro_batches_that_split_groups_train(tiny_model_dir, addition_file, tmp_path):
+    """micro_batch_size need not be a multiple of group_size (2 rows of a group of 4 per micro-batch)."""
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "split", train={"micro_batch_size": 2})
+    GRPOTrainer(cfg, log=quiet).train()
+    rows = [r for r in read_metrics(tmp_path / "split") if "train/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["train/loss"]) for r in rows)
