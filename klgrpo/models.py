@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.errors import ConfigError
+from klgrpo.kv_decoder import KVSampler
 from klgrpo.math.logprobs import token_logprobs, token_logprobs_and_entropy
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def completion_logprobs(
 
     One forward over prompt + completion; logits at positions P-1 .. P+T-2 predict the T completion tokens.
     For the architectures klgrpo's sampling loop reproduces, that forward is the loop's layer code run with each
-    distinct prompt once (``_KVSampler.teacher_forced_logits``); else the model's own forward.
+    distinct prompt once (``KVSampler.teacher_forced_logits``); else the model's own forward.
     """
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
     completion_ids = batch.completion_ids
@@ -104,20 +105,16 @@ def _teacher_forcing_model(model, total_len: int):
     ``model`` is torch.compile's wrapper), or None where the model's own forward must run: an architecture the
     loop does not reproduce, gradient checkpointing (the loop keeps every activation) or attention dropout while
     training (the loop has none)."""
-    from klgrpo.rollout import _KVSampler
-
     base = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
     if base.training and getattr(getattr(base, "config", None), "attention_dropout", 0.0):
         return None
     if any(getattr(m, "gradient_checkpointing", False) for m in base.modules()):
         return None
-    return base if _KVSampler.supports(base, total_len) is not None else None
+    return base if KVSampler.supports(base, total_len) is not None else None
 
 
 def _teacher_forced_logits(model, prompts: Tensor, masks: Tensor, completion_ids: Tensor, group_size: int):
-    from klgrpo.rollout import _KVSampler
-
-    loop = _KVSampler.for_model(model, prompts.shape[1] + completion_ids.shape[1], fuse=False)
+    loop = KVSampler.for_model(model, prompts.shape[1] + completion_ids.shape[1], fuse=False)
     return loop.teacher_forced_logits(prompts, masks, completion_ids, group_size)
 
 
@@ -137,7 +134,7 @@ def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) 
 
 def _shared_prompt_logprobs(model, compiled: bool, prompts: Tensor, masks: Tensor, completion_ids: Tensor, g: int,
                             temperature: float, with_entropy: bool):
-    """completion_logprobs through ``_KVSampler.teacher_forced_logits``: the G rows of a group share one prompt
+    """completion_logprobs through ``KVSampler.teacher_forced_logits``: the G rows of a group share one prompt
     pass (``prompts``/``masks`` hold each prompt once); ``compiled``: that function under torch.compile
     (train.compile), built once per process."""
     global _compiled_teacher_forced_logits

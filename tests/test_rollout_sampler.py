@@ -1,4 +1,4 @@
-"""klgrpo's KV-cached sampling loop (klgrpo/rollout.py) against the model's own forward and transformers' generate.
+"""klgrpo's KV-cached sampling loop (klgrpo/kv_decoder.py) against the model's own forward and transformers' generate.
 
 The loop is correct when (1) its next-token logits equal the model's forward logits at every position of a
 teacher-forced, left-padded batch, (2) its filters equal transformers' temperature/top-k/top-p warpers, and
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import klgrpo.rollout as rollout
 from klgrpo.models import position_ids_from_mask
-from klgrpo.rollout import _KVSampler, filter_logits, generate_groups
+from klgrpo.kv_decoder import KVSampler, filter_logits
+from klgrpo.rollout import generate_groups
 
 V = 23
 
@@ -90,7 +90,7 @@ def test_teacher_forced_logits_equal_the_forward(arch, dtype, tol):
     ids, mask, p = _batch()
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
-        sampler = _KVSampler.for_model(model, ids.shape[1])
+        sampler = KVSampler.for_model(model, ids.shape[1])
         assert sampler is not None
         caches = sampler.new_caches(ids.shape[0])
         logits, keys_valid, last = sampler.prefill(ids[:, :p], mask[:, :p], caches)
@@ -137,7 +137,7 @@ def test_same_seed_gives_generate_tokens(top_k, top_p, monkeypatch):
     prompts = ["12+3=", "7-1=", "99+99="]  # different lengths: left padding
     runs = []
     for fast in (True, False):
-        monkeypatch.setattr(rollout, "FAST_SAMPLING", fast)
+        model.klgrpo_fast_path = fast  # model.fast_path
         torch.manual_seed(42)
         runs.append(generate_groups(model, tok, prompts, group_size=4, max_new_tokens=12, temperature=0.9,
                                     top_p=top_p, top_k=top_k))
@@ -170,12 +170,12 @@ def test_unsupported_architectures_use_generate():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32))
-    assert _KVSampler.for_model(gpt2, 16) is None
+    assert KVSampler.for_model(gpt2, 16) is None
     mistral_window = _mistral(sliding_window=4)
-    assert _KVSampler.for_model(mistral_window, 16) is None  # the window would cut the context
-    assert _KVSampler.for_model(mistral_window, 4) is not None
+    assert KVSampler.for_model(mistral_window, 16) is None  # the window would cut the context
+    assert KVSampler.for_model(mistral_window, 4) is not None
     dynamic = _llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    assert _KVSampler.for_model(dynamic, 16) is None  # cos/sin would depend on the sequence length
+    assert KVSampler.for_model(dynamic, 16) is None  # cos/sin would depend on the sequence length
 
 
 def _mistral(**kw):
