@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klgrpo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
