@@ -107,6 +107,7 @@ class DualAscentKLController(KLController):
         if init_coef <= 0 or target <= 0:
             raise ValueError("DualAscentKLController needs init_coef > 0 and target > 0")
         self.target, self.lr, self.beta_min, self.beta_max = map(float, (target, lr, beta_min, beta_max))
+        self.value = min(max(self.value, self.beta_min), self.beta_max)  # start inside the bounds it keeps
 
     def _next(self, observed_kl, n_steps, reward):
         log_beta = math.log(self.value) + self.lr * (observed_kl - self.target) / self.target

@@ -237,3 +237,11 @@ def test_closed_loop_on_the_regularised_optimum(name):
         ctl.update(_optimum_kl(ctl.value), n_steps=1)
     assert ctl.value == pytest.approx(beta_star, rel=1e-6)
     assert _optimum_kl(ctl.value) == pytest.approx(target, rel=1e-6)
+
+
+def test_dual_ascent_starts_inside_its_bounds():
+    from klgrpo.math.kl_control import DualAscentKLController
+
+    assert DualAscentKLController(5.0, target=0.1, beta_min=0.01, beta_max=2.0).value == 2.0
+    assert DualAscentKLController(1e-4, target=0.1, beta_min=0.01, beta_max=2.0).value == 0.01
+    assert DualAscentKLController(0.5, target=0.1, beta_min=0.01, beta_max=2.0).value == 0.5
