@@ -95,14 +95,13 @@ def generate_groups(
     top_k: int = 0,
     system_prompt: str = "",
     as_chat: bool = False,
-    sampler: str = "auto",
     compiled: bool = False,
 ) -> RolloutBatch:
     """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks.
 
-    ``sampler``: "auto" uses the KV-cached loop for the architectures it reproduces, else transformers
-    ``generate``; "generate" always uses ``generate`` (and its generation_config). ``compiled``: the loop's steps
-    run through torch.compile where the model allows it (train.compile)."""
+    The KV-cached loop (klgrpo.kv_decoder) runs for the architectures it reproduces unless model.fast_path is off;
+    else transformers ``generate``. ``compiled``: the loop's steps run through torch.compile where the model allows
+    it (train.compile)."""
     texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
@@ -114,7 +113,7 @@ def generate_groups(
     model.eval()
     try:
         loop = (KVSampler.for_model(model, prompt_len + max_new_tokens)
-                if temperature > 0 and sampler == "auto" else None)
+                if temperature > 0 else None)
         if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
             completion_ids = loop.sample(unique_ids, unique_mask, max_new_tokens, temperature, top_p, top_k,
                                          tokenizer.pad_token_id, _eos_ids(model, tokenizer), group_size, compiled)

@@ -159,7 +159,7 @@ class GRPOTrainer:
             rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
                                       cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                                       cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat,
-                                      "auto", cfg.train.compile)
+                                      compiled=cfg.train.compile)
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
