@@ -50,10 +50,10 @@ def write_prompts(folder: Path, n: int = NUM_PROMPTS) -> Path:
 def build_tokenizer(vocab_size: int | None = None):
     """The demo's character tokenizer; with ``vocab_size`` it is padded with filler tokens ``<x16>``... so a model
     with a real-sized vocabulary (151,936) can sample and decode every id."""
-    from klgrpo.demo.tokenizer import CHARACTERS, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, char_vocabulary
+    from klgrpo.apps.demo.tokenizer import CHARACTERS, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, char_vocabulary
 
     if vocab_size is None:
-        from klgrpo.demo.tokenizer import build_char_tokenizer
+        from klgrpo.apps.demo.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer()
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -237,7 +237,7 @@ def quiet(*_args, **_kwargs) -> None:
 
 def sync_timer_on_cuda(device: str) -> None:
     """On a GPU the trainer's per-phase timers would only time kernel launches: make them synchronise.
-    (Benchmark-only patch of klgrpo.trainer._timed; time/step is exact either way.)"""
+    (Benchmark-only patch of klgrpo.train.trainer._timed; time/step is exact either way.)"""
     if not device.startswith("cuda"):
         return
     import time
@@ -245,7 +245,7 @@ def sync_timer_on_cuda(device: str) -> None:
 
     import torch
 
-    import klgrpo.trainer as trainer_module
+    import klgrpo.train.trainer as trainer_module
 
     @contextmanager
     def _timed(timings, key):

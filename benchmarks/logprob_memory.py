@@ -18,7 +18,7 @@ model's backward whatever computes the log-probs, so the table also shows extra 
 
 Goal (issue 6): klgrpo's forward extra peak <= 0.5 x the bf16 logits (the naive path needs about 4x).
 Also measured: the trainer's per-micro-batch pair token_logprobs + token_entropy (two passes over the logits)
-against the one-pass token_logprobs_and_entropy (a proposed change to klgrpo.models.completion_logprobs), and
+against the one-pass token_logprobs_and_entropy (a proposed change to klgrpo.backends.hf.completion_logprobs), and
 with --baseline-rev REV token_logprobs as git revision REV had it (e.g. 2ba1a72: per-row chunks of 256
 positions, before this benchmark's rewrite). The demo-size shape (tiny vocabulary: time only) is
     python benchmarks/logprob_memory.py --batch 32 --tokens 16 --vocab 16 --timing-runs 200 --baseline-rev 2ba1a72

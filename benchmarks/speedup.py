@@ -91,9 +91,9 @@ def run_shape(shape: str, args, root: Path) -> dict:
     if args.device.startswith("cuda"):  # the baseline's phase timers synchronise too (sync_timer_on_cuda)
         import importlib
 
-        import klgrpo.trainer
+        import klgrpo.train.trainer
 
-        importlib.import_module(package.__name__ + ".trainer")._timed = klgrpo.trainer._timed
+        importlib.import_module(package.__name__ + ".trainer")._timed = klgrpo.train.trainer._timed
     shape_dir, data = prepare_assets(shape, root, resolve_dtype(args))
     variants = _variants(args, package)
     trainers, first = [], {}

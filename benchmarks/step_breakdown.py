@@ -15,7 +15,7 @@ Goals (issue 6):
   may add at most 35% of the policy's forward+backward time (a reference forward costs ~0.31 of it, NOTES_PERF).
   num_iterations > 1: the reference is paid once per generated batch (time/reference only on generating steps).
 
-Also measured, as one more interleaved variant: klgrpo's KV-cached sampling loop (klgrpo/kv_decoder.py) against
+Also measured, as one more interleaved variant: klgrpo's KV-cached sampling loop (klgrpo/backends/kv_decoder.py) against
 transformers generate (model.fast_path=false). The changes this script once prototyped (P1-P5 in
 docs/benchmarks.md: old_logp from the first update, fused AdamW, one-pass logp + entropy, logits_to_keep, the
 reference under inference_mode) are all in klgrpo now; benchmarks/speedup.py compares whole revisions.
@@ -39,7 +39,7 @@ PHASES = ("time/generate", "time/reward", "time/reference", "time/old_logp", "ti
 
 
 def run_shape(shape: str, args, root: Path) -> list[dict]:
-    from klgrpo.trainer import GRPOTrainer
+    from klgrpo.train.trainer import GRPOTrainer
 
     dtype = resolve_dtype(args)
     model_dir, data = prepare_assets(shape, root, dtype)

@@ -127,9 +127,9 @@ def compare(shape: str, args, root: Path) -> dict:
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    from klgrpo.data import load_prompts
-    from klgrpo.metrics import MetricsLogger
-    from klgrpo.trainer import GRPOTrainer
+    from klgrpo.core.data import load_prompts
+    from klgrpo.train.metrics import MetricsLogger
+    from klgrpo.train.trainer import GRPOTrainer
 
     dtype = resolve_dtype(args)
     model_dir, data = prepare_assets(shape, root, dtype)
@@ -146,9 +146,9 @@ def compare(shape: str, args, root: Path) -> dict:
             package = klgrpo_at(args.baseline_rev, root / "revisions")
             trainer_module = importlib.import_module(package.__name__ + ".trainer")
             if cuda:  # its phase timers synchronise too (sync_timer_on_cuda)
-                import klgrpo.trainer
+                import klgrpo.train.trainer
 
-                trainer_module._timed = klgrpo.trainer._timed
+                trainer_module._timed = klgrpo.train.trainer._timed
             trainer_class = trainer_module.GRPOTrainer
             kinds[f"klgrpo@{args.baseline_rev}"] = (trainer_class, package, {})
     ours, loggers = {}, {}

@@ -10,11 +10,11 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "__version__"]
 def __getattr__(name: str):
     # Lazy so that `import klgrpo.math` does not pull in transformers.
     if name == "GRPOConfig":
-        from klgrpo.config import GRPOConfig
+        from klgrpo.train.config import GRPOConfig
 
         return GRPOConfig
     if name == "GRPOTrainer":
-        from klgrpo.trainer import GRPOTrainer
+        from klgrpo.train.trainer import GRPOTrainer
 
         return GRPOTrainer
     raise AttributeError(f"module 'klgrpo' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from klgrpo.cli import main
+from klgrpo.apps.cli import main
 
 raise SystemExit(main())

@@ -15,7 +15,7 @@ torch.set_num_threads(1)  # tests run beside other processes on 2 cores; one thr
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from klgrpo.demo.model import save_tiny_model_and_tokenizer
+    from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
 
     return save_tiny_model_and_tokenizer(tmp_path_factory.mktemp("tiny_model"), seed=0, hidden=32, layers=1,
                                          heads=2, intermediate=64)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from klgrpo.data import PromptDataset, PromptSampler, load_prompts
+from klgrpo.core.data import PromptDataset, PromptSampler, load_prompts
 from klgrpo.errors import ConfigError, DataError, KLGRPOError
 
 

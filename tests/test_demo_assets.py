@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from klgrpo.demo import assets as demo_assets
-from klgrpo.demo.assets import DemoSettings, ModelSizes, default_cache_root, prepare_demo_assets
-from klgrpo.demo.model import build_tiny_model, build_tiny_model_for, save_tiny_model_and_tokenizer
-from klgrpo.demo.sft import SFTSettings, encode_examples, evaluate_answer_loss, run_sft
-from klgrpo.demo.tasks import SKILLS, all_pairs, format_answer, format_prompt, make_splits, read_jsonl
-from klgrpo.demo.tokenizer import build_char_tokenizer
+from klgrpo.apps.demo import assets as demo_assets
+from klgrpo.apps.demo.assets import DemoSettings, ModelSizes, default_cache_root, prepare_demo_assets
+from klgrpo.apps.demo.model import build_tiny_model, build_tiny_model_for, save_tiny_model_and_tokenizer
+from klgrpo.apps.demo.sft import SFTSettings, encode_examples, evaluate_answer_loss, run_sft
+from klgrpo.apps.demo.tasks import SKILLS, all_pairs, format_answer, format_prompt, make_splits, read_jsonl
+from klgrpo.apps.demo.tokenizer import build_char_tokenizer
 
 TINY = ModelSizes(hidden=16, layers=1, heads=2, intermediate=32, max_positions=16)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from klgrpo.config import GRPOConfig
-from klgrpo.metrics import read_metrics
-from klgrpo.trainer import GRPOTrainer
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.metrics import read_metrics
+from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.dist_worker import gradient_and_metrics
 
 WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from klgrpo.demo.tokenizer import build_char_tokenizer
-from klgrpo.evaluation import exact_match, greedy_accuracy, greedy_completions
+from klgrpo.apps.demo.tokenizer import build_char_tokenizer
+from klgrpo.train.evaluation import exact_match, greedy_accuracy, greedy_completions
 
 TOKENIZER = build_char_tokenizer()
 ID = TOKENIZER.convert_tokens_to_ids
@@ -96,7 +96,7 @@ def test_greedy_accuracy_rejects_bad_input():
 
 
 def test_left_padded_batch_equals_one_prompt_at_a_time():
-    from klgrpo.demo.model import build_tiny_model_for
+    from klgrpo.apps.demo.model import build_tiny_model_for
 
     model = build_tiny_model_for(TOKENIZER, seed=5, hidden=32, layers=1, heads=2, intermediate=64)
     prompts = ["07+45=", "7+5=", "=", "99-9=", "1"]

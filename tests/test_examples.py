@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from klgrpo.config import GRPOConfig
-from klgrpo.rewards import RewardSpec
+from klgrpo.train.config import GRPOConfig
+from klgrpo.core.rewards import RewardSpec
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 

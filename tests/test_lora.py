@@ -10,13 +10,15 @@ import torch
 
 pytest.importorskip("peft")
 
-from klgrpo.config import GRPOConfig, LoraConfig  # noqa: E402
+from klgrpo.train.config import GRPOConfig, LoraConfig  # noqa: E402
 from klgrpo.errors import ConfigError  # noqa: E402
-from klgrpo.lora import (REFERENCE_ADAPTER, AdapterDisabledReference, _adapter_params, apply_lora,  # noqa: E402
-                         export_merged, load_adapter_weights, parameter_bytes, reference_memory)
-from klgrpo.metrics import read_metrics  # noqa: E402
-from klgrpo.models import completion_logprobs  # noqa: E402
-from klgrpo.trainer import GRPOTrainer  # noqa: E402
+from klgrpo.apps.lora_memory import reference_memory  # noqa: E402
+from klgrpo.backends.lora import (REFERENCE_ADAPTER, adapter_params, apply_lora, export_merged,  # noqa: E402
+                                  load_adapter_weights, parameter_bytes)
+from klgrpo.core.reference import AdapterDisabledReference  # noqa: E402
+from klgrpo.train.metrics import read_metrics  # noqa: E402
+from klgrpo.core.forward import completion_logprobs  # noqa: E402
+from klgrpo.train.trainer import GRPOTrainer  # noqa: E402
 from tests.helpers.configs import make_config as base_config, quiet  # noqa: E402
 
 RANK = 4
@@ -106,18 +108,18 @@ def test_sync_copies_then_mixes_the_adapter_only(tiny_model_dir, addition_file, 
     torch.testing.assert_close(ref.logprobs(rollout, 1.0)[mask], logp_of(model, rollout)[mask], rtol=0, atol=1e-6)
 
     trainer.train_step()  # the policy adapter moves away from the reference adapter
-    prev = {k: v.detach().clone() for k, v in _adapter_params(model, REFERENCE_ADAPTER).items()}
-    policy = {k: v.detach().clone() for k, v in _adapter_params(model, "default").items()}
+    prev = {k: v.detach().clone() for k, v in adapter_params(model, REFERENCE_ADAPTER).items()}
+    policy = {k: v.detach().clone() for k, v in adapter_params(model, "default").items()}
     assert any(not torch.equal(prev[k], policy[k]) for k in prev)
     ref.sync(model, 0.5)
-    mixed = _adapter_params(model, REFERENCE_ADAPTER)
+    mixed = adapter_params(model, REFERENCE_ADAPTER)
     for k in prev:  # 0.5 * x is exact in binary floating point, so the mix is bitwise: one rounding in the sum
         assert torch.equal(mixed[k], prev[k] * 0.5 + policy[k] * 0.5), k
 
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert optimized == {id(p) for p in _adapter_params(model, "default").values()}
+    assert optimized == {id(p) for p in adapter_params(model, "default").values()}
     assert not any(p.requires_grad for p in mixed.values())
-    assert all(p.requires_grad for p in _adapter_params(model, "default").values())
+    assert all(p.requires_grad for p in adapter_params(model, "default").values())
     for n, p in model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, base_before[n]) and not p.requires_grad, n
@@ -128,11 +130,11 @@ def test_first_sync_with_alpha_scales_the_delta_exactly(tiny_model_dir):
     delta_ref = a * delta_policy, which the first sync realises by scaling B alone (delta = B A is bilinear)."""
     model = apply_lora(load_base(tiny_model_dir), LoraConfig(r=RANK))
     with torch.no_grad():
-        for p in _adapter_params(model, "default").values():
+        for p in adapter_params(model, "default").values():
             p.add_(0.1 * torch.randn_like(p))
     ref = AdapterDisabledReference(model)
     ref.sync(model, 0.25)
-    pol, rf = _adapter_params(model, "default"), _adapter_params(model, REFERENCE_ADAPTER)
+    pol, rf = adapter_params(model, "default"), adapter_params(model, REFERENCE_ADAPTER)
     pairs = [k.removesuffix("lora_A.weight") for k in pol if k.endswith("lora_A.weight")]
     assert len(pairs) == 7
     for m in pairs:
@@ -161,7 +163,7 @@ def test_load_adapter_weights_is_bitwise_and_in_place(lora_run, tiny_model_dir):
 
     _, ckpt = lora_run
     model = apply_lora(load_base(tiny_model_dir), LoraConfig(r=RANK))
-    params = _adapter_params(model, "default")
+    params = adapter_params(model, "default")
     ptrs = {k: p.data_ptr() for k, p in params.items()}
     load_adapter_weights(model, ckpt)
     saved = load_file(str(ckpt / "adapter_model.safetensors"))

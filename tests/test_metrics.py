@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from klgrpo.metrics import (
+from klgrpo.train.metrics import (
     GLOSSARY, MetricsFileError, MetricsLogger, describe, read_metrics, undocumented,
 )
 

@@ -11,10 +11,10 @@ import torch
 
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.metrics import read_metrics
-from klgrpo.reference import FrozenCopyReference
-from klgrpo.replay import CACHE_FILE, ReplayAnchor, ReplayCache
-from klgrpo.trainer import GRPOTrainer
+from klgrpo.train.metrics import read_metrics
+from klgrpo.core.reference import FrozenCopyReference
+from klgrpo.train.replay import CACHE_FILE, ReplayAnchor, ReplayCache
+from klgrpo.train.trainer import GRPOTrainer
 from tests.test_trainer import _final_state, _train_rows, make_config, quiet
 
 REPLAY = {"coef": 1.0, "num_prompts": 6, "completions_per_prompt": 2, "batch_size": 5}
@@ -179,7 +179,7 @@ def test_cache_written_once_and_reused(tiny_model_dir, addition_file, subtractio
     def no_sampling(*a, **k):
         raise AssertionError("the cache must be reused, not resampled")
 
-    monkeypatch.setattr("klgrpo.replay.generate_groups", no_sampling)
+    monkeypatch.setattr("klgrpo.train.replay.generate_groups", no_sampling)
     second = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "c", log=quiet)
     assert torch.equal(first.cache.input_ids, second.cache.input_ids)
     assert torch.equal(first.cache.ref_logsoftmax, second.cache.ref_logsoftmax)

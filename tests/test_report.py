@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from klgrpo.cli import main as cli_main
-from klgrpo.report import main, make_plots, summary_table
+from klgrpo.apps.cli import main as cli_main
+from klgrpo.apps.report import main
+from klgrpo.train.report import make_plots, summary_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -128,7 +129,7 @@ def test_main_error_paths_print_one_line_and_return_2(tmp_path, capsys):
 
 
 def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
-    from klgrpo.report import _controller_target
+    from klgrpo.train.report import _controller_target
 
     (tmp_path / "config.yaml").write_text("kl:\n  controller: adaptive\n  target: 0.07\n  kl_measure: token_mean\n")
     assert _controller_target(tmp_path) == 0.07

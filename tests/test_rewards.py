@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from klgrpo.errors import ConfigError, KLGRPOError, RewardError
-from klgrpo.rewards import (
+from klgrpo.core.rewards import (
     BUILTIN_REWARDS,
     RewardComputer,
     RewardSpec,

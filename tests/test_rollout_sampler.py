@@ -1,4 +1,4 @@
-"""klgrpo's KV-cached sampling loop (klgrpo/kv_decoder.py) against the model's own forward and transformers' generate.
+"""klgrpo's KV-cached sampling loop (klgrpo/backends/kv_decoder.py) against the model's own forward and transformers' generate.
 
 The loop is correct when (1) its next-token logits equal the model's forward logits at every position of a
 teacher-forced, left-padded batch, (2) its filters equal transformers' temperature/top-k/top-p warpers, and
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klgrpo.models import position_ids_from_mask
-from klgrpo.kv_decoder import KVSampler, filter_logits
-from klgrpo.rollout import generate_groups
+from klgrpo.core.forward import position_ids_from_mask
+from klgrpo.backends.kv_decoder import KVSampler, filter_logits
+from klgrpo.core.rollout import generate_groups
 
 V = 23
 
@@ -122,7 +122,7 @@ def test_filters_equal_transformers_warpers(temperature, top_k, top_p):
 
 
 def _tokenizer():
-    from klgrpo.demo.tokenizer import build_char_tokenizer
+    from klgrpo.apps.demo.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -188,7 +188,7 @@ def _mistral(**kw):
 # ------------------------------------------------------------- completion_logprobs: shared-prompt path vs transformers
 def _group_batch(group_size=2, seed=1):
     """3 prompts (left-padded to 5) x G completions of 4 tokens with EOS at different places, as a RolloutBatch."""
-    from klgrpo.rollout import RolloutBatch, completion_mask_from_ids
+    from klgrpo.core.rollout import RolloutBatch, completion_mask_from_ids
 
     g = torch.Generator().manual_seed(seed)
     lengths, p, t = [5, 2, 4], 5, 4
@@ -213,7 +213,7 @@ def _group_batch(group_size=2, seed=1):
 def test_shared_prompt_logprobs_equal_transformers_forward(arch, rows):
     """The fast log-probs (each prompt once per group) equal the model's own forward (values in float64 to 1e-10,
     gradients to float32 rounding), for whole groups and for a micro-batch that splits a group (no sharing)."""
-    from klgrpo.models import completion_logprobs
+    from klgrpo.core.forward import completion_logprobs
 
     torch.manual_seed(0)
     model = _randomise(BUILDERS[arch]()).to(torch.float64)

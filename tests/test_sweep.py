@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from klgrpo import sweep
-from klgrpo.sweep import Cell, Run, SweepError, aggregate, build_table, cells_of, parse_grid, run_sweep
+from klgrpo.apps import sweep
+from klgrpo.apps.sweep import Cell, Run, SweepError, aggregate, build_table, cells_of, parse_grid, run_sweep
 
 FAKE_TRAIN = textwrap.dedent("""
     import json, pathlib, sys

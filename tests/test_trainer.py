@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from klgrpo.config import GRPOConfig
-from klgrpo.metrics import read_metrics
-from klgrpo.trainer import GRPOTrainer
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.metrics import read_metrics
+from klgrpo.train.trainer import GRPOTrainer
 
 from tests.helpers.configs import make_config, quiet
 
@@ -155,7 +155,7 @@ def test_kl_dump_feeds_verify_from_run(tiny_model_dir, addition_file, tmp_path):
 
 # ------------------------------------------------------------------------------------------ the CLI's errors
 def run_cli(args, capsys):
-    from klgrpo.train_cli import main
+    from klgrpo.apps.train import main
 
     code = main(args)
     return code, capsys.readouterr().err
@@ -199,7 +199,7 @@ def test_biased_kl_choice_warns(tiny_model_dir, addition_file, tmp_path):
 
 
 def test_yaml_then_cli_override_order(tmp_path):
-    from klgrpo.train_cli import parse_args
+    from klgrpo.apps.args import parse_args
 
     (tmp_path / "run.yaml").write_text("kl:\n  coef: 0.5\n  estimator: k2\nrollout:\n  group_size: 4\n")
     cfg, _ = parse_args(["--config", str(tmp_path / "run.yaml"), "--kl.coef", "0.02"])

@@ -12,7 +12,7 @@ import torch
 from klgrpo.math.advantages import reward_to_go
 from klgrpo.math.kl import ESTIMATORS, kl_estimate
 from klgrpo.verify import categorical, montecarlo, sequence_toy
-from klgrpo.verify.cli import main as verify_main
+from klgrpo.apps.verify_kl import main as verify_main
 from klgrpo.verify.penalty import GRADIENT_RTOL, classify_gradient, flat_grad
 from klgrpo.verify.report import torch_threads
 from klgrpo.verify.sequence_toy import TOY
@@ -289,7 +289,7 @@ def test_from_run_missing_folder_and_dumps(tmp_path, capsys):
 
 
 def test_top_level_cli_dispatches(tmp_path, capsys):
-    from klgrpo.cli import main as klgrpo_main
+    from klgrpo.apps.cli import main as klgrpo_main
 
     assert klgrpo_main(["verify-kl", "--from-run", str(tmp_path / "missing")]) == 2
     assert "klgrpo verify-kl:" in capsys.readouterr().err

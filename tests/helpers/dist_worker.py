@@ -6,9 +6,9 @@ import sys
 
 import torch
 
-from klgrpo.config import GRPOConfig
-from klgrpo.step import step_metrics
-from klgrpo.trainer import GRPOTrainer
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.step_metrics import step_metrics
+from klgrpo.train.trainer import GRPOTrainer
 
 
 def perturb(model, seed=1):

@@ -8,7 +8,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS
 
 if TYPE_CHECKING:
-    from klgrpo.config import GRPOConfig
+    from klgrpo.train.config import GRPOConfig
 
 
 def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int) -> str:

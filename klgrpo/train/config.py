@@ -36,7 +36,7 @@ class LoraConfig:
     dropout: float = _f(0.0, "LoRA dropout")
     target_modules: list = _f(["all-linear"], "module names to adapt, or ['all-linear']")
     save_merged: bool = _f(False, "at the end, also write merged full weights (base + adapter, loadable with "
-                                  "AutoModelForCausalLM) to <output_dir>/merged; see klgrpo.lora.export_merged")
+                                  "AutoModelForCausalLM) to <output_dir>/merged; see klgrpo.backends.lora.export_merged")
 
 
 @dataclass
@@ -271,7 +271,7 @@ class GRPOConfig:
 
     def validate(self) -> list[str]:
         """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones."""
-        from klgrpo.validation import validate_config
+        from klgrpo.train.validation import validate_config
 
         return validate_config(self)
 

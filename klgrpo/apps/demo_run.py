@@ -5,7 +5,7 @@
 2. GRPO with a KL toward that reference (k3 value with the reverse-KL gradient, adaptive beta) trains
    addition only; reward 1 for the exact answer.
    A replay anchor (on by default) adds the exact KL to the reference on unlabeled subtraction prompts:
-   the KL on the addition prompts alone does not keep subtraction where it was (issue 7; klgrpo/replay.py).
+   the KL on the addition prompts alone does not keep subtraction where it was (issue 7; klgrpo/train/replay.py).
 3. Greedy accuracy on held-out prompts, before and after: addition (the trained skill) and subtraction
    (retention: the forgetting the KL is meant to limit).
 
@@ -19,7 +19,7 @@ import json
 import time
 from datetime import datetime
 
-from klgrpo.config import GRPOConfig
+from klgrpo.train.config import GRPOConfig
 
 TRAINED, HELD_OUT = "addition", "subtraction"
 
@@ -47,9 +47,9 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
 
 
 def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False) -> int:
-    from klgrpo.demo.assets import prepare_demo_assets
-    from klgrpo.train_cli import parse_args
-    from klgrpo.trainer import GRPOTrainer
+    from klgrpo.apps.demo.assets import prepare_demo_assets
+    from klgrpo.apps.args import parse_args
+    from klgrpo.train.trainer import GRPOTrainer
 
     t0 = time.perf_counter()
     seed = parse_args(argv)[0].train.seed
@@ -85,7 +85,7 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
 
 def _last(run_dir, name: str):
     """The last logged value of a metric (None when never logged)."""
-    from klgrpo.metrics import read_metrics
+    from klgrpo.train.metrics import read_metrics
 
     try:
         values = [r[name] for r in read_metrics(run_dir) if name in r]

@@ -5,7 +5,7 @@ function is named "module.path:function" or "path/to/file.py:function". ``Reward
 configured function on a batch and forms the weighted total.
 """
 
-from klgrpo.rewards.builtins import (
+from klgrpo.core.rewards.builtins import (
     BUILTIN_REWARDS,
     exact_match,
     extract_answer_number,
@@ -13,8 +13,8 @@ from klgrpo.rewards.builtins import (
     format_match,
     numeric_match,
 )
-from klgrpo.rewards.computer import RewardComputer, RewardResult, RewardSpec
-from klgrpo.rewards.loading import display_name, load_reward_function
+from klgrpo.core.rewards.computer import RewardComputer, RewardResult, RewardSpec
+from klgrpo.core.rewards.loading import display_name, load_reward_function
 
 __all__ = [
     "BUILTIN_REWARDS",

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-#: reward_fn(prompts, completions, answer=answers) -> one score per completion (klgrpo.rewards' signature).
+#: reward_fn(prompts, completions, answer=answers) -> one score per completion (klgrpo.core.rewards' signature).
 RewardFn = Callable[..., Sequence[float]]
 
 
@@ -113,8 +113,8 @@ def _cut_at(ids: list[int], eos_ids: list[int]) -> list[int]:
 
 def load_eval_sets(cfg) -> dict[str, dict]:
     """The config's eval.sets as {name: {"prompts", "answers", "reward_fn"}} (prompts with answers)."""
-    from klgrpo.data import load_prompts
-    from klgrpo.rewards import load_reward_function
+    from klgrpo.core.data import load_prompts
+    from klgrpo.core.rewards import load_reward_function
 
     sets = {}
     for s in cfg.eval.sets:
@@ -128,7 +128,7 @@ def load_eval_sets(cfg) -> dict[str, dict]:
 
 def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, float]:
     """Greedy accuracy of every set, as {"eval/<name>": value}; prompts are templated like the rollout's."""
-    from klgrpo.rollout import encode_prompts
+    from klgrpo.core.rollout import encode_prompts
 
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     results = {}

@@ -1,47 +1,13 @@
-"""A generated batch with everything computed once for it, and the metrics of one update on it."""
+"""The metrics of one update: this rank's sums reduced across ranks, then turned into floats once."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from klgrpo.distributed import Distributed
+from klgrpo.train.distributed import Distributed
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.rollout import RolloutBatch
-
-
-@dataclass
-class StepBatch:
-    """A generated batch and everything computed once for it, reused for num_iterations updates."""
-
-    rollout: RolloutBatch
-    rewards: torch.Tensor            # [B] total reward
-    reward_columns: dict[str, torch.Tensor]
-    advantages: torch.Tensor         # [B]
-    loss_mask: torch.Tensor          # [B, T] completion mask (minus truncated rows when masked)
-    normalizer: Normalizer
-    ref_logp: torch.Tensor | None    # [B, T]
-    old_logp: torch.Tensor | None    # [B, T]; None until the batch's first update (then old = logp.detach())
-    timings: dict[str, float] = field(default_factory=dict)
-    iterations_done: int = 0
-
-    def rows(self, sl: slice) -> "StepBatch":
-        """The same batch restricted to rows ``sl`` (whole groups), keeping the global normaliser."""
-        r = self.rollout
-        g = r.group_size
-        assert sl.start % g == 0 and sl.stop % g == 0, "a shard must hold whole groups"
-        rollout = RolloutBatch(
-            input_ids=r.input_ids[sl], attention_mask=r.attention_mask[sl], completion_ids=r.completion_ids[sl],
-            completion_mask=r.completion_mask[sl], truncated=r.truncated[sl], prompt_len=r.prompt_len,
-            group_size=g, prompts=r.prompts[sl], completions=r.completions[sl])
-        pick = (lambda t: None if t is None else t[sl])
-        return StepBatch(rollout=rollout, rewards=self.rewards[sl],
-                         reward_columns={k: v[sl] for k, v in self.reward_columns.items()},
-                         advantages=self.advantages[sl], loss_mask=self.loss_mask[sl], normalizer=self.normalizer,
-                         ref_logp=pick(self.ref_logp), old_logp=pick(self.old_logp), timings=dict(self.timings),
-                         iterations_done=self.iterations_done)
+from klgrpo.core.batch import StepBatch
 
 
 def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor, grad_norm, beta: float, lr: float,

@@ -21,22 +21,24 @@ from typing import Any
 
 import torch
 
-from klgrpo.checkpoint import load_trainer_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
-from klgrpo.config import GRPOConfig
-from klgrpo.data import PromptSampler, load_prompts
-from klgrpo.distributed import Distributed
+from klgrpo.train.checkpoint import load_trainer_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from klgrpo.train.config import GRPOConfig
+from klgrpo.core.data import PromptSampler, load_prompts
+from klgrpo.train.distributed import Distributed
 from klgrpo.errors import ConfigError
-from klgrpo.evaluation import evaluate_sets, load_eval_sets
+from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import build_controller
 from klgrpo.math.objective import KLTerm, grpo_objective
-from klgrpo.metrics import MetricsLogger
-from klgrpo.models import completion_logprobs, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-from klgrpo.reference import FrozenCopyReference
-from klgrpo.rewards import RewardComputer, RewardSpec
-from klgrpo.rollout import generate_groups
-from klgrpo.step import StepBatch, step_metrics
+from klgrpo.train.metrics import MetricsLogger
+from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from klgrpo.core.forward import completion_logprobs
+from klgrpo.core.reference import FrozenCopyReference
+from klgrpo.core.rewards import RewardComputer, RewardSpec
+from klgrpo.core.rollout import generate_groups
+from klgrpo.core.batch import StepBatch
+from klgrpo.train.step_metrics import step_metrics
 
 
 def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
@@ -84,7 +86,7 @@ class GRPOTrainer:
         _disable_dropout(self.model)
         self.model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
         if cfg.model.lora.r > 0:
-            from klgrpo.lora import apply_lora
+            from klgrpo.backends.lora import apply_lora
 
             self.model = apply_lora(self.model, cfg.model.lora)
         if cfg.model.gradient_checkpointing:
@@ -118,7 +120,7 @@ class GRPOTrainer:
         self.run_dir = Path(self.dist.gather_objects(str(_run_dir(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.replay = None
         if cfg.kl.replay.coef > 0 and self.dist.is_main:  # the anchor's gradient is added on rank 0 only
-            from klgrpo.replay import ReplayAnchor
+            from klgrpo.train.replay import ReplayAnchor
 
             self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log)
         self.step = 0
@@ -130,7 +132,7 @@ class GRPOTrainer:
     def _build_reference(self):
         ref_path = self.cfg.kl.reference
         if self.cfg.model.lora.r > 0 and not ref_path:
-            from klgrpo.lora import AdapterDisabledReference
+            from klgrpo.core.reference import AdapterDisabledReference
 
             return AdapterDisabledReference(self.model)
         if ref_path:
@@ -308,7 +310,7 @@ class GRPOTrainer:
 
         ckpt = resolve_resume(resume, self.run_dir)
         if (ckpt / "adapter_model.safetensors").exists():
-            from klgrpo.lora import load_adapter_weights
+            from klgrpo.backends.lora import load_adapter_weights
 
             load_adapter_weights(self.model, ckpt)
         else:
@@ -385,7 +387,7 @@ class GRPOTrainer:
         if not (self.run_dir / "checkpoints" / f"step_{self.step}").exists():
             self.save()
         if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
-            from klgrpo.lora import export_merged
+            from klgrpo.backends.lora import export_merged
 
             export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
                           base_model=cfg.model.name_or_path or None)
@@ -393,7 +395,7 @@ class GRPOTrainer:
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if cfg.logging.plots:
-                from klgrpo.report import make_plots
+                from klgrpo.train.report import make_plots
 
                 make_plots(self.run_dir)
         self.dist.barrier()

@@ -31,10 +31,10 @@ from typing import Callable
 import torch
 import transformers
 
-from klgrpo.demo.model import build_tiny_model_for, quiet_progress_bars
-from klgrpo.demo.sft import SFTSettings, run_sft
-from klgrpo.demo.tasks import MAX_NEW_TOKENS, SPLIT_SEED, make_splits, write_jsonl
-from klgrpo.demo.tokenizer import CHARACTERS, build_char_tokenizer
+from klgrpo.apps.demo.model import build_tiny_model_for, quiet_progress_bars
+from klgrpo.apps.demo.sft import SFTSettings, run_sft
+from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, SPLIT_SEED, make_splits, write_jsonl
+from klgrpo.apps.demo.tokenizer import CHARACTERS, build_char_tokenizer
 
 #: Bump whenever the layout or the way the assets are produced changes: old caches are then ignored.
 FORMAT_VERSION = 1

@@ -1,7 +1,7 @@
 """The embedded demo's assets: char tokenizer, tiny Llama, arithmetic tasks, SFT warm start, cache.
 
 The entry point is :func:`prepare_demo_assets`; submodules are imported lazily so that importing
-``klgrpo.demo`` stays cheap.
+``klgrpo.apps.demo`` stays cheap.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ __all__ = ["DemoAssets", "DemoSettings", "prepare_demo_assets", "build_char_toke
            "save_tiny_model_and_tokenizer"]
 
 _WHERE = {
-    "DemoAssets": "klgrpo.demo.assets",
-    "DemoSettings": "klgrpo.demo.assets",
-    "prepare_demo_assets": "klgrpo.demo.assets",
-    "build_char_tokenizer": "klgrpo.demo.tokenizer",
-    "build_tiny_model": "klgrpo.demo.model",
-    "save_tiny_model_and_tokenizer": "klgrpo.demo.model",
+    "DemoAssets": "klgrpo.apps.demo.assets",
+    "DemoSettings": "klgrpo.apps.demo.assets",
+    "prepare_demo_assets": "klgrpo.apps.demo.assets",
+    "build_char_tokenizer": "klgrpo.apps.demo.tokenizer",
+    "build_tiny_model": "klgrpo.apps.demo.model",
+    "save_tiny_model_and_tokenizer": "klgrpo.apps.demo.model",
 }
 
 
@@ -24,4 +24,4 @@ def __getattr__(name: str):
         from importlib import import_module
 
         return getattr(import_module(_WHERE[name]), name)
-    raise AttributeError(f"module 'klgrpo.demo' has no attribute {name!r}")
+    raise AttributeError(f"module 'klgrpo.apps.demo' has no attribute {name!r}")

@@ -40,12 +40,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from klgrpo.data import PromptSampler, load_prompts
+from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.models import position_ids_from_mask
-from klgrpo.rollout import RolloutBatch, generate_groups
+from klgrpo.core.forward import position_ids_from_mask
+from klgrpo.core.rollout import RolloutBatch, generate_groups
 
 CACHE_FILE = "replay_cache.pt"
 #: Largest full-vocabulary reference cache held (N x T x V float32); above it "full" recomputes each step.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.kv_decoder import KVSampler
+from klgrpo.backends.kv_decoder import KVSampler
 
 
 
@@ -99,7 +99,7 @@ def generate_groups(
 ) -> RolloutBatch:
     """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks.
 
-    The KV-cached loop (klgrpo.kv_decoder) runs for the architectures it reproduces unless model.fast_path is off;
+    The KV-cached loop (klgrpo.backends.kv_decoder) runs for the architectures it reproduces unless model.fast_path is off;
     else transformers ``generate``. ``compiled``: the loop's steps run through torch.compile where the model allows
     it (train.compile)."""
     texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)

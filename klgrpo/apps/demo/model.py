@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from klgrpo.demo.tokenizer import build_char_tokenizer
+from klgrpo.apps.demo.tokenizer import build_char_tokenizer
 
 
 def build_tiny_model(
@@ -27,7 +27,7 @@ def build_tiny_model(
 ) -> LlamaForCausalLM:
     """A randomly initialised LlamaForCausalLM with tied input/output embeddings.
 
-    The default special ids are those of :func:`klgrpo.demo.tokenizer.build_char_tokenizer` (pad 0, eos 1,
+    The default special ids are those of :func:`klgrpo.apps.demo.tokenizer.build_char_tokenizer` (pad 0, eos 1,
     no bos). The initialisation draws from a private RNG seeded with ``seed``: the global torch RNG is
     left untouched and the same seed gives the same weights.
     """

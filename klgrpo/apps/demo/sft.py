@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from klgrpo.demo.tasks import MAX_NEW_TOKENS, Split
-from klgrpo.evaluation import greedy_accuracy
+from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, Split
+from klgrpo.train.evaluation import greedy_accuracy
 
 IGNORE_INDEX = -100
 

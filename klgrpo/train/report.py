@@ -1,4 +1,4 @@
-"""``klgrpo report RUN_DIR``: redraw a run folder's plots and print a summary table.
+"""A run folder's plots and summary table (the trainer draws them at the end; ``klgrpo report`` redraws).
 
     plots/reward.png   train/reward (raw and smoothed), rewards/<function> when there are several, eval/<name>
     plots/kl.png       adaptive_kl/raw_kl and adaptive_kl/adapted_kl, plus kl/k1, kl/k2, kl/k3 when logged
@@ -12,15 +12,13 @@ then summary.json when the trainer has written it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 from klgrpo.errors import KLGRPOError
-from klgrpo.metrics import METRICS_FILE, read_metrics
+from klgrpo.train.metrics import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"
 SUMMARY_FILE = "summary.json"
@@ -272,39 +270,4 @@ def _summary_json_lines(run_dir: Path) -> list[str]:
     return lines
 
 
-# -- command line ------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="klgrpo report",
-        description="Redraw a run folder's plots (plots/*.png) and print a summary of its metrics.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `klgrpo train` (runs/<name>)")
-    parser.add_argument("--no-plots", action="store_true", help="print the table only; leave plots/ alone")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        print(f"klgrpo report: {run_dir} is not a folder; pass a run folder (runs/<name>), which holds "
-              f"{METRICS_FILE}.", file=sys.stderr)
-        return 2
-    if not (run_dir / METRICS_FILE).is_file():
-        print(f"klgrpo report: {run_dir / METRICS_FILE} does not exist; a run folder holds {METRICS_FILE} "
-              f"from its first logged step on.", file=sys.stderr)
-        return 2
-    try:
-        print(summary_table(run_dir))
-        if not args.no_plots:
-            paths = make_plots(run_dir)
-            print()
-            print("plots:" if paths else "plots: none (no plotted metric is in metrics.jsonl yet)")
-            for path in paths:
-                print(f"  {path}")
-    except KLGRPOError as err:
-        print(f"klgrpo report: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-__all__ = ["make_plots", "summary_table", "main", "TABLE_KEYS"]
+__all__ = ["make_plots", "summary_table", "TABLE_KEYS"]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.errors import ConfigError, RewardError
-from klgrpo.rewards.loading import _describe, display_name, load_reward_function
+from klgrpo.core.rewards.loading import _describe, display_name, load_reward_function
 
 #: Column names the reward functions take as their first two arguments.
 RESERVED_ARGUMENTS = ("prompts", "completions")

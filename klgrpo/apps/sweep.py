@@ -123,7 +123,7 @@ def split_values(text: str) -> list[str]:
 
 def parse_grid(args: list[str]) -> list[tuple[str, list[str]]]:
     """``["kl.coef=0,0.1", ...]`` -> [("kl.coef", ["0", "0.1"]), ...], each value checked against the field's type."""
-    from klgrpo.config import GRPOConfig
+    from klgrpo.train.config import GRPOConfig
 
     grid: list[tuple[str, list[str]]] = []
     for arg in args:
@@ -288,7 +288,7 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
 # --------------------------------------------------------------------------------------------- the table
 def skill_names(summary: dict) -> tuple[str | None, list[str]]:
     """(trained set, retention sets) of a run: the demo's names when present, else first / the others."""
-    from klgrpo.demo_run import HELD_OUT, TRAINED
+    from klgrpo.apps.demo_run import HELD_OUT, TRAINED
 
     names = list(summary.get("eval_after") or summary.get("eval_before") or {})
     if TRAINED in names and HELD_OUT in names:
@@ -300,7 +300,7 @@ def _final_replay_kl(run: Run) -> float | None:
     if run.summary.get("final_replay_kl") is not None:
         return run.summary["final_replay_kl"]
     try:
-        from klgrpo.metrics import read_metrics
+        from klgrpo.train.metrics import read_metrics
 
         values = [r["kl/replay"] for r in read_metrics(run.run_dir) if "kl/replay" in r]
     except (OSError, KLGRPOError):

@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Callable
 
 from klgrpo.errors import RewardError
-from klgrpo.rewards.builtins import BUILTIN_REWARDS
+from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 
 _FILE_MODULES: dict[Path, ModuleType] = {}
 

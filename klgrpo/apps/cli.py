@@ -10,10 +10,10 @@ import sys
 from importlib import import_module
 
 SUBCOMMANDS = {
-    "train": ("klgrpo.train_cli", "run GRPO training (no arguments: the embedded CPU demo)"),
-    "verify-kl": ("klgrpo.verify.cli", "check every KL configuration's value and gradient against exact answers"),
-    "report": ("klgrpo.report", "redraw the plots and print a summary of a run folder"),
-    "sweep": ("klgrpo.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
+    "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
+    "verify-kl": ("klgrpo.apps.verify_kl", "check every KL configuration's value and gradient against exact answers"),
+    "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
+    "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
 }
 
 

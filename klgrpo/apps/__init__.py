@@ -1,0 +1,1 @@
+"""The commands: ``klgrpo train | verify-kl | report | sweep`` (cli.py dispatches) and the embedded demo."""

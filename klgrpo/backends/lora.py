@@ -1,0 +1,170 @@
+"""LoRA (peft): the policy is base + adapter, and the reference costs no second copy of the base weights.
+
+    apply_lora(model, cfg)             wrap the policy in a peft LoRA PeftModel (adapter "default", trainable)
+    (the reference of a LoRA policy, AdapterDisabledReference, is in klgrpo.core.reference)
+    load_adapter_weights(policy, dir)  put a checkpoint's adapter back into the live PeftModel, bitwise
+    export_merged(ckpt, out)           merged full weights (merge_and_unload) + tokenizer, for AutoModelForCausalLM
+    parameter_bytes(*modules)          bytes of the distinct storages behind parameters and buffers
+
+TRL refuses reference sync with LoRA (its sync copies full weights into a reference model that LoRA does not
+have). Here the synced reference is base + reference adapter, so a sync costs one adapter of memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from klgrpo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from klgrpo.train.config import LoraConfig
+    from klgrpo.core.rollout import RolloutBatch
+
+#: Name of the frozen second adapter that holds the synced reference; also its folder in a checkpoint
+#: (peft's own save_pretrained writes non-default adapters to <folder>/<name>/, the same place).
+REFERENCE_ADAPTER = "reference"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError('model.lora.r > 0 needs peft, which is not installed: pip install "klgrpo[lora]" '
+                          "(or set model.lora.r 0 for full fine-tuning)") from None
+    return peft
+
+
+def require_peft_model(model, what: str):
+    peft = _peft()
+    if not isinstance(model, peft.PeftModel):
+        raise ConfigError(f"{what} needs a LoRA policy (a peft PeftModel), got {type(model).__name__}; "
+                          f"set model.lora.r > 0 to the rank the checkpoint was trained with")
+
+
+def apply_lora(model, cfg: "LoraConfig"):
+    """Wrap ``model`` in a peft LoRA PeftModel: base weights frozen, adapter "default" trainable.
+
+    ``adapter_config.json`` records the base model as an absolute path when the base came from a local
+    folder, so ``PeftModel.from_pretrained`` and :func:`export_merged` find it from any working directory.
+    """
+    peft = _peft()
+    targets = list(cfg.target_modules)
+    peft_cfg = peft.LoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, task_type="CAUSAL_LM",
+        target_modules="all-linear" if targets == ["all-linear"] else targets)
+    try:
+        wrapped = peft.get_peft_model(model, peft_cfg)
+    except ValueError as exc:
+        raise ConfigError(f"model.lora.target_modules={targets}: {str(exc).splitlines()[0]}; use module names "
+                          f"of this model (e.g. q_proj, v_proj) or ['all-linear']") from None
+    base = getattr(model, "name_or_path", "") or ""
+    if base and Path(base).is_dir():
+        wrapped.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    return wrapped
+
+
+# ------------------------------------------------------------------------------------------- adapters
+def adapter_params(model, adapter: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters of one adapter, keyed by their name with the adapter name removed."""
+    tag = f".{adapter}."
+    return {name.replace(tag, "."): p for name, p in model.named_parameters() if tag in name}
+
+
+def is_up_factor(name: str) -> bool:
+    """The B factor of delta = B A (Linear: lora_B; Embedding: lora_embedding_B): scaling it scales delta."""
+    return ".lora_B." in name or ".lora_embedding_B." in name
+
+
+@contextmanager
+def keep_requires_grad(model):
+    """peft's adapter switching rewrites requires_grad flags; restore every flag as it was."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def load_adapter_file(model, path: Path, adapter: str) -> None:
+    """Copy the tensors of a saved adapter (peft's key format) into ``adapter``'s live parameters, in place."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    expected = get_peft_model_state_dict(model, adapter_name=adapter)
+    if saved.keys() != expected.keys() or any(saved[k].shape != expected[k].shape for k in saved):
+        raise ConfigError(f"{path} does not match the live LoRA adapter (different model.lora.r, target_modules "
+                          f"or base model); resume with the model.lora settings the checkpoint was trained with")
+    with keep_requires_grad(model):
+        set_peft_model_state_dict(model, saved, adapter_name=adapter)
+    loaded = get_peft_model_state_dict(model, adapter_name=adapter)
+    for k, v in saved.items():  # in-place copy into the optimizer's own tensors: bitwise, or an error
+        if not torch.equal(loaded[k].cpu(), v.to(loaded[k].dtype)):
+            raise RuntimeError(f"adapter tensor {k} did not load exactly from {path}")
+
+
+def load_adapter_weights(peft_model, ckpt_dir) -> None:
+    """Load the trainable adapter written by ``save_pretrained`` into the live PeftModel, bitwise, in place
+    (the optimizer keeps pointing at the same tensors)."""
+    require_peft_model(peft_model, "resuming a LoRA checkpoint")
+    path = Path(ckpt_dir) / ADAPTER_WEIGHTS
+    if not path.exists():
+        raise ConfigError(f"{ckpt_dir} has no {ADAPTER_WEIGHTS}: not a LoRA checkpoint; resume it with "
+                          f"model.lora.r 0")
+    load_adapter_file(peft_model, path, peft_model.active_adapter)
+
+
+# --------------------------------------------------------------------------------------------- export
+def export_merged(checkpoint_dir, out_dir, base_model: str | None = None) -> Path:
+    """Merge a checkpoint's adapter into its base (merge_and_unload) and save full weights + tokenizer to
+    ``out_dir``, loadable with ``AutoModelForCausalLM.from_pretrained(out_dir)``. The base is ``base_model``
+    or the adapter_config.json's ``base_model_name_or_path``; the tokenizer is the checkpoint's if it has one."""
+    peft = _peft()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, out = Path(checkpoint_dir), Path(out_dir)
+    config_file = ckpt / "adapter_config.json"
+    if not config_file.exists():
+        raise ConfigError(f"{ckpt} has no adapter_config.json: not a LoRA checkpoint (a full checkpoint is "
+                          f"already loadable with AutoModelForCausalLM)")
+    base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{config_file} does not name its base model; pass base_model= (the folder or hub "
+                          f"name the adapter was trained on)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the base model {base!r} to merge into: {str(exc).splitlines()[0]}; "
+                          f"pass base_model=") from None
+    merged = peft.PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True)
+    if (ckpt / "tokenizer_config.json").exists():
+        AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
+    else:
+        try:
+            AutoTokenizer.from_pretrained(base).save_pretrained(out)
+        except (OSError, ValueError):
+            pass  # neither the checkpoint nor the base has a tokenizer: the weights are still complete
+    return out
+
+
+# --------------------------------------------------------------------------------------------- memory
+def parameter_bytes(*modules) -> int:
+    """Bytes of the distinct storages behind the parameters and buffers of ``modules``: a tensor shared by
+    two modules (tied embeddings, the base under a LoRA reference) counts once."""
+    storages: dict[int, int] = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())

@@ -1,0 +1,205 @@
+"""The frozen reference model behind a small interface: log-probs of a batch, optional sync, checkpointing.
+
+Kinds:
+    FrozenCopyReference   a copy of the initial policy (or another checkpoint), eval mode, no grad
+    (LoRA: the policy with adapters disabled slots in behind the same interface; AdapterDisabledReference below)
+
+Reference log-probs are computed once per generated batch without gradient and reused across
+num_iterations and micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from klgrpo.backends.lora import (ADAPTER_WEIGHTS, REFERENCE_ADAPTER, adapter_params, is_up_factor, keep_requires_grad,
+                                  load_adapter_file, require_peft_model)
+from klgrpo.core.forward import completion_logprobs, position_ids_from_mask
+from klgrpo.core.rollout import RolloutBatch
+
+
+class Reference(Protocol):
+    def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor: ...
+
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Full next-token logits [B, L, V] of the reference (no grad), e.g. for the exact replay KL."""
+        ...
+
+    def sync(self, policy, alpha: float) -> None: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+
+def _micro_slices(n: int, size: int):
+    size = size or n
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
+
+class FrozenCopyReference:
+    """A separate frozen model: a deep copy of the policy at start, or weights loaded from elsewhere."""
+
+    def __init__(self, model):
+        self.model = model
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.synced = False  # once synced, checkpoints must carry the reference's own weights
+        self.forward_model = model  # what logprobs runs: the model, or its compiled wrapper (compile())
+
+    def compile(self) -> None:
+        """Run ``logprobs`` through torch.compile(model) (train.compile): same weights, so ``sync`` still applies."""
+        self.forward_model = torch.compile(self.model)
+
+    @classmethod
+    def copy_of(cls, policy) -> "FrozenCopyReference":
+        return cls(copy.deepcopy(policy))
+
+    def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor:
+        # inference_mode skips autograd's version counting and view tracking, which no_grad keeps; the result
+        # is copied out of it as a normal tensor, which the loss may save for its backward.
+        with torch.inference_mode():
+            parts = [completion_logprobs(self.forward_model, batch, temperature, rows=sl)[0]
+                     for sl in _micro_slices(batch.size, micro_batch_size)]
+            out = torch.cat(parts, dim=0)
+        return out.clone()
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+
+    @torch.no_grad()
+    def sync(self, policy, alpha: float = 1.0) -> None:
+        """ref <- alpha * policy + (1 - alpha) * ref (alpha = 1: a copy), parameter by parameter."""
+        for p_ref, p in zip(self.model.parameters(), policy.parameters()):
+            p_ref.mul_(1.0 - alpha).add_(p.detach().to(p_ref.dtype), alpha=alpha)
+        self.synced = True
+
+    def save(self, folder: Path) -> None:
+        if self.synced:
+            self.model.save_pretrained(folder / "reference")
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_model
+
+        path = folder / "reference" / "model.safetensors"
+        if path.exists():
+            load_model(self.model, str(path), strict=False)
+            self.synced = True
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+class AdapterDisabledReference:
+    """The reference of a LoRA policy, sharing every base tensor with it.
+
+    Before any sync the reference is the base model: the policy's forward inside ``disable_adapter()``
+    (exactly the base, since the initial adapter is a zero delta). ``sync`` creates a frozen adapter
+    ``"reference"`` beside the trainable one; from then on the reference forward switches to it and back.
+    """
+
+    def __init__(self, model):
+        require_peft_model(model, "AdapterDisabledReference")
+        self.model = model
+        self.policy_adapter = model.active_adapter
+        self.synced = False  # once synced, the reference adapter exists and goes into checkpoints
+
+    @contextmanager
+    def sampling_model(self):
+        """The policy module switched to the reference (for the duration of the block); yields the model."""
+        with keep_requires_grad(self.model):
+            if not self.synced:
+                with self.model.disable_adapter():
+                    yield self.model
+                return
+            self.model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+            try:
+                yield self.model
+            finally:
+                self.model.set_adapter(self.policy_adapter)
+
+    @torch.no_grad()
+    def logprobs(self, batch: "RolloutBatch", temperature: float, micro_batch_size: int = 0) -> Tensor:
+        size = micro_batch_size or batch.size
+        with self.sampling_model() as model:
+            parts = [completion_logprobs(model, batch, temperature, rows=slice(s, min(s + size, batch.size)))[0]
+                     for s in range(0, batch.size, size)]
+        return torch.cat(parts, dim=0)
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        with self.sampling_model() as model:
+            return model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+
+    def _ensure_reference_adapter(self) -> None:
+        if REFERENCE_ADAPTER in self.model.peft_config:
+            return
+        cfg = copy.deepcopy(self.model.peft_config[self.policy_adapter])
+        cfg.lora_dropout = 0.0  # the reference forward is deterministic
+        cfg.inference_mode = True
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        # The new adapter's random init would draw from the global RNG and shift sampling after a sync;
+        # its values are overwritten right away, so draw from a forked RNG.
+        with keep_requires_grad(self.model), torch.random.fork_rng(devices=devices):
+            self.model.add_adapter(REFERENCE_ADAPTER, cfg)
+        for p in adapter_params(self.model, REFERENCE_ADAPTER).values():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def sync(self, policy, alpha: float = 1.0) -> None:
+        """reference <- alpha * policy + (1 - alpha) * reference, on the adapter only.
+
+        First sync (reference = base, delta_ref = 0): the reference adapter becomes the policy adapter with
+        its B factors scaled by alpha, so delta_ref = B_ref A_ref = alpha * B A exactly, which is what mixing
+        full weights would give. Later syncs mix A and B parameter-wise (A_ref <- alpha A + (1 - alpha) A_ref,
+        same for B); delta = B A is bilinear, so this is the usual adapter-space EMA, exact at alpha = 1.
+        """
+        if policy is not self.model:
+            raise ValueError("AdapterDisabledReference.sync: the policy must be the PeftModel it was built on")
+        first = not self.synced
+        self._ensure_reference_adapter()
+        src = adapter_params(self.model, self.policy_adapter)
+        dst = adapter_params(self.model, REFERENCE_ADAPTER)
+        if src.keys() != dst.keys():
+            raise RuntimeError("the reference adapter does not mirror the policy adapter")
+        for name, p in src.items():
+            q, value = dst[name], p.detach().to(dst[name].dtype)
+            if first:
+                q.copy_(value)
+                if is_up_factor(name) and alpha != 1.0:
+                    q.mul_(alpha)
+            else:
+                q.mul_(1.0 - alpha).add_(value, alpha=alpha)
+        self.synced = True
+
+    def save(self, folder: Path) -> None:
+        """Once synced: <folder>/reference/ holds the reference adapter in peft's format."""
+        if not self.synced:
+            return
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        out = Path(folder) / REFERENCE_ADAPTER
+        out.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.model, adapter_name=REFERENCE_ADAPTER)
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        self.model.peft_config[REFERENCE_ADAPTER].save_pretrained(str(out))
+
+    def load(self, folder: Path) -> None:
+        path = Path(folder) / REFERENCE_ADAPTER / ADAPTER_WEIGHTS
+        if not path.exists():
+            return
+        self._ensure_reference_adapter()
+        load_adapter_file(self.model, path, REFERENCE_ADAPTER)
+        for p in adapter_params(self.model, REFERENCE_ADAPTER).values():
+            p.requires_grad_(False)
+        self.synced = True
