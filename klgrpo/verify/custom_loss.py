@@ -113,9 +113,16 @@ def scaled_loss(fn: Callable, signature: str = "auto", coef_arg: str = "") -> tu
     name = coef_arg or next((n for n in COEFFICIENT_NAMES if n in params), "")
     if coef_arg and coef_arg not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         raise ConfigError(f"--coef-arg {coef_arg!r} is not a parameter of {fn.__name__}{inspect.signature(fn)}")
-    if not name:
-        return (lambda coef: as_typed(fn)), "datum", "none (the whole loss at zero advantages is its KL part)"
+    if not name:  # scale the whole loss, so that V is the loss itself
+        return (lambda coef: _times(coef, as_typed(fn))), "datum", "none (the whole loss is taken as its KL part)"
     return (lambda coef: as_typed(functools.partial(fn, **{name: coef}))), "datum", name
+
+
+def _times(coef: float, typed: Callable) -> Callable:
+    def scaled(inp: LossInput):
+        loss, metrics = call_loss(typed, inp)
+        return coef * loss, metrics
+    return scaled
 
 
 def _rows_at(level: str, sampling: str) -> dict:
