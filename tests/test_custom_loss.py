@@ -5,6 +5,7 @@ built-in objective under every policy loss)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -218,7 +219,8 @@ def test_the_fix_is_accepted_and_typed_and_datum_agree():
 
 
 def test_planted_losses_are_classified():
-    """k3 without the weight: forward KL; k2: reverse gradient with a biased value; a loss without a coefficient
+    """k1 with the in-graph ratio: accepted; k3 without the weight: forward KL; k2: reverse gradient with a
+    biased value; a loss without a coefficient
     argument: the whole loss is the KL part; a scaled reverse gradient (mean over tokens) is reverse with that
     scale."""
     def k3_plain(data, logprobs_list, beta=0.1):
@@ -235,6 +237,14 @@ def test_planted_losses_are_classified():
     def k2_halved(inp):
         return 0.5 * inp.beta * (0.5 * (inp.logp - inp.ref_logp) ** 2 * inp.mask).sum(), {}
 
+    def k1_ratio(data, logprobs_list, kl_coef=0.01):
+        total = 0
+        for d, lp in zip(data, logprobs_list):
+            ratio = torch.exp(lp - d.loss_fn_inputs["logprobs"])
+            total = total + (kl_coef * ratio * (lp - d.loss_fn_inputs["ref_logprobs"])).sum()
+        return total, {}
+
+    assert verify_custom_loss(k1_ratio).accepted
     rows = _rows(verify_custom_loss(k3_plain))
     assert rows[("token", "on_policy")].gradient_target == "forward"
     assert rows[("token", "on_policy")].value_over_kl == pytest.approx(1.0, abs=1e-12)
@@ -288,3 +298,13 @@ def test_verify_kl_cli_loss(tmp_path, capsys):
     assert main(["--loss", f"{EXAMPLE}:nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--loss" in err and "has no attribute 'nope'" in err
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+def test_policy_loss_choice_trains(tiny_model_dir, addition_file, tmp_path, policy_loss):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 2},
+                      loss={"policy_loss": policy_loss}, optim={"lr": 1e-2})
+    GRPOTrainer(cfg, log=quiet).train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["train/loss"]) for r in rows)
+    assert 0.0 <= rows[1]["clip_ratio"] <= 1.0 and rows[1]["kl/max"] > 0  # the policy moved
