@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, kl_estimate
+from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 from klgrpo.math.registry import Registry
 
 IS_CORRECTIONS = ("in_graph", "detached", "none")
@@ -135,11 +136,10 @@ def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT:
     return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high)
 
 
-#: ``loss.policy_loss`` name -> surrogate (the config's choices come from here).
+#: ``loss.policy_loss`` name -> surrogate; the names are POLICY_LOSS_NAMES (the config's choices).
 POLICY_LOSSES: Registry = Registry("policy loss")
-POLICY_LOSSES.register("ppo_clip", _ppo_clip)
-POLICY_LOSSES.register("gspo", gspo_surrogate)
-POLICY_LOSSES.register("cispo", cispo_surrogate)
+for _name, _fn in zip(POLICY_LOSS_NAMES, (_ppo_clip, gspo_surrogate, cispo_surrogate), strict=True):
+    POLICY_LOSSES.register(_name, _fn)
 
 
 def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) -> Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from klgrpo.errors import ConfigError
-from klgrpo.math.policy_loss import POLICY_LOSSES
+from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -155,7 +155,7 @@ class LossConfig:
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
     policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
                                       "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
-                          tuple(POLICY_LOSSES.names()))
+                          POLICY_LOSS_NAMES)
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
 

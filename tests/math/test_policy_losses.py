@@ -11,7 +11,7 @@ import torch
 from klgrpo.errors import ConfigError
 from klgrpo.math.aggregation import Normalizer, aggregate
 from klgrpo.math.policy_loss import POLICY_LOSSES, clipped_surrogate
-from klgrpo.train.config import GRPOConfig
+from klgrpo.train.config import GRPOConfig, all_field_paths
 
 F64 = torch.float64
 LN = math.log
@@ -106,7 +106,8 @@ def test_cispo_values_and_gradient_by_hand():
 
 
 def test_registry_names_are_the_config_choices():
-    assert POLICY_LOSSES.names() == ["ppo_clip", "gspo", "cispo"]
+    choices = next(f for p, f in all_field_paths() if p == "loss.policy_loss").metadata["choices"]
+    assert POLICY_LOSSES.names() == list(choices) == ["ppo_clip", "gspo", "cispo"]
     assert GRPOConfig().loss.policy_loss == "ppo_clip"
     for name in POLICY_LOSSES:
         assert GRPOConfig.from_dict({"loss": {"policy_loss": name}}).loss.policy_loss == name
