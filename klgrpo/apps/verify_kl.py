@@ -5,6 +5,8 @@
     klgrpo verify-kl --samples 5000 --seed 3 Monte Carlo sample count and seed
     klgrpo verify-kl --from-run runs/demo    k1/k2/k3 statistics of the log-probs a run dumped (kl_dumps/);
                                              with --json: {"run_dir": ..., "dumps": [EstimatorStats]}
+    klgrpo verify-kl --loss file.py:fn       what the KL part of your loss estimates and which KL its gradient
+                                             follows (docs/custom_loss.md); with --json: CustomLossReport.as_dict
 
 Exit status 0 when every check passes, 1 when one fails, 2 for a usage or input error.
 """
@@ -32,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
     p.add_argument("--from-run", metavar="RUN_DIR",
                    help="instead of the checks, print k1/k2/k3 statistics of RUN_DIR/kl_dumps/step_*.pt")
+    p.add_argument("--loss", metavar="FILE.py:FUNCTION",
+                   help="instead of the checks, verify the KL part of your loss ('file.py:function' or "
+                        "'module:function'); exit 0 when accepted, 1 when not")
+    p.add_argument("--signature", choices=("auto", "typed", "datum"), default="auto",
+                   help="--loss: fn(inp: LossInput) (typed) or fn(data, logprobs_list) (datum); auto reads the "
+                        "required arguments")
+    p.add_argument("--coef-arg", default="",
+                   help="--loss, datum signature: the keyword argument holding the KL coefficient (default: the "
+                        "first of kl_coef, beta, kl_beta, kl_weight, kl_coeff, coef it has)")
     return p
 
 
@@ -54,6 +65,25 @@ def _from_run(run_dir: str, json_path: str | None) -> int:
     return 0
 
 
+def _custom_loss(args) -> int:
+    from klgrpo.core.loss_api import load_loss_function
+    from klgrpo.errors import KLGRPOError
+    from klgrpo.verify.custom_loss import format_custom_report, verify_custom_loss
+    from klgrpo.verify.report import torch_threads
+
+    try:
+        fn = load_loss_function(args.loss, what="--loss")
+        with torch_threads(1):
+            report = verify_custom_loss(fn, args.loss, args.signature, args.coef_arg)
+    except KLGRPOError as exc:
+        print(f"klgrpo verify-kl: {exc}", file=sys.stderr)
+        return 2
+    print(format_custom_report(report))
+    if args.json:
+        _write_json(args.json, report.as_dict())
+    return 0 if report.accepted_on_policy else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.samples < 0:
@@ -61,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.from_run:
         return _from_run(args.from_run, args.json)
+    if args.loss:
+        return _custom_loss(args)
 
     from klgrpo.verify.report import format_report, run_all
 

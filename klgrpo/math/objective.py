@@ -21,7 +21,7 @@ from klgrpo.math.advantages import apply_kl_penalty
 from klgrpo.math.aggregation import Normalizer, aggregate
 from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
-from klgrpo.math.policy_loss import clipped_surrogate, importance_weight
+from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ def grpo_objective(
     normalizer: Normalizer,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    policy_loss: str = "ppo_clip",
 ) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists."""
     mask = mask_BT.to(torch.float32)
@@ -74,7 +75,7 @@ def grpo_objective(
         reward_kl_BT = kl_estimate(old_logp_BT.detach(), ref_logp_BT, kl.estimator, clamp=kl.clamp)
         advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef)
         sums["reward_kl_penalty"] = kl.coef * (reward_kl_BT * mask).sum()
-    pg = clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high)
+    pg = POLICY_LOSSES[policy_loss](logp_BT, old_logp_BT, advantages, mask, eps_low, eps_high)
     per_token = pg.loss_BT
     sums["policy_loss"] = aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer)
     sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()

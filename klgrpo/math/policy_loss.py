@@ -1,10 +1,25 @@
-"""The PPO-clipped policy surrogate and the importance-corrected KL loss term, per token.
+"""The policy losses (surrogates) and the importance-corrected KL loss term, per token.
 
 Clipped surrogate with ratio rho_t = pi(y_t) / pi_old(y_t) and advantages A (per sequence or per token):
 
     loss_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
 
-eps_high > eps_low is DAPO's clip-higher. The KL term with samples from pi_old (KL_MATH.md):
+eps_high > eps_low is DAPO's clip-higher. ``POLICY_LOSSES`` names the surrogates a config can pick
+(``loss.policy_loss``), each with the signature ``(logp_BT, old_logp_BT, advantages, mask_BT, eps_low,
+eps_high) -> SurrogateOut``:
+
+    ppo_clip  the clipped surrogate above (default)
+    gspo      sequence ratio s_i = exp(mean_t (log pi - log pi_old)) over the sequence's tokens, clipped at
+              sequence level (Zheng et al. 2025, "Group Sequence Policy Optimization"). Written in the paper's
+              GSPO-token form: rho_it = sg(s_i) pi(y_t) / sg(pi(y_t)) has value s_i and gradient s_i grad log pi(y_t),
+              so per-token advantages (KL in the reward) work too; with per-sequence advantages every
+              aggregation's gradient equals the sequence form's, whose grad s_i = s_i mean_t grad log pi(y_t).
+    cispo     loss_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t): the clipped importance
+              weight is detached and multiplies the log-prob, so clipped tokens still get a gradient
+              (MiniMax-M1, 2025). The clip applies whatever the sign of A.
+
+Every surrogate reports the per-token ratio pi / pi_old in ``ratio_BT`` (the KL term's importance weight
+reads it), not GSPO's sequence ratio. The KL term with samples from pi_old (KL_MATH.md):
 
     is_correction  term                           expected gradient (k3)
     in_graph       w_t * k(l_t), w = pi/pi_old    reverse KL (DeepSeek-V3.2, TRL use_bias_correction_kl)
@@ -23,6 +38,8 @@ import torch
 from torch import Tensor
 
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, kl_estimate
+from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
+from klgrpo.math.registry import Registry
 
 IS_CORRECTIONS = ("in_graph", "detached", "none")
 
@@ -67,6 +84,62 @@ def clipped_surrogate(
         low = (ratio < 1.0 - eps_low) & (advantages < 0)
         high = (ratio > 1.0 + eps_high) & (advantages > 0)
     return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
+
+
+def gspo_surrogate(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> SurrogateOut:
+    """GSPO-token (module docstring): the PPO clip applied to the sequence ratio s_i, broadcast over tokens."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    dtype = torch.promote_types(_compute_dtype(logp_BT), _compute_dtype(old_logp_BT))
+    log_token_ratio = logp_BT.to(dtype) - old_logp_BT.to(dtype).detach()
+    mask = mask_BT.to(dtype)
+    seq_log_ratio_B1 = (log_token_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    # value s_i, gradient s_i * grad log pi(y_t): exp(sg(log s_i) + log pi - sg(log pi))
+    ratio = torch.exp(seq_log_ratio_B1.detach() + log_token_ratio - log_token_ratio.detach())
+    advantages = advantages.to(ratio.dtype)
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -torch.minimum(ratio * advantages, clipped)
+    with torch.no_grad():
+        low = (ratio < 1.0 - eps_low) & (advantages < 0)
+        high = (ratio > 1.0 + eps_high) & (advantages > 0)
+    return SurrogateOut(loss_BT=loss, ratio_BT=torch.exp(log_token_ratio), clipped_low_BT=low, clipped_high_BT=high)
+
+
+def cispo_surrogate(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    advantages: Tensor,
+    mask_BT: Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+) -> SurrogateOut:
+    """CISPO (module docstring): -sg(clip(rho)) A log pi per token."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    ratio = _ratio(logp_BT, old_logp_BT)
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
+    loss = -weight * advantages.to(ratio.dtype) * logp_BT.to(ratio.dtype)
+    with torch.no_grad():
+        low, high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
+    return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
+
+
+def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor, eps_low: float = 0.2,
+              eps_high: float = 0.2) -> SurrogateOut:
+    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high)
+
+
+#: ``loss.policy_loss`` name -> surrogate; the names are POLICY_LOSS_NAMES (the config's choices).
+POLICY_LOSSES: Registry = Registry("policy loss")
+for _name, _fn in zip(POLICY_LOSS_NAMES, (_ppo_clip, gspo_surrogate, cispo_surrogate), strict=True):
+    POLICY_LOSSES.register(_name, _fn)
 
 
 def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) -> Tensor:

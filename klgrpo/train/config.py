@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from klgrpo.errors import ConfigError
+from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -152,6 +153,11 @@ class LossConfig:
                               ("group", "batch", "none"))
     std_eps: float = _f(1e-4, "added to the std before dividing")
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
+    policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
+                                      "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
+                          POLICY_LOSS_NAMES)
+    function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
+                           "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from klgrpo.math.objective import KLTerm, grpo_objective
 from klgrpo.train.metrics import MetricsLogger
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from klgrpo.core.forward import completion_logprobs
+from klgrpo.core.loss_api import LossInput, call_loss, resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
 from klgrpo.core.rollout import generate_groups
@@ -58,7 +59,7 @@ class GRPOTrainer:
     """Train ``config.model`` with GRPO and the configured KL; ``train()`` returns the run summary."""
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, train_dataset=None,
-                 eval_sets: dict[str, Any] | None = None, log=print):
+                 eval_sets: dict[str, Any] | None = None, loss_fn=None, log=print):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # per-shard save/load bars would break the step progress bar
@@ -95,6 +96,7 @@ class GRPOTrainer:
         self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
+        self.loss_fn = resolve_loss_function(cfg.loss.function, loss_fn)  # None: the built-in objective
         self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
         self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
@@ -197,14 +199,23 @@ class GRPOTrainer:
                                                 with_entropy=True)
             old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
             ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
-            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
-                                 cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high)
-            out.loss.backward()
+            with torch.set_grad_enabled(self.loss_fn is None):  # with a custom loss: only its metrics
+                out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
+                                     cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
+                                     policy_loss=cfg.loss.policy_loss)
+            loss = out.loss
+            if self.loss_fn is not None:
+                loss, custom = call_loss(self.loss_fn, LossInput(
+                    logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
+                    cfg.loss.aggregation, batch.rollout.completion_ids[sl]))
+                for k, v in custom.items():
+                    sums[f"custom/{k}"] = sums.get(f"custom/{k}", 0.0) + v
+            loss.backward()
             for k, v in out.sums.items():
                 sums[k] = sums.get(k, 0.0) + v.detach()
             for k, v in out.maxes.items():
                 maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
-            sums["loss"] = sums.get("loss", 0.0) + out.loss.detach()
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
             entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
             if keep_logp:
                 kept.append(logp.detach())
@@ -237,7 +248,17 @@ class GRPOTrainer:
         metrics = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, self.scheduler.get_last_lr()[0],
                                timings, self.dist, self.device)
         metrics.update(replay_metrics)
+        metrics.update(self._custom_metrics(sums, batch))
         return metrics
+
+    def _custom_metrics(self, sums: dict, batch: StepBatch) -> dict[str, float]:
+        """The custom loss's metrics, averaged over the step's micro-batches (on every rank)."""
+        names = sorted(k for k in sums if k.startswith("custom/"))
+        if not names:
+            return {}
+        total = self.dist.sum(torch.stack([sums[k].to(self.device, torch.float32) for k in names]))
+        count = len(self._micro_slices(batch.rollout.size)) * self.dist.world_size
+        return {k: v / count for k, v in zip(names, total.tolist())}
 
     def _dump_kl(self, logp: torch.Tensor, batch: StepBatch) -> None:
         folder = self.run_dir / "kl_dumps"

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-from klgrpo.errors import RewardError
+from klgrpo.errors import KLGRPOError, RewardError
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 
 _FILE_MODULES: dict[Path, ModuleType] = {}
@@ -32,22 +32,30 @@ def load_reward_function(name: str) -> Callable:
         return BUILTIN_REWARDS[name]
     usage = (f"use a built-in ({', '.join(BUILTIN_REWARDS.names())}), 'module.path:function' or "
              f"'path/to/file.py:function'")
-    target, _, fn_name = name.rpartition(":")
+    fn = load_user_function(name, "reward function", RewardError, usage)
+    _check_signature(fn, name)
+    return fn
+
+
+def load_user_function(name: str, what: str, error: type[KLGRPOError] = RewardError, usage: str = "") -> Callable:
+    """The function ``"module.path:function"`` or ``"path/to/file.py:function"`` (see
+    :func:`load_reward_function`); failures raise ``error`` with a message that starts with ``what``."""
+    usage = usage or "use 'module.path:function' or 'path/to/file.py:function'"
+    target, _, fn_name = name.strip().rpartition(":")
     if not target or not fn_name:
-        raise RewardError(f"unknown reward function {name!r}; {usage}")
+        raise error(f"unknown {what} {name!r}; {usage}")
     is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _import_file(target, name) if is_file else _import_module(target, name)
+    label = f"{what} {name!r}"
+    module = _import_file(target, label, error) if is_file else _import_module(target, label, error)
     fn = getattr(module, fn_name, None)
     if fn is None:
         defined = [n for n, v in vars(module).items()
                    if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__]
         listing = ", ".join(defined) if defined else "none"
-        raise RewardError(f"reward function {name!r}: {target} has no attribute {fn_name!r} (its functions: "
-                          f"{listing}); fix the name after the colon")
+        raise error(f"{label}: {target} has no attribute {fn_name!r} (its functions: {listing}); fix the name "
+                    f"after the colon")
     if not callable(fn):
-        raise RewardError(f"reward function {name!r}: {fn_name!r} in {target} is of type {type(fn).__name__}, "
-                          f"not a function")
-    _check_signature(fn, name)
+        raise error(f"{label}: {fn_name!r} in {target} is of type {type(fn).__name__}, not a function")
     return fn
 
 
@@ -67,7 +75,7 @@ def _check_signature(fn: Callable, name: str) -> None:
                           f"signature is {inspect.signature(fn)}")
 
 
-def _import_module(module_name: str, name: str) -> ModuleType:
+def _import_module(module_name: str, label: str, error: type[KLGRPOError] = RewardError) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -77,30 +85,29 @@ def _import_module(module_name: str, name: str) -> ModuleType:
         if (e.name in (top, module_name) and str(cwd) not in sys.path and "" not in sys.path
                 and ((cwd / f"{top}.py").exists() or (cwd / top).is_dir())):
             sys.path.append(str(cwd))
-            return _import_module(module_name, name)
+            return _import_module(module_name, label, error)
         if e.name is not None and module_name.startswith(e.name):
-            raise RewardError(f"reward function {name!r}: no module named {e.name!r} can be imported; check the "
-                              f"name, put the module's folder on PYTHONPATH or use 'path/to/file.py:function'"
-                              ) from None
-        raise RewardError(f"reward function {name!r}: importing {module_name} raised {_describe(e)}") from e
+            raise error(f"{label}: no module named {e.name!r} can be imported; check the name, put the module's "
+                        f"folder on PYTHONPATH or use 'path/to/file.py:function'") from None
+        raise error(f"{label}: importing {module_name} raised {_describe(e)}") from e
     except Exception as e:
-        raise RewardError(f"reward function {name!r}: importing {module_name} raised {_describe(e)}") from e
+        raise error(f"{label}: importing {module_name} raised {_describe(e)}") from e
 
 
-def _import_file(file_name: str, name: str) -> ModuleType:
+def _import_file(file_name: str, label: str, error: type[KLGRPOError] = RewardError) -> ModuleType:
     path = Path(file_name).expanduser()
     if not path.is_file():
-        raise RewardError(f"reward function {name!r}: file {file_name} not found (relative paths start at "
+        raise error(f"{label}: file {file_name} not found (relative paths start at "
                           f"{Path.cwd()}); check the path before the colon")
     path = path.resolve()
     if path in _FILE_MODULES:
         return _FILE_MODULES[path]
     # A unique, importable module name, so that pickling and dataclasses in the file work.
     stem = re.sub(r"\W", "_", path.stem)
-    module_name = f"klgrpo_reward_file_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    module_name = f"klgrpo_user_file_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise RewardError(f"reward function {name!r}: {file_name} cannot be loaded as a Python module")
+        raise error(f"{label}: {file_name} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     sys.path.insert(0, str(path.parent))  # so the file can import its neighbours
@@ -108,7 +115,7 @@ def _import_file(file_name: str, name: str) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise RewardError(f"reward function {name!r}: importing {file_name} raised {_describe(e)}") from e
+        raise error(f"{label}: importing {file_name} raised {_describe(e)}") from e
     finally:
         if str(path.parent) in sys.path:
             sys.path.remove(str(path.parent))

@@ -1,0 +1,141 @@
+"""Your own loss: the two signatures klgrpo calls, and how a name in the config becomes a function.
+
+Typed (the trainer's):   loss_fn(inp: LossInput) -> (loss, metrics)
+    one call per micro-batch; ``inp.logp`` carries the gradient, everything else is data. Reduce per-token
+    values with ``inp.aggregate(values_BT)`` (the configured aggregation over the step's GLOBAL counts), and the
+    gradient does not depend on the micro-batch size.
+
+Datum (hosted training APIs'):   loss_fn(data: list[Datum], logprobs_list: list[Tensor]) -> (loss, metrics)
+    ``data[i].loss_fn_inputs`` holds per-token tensors of completion i ("target_tokens", "advantages",
+    "logprobs" = the sampling policy's, "ref_logprobs", "mask"), ``logprobs_list[i]`` the current policy's
+    log-probs of the same tokens, with gradient. :func:`as_typed` runs such a function on a LossInput.
+
+``metrics`` is a dict of name -> number (float or 0-d tensor); the trainer logs each as ``custom/<name>``,
+averaged over the micro-batches of the step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from klgrpo.core.rewards.loading import load_user_function
+from klgrpo.errors import ConfigError
+from klgrpo.math.aggregation import Normalizer, aggregate
+
+SIGNATURES = ("typed", "datum")
+
+
+@dataclass(frozen=True)
+class LossInput:
+    """One micro-batch, as the custom loss sees it (B sequences, T completion positions)."""
+
+    logp: Tensor                  # [B, T] log pi(y_t | y_<t), current policy, WITH gradient
+    old_logp: Tensor              # [B, T] the sampling policy's log-probs (= logp.detach() on-policy)
+    ref_logp: Tensor | None       # [B, T] the reference's, computed once per batch; None without a reference
+    advantages: Tensor            # [B]
+    mask: Tensor                  # [B, T] 1 on completion tokens that enter the loss
+    beta: float                   # the KL coefficient at this step (kl.coef, or the controller's value)
+    normalizer: Normalizer        # the step's global counts (sequences, tokens, L_max)
+    aggregation: str = "token_mean"  # loss.aggregation
+    tokens: Tensor | None = None  # [B, T] completion token ids
+
+    def aggregate(self, values_BT: Tensor) -> Tensor:
+        """Masked reduction of per-token values to this micro-batch's share of the step's scalar."""
+        return aggregate(values_BT, self.mask, self.aggregation, self.normalizer)
+
+
+@dataclass
+class Datum:
+    """One completion in the datum shape: token ids and per-token tensors for the loss function."""
+
+    model_input: Tensor                                          # [L] token ids (prompt + completion)
+    loss_fn_inputs: dict[str, Tensor] = field(default_factory=dict)  # per completion token, each [n]
+
+
+def load_loss_function(name: str, what: str = "loss.function") -> Callable:
+    """``loss.function``: ``"module.path:function"`` or ``"path/to/file.py:function"`` (the reward loader);
+    errors name ``what``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"{what} must be a non-empty string, got {name!r}")
+    fn = load_user_function(name.strip(), what, ConfigError)
+    signature_of(fn, name)
+    return fn
+
+
+def signature_of(fn: Callable, name: str = "") -> str:
+    """"typed" for ``fn(inp)``, "datum" for ``fn(data, logprobs_list, ...)``, read off the positional
+    parameters without defaults."""
+    label = name or getattr(fn, "__name__", repr(fn))
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise ConfigError(f"loss function {label}: its signature cannot be read; wrap it in a def") from None
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.default is p.empty]
+    if len(required) == 1:
+        return "typed"
+    if len(required) == 2:
+        return "datum"
+    raise ConfigError(f"loss function {label} takes {len(required)} required arguments {inspect.signature(fn)}; "
+                      f"write fn(inp: LossInput) or fn(data, logprobs_list) (docs/custom_loss.md)")
+
+
+def datums_from_input(inp: LossInput) -> tuple[list[Datum], list[Tensor]]:
+    """The micro-batch as datums (only the masked tokens of each row) and each row's policy log-probs."""
+    data, logprobs_list = [], []
+    tokens = inp.tokens if inp.tokens is not None else torch.zeros_like(inp.mask, dtype=torch.long)
+    for i in range(inp.mask.shape[0]):
+        keep = inp.mask[i].bool()
+        n = int(keep.sum())
+        fields = {"target_tokens": tokens[i, keep], "advantages": inp.advantages[i].expand(n),
+                  "logprobs": inp.old_logp[i, keep].detach(), "mask": torch.ones(n, dtype=inp.logp.dtype)}
+        if inp.ref_logp is not None:
+            fields["ref_logprobs"] = inp.ref_logp[i, keep].detach()
+        data.append(Datum(model_input=tokens[i, keep], loss_fn_inputs=fields))
+        logprobs_list.append(inp.logp[i, keep])
+    return data, logprobs_list
+
+
+def as_typed(fn: Callable) -> Callable[[LossInput], tuple]:
+    """A typed loss that runs the datum-signature ``fn`` on the micro-batch's rows (the masked tokens of each
+    row; ``model_input`` holds the completion tokens, the typed input has no prompt)."""
+    def typed(inp: LossInput):
+        return fn(*datums_from_input(inp))
+    typed.__name__ = getattr(fn, "__name__", "loss")
+    return typed
+
+
+def call_loss(fn: Callable, inp: LossInput, name: str = "") -> tuple[Tensor, dict[str, Tensor]]:
+    """Run a typed loss and check what it returned: a scalar tensor and a dict of numbers."""
+    label = name or getattr(fn, "__name__", "loss")
+    out = fn(inp)
+    loss, metrics = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ConfigError(f"loss function {label} must return (loss, metrics) with loss a scalar tensor, got "
+                          f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+    if not isinstance(metrics, dict):
+        raise ConfigError(f"loss function {label} returned metrics of type {type(metrics).__name__}; return a "
+                          f"dict of name -> number")
+    clean = {}
+    for key, value in metrics.items():
+        value = torch.as_tensor(value.detach() if isinstance(value, Tensor) else value, dtype=torch.float64)
+        if value.numel() != 1:
+            raise ConfigError(f"loss function {label}: metric {key!r} has {value.numel()} values; return one number")
+        clean[str(key)] = value.reshape(())
+    return loss.reshape(()), clean
+
+
+def resolve_loss_function(config_name: str, loss_fn: Callable | None = None) -> Callable[[LossInput], tuple] | None:
+    """The typed loss the trainer calls: ``loss_fn`` (Python) or ``loss.function`` (config), datum-signature
+    functions wrapped by :func:`as_typed`; None for the built-in objective."""
+    if loss_fn is not None and config_name:
+        raise ConfigError(f"both loss.function={config_name!r} and GRPOTrainer(loss_fn=...) are set; keep one")
+    fn = loss_fn if loss_fn is not None else (load_loss_function(config_name) if config_name else None)
+    if fn is None:
+        return None
+    return fn if signature_of(fn, config_name) == "typed" else as_typed(fn)
