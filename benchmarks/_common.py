@@ -235,27 +235,35 @@ def quiet(*_args, **_kwargs) -> None:
     pass
 
 
-def sync_timer_on_cuda(device: str) -> None:
-    """On a GPU the trainer's per-phase timers would only time kernel launches: make them synchronise.
-    (Benchmark-only patch of klgrpo.train.trainer._timed; time/step is exact either way.)"""
+def trainer_module(package=None):
+    """The module holding GRPOTrainer in ``package`` (default: the working tree's klgrpo), in either layout:
+    klgrpo/train/trainer.py, or klgrpo/trainer.py in revisions before the package had rooms."""
+    import importlib
+
+    name = package.__name__ if package is not None else "klgrpo"
+    try:
+        return importlib.import_module(name + ".train.trainer")
+    except ModuleNotFoundError:
+        return importlib.import_module(name + ".trainer")
+
+
+def sync_timer_on_cuda(device: str, package=None) -> None:
+    """On a GPU the trainer's per-phase timers would only time kernel launches: make them synchronise
+    (klgrpo.train.timing.synchronize_timers; time/step is exact either way). ``package``: a baseline revision
+    from klgrpo_at, whose own timers get the same treatment."""
     if not device.startswith("cuda"):
         return
-    import time
-    from contextlib import contextmanager
+    import importlib
 
-    import torch
+    from klgrpo.train.timing import phase_timer, synchronize_timers
 
-    import klgrpo.train.trainer as trainer_module
-
-    @contextmanager
-    def _timed(timings, key):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        yield
-        torch.cuda.synchronize()
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-    trainer_module._timed = _timed
+    synchronize_timers(True)
+    if package is None:
+        return
+    try:
+        importlib.import_module(package.__name__ + ".train.timing").synchronize_timers(True)
+    except ModuleNotFoundError:  # a revision from before the public switch: swap its private timer for ours
+        trainer_module(package)._timed = phase_timer
 
 
 def add_common_args(parser, *, shapes_default: str, new_tokens: int = 16) -> None:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (add_common_args, gpu_preset, has_zero, klgrpo_at, klgrpo_config,  # noqa: E402
                                 median, prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
-                                sync_timer_on_cuda, verdict)
+                                sync_timer_on_cuda, trainer_module, verdict)
 
 
 def _sync(device: str) -> None:
@@ -141,15 +141,9 @@ def compare(shape: str, args, root: Path) -> dict:
     if not args.only_current:
         kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
         if args.baseline_rev:
-            import importlib
-
             package = klgrpo_at(args.baseline_rev, root / "revisions")
-            trainer_module = importlib.import_module(package.__name__ + ".trainer")
-            if cuda:  # its phase timers synchronise too (sync_timer_on_cuda)
-                import klgrpo.train.trainer
-
-                trainer_module._timed = klgrpo.train.trainer._timed
-            trainer_class = trainer_module.GRPOTrainer
+            sync_timer_on_cuda(args.device, package)  # its phase timers synchronise too
+            trainer_class = trainer_module(package).GRPOTrainer
             kinds[f"klgrpo@{args.baseline_rev}"] = (trainer_class, package, {})
     ours, loggers = {}, {}
     for label, (cls, package, extra) in kinds.items():

@@ -20,6 +20,7 @@ import time
 from datetime import datetime
 
 from klgrpo.train.config import GRPOConfig
+from klgrpo.train.metrics import SUMMARY_FILE
 
 TRAINED, HELD_OUT = "addition", "subtraction"
 
@@ -78,7 +79,7 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
         "total_wall_seconds": round(time.perf_counter() - t0, 2),
     })
     run_dir = trainer.run_dir
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(summary, run_dir)
     return 0
 

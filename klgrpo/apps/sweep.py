@@ -42,8 +42,8 @@ from typing import Any, Callable
 
 
 from klgrpo.errors import KLGRPOError
+from klgrpo.train.metrics import SUMMARY_FILE
 
-SUMMARY_FILE = "summary.json"
 LOG_FILE = "sweep.log"
 PLOT_FILE = "accuracy_vs_retention.png"
 #: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter

@@ -45,7 +45,8 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
-from klgrpo.core.rollout import RolloutBatch, generate_groups
+from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
+from klgrpo.train.validation import validate_replay
 
 CACHE_FILE = "replay_cache.pt"
 #: Largest full-vocabulary reference cache held (N x T x V float32); above it "full" recomputes each step.
@@ -220,24 +221,10 @@ def _form(estimator: str) -> str:
 
 
 def _check_settings(cfg, reference) -> None:
-    r = cfg.kl.replay
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    need(bool(r.source), "kl.replay.source is empty: name a file of replay prompts (other skills, no answers "
-                         "needed), or set kl.replay.coef 0")
-    need(r.coef >= 0, "kl.replay.coef must be >= 0")
-    need(r.num_prompts >= 1, "kl.replay.num_prompts must be >= 1")
-    need(r.completions_per_prompt >= 1, "kl.replay.completions_per_prompt must be >= 1")
-    need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
-    need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
-    need(r.temperature > 0, "kl.replay.temperature must be > 0")
-    need(r.estimator == "full" or r.estimator in ESTIMATORS,
-         f"kl.replay.estimator={r.estimator!r} is unknown; choose full or one of: {', '.join(ESTIMATORS.names())}")
-    need(reference is not None, "kl.replay.coef > 0 needs the reference model, and this configuration builds "
-                                "none (kl.coef 0 with kl.monitor false): set kl.monitor true")
+    validate_replay(cfg)
+    if reference is None:
+        raise ConfigError("kl.replay.coef > 0 needs the reference model, and this configuration builds none "
+                          "(kl.coef 0 with kl.monitor false): set kl.monitor true")
 
 
 @contextmanager
@@ -278,9 +265,10 @@ def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: 
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), reference_sampling_model(reference, model) as sampler:
         torch.manual_seed(int(cfg.train.seed) + 7919)
-        parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], r.completions_per_prompt,
-                                 meta["max_new_tokens"], r.temperature, 1.0, 0, cfg.data.system_prompt,
-                                 meta["as_chat"])
+        params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],
+                                temperature=r.temperature, system_prompt=cfg.data.system_prompt,
+                                as_chat=meta["as_chat"])
+        parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], params)
                  for s in range(0, len(prompts), chunk)]
     input_ids, attention_mask, completion_mask, prompt_len = _merge(parts, tokenizer.pad_token_id)
     n, t = completion_mask.shape
