@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 #: Model shapes. tiny = the demo's Llama; small = 4x wider, 2x deeper; qwen0.5b = Qwen2.5-0.5B's shape
-#: (NOTES_PERF.md), random init, bf16, for a GPU (it runs on a CPU too, slowly).
+#: (docs/benchmarks.md, "GPU"), random init, bf16, for a GPU (it runs on a CPU too, slowly).
 MODEL_SHAPES = {
     "tiny": {"family": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4, "intermediate": 256},
     "small": {"family": "llama", "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 4, "intermediate": 1024},
@@ -188,7 +188,7 @@ def verdict(ok: bool) -> str:
 
 def set_threads(n: int) -> None:
     """torch intra-op threads. Default 1 in every script: with other processes on 2 cores, 2 OpenMP threads
-    slow runs down 4-11x (NOTES_DEMO.md), and both trainers get the same setting."""
+    slow runs down several-fold (docs/benchmarks.md, "Machine"), and both trainers get the same setting."""
     import torch
 
     if n > 0:
@@ -283,7 +283,7 @@ def resolve_dtype(args) -> str:
 
 
 def gpu_preset(args) -> None:
-    """--model-shape qwen0.5b on cuda: NOTES_PERF.md's batch (8 prompts x 8 completions, 64 new tokens) unless
+    """--model-shape qwen0.5b on cuda: the GPU batch of docs/benchmarks.md (8 prompts x 8 completions, 64 new tokens) unless
     the command line says otherwise."""
     if "qwen0.5b" in args.model_shape and args.device.startswith("cuda"):
         if args.prompts == 4:

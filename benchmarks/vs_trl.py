@@ -4,7 +4,7 @@ and settings, interleaved step by step in one process.
     python3 -m venv /work/bench-venv && . /work/bench-venv/bin/activate
     pip install -q -c /work/main/constraints.txt -e /work/main trl      # TRL lives here, never in klgrpo's deps
     python benchmarks/vs_trl.py                                          # tiny and small Llama, CPU
-    python benchmarks/vs_trl.py --device cuda --model-shape qwen0.5b     # GPU: NOTES_PERF.md's shape and batch
+    python benchmarks/vs_trl.py --device cuda --model-shape qwen0.5b     # GPU: Qwen2.5-0.5B's shape, 8 x 8
 
 Same for both: the random-init model saved with save_pretrained, its tokenizer, the prompt file, the reward
 (benchmarks/_common.py:has_zero), prompts x G per step (one generated batch per optimizer step, the whole batch
@@ -30,7 +30,7 @@ with --baseline-rev REV, "klgrpo@REV" (the package as git revision REV had it, b
 Where the time goes: klgrpo's own time/* metrics, and TRL's phases timed by wrapping its methods on the
 instance (class TRLPhases); --profile adds a cProfile of the whole interleaved run.
 
-Goal (issue 6): klgrpo <= 0.5 x TRL's seconds per step on the CPU.
+Goal: klgrpo <= 0.5 x TRL's seconds per step on the CPU.
 """
 
 from __future__ import annotations

@@ -142,3 +142,19 @@ def test_replay_settings_checked_once_with_the_same_message(tmp_path):
         _check_settings(cfg, reference=object())
     assert str(from_config.value) == str(from_replay.value)
     assert "kl.replay.source" in str(from_config.value)
+
+
+def test_no_file_cites_anything_outside_the_repository():
+    """Code, tests, benchmarks and docs point at docs/ in the repository, never at notes kept elsewhere."""
+    import re
+
+    root = PACKAGE.parent
+    # Spelled in pieces so that this file does not match itself.
+    outside = re.compile("|".join([r"KL_" + "MATH", r"\bDESIGN" + r"\.md", r"\bNOTES_" + "[A-Z]", r"\bSTYLE" + r"\.md",
+                                   r"\b[Ii]ssue" + r" #?[0-9]"]))
+    files = [root / "README.md", root / "CONTRIBUTING.md"]
+    for folder in ("klgrpo", "tests", "benchmarks", "docs", "examples"):
+        files += [p for p in (root / folder).rglob("*") if p.suffix in (".py", ".md", ".yaml", ".toml")]
+    hits = [f"{p.relative_to(root)}:{i}" for p in files if p.is_file()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if outside.search(line)]
+    assert not hits, hits

@@ -4,7 +4,7 @@ Clipped surrogate with ratio rho_t = pi(y_t) / pi_old(y_t) and advantages A (per
 
     loss_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
 
-eps_high > eps_low is DAPO's clip-higher. The KL term with samples from pi_old (KL_MATH.md):
+eps_high > eps_low is DAPO's clip-higher. The KL term with samples from pi_old (docs/kl_math.md):
 
     is_correction  term                           expected gradient (k3)
     in_graph       w_t * k(l_t), w = pi/pi_old    reverse KL (DeepSeek-V3.2, TRL use_bias_correction_kl)

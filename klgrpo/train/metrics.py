@@ -36,7 +36,7 @@ SUMMARY_FILE = "summary.json"
 
 #: Every metric name the trainer logs -> its formula or meaning, in one line. "Per token" means over the
 #: step's completion tokens (the completion mask, EOS included), pooled over all B*G completions.
-#: l = log pi(y_t) - log pi_ref(y_t) is the per-token log-ratio of the sampled token (KL_MATH.md).
+#: l = log pi(y_t) - log pi_ref(y_t) is the per-token log-ratio of the sampled token (docs/kl_math.md).
 #: Names with <...> are patterns: one metric per reward function or evaluation set.
 GLOSSARY: dict[str, str] = {
     # train

@@ -2,7 +2,7 @@
 
 Why: the KL on the training prompts constrains the policy only where those prompts lead. On the demo, GRPO on
 addition with the usual KL at beta 0 / 0.04 / 0.2 moved subtraction (never trained) by -12.5 / -10.3 / -7.3
-points on average (issue 7); the exact KL on a few replay prompts of subtraction kept it within -4.5..+6.5.
+points on average in a prototype of the demo (docs/retention.md); the exact KL on a few replay prompts of subtraction kept it within -4.5..+6.5.
 
     L_replay = coef * (1 / N_tok) * sum_{i, t} KL_t          over the completion positions of the replay batch
     KL_t     = KL(pi(. | x_i, y_i,<t) || ref(. | x_i, y_i,<t))   at temperature 1 (the models' own distributions)
@@ -18,7 +18,7 @@ is untouched), cached in ``<run>/replay_cache.pt`` with what the KL form needs a
                  reference q, not from pi, so the estimator is importance-weighted with w_t = pi(y_t) / q(y_t)
                  kept in the graph: E_q[w_t k(l_t)] = E_pi[k(l_t)] estimates the same KL_t as "full", and the
                  gradient follows the reverse KL for the estimators whose registry declaration says so for
-                 (loss, off_policy_in_graph): k1 and k3 (KL_MATH.md). Others get a warning at build.
+                 (loss, off_policy_in_graph): k1 and k3 (docs/kl_math.md). Others get a warning at build.
 
 Each optimizer step takes the next ``batch_size`` cached sequences (a seeded permutation per epoch, resumable
 through ``state_dict``), runs the policy on them in micro-batches (train.micro_batch_size) and backpropagates

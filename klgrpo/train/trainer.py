@@ -1,4 +1,4 @@
-"""The GRPO loop. It composes the arrows of DESIGN.md and computes nothing itself:
+"""The GRPO loop. It composes the arrows of docs/design.md and computes nothing itself:
 
     prompts --rollout--> completions --rewards--> rewards --reference--> ref logp (once per batch)
             --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
