@@ -122,7 +122,7 @@ class ReplayConfig:
     completions_per_prompt: int = _f(2, "completions sampled once from the reference per replay prompt "
                                         "(cached in the run folder, reused on resume)")
     batch_size: int = _f(32, "replay sequences per optimizer step")
-    estimator: str = _f("full", "KL form: 'full' (exact over the vocabulary at every position) or a "
+    estimator: str = _f(REPLAY_FULL_KL, "KL form: 'full' (exact over the vocabulary at every position) or a "
                                 "registered estimator (k1 and k3 give the reverse-KL gradient here)",
                         Names((REPLAY_FULL_KL,), ESTIMATORS))
     max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")

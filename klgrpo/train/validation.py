@@ -39,7 +39,8 @@ def _need(ok: bool, message: str) -> None:
 
 
 def validate_replay(cfg: "GRPOConfig") -> None:
-    """The kl.replay settings of an active anchor (kl.replay.coef > 0); the one place that checks them."""
+    """The kl.replay settings of an active anchor (kl.replay.coef > 0); the one place that checks them.
+    kl.replay.estimator is refused, like every named choice, when the config is built."""
     r = cfg.kl.replay
     _need(bool(r.source), "kl.replay.source is empty: name a file of replay prompts (other skills, no answers "
                           "needed), or set kl.replay.coef 0")
@@ -48,8 +49,6 @@ def validate_replay(cfg: "GRPOConfig") -> None:
     _need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
     _need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
     _need(r.temperature > 0, "kl.replay.temperature must be > 0")
-    _need(r.estimator == "full" or r.estimator in ESTIMATORS,
-          f"kl.replay.estimator={r.estimator!r} is unknown; choose full or one of: {', '.join(ESTIMATORS.names())}")
 
 
 def validate_config(cfg: "GRPOConfig") -> list[str]:
