@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 #: Model shapes. tiny = the demo's Llama; small = 4x wider, 2x deeper; qwen0.5b = Qwen2.5-0.5B's shape
-#: (NOTES_PERF.md), random init, bf16, for a GPU (it runs on a CPU too, slowly).
+#: (docs/benchmarks.md, "GPU"), random init, bf16, for a GPU (it runs on a CPU too, slowly).
 MODEL_SHAPES = {
     "tiny": {"family": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4, "intermediate": 256},
     "small": {"family": "llama", "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 4, "intermediate": 1024},
@@ -188,7 +188,7 @@ def verdict(ok: bool) -> str:
 
 def set_threads(n: int) -> None:
     """torch intra-op threads. Default 1 in every script: with other processes on 2 cores, 2 OpenMP threads
-    slow runs down 4-11x (NOTES_DEMO.md), and both trainers get the same setting."""
+    slow runs down several-fold (docs/benchmarks.md, "Machine"), and both trainers get the same setting."""
     import torch
 
     if n > 0:
@@ -235,27 +235,35 @@ def quiet(*_args, **_kwargs) -> None:
     pass
 
 
-def sync_timer_on_cuda(device: str) -> None:
-    """On a GPU the trainer's per-phase timers would only time kernel launches: make them synchronise.
-    (Benchmark-only patch of klgrpo.train.trainer._timed; time/step is exact either way.)"""
+def trainer_module(package=None):
+    """The module holding GRPOTrainer in ``package`` (default: the working tree's klgrpo), in either layout:
+    klgrpo/train/trainer.py, or klgrpo/trainer.py in revisions before the package had rooms."""
+    import importlib
+
+    name = package.__name__ if package is not None else "klgrpo"
+    try:
+        return importlib.import_module(name + ".train.trainer")
+    except ModuleNotFoundError:
+        return importlib.import_module(name + ".trainer")
+
+
+def sync_timer_on_cuda(device: str, package=None) -> None:
+    """On a GPU the trainer's per-phase timers would only time kernel launches: make them synchronise
+    (klgrpo.train.timing.synchronize_timers; time/step is exact either way). ``package``: a baseline revision
+    from klgrpo_at, whose own timers get the same treatment."""
     if not device.startswith("cuda"):
         return
-    import time
-    from contextlib import contextmanager
+    import importlib
 
-    import torch
+    from klgrpo.train.timing import phase_timer, synchronize_timers
 
-    import klgrpo.train.trainer as trainer_module
-
-    @contextmanager
-    def _timed(timings, key):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        yield
-        torch.cuda.synchronize()
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-    trainer_module._timed = _timed
+    synchronize_timers(True)
+    if package is None:
+        return
+    try:
+        importlib.import_module(package.__name__ + ".train.timing").synchronize_timers(True)
+    except ModuleNotFoundError:  # a revision from before the public switch: swap its private timer for ours
+        trainer_module(package)._timed = phase_timer
 
 
 def add_common_args(parser, *, shapes_default: str, new_tokens: int = 16) -> None:
@@ -275,7 +283,7 @@ def resolve_dtype(args) -> str:
 
 
 def gpu_preset(args) -> None:
-    """--model-shape qwen0.5b on cuda: NOTES_PERF.md's batch (8 prompts x 8 completions, 64 new tokens) unless
+    """--model-shape qwen0.5b on cuda: the GPU batch of docs/benchmarks.md (8 prompts x 8 completions, 64 new tokens) unless
     the command line says otherwise."""
     if "qwen0.5b" in args.model_shape and args.device.startswith("cuda"):
         if args.prompts == 4:

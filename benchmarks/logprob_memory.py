@@ -2,7 +2,7 @@
 klgrpo.math.logprobs.token_logprobs; time and PEAK EXTRA memory, forward and forward+backward.
 
     python benchmarks/logprob_memory.py                          # CPU: B=8, T=128, V=151,936 (0.31 GB logits)
-    python benchmarks/logprob_memory.py --device cuda --tokens 288   # GPU: NOTES_PERF.md's 8 x 288 (0.65 GB)
+    python benchmarks/logprob_memory.py --device cuda --tokens 288   # GPU: 8 x 288 (0.65 GB), docs/benchmarks.md
 
 Memory method (CPU): every measurement runs in a fresh Python subprocess with glibc's mmap threshold pinned at
 64 KiB (MALLOC_MMAP_THRESHOLD_), so every large tensor is its own mapping and freeing it returns the pages. The
@@ -16,9 +16,9 @@ On CUDA: torch.cuda.max_memory_allocated() - memory_allocated() before the run, 
 "forward+backward" adds .sum().backward(). The gradient of the logits (1x the logits, bf16) is needed by the
 model's backward whatever computes the log-probs, so the table also shows extra minus that gradient.
 
-Goal (issue 6): klgrpo's forward extra peak <= 0.5 x the bf16 logits (the naive path needs about 4x).
+Goal: klgrpo's forward extra peak <= 0.5 x the bf16 logits (the naive path needs about 4x).
 Also measured: the trainer's per-micro-batch pair token_logprobs + token_entropy (two passes over the logits)
-against the one-pass token_logprobs_and_entropy (a proposed change to klgrpo.backends.hf.completion_logprobs), and
+against the one-pass token_logprobs_and_entropy (a proposed change to klgrpo.core.forward.completion_logprobs), and
 with --baseline-rev REV token_logprobs as git revision REV had it (e.g. 2ba1a72: per-row chunks of 256
 positions, before this benchmark's rewrite). The demo-size shape (tiny vocabulary: time only) is
     python benchmarks/logprob_memory.py --batch 32 --tokens 16 --vocab 16 --timing-runs 200 --baseline-rev 2ba1a72

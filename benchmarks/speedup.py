@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (add_common_args, gpu_preset, klgrpo_at, klgrpo_config, median,  # noqa: E402
                                 prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
-                                sync_timer_on_cuda)
+                                sync_timer_on_cuda, trainer_module)
 
 PHASES = ("time/generate", "time/reference", "time/update", "time/step")
 CHECKED = ("train/loss", "train/policy_loss", "kl/k1", "kl/k3", "adaptive_kl/raw_kl", "entropy", "grad_norm")
@@ -45,9 +45,7 @@ def _variants(args, package):
 
 
 def _trainer(shape_dir, data, out: Path, args, package, extra):
-    import importlib
-
-    GRPOTrainer = importlib.import_module((package.__name__ if package else "klgrpo") + ".trainer").GRPOTrainer
+    GRPOTrainer = trainer_module(package).GRPOTrainer
     cfg = klgrpo_config(shape_dir, data, out, device=args.device, dtype=resolve_dtype(args), prompts=args.prompts,
                         group_size=args.group_size, max_new_tokens=args.max_new_tokens, threads=args.threads,
                         package=package, **extra)
@@ -88,12 +86,7 @@ def check_exactness(shape_dir, data, root: Path, args, variants) -> list[list]:
 
 def run_shape(shape: str, args, root: Path) -> dict:
     package = klgrpo_at(args.baseline_rev, root / "revisions")
-    if args.device.startswith("cuda"):  # the baseline's phase timers synchronise too (sync_timer_on_cuda)
-        import importlib
-
-        import klgrpo.train.trainer
-
-        importlib.import_module(package.__name__ + ".trainer")._timed = klgrpo.train.trainer._timed
+    sync_timer_on_cuda(args.device, package)  # the baseline's phase timers synchronise too
     shape_dir, data = prepare_assets(shape, root, resolve_dtype(args))
     variants = _variants(args, package)
     trainers, first = [], {}

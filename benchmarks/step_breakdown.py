@@ -3,16 +3,16 @@ what the KL costs: kl.coef 0 (monitor off: no reference model at all) against kl
 num_iterations 1 and 4.
 
     python benchmarks/step_breakdown.py                       # tiny and small Llama on the CPU
-    python benchmarks/step_breakdown.py --device cuda --model-shape qwen0.5b   # GPU: NOTES_PERF.md's shape
+    python benchmarks/step_breakdown.py --device cuda --model-shape qwen0.5b   # GPU: Qwen2.5-0.5B's shape
 
 Method: one GRPOTrainer per variant (GRPOConfig.from_dict, train_step(): the public API), all built first and
 then driven round-robin, one generated batch (num_iterations steps) per variant per round, so every variant
 sees the same machine load; medians over rounds after warm-up, and the KL overhead is also the median of the
 per-round ratios (KL / no KL measured seconds apart).
 
-Goals (issue 6):
+Goals:
   KL overhead: step time with KL / without <= 1 + 0.35 x (update share of the step without KL), i.e. the KL
-  may add at most 35% of the policy's forward+backward time (a reference forward costs ~0.31 of it, NOTES_PERF).
+  may add at most 35% of the policy's forward+backward time (a reference forward has no backward, so it costs a fraction of that).
   num_iterations > 1: the reference is paid once per generated batch (time/reference only on generating steps).
 
 Also measured, as one more interleaved variant: klgrpo's KV-cached sampling loop (klgrpo/backends/kv_decoder.py) against

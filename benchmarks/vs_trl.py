@@ -4,7 +4,7 @@ and settings, interleaved step by step in one process.
     python3 -m venv /work/bench-venv && . /work/bench-venv/bin/activate
     pip install -q -c /work/main/constraints.txt -e /work/main trl      # TRL lives here, never in klgrpo's deps
     python benchmarks/vs_trl.py                                          # tiny and small Llama, CPU
-    python benchmarks/vs_trl.py --device cuda --model-shape qwen0.5b     # GPU: NOTES_PERF.md's shape and batch
+    python benchmarks/vs_trl.py --device cuda --model-shape qwen0.5b     # GPU: Qwen2.5-0.5B's shape, 8 x 8
 
 Same for both: the random-init model saved with save_pretrained, its tokenizer, the prompt file, the reward
 (benchmarks/_common.py:has_zero), prompts x G per step (one generated batch per optimizer step, the whole batch
@@ -30,7 +30,7 @@ with --baseline-rev REV, "klgrpo@REV" (the package as git revision REV had it, b
 Where the time goes: klgrpo's own time/* metrics, and TRL's phases timed by wrapping its methods on the
 instance (class TRLPhases); --profile adds a cProfile of the whole interleaved run.
 
-Goal (issue 6): klgrpo <= 0.5 x TRL's seconds per step on the CPU.
+Goal: klgrpo <= 0.5 x TRL's seconds per step on the CPU.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (add_common_args, gpu_preset, has_zero, klgrpo_at, klgrpo_config,  # noqa: E402
                                 median, prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
-                                sync_timer_on_cuda, verdict)
+                                sync_timer_on_cuda, trainer_module, verdict)
 
 
 def _sync(device: str) -> None:
@@ -141,15 +141,9 @@ def compare(shape: str, args, root: Path) -> dict:
     if not args.only_current:
         kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
         if args.baseline_rev:
-            import importlib
-
             package = klgrpo_at(args.baseline_rev, root / "revisions")
-            trainer_module = importlib.import_module(package.__name__ + ".trainer")
-            if cuda:  # its phase timers synchronise too (sync_timer_on_cuda)
-                import klgrpo.train.trainer
-
-                trainer_module._timed = klgrpo.train.trainer._timed
-            trainer_class = trainer_module.GRPOTrainer
+            sync_timer_on_cuda(args.device, package)  # its phase timers synchronise too
+            trainer_class = trainer_module(package).GRPOTrainer
             kinds[f"klgrpo@{args.baseline_rev}"] = (trainer_class, package, {})
     ours, loggers = {}, {}
     for label, (cls, package, extra) in kinds.items():

@@ -76,7 +76,7 @@ def test_splits_are_disjoint_deterministic_and_correct(skill):
 
 def test_tiny_model_is_seeded_tied_and_saves_for_auto_classes(tmp_path):
     model = build_tiny_model(16, seed=3)
-    assert sum(p.numel() for p in model.parameters()) == 132_416  # NOTES_DEMO's "132k"
+    assert sum(p.numel() for p in model.parameters()) == 132_416  # "about 132k parameters" (klgrpo/apps/demo/model.py)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     save_tiny_model_and_tokenizer(tmp_path, seed=3)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -13,7 +13,7 @@ import torch
 
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.backends.kv_decoder import KVSampler, filter_logits
-from klgrpo.core.rollout import generate_groups
+from klgrpo.core.rollout import SamplingParams, generate_groups
 
 V = 23
 
@@ -139,8 +139,8 @@ def test_same_seed_gives_generate_tokens(top_k, top_p, monkeypatch):
     for fast in (True, False):
         model.klgrpo_fast_path = fast  # model.fast_path
         torch.manual_seed(42)
-        runs.append(generate_groups(model, tok, prompts, group_size=4, max_new_tokens=12, temperature=0.9,
-                                    top_p=top_p, top_k=top_k))
+        runs.append(generate_groups(model, tok, prompts, SamplingParams(group_size=4, max_new_tokens=12,
+                                                                       temperature=0.9, top_p=top_p, top_k=top_k)))
     fast, slow = runs
     assert fast.completion_ids.shape[1] > 1
     assert torch.equal(fast.completion_ids, slow.completion_ids)
@@ -161,7 +161,7 @@ def test_eos_stops_rows_and_the_loop():
         model.lm_head.bias = None
         model.model.norm.weight.zero_()  # the final hidden state is 0, so every logit is 0 ...
     model.lm_head.register_forward_hook(lambda m, i, o: o.index_fill(-1, torch.tensor([1]), 50.0))  # ... but EOS
-    batch = generate_groups(model, tok, ["1+1="], group_size=3, max_new_tokens=8)
+    batch = generate_groups(model, tok, ["1+1="], SamplingParams(group_size=3, max_new_tokens=8))
     assert batch.completion_ids.shape == (3, 1)
     assert batch.completion_mask.all() and not batch.truncated.any()
 

@@ -1,4 +1,4 @@
-"""The verifier: sequence-level table, KL_MATH.md facts, the optimum, Monte Carlo, the command and --from-run."""
+"""The verifier: sequence-level table, docs/kl_math.md facts, the optimum, Monte Carlo, the command and --from-run."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_kl_math_facts_sequence_level(toy, toy_kl):
 
 
 def test_kl_math_exact_sequence_surrogates(toy, toy_kl):
-    """KL_MATH.md (3) 0.5 (sum_t l_t)^2 and (4) per-token k2 plus the detached future sum_{t'>t} l_t'
+    """docs/kl_math.md (3) 0.5 (sum_t l_t)^2 and (4) per-token k2 plus the detached future sum_{t'>t} l_t'
     as a return are exact for the sequence KL on-policy; dropping the future term is not."""
     theta = toy.params()
     logp_BT, ref_BT = TOY.logp_BT(theta), TOY.logp_BT(toy.ref_theta)

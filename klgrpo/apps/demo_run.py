@@ -5,7 +5,7 @@
 2. GRPO with a KL toward that reference (k3 value with the reverse-KL gradient, adaptive beta) trains
    addition only; reward 1 for the exact answer.
    A replay anchor (on by default) adds the exact KL to the reference on unlabeled subtraction prompts:
-   the KL on the addition prompts alone does not keep subtraction where it was (issue 7; klgrpo/train/replay.py).
+   the KL on the addition prompts alone does not keep subtraction where it was (docs/retention.md; klgrpo/train/replay.py).
 3. Greedy accuracy on held-out prompts, before and after: addition (the trained skill) and subtraction
    (retention: the forgetting the KL is meant to limit).
 
@@ -20,12 +20,13 @@ import time
 from datetime import datetime
 
 from klgrpo.train.config import GRPOConfig
+from klgrpo.train.metrics import SUMMARY_FILE
 
 TRAINED, HELD_OUT = "addition", "subtraction"
 
 
 def demo_config(assets, seed: int = 0) -> GRPOConfig:
-    """Demo defaults (NOTES_DEMO.md's measured settings), before any user override."""
+    """Demo defaults (settings measured on the CPU, docs/retention.md), before any user override."""
     return GRPOConfig.from_dict({
         "model": {"name_or_path": str(assets.model_dir), "dtype": "float32", "device": "cpu"},
         "data": {"source": str(assets.train_file)},
@@ -39,8 +40,8 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
         "optim": {"lr": 3e-4, "max_grad_norm": 1.0},
         "eval": {"sets": [{"name": name, "source": str(path)} for name, path in assets.eval_files.items()],
                  "every": 100},
-        # One torch thread: beside another CPU-bound process, 2 OpenMP threads made steps 4-11x slower
-        # (NOTES_DEMO.md; measured again here: 2.2 s/step vs 0.2 s/step with one thread on a busy machine).
+        # One torch thread: beside another CPU-bound process, 2 OpenMP threads made steps several times slower
+        # (measured here: 2.2 s/step vs 0.2 s/step with one thread on a busy machine).
         "train": {"steps": 300, "seed": seed, "save_every": 100, "max_wall_seconds": 240, "torch_threads": 1,
                   "output_dir": f"runs/demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"},
     }, origin="demo defaults")
@@ -78,7 +79,7 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
         "total_wall_seconds": round(time.perf_counter() - t0, 2),
     })
     run_dir = trainer.run_dir
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(summary, run_dir)
     return 0
 

@@ -42,8 +42,8 @@ from typing import Any, Callable
 
 
 from klgrpo.errors import KLGRPOError
+from klgrpo.train.metrics import SUMMARY_FILE
 
-SUMMARY_FILE = "summary.json"
 LOG_FILE = "sweep.log"
 PLOT_FILE = "accuracy_vs_retention.png"
 #: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter
@@ -52,7 +52,7 @@ PLOT_FILE = "accuracy_vs_retention.png"
 SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "logging.plots": "false",
                   "train.save_every": "0", "train.torch_threads": "1", "train.max_wall_seconds": "0"}
 #: The demo's beta is adaptive (kl.coef is only its start, and 0 is refused); a sweep of kl.coef on the demo
-#: compares fixed betas, as issue 7 did, unless kl.controller is given.
+#: compares fixed betas (as docs/retention.md does) unless kl.controller is given.
 DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
 #: Owned by the sweep: a run's folder and seed.
 _RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")

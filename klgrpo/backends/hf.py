@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from klgrpo.train.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: model.dtype's values: "auto" (bfloat16 on a GPU that supports it, else float32) or a name above.
+DTYPE_NAMES = ("auto", *_DTYPES)
 
 
 def resolve_device(name: str) -> torch.device:

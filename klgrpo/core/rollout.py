@@ -19,16 +19,41 @@ from torch import Tensor
 from klgrpo.backends.kv_decoder import KVSampler
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How ``generate_groups`` samples: the rollout settings of one call, by name.
+
+    group_size      G, completions per prompt
+    max_new_tokens  completion length limit; a row without EOS by then is truncated
+    temperature     sample from softmax(logits / temperature); > 0
+    top_p, top_k    nucleus and top-k filters (1.0 and 0: off)
+    system_prompt   system message prepended to chat prompts
+    as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
+    compiled        run the KV-cached loop's steps through torch.compile where the model allows it
+    """
+
+    group_size: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    system_prompt: str = ""
+    as_chat: bool = False
+    compiled: bool = False
+
 
 @dataclass
 class RolloutBatch:
     """N prompts x G completions, laid out group after group (rows [g*G, (g+1)*G) share prompt g).
 
-    input_ids_BL       prompt (left-padded to prompt_len) followed by the completion (right-padded to T)
-    attention_mask_BL  1 on real prompt tokens and on completion tokens up to and including EOS
-    completion_ids_BT  the sampled tokens
-    completion_mask_BT 1 on completion tokens up to and including the first EOS
-    truncated_B        no EOS within max_new_tokens
+    Shapes: B = N * G rows, L = prompt_len + T, T = the longest completion (at most max_new_tokens).
+
+    input_ids        [B, L] prompt (left-padded to prompt_len) followed by the completion (right-padded to T)
+    attention_mask   [B, L] 1 on real prompt tokens and on completion tokens up to and including EOS
+    completion_ids   [B, T] the sampled tokens (the pad id after EOS)
+    completion_mask  [B, T] 1 on completion tokens up to and including the first EOS
+    truncated        [B]    no EOS within max_new_tokens
+    prompts          the B prompts as given (each repeated G times); completions: the B decoded texts
     """
 
     input_ids: Tensor
@@ -64,11 +89,15 @@ def encode_prompts(tokenizer, prompts: list, system_prompt: str = "", as_chat: b
     return texts
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a completion, for sampling and greedy evaluation alike: every id in
+    ``model.generation_config.eos_token_id`` (one id or a list, as chat models have) and
+    ``tokenizer.eos_token_id``, in that order, without repeats."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
 
 
 def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -84,44 +113,33 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tupl
 
 
 @torch.no_grad()
-def generate_groups(
-    model,
-    tokenizer,
-    prompts: list,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    system_prompt: str = "",
-    as_chat: bool = False,
-    compiled: bool = False,
-) -> RolloutBatch:
-    """Sample ``group_size`` completions for each prompt; returns the padded batch with its masks.
+def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
+    """Sample ``params.group_size`` completions for each prompt; returns the padded batch with its masks.
 
-    The KV-cached loop (klgrpo.backends.kv_decoder) runs for the architectures it reproduces unless model.fast_path is off;
-    else transformers ``generate``. ``compiled``: the loop's steps run through torch.compile where the model allows
-    it (train.compile)."""
-    texts = encode_prompts(tokenizer, prompts, system_prompt, as_chat)
+    The KV-cached loop (klgrpo.backends.kv_decoder) runs for the architectures it reproduces unless
+    model.fast_path is off; else transformers ``generate``."""
+    p = params
+    texts = encode_prompts(tokenizer, prompts, p.system_prompt, p.as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     device = next(model.parameters()).device
     unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    prompt_ids = unique_ids.repeat_interleave(group_size, dim=0)
-    prompt_mask = unique_mask.repeat_interleave(group_size, dim=0)
+    prompt_ids = unique_ids.repeat_interleave(p.group_size, dim=0)
+    prompt_mask = unique_mask.repeat_interleave(p.group_size, dim=0)
     prompt_len = prompt_ids.shape[1]
+    eos_ids = eos_token_ids(model, tokenizer)
     was_training = model.training
     model.eval()
     try:
-        loop = (KVSampler.for_model(model, prompt_len + max_new_tokens)
-                if temperature > 0 else None)
+        loop = (KVSampler.for_model(model, prompt_len + p.max_new_tokens)
+                if p.temperature > 0 else None)
         if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
-            completion_ids = loop.sample(unique_ids, unique_mask, max_new_tokens, temperature, top_p, top_k,
-                                         tokenizer.pad_token_id, _eos_ids(model, tokenizer), group_size, compiled)
+            completion_ids = loop.sample(unique_ids, unique_mask, p.max_new_tokens, p.temperature, p.top_p, p.top_k,
+                                         tokenizer.pad_token_id, eos_ids, p.group_size, p.compiled)
         else:
             out = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=temperature,
-                top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=_eos_ids(model, tokenizer),
+                input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=p.temperature,
+                top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=eos_ids,
             )
             completion_ids = out[:, prompt_len:]
     finally:
@@ -129,7 +147,7 @@ def generate_groups(
     if completion_ids.shape[1] == 0:  # every row stopped at once: keep one (masked) column
         completion_ids = torch.full((prompt_ids.shape[0], 1), tokenizer.pad_token_id, device=device,
                                     dtype=prompt_ids.dtype)
-    completion_mask, truncated = completion_mask_from_ids(completion_ids, _eos_ids(model, tokenizer))
+    completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
     # Tokens after EOS are padding: give them a harmless id and no attention.
     completion_ids = torch.where(completion_mask, completion_ids, torch.full_like(completion_ids,
                                                                                   tokenizer.pad_token_id))
@@ -143,8 +161,8 @@ def generate_groups(
         completion_mask=completion_mask,
         truncated=truncated,
         prompt_len=prompt_len,
-        group_size=group_size,
-        prompts=[p for p in prompts for _ in range(group_size)],
+        group_size=p.group_size,
+        prompts=[prompt for prompt in prompts for _ in range(p.group_size)],
         completions=completions,
     )
 

@@ -10,7 +10,7 @@ Rewards are laid out group after group: ``rewards_N`` has N = num_groups * G ent
 std uses ``ddof`` (1: the unbiased sample std, torch's default and TRL's; 0: the population std). A group
 whose rewards are all equal gets A = 0 exactly.
 
-KL in the reward (KL_MATH.md): the per-token k1 penalty enters as a reward-to-go with gamma = 1 and no length
+KL in the reward (docs/kl_math.md): the per-token k1 penalty enters as a reward-to-go with gamma = 1 and no length
 normalisation, A_it = A_i - beta * sum_{t' >= t} kl_it'. It is added AFTER the group normalisation so beta is not
 rescaled by 1/std; with k1 this gives exactly beta * grad KL(pi || ref) of the sequence, on-policy.
 """

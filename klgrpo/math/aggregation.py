@@ -1,4 +1,4 @@
-"""Masked reductions of per-token loss terms into one scalar (KL_MATH.md, "Aggregation and length").
+"""Masked reductions of per-token loss terms into one scalar (docs/kl_math.md, "Aggregation and length").
 
 For G sequences with completion lengths n_i and per-token values x_it:
 

@@ -1,6 +1,6 @@
 """Per-token KL estimators against a frozen reference, and the exact full-vocabulary KL.
 
-Notation (KL_MATH.md): for a sampled token y ~ pi,
+Notation (docs/kl_math.md): for a sampled token y ~ pi,
 
     l = log pi(y) - log pi_ref(y)        the log-ratio
     r = pi_ref(y) / pi(y) = exp(-l)

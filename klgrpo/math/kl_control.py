@@ -1,10 +1,11 @@
 """Controllers for the KL coefficient beta: tiny state machines with ``state_dict`` for checkpoints.
 
-Every controller exposes ``value`` (the beta to use now), ``update(observed_kl, n_steps, reward=None)``
-called once after each optimizer step, ``state_dict()`` / ``load_state_dict()``, and ``kl_measure``: the KL
-quantity it consumes, either "token_mean" (mean per-token KL over the batch's completion tokens, what
-verl/OpenRLHF feed back) or "sequence_sum" (mean over sequences of the summed per-token k1, what Ziegler et
-al. 2019 fed back). The trainer computes the declared one.
+Every controller exposes ``value`` (the beta to use now), ``observe(KLObservation)`` called once after each
+optimizer step (``update(observed_kl, n_steps, reward=None)`` is the same with the numbers spelled out),
+``state_dict()`` / ``load_state_dict()``, and ``kl_measure``: the KL quantity it consumes, either
+"token_mean" (mean per-token KL over the batch's completion tokens, what verl/OpenRLHF feed back) or
+"sequence_sum" (mean over sequences of the summed per-token k1, what Ziegler et al. 2019 fed back). The
+trainer hands over both in a ``KLObservation``; the controller picks the one it declared.
 
     fixed     beta constant
     adaptive  Ziegler et al. 2019: e = clip(KL / target - 1, -0.2, 0.2); beta <- beta (1 + e n_steps / horizon)
@@ -16,11 +17,35 @@ al. 2019 fed back). The trainer computes the declared one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from klgrpo.math.registry import Registry
 
 KL_MEASURES = ("token_mean", "sequence_sum")
+
+
+@dataclass(frozen=True)
+class KLObservation:
+    """What one optimizer step tells a controller.
+
+    token_mean    mean per-token KL value of the configured estimator over the loss-mask tokens, before
+                  shaping (the ``adaptive_kl/raw_kl`` metric; 0 when no reference exists)
+    sequence_sum  mean over the completions of sum_t l_t, the summed k1 (the ``kl/sequence_sum`` metric)
+    n_sequences   completions in the update (Ziegler's n_steps)
+    reward        mean reward of the batch (the ``train/reward`` metric), or None
+    """
+
+    token_mean: float
+    sequence_sum: float
+    n_sequences: int
+    reward: float | None = None
+
+    def kl(self, measure: str) -> float:
+        """The observed KL in ``measure`` units (one of KL_MEASURES)."""
+        if measure not in KL_MEASURES:
+            raise ValueError(f"kl_measure must be one of {KL_MEASURES}, got {measure!r}")
+        return self.token_mean if measure == "token_mean" else self.sequence_sum
 
 
 class KLController:
@@ -38,6 +63,10 @@ class KLController:
         self.value = float(self._next(float(observed_kl), int(n_steps), reward))
         self.num_updates += 1
         return self.value
+
+    def observe(self, observation: KLObservation) -> float:
+        """Feed back one step's observation; the controller reads the KL in its own ``kl_measure``."""
+        return self.update(observation.kl(self.kl_measure), observation.n_sequences, observation.reward)
 
     def _next(self, observed_kl: float, n_steps: int, reward: float | None) -> float:
         return self.value
@@ -94,11 +123,16 @@ class StepKLController(KLController):
         return self.value
 
 
+#: The smallest beta the dual controller keeps: it steps on log beta, so beta must stay > 0, and a configured
+#: beta_min of 0 (kl.beta_min's default, meant for the dynamic controller) is raised to this.
+DUAL_BETA_FLOOR = 1e-12
+
+
 class DualAscentKLController(KLController):
     """Dual ascent on a KL budget eps: log beta <- log beta + lr * (KL - eps) / eps, beta in [beta_min, beta_max].
 
     At the regularised optimum pi*_beta = ref exp(R / beta) / Z the KL decreases in beta, so the budget has
-    one beta* and the ascent settles there.
+    one beta* and the ascent settles there. beta_min below DUAL_BETA_FLOOR is raised to it.
     """
 
     def __init__(self, init_coef: float, target: float, lr: float = 0.1, beta_min: float = 1e-6,
@@ -106,7 +140,8 @@ class DualAscentKLController(KLController):
         super().__init__(init_coef, kl_measure)
         if init_coef <= 0 or target <= 0:
             raise ValueError("DualAscentKLController needs init_coef > 0 and target > 0")
-        self.target, self.lr, self.beta_min, self.beta_max = map(float, (target, lr, beta_min, beta_max))
+        self.target, self.lr, self.beta_max = map(float, (target, lr, beta_max))
+        self.beta_min = max(float(beta_min), DUAL_BETA_FLOOR)
         self.value = min(max(self.value, self.beta_min), self.beta_max)  # start inside the bounds it keeps
 
     def _next(self, observed_kl, n_steps, reward):

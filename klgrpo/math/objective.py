@@ -26,7 +26,7 @@ from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight
 
 @dataclass(frozen=True)
 class KLTerm:
-    """How the KL enters (see KL_MATH.md); coef is beta at this step."""
+    """How the KL enters (see docs/kl_math.md); coef is beta at this step."""
 
     coef: float = 0.0
     estimator: str = "k3_st"

@@ -19,7 +19,7 @@ eps_high) -> SurrogateOut``:
               (MiniMax-M1, 2025). The clip applies whatever the sign of A.
 
 Every surrogate reports the per-token ratio pi / pi_old in ``ratio_BT`` (the KL term's importance weight
-reads it), not GSPO's sequence ratio. The KL term with samples from pi_old (KL_MATH.md):
+reads it), not GSPO's sequence ratio. The KL term with samples from pi_old (docs/kl_math.md):
 
     is_correction  term                           expected gradient (k3)
     in_graph       w_t * k(l_t), w = pi/pi_old    reverse KL (DeepSeek-V3.2, TRL use_bias_correction_kl)

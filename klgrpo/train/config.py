@@ -18,11 +18,39 @@ from typing import Any
 
 import yaml
 
+from klgrpo.backends.hf import DTYPE_NAMES
+from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.errors import ConfigError
+from klgrpo.math.advantages import ADVANTAGE_SCALES
+from klgrpo.math.aggregation import AGGREGATIONS
+from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
+from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
+from klgrpo.math.kl_shaping import SHAPINGS
+from klgrpo.math.policy_loss import IS_CORRECTIONS
 from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 
+#: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
+LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+#: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
+REPLAY_FULL_KL = "full"
 
-def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+
+class Names:
+    """The valid values of a field, read from their sources (tuples or registries) each time they are checked,
+    so a name registered after this module was imported (a new estimator, controller, shaping) is accepted."""
+
+    def __init__(self, *sources: Any):
+        self.sources = sources
+
+    def __iter__(self):
+        for source in self.sources:
+            yield from source
+
+    def __contains__(self, value: object) -> bool:
+        return any(value in source for source in self.sources)
+
+
+def _f(default: Any, help: str, choices: Any = None) -> Any:
     meta = {"help": help, "choices": choices}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -44,7 +72,7 @@ class LoraConfig:
 class ModelConfig:
     name_or_path: str = _f("", "policy model: a local folder or a hub name; empty runs the embedded demo")
     tokenizer: str = _f("", "tokenizer folder or hub name; empty uses the model's")
-    dtype: str = _f("auto", "weights dtype", ("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "weights dtype", Names(DTYPE_NAMES))
     device: str = _f("auto", "device: auto picks cuda when present, else cpu")
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
@@ -79,16 +107,10 @@ class RolloutConfig:
 
 
 @dataclass
-class RewardFunctionConfig:
-    name: str = _f("exact_match", "a built-in (exact_match, numeric_match, format), 'module:function' or "
-                                  "'file.py:function'")
-    weight: float = _f(1.0, "weight in the total reward")
-    kwargs: dict = _f({}, "extra keyword arguments, e.g. {pattern: '...'} for format")
-
-
-@dataclass
 class RewardsConfig:
-    functions: list = _f([{"name": "exact_match"}], "reward functions: names or {name, weight, kwargs} entries")
+    functions: list = _f([{"name": "exact_match"}], "reward functions: names or {name, weight, kwargs} entries; a "
+                                                    f"name is a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                                                    "'module:function' or 'file.py:function'")
 
 
 @dataclass
@@ -101,9 +123,9 @@ class ReplayConfig:
     completions_per_prompt: int = _f(2, "completions sampled once from the reference per replay prompt "
                                         "(cached in the run folder, reused on resume)")
     batch_size: int = _f(32, "replay sequences per optimizer step")
-    estimator: str = _f("full", "KL form: 'full' (exact over the vocabulary at every position) or a "
+    estimator: str = _f(REPLAY_FULL_KL, "KL form: 'full' (exact over the vocabulary at every position) or a "
                                 "registered estimator (k1 and k3 give the reverse-KL gradient here)",
-                        ("full", "k1", "k2", "k3", "k1_st", "k3_st"))
+                        Names((REPLAY_FULL_KL,), ESTIMATORS))
     max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")
     temperature: float = _f(1.0, "sampling temperature of the reference for replay completions")
 
@@ -111,26 +133,24 @@ class ReplayConfig:
 @dataclass
 class KLConfig:
     coef: float = _f(0.04, "beta: the initial KL coefficient (0 with monitor=false: no reference model at all)")
-    estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each)",
-                        ("k1", "k2", "k3", "k1_st", "k3_st"))
+    estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each)", Names(ESTIMATORS))
     placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
-                        ("loss", "reward", "both"))
+                        Names(PLACEMENTS))
     is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
-                            ("in_graph", "detached", "none"))
-    controller: str = _f("fixed", "how beta evolves", ("fixed", "adaptive", "step", "dual", "dynamic"))
+                            Names(IS_CORRECTIONS))
+    controller: str = _f("fixed", "how beta evolves", Names(CONTROLLERS))
     target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)")
     horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)")
     dual_lr: float = _f(0.1, "dual controller step size on log beta")
-    beta_min: float = _f(0.0, "lower bound on beta (dual, dynamic)")
+    beta_min: float = _f(0.0, "lower bound on beta (dual, dynamic); dual steps on log beta and keeps beta >= 1e-12")
     beta_max: float = _f(1000.0, "upper bound on beta (dual)")
     reward_threshold: float = _f(0.0, "dynamic controller: decay beta while the mean reward exceeds this")
     decay: float = _f(0.9, "dynamic controller: multiplicative decay")
     schedule_steps: int = _f(0, "dynamic controller: set beta = beta_min after this many steps (0: never)")
     kl_measure: str = _f("token_mean", "the KL a controller consumes: mean per-token, or mean per-sequence sum "
-                                       "(Ziegler's original)", ("token_mean", "sequence_sum"))
-    shaping: str = _f("none", "shape the per-token KL before beta multiplies it",
-                      ("none", "clip", "sigmoid", "length_normalized"))
+                                       "(Ziegler's original)", Names(KL_MEASURES))
+    shaping: str = _f("none", "shape the per-token KL before beta multiplies it", Names(SHAPINGS))
     clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token")
     shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
     log_ratio_clamp: float = _f(20.0, "k3 guard: |log pi - log ref| is clamped to this before exp (0: off)")
@@ -145,12 +165,11 @@ class KLConfig:
 
 @dataclass
 class LossConfig:
-    aggregation: str = _f("token_mean", "how per-token terms become one loss",
-                          ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"))
+    aggregation: str = _f("token_mean", "how per-token terms become one loss", Names(AGGREGATIONS))
     eps_low: float = _f(0.2, "PPO clip: ratio >= 1 - eps_low")
     eps_high: float = _f(0.2, "PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO's clip-higher)")
     advantage_scale: str = _f("group", "divide centred rewards by the group std, the batch std, or nothing",
-                              ("group", "batch", "none"))
+                              Names(ADVANTAGE_SCALES))
     std_eps: float = _f(1e-4, "added to the std before dividing")
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
     policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
@@ -166,26 +185,16 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.999, "AdamW beta2")
-    schedule: str = _f("constant", "learning-rate schedule after warm-up", ("constant", "linear", "cosine"))
+    schedule: str = _f("constant", "learning-rate schedule after warm-up", Names(LR_SCHEDULES))
     warmup_steps: int = _f(0, "linear warm-up steps")
     max_grad_norm: float = _f(1.0, "clip the gradient norm (0: off)")
 
 
 @dataclass
-class EvalSetConfig:
-    name: str = _f("", "name: logged as eval/<name>")
-    source: str = _f("", "prompts with answers (same formats as data.source)")
-    prompt_column: str = _f("prompt", "prompt column")
-    answer_column: str = _f("answer", "answer column")
-    split: str = _f("test", "dataset split (hub datasets)")
-    reward: str = _f("exact_match", "reward function scoring a greedy completion (1 = correct)")
-    limit: int = _f(0, "use only the first N rows (0: all)")
-
-
-@dataclass
 class EvalConfig:
-    sets: list = _f([], "evaluation and retention sets: list of {name, source, prompt_column, answer_column, "
-                        "reward}")
+    sets: list = _f([], "evaluation and retention sets: list of {name, source, prompt_column (prompt), "
+                        "answer_column (answer), split (test), limit (0: all), reward (exact_match)}; a greedy "
+                        "completion scores the reward function (1 = correct)")
     every: int = _f(0, "evaluate every N steps (0: before and after training only)")
     max_new_tokens: int = _f(0, "greedy completion limit (0: rollout.max_new_tokens)")
     batch_size: int = _f(256, "prompts per greedy generate call")

@@ -12,13 +12,11 @@ from typing import Callable, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from klgrpo.core.rewards.builtins import exact_match
+from klgrpo.core.rollout import encode_prompts, eos_token_ids
+
 #: reward_fn(prompts, completions, answer=answers) -> one score per completion (klgrpo.core.rewards' signature).
 RewardFn = Callable[..., Sequence[float]]
-
-
-def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_) -> list[float]:
-    """1.0 where the stripped completion equals the stripped answer, else 0.0."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 def greedy_completions(
@@ -30,14 +28,13 @@ def greedy_completions(
 ) -> list[str]:
     """The greedy completion of every prompt, cut at the first EOS, special tokens removed.
 
-    EOS means any id in ``model.generation_config.eos_token_id`` (an id or a list, as chat models
-    have) or ``tokenizer.eos_token_id``, the same rule as the rollout. The model's train/eval mode is
+    EOS is :func:`klgrpo.core.rollout.eos_token_ids`, the rollout's rule. The model's train/eval mode is
     restored afterwards; no gradients are recorded.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token before evaluating")
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     generation_config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=eos_ids or None
     )
@@ -95,14 +92,6 @@ def _left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tu
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
 def _cut_at(ids: list[int], eos_ids: list[int]) -> list[int]:
     """``ids`` up to (excluding) the first EOS."""
     for t, token in enumerate(ids):
@@ -128,8 +117,6 @@ def load_eval_sets(cfg) -> dict[str, dict]:
 
 def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, float]:
     """Greedy accuracy of every set, as {"eval/<name>": value}; prompts are templated like the rollout's."""
-    from klgrpo.core.rollout import encode_prompts
-
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     results = {}
     for name, s in sets.items():

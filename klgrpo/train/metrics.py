@@ -31,10 +31,12 @@ from klgrpo.errors import KLGRPOError
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+#: The run summary the trainer writes at the end (read by `klgrpo report`, the demo and the sweep).
+SUMMARY_FILE = "summary.json"
 
 #: Every metric name the trainer logs -> its formula or meaning, in one line. "Per token" means over the
 #: step's completion tokens (the completion mask, EOS included), pooled over all B*G completions.
-#: l = log pi(y_t) - log pi_ref(y_t) is the per-token log-ratio of the sampled token (KL_MATH.md).
+#: l = log pi(y_t) - log pi_ref(y_t) is the per-token log-ratio of the sampled token (docs/kl_math.md).
 #: Names with <...> are patterns: one metric per reward function or evaluation set.
 GLOSSARY: dict[str, str] = {
     # train
@@ -328,4 +330,4 @@ def _keep_rows_up_to(path: Path, start_step: int) -> list[dict]:
 
 
 __all__ = ["GLOSSARY", "SHORT_LABELS", "DEFAULT_SUMMARY_KEYS", "MetricsLogger", "MetricsFileError",
-           "read_metrics", "describe", "undocumented", "METRICS_FILE", "TB_DIR"]
+           "read_metrics", "describe", "undocumented", "METRICS_FILE", "SUMMARY_FILE", "TB_DIR"]

@@ -2,7 +2,7 @@
 
 Why: the KL on the training prompts constrains the policy only where those prompts lead. On the demo, GRPO on
 addition with the usual KL at beta 0 / 0.04 / 0.2 moved subtraction (never trained) by -12.5 / -10.3 / -7.3
-points on average (issue 7); the exact KL on a few replay prompts of subtraction kept it within -4.5..+6.5.
+points on average in a prototype of the demo (docs/retention.md); the exact KL on a few replay prompts of subtraction kept it within -4.5..+6.5.
 
     L_replay = coef * (1 / N_tok) * sum_{i, t} KL_t          over the completion positions of the replay batch
     KL_t     = KL(pi(. | x_i, y_i,<t) || ref(. | x_i, y_i,<t))   at temperature 1 (the models' own distributions)
@@ -18,7 +18,7 @@ is untouched), cached in ``<run>/replay_cache.pt`` with what the KL form needs a
                  reference q, not from pi, so the estimator is importance-weighted with w_t = pi(y_t) / q(y_t)
                  kept in the graph: E_q[w_t k(l_t)] = E_pi[k(l_t)] estimates the same KL_t as "full", and the
                  gradient follows the reverse KL for the estimators whose registry declaration says so for
-                 (loss, off_policy_in_graph): k1 and k3 (KL_MATH.md). Others get a warning at build.
+                 (loss, off_policy_in_graph): k1 and k3 (docs/kl_math.md). Others get a warning at build.
 
 Each optimizer step takes the next ``batch_size`` cached sequences (a seeded permutation per epoch, resumable
 through ``state_dict``), runs the policy on them in micro-batches (train.micro_batch_size) and backpropagates
@@ -45,7 +45,8 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
-from klgrpo.core.rollout import RolloutBatch, generate_groups
+from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
+from klgrpo.train.validation import validate_replay
 
 CACHE_FILE = "replay_cache.pt"
 #: Largest full-vocabulary reference cache held (N x T x V float32); above it "full" recomputes each step.
@@ -220,24 +221,10 @@ def _form(estimator: str) -> str:
 
 
 def _check_settings(cfg, reference) -> None:
-    r = cfg.kl.replay
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    need(bool(r.source), "kl.replay.source is empty: name a file of replay prompts (other skills, no answers "
-                         "needed), or set kl.replay.coef 0")
-    need(r.coef >= 0, "kl.replay.coef must be >= 0")
-    need(r.num_prompts >= 1, "kl.replay.num_prompts must be >= 1")
-    need(r.completions_per_prompt >= 1, "kl.replay.completions_per_prompt must be >= 1")
-    need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
-    need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
-    need(r.temperature > 0, "kl.replay.temperature must be > 0")
-    need(r.estimator == "full" or r.estimator in ESTIMATORS,
-         f"kl.replay.estimator={r.estimator!r} is unknown; choose full or one of: {', '.join(ESTIMATORS.names())}")
-    need(reference is not None, "kl.replay.coef > 0 needs the reference model, and this configuration builds "
-                                "none (kl.coef 0 with kl.monitor false): set kl.monitor true")
+    validate_replay(cfg)
+    if reference is None:
+        raise ConfigError("kl.replay.coef > 0 needs the reference model, and this configuration builds none "
+                          "(kl.coef 0 with kl.monitor false): set kl.monitor true")
 
 
 @contextmanager
@@ -278,9 +265,10 @@ def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: 
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), reference_sampling_model(reference, model) as sampler:
         torch.manual_seed(int(cfg.train.seed) + 7919)
-        parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], r.completions_per_prompt,
-                                 meta["max_new_tokens"], r.temperature, 1.0, 0, cfg.data.system_prompt,
-                                 meta["as_chat"])
+        params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],
+                                temperature=r.temperature, system_prompt=cfg.data.system_prompt,
+                                as_chat=meta["as_chat"])
+        parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], params)
                  for s in range(0, len(prompts), chunk)]
     input_ids, attention_mask, completion_mask, prompt_len = _merge(parts, tokenizer.pad_token_id)
     n, t = completion_mask.shape

@@ -18,10 +18,9 @@ import os
 from pathlib import Path
 
 from klgrpo.errors import KLGRPOError
-from klgrpo.train.metrics import METRICS_FILE, read_metrics
+from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
 
 PLOTS_DIR = "plots"
-SUMMARY_FILE = "summary.json"
 
 #: The rows of the summary table, in order (eval/<name> keys follow them); absent keys are left out.
 TABLE_KEYS = (

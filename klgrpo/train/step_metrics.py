@@ -6,13 +6,15 @@ import torch
 from torch import Tensor
 
 from klgrpo.train.distributed import Distributed
-from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.kl_control import KLObservation
 from klgrpo.core.batch import StepBatch
 
 
 def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor, grad_norm, beta: float, lr: float,
-                 timings: dict[str, float], dist: Distributed, device) -> dict[str, float]:
+                 timings: dict[str, float], dist: Distributed, device) -> tuple[dict[str, float], KLObservation]:
     """Reduce this rank's sums across ranks, then one host sync turns every metric into a float.
+
+    Returns the metrics by name and the KL controller's observation (the same numbers, typed).
 
     Means over tokens divide by the step's (global) loss-mask tokens, means over completions by its (global)
     sequence count: the numbers do not depend on the micro-batch size or the process count.
@@ -61,4 +63,7 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
     metrics["adaptive_kl/current_beta"] = beta
     metrics["lr"] = lr
     metrics.update(timings)
-    return metrics
+    observation = KLObservation(token_mean=values.get("raw_kl", 0.0) / n_tok_safe,
+                                sequence_sum=values.get("k1", 0.0) / n_seq, n_sequences=rollout.size,
+                                reward=values["reward"] / n_seq)
+    return metrics, observation

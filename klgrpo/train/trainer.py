@@ -1,4 +1,4 @@
-"""The GRPO loop. It composes the arrows of DESIGN.md and computes nothing itself:
+"""The GRPO loop. It composes the arrows of docs/design.md and computes nothing itself:
 
     prompts --rollout--> completions --rewards--> rewards --reference--> ref logp (once per batch)
             --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
@@ -22,24 +22,25 @@ from typing import Any
 import torch
 
 from klgrpo.train.checkpoint import load_trainer_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
-from klgrpo.train.config import GRPOConfig
+from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
 from klgrpo.errors import ConfigError
 from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.kl_control import build_controller
+from klgrpo.math.kl_control import KLObservation, build_controller
 from klgrpo.math.objective import KLTerm, grpo_objective
-from klgrpo.train.metrics import MetricsLogger
+from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.loss_api import LossInput, call_loss, resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
-from klgrpo.core.rollout import generate_groups
+from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.core.batch import StepBatch
 from klgrpo.train.step_metrics import step_metrics
+from klgrpo.train.timing import phase_timer as _timed
 
 
 def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
@@ -48,7 +49,7 @@ def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
         "fixed": {},
         "adaptive": {"target": k.target, "horizon": k.horizon},
         "step": {"target": k.target},
-        "dual": {"target": k.target, "lr": k.dual_lr, "beta_min": max(k.beta_min, 1e-12), "beta_max": k.beta_max},
+        "dual": {"target": k.target, "lr": k.dual_lr, "beta_min": k.beta_min, "beta_max": k.beta_max},
         "dynamic": {"reward_threshold": k.reward_threshold, "decay": k.decay, "beta_min": k.beta_min,
                     "schedule_steps": k.schedule_steps},
     }
@@ -160,10 +161,10 @@ class GRPOTrainer:
         rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
         prompts = [r["prompt"] for r in rows]
         with _timed(timings, "time/generate"):
-            rollout = generate_groups(self.model, self.tokenizer, prompts, cfg.rollout.group_size,
-                                      cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                                      cfg.rollout.top_k, cfg.data.system_prompt, cfg.data.as_chat,
-                                      compiled=cfg.train.compile)
+            rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
+                group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat, compiled=cfg.train.compile))
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -221,7 +222,7 @@ class GRPOTrainer:
                 kept.append(logp.detach())
         return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)
 
-    def _update(self, batch: StepBatch) -> dict[str, float]:
+    def _update(self, batch: StepBatch) -> tuple[dict[str, float], KLObservation]:
         """One optimizer step on ``batch``: gradients, clipping, AdamW, scheduler."""
         cfg = self.cfg
         beta = self.controller.value
@@ -245,11 +246,11 @@ class GRPOTrainer:
             self.scheduler.step()
         if dump:
             self._dump_kl(logp, batch)
-        metrics = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, self.scheduler.get_last_lr()[0],
-                               timings, self.dist, self.device)
+        metrics, observation = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta,
+                                            self.scheduler.get_last_lr()[0], timings, self.dist, self.device)
         metrics.update(replay_metrics)
         metrics.update(self._custom_metrics(sums, batch))
-        return metrics
+        return metrics, observation
 
     def _custom_metrics(self, sums: dict, batch: StepBatch) -> dict[str, float]:
         """The custom loss's metrics, averaged over the step's micro-batches (on every rank)."""
@@ -279,16 +280,13 @@ class GRPOTrainer:
         if generated:
             self._batch = self.make_batch()
         batch = self._batch
-        metrics = self._update(batch)
+        metrics, observation = self._update(batch)
         batch.iterations_done += 1
         if batch.iterations_done >= self.cfg.train.num_iterations:
             self._batch = None
         if generated:
             metrics.update(batch.timings)
-        observed = metrics.get("adaptive_kl/raw_kl", 0.0)
-        if self.controller.kl_measure == "sequence_sum":
-            observed = metrics.get("kl/sequence_sum", 0.0)
-        self.controller.update(observed, n_steps=batch.rollout.size, reward=metrics["train/reward"])
+        self.controller.observe(observation)
         self.step += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
             self.reference.sync(self.model, self.cfg.kl.sync_alpha)
@@ -414,7 +412,7 @@ class GRPOTrainer:
                           base_model=cfg.model.name_or_path or None)
         summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
         if main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             if cfg.logging.plots:
                 from klgrpo.train.report import make_plots
 
@@ -465,7 +463,7 @@ def _disable_dropout(model) -> None:
 def _make_scheduler(optimizer, cfg: GRPOConfig):
     from transformers import get_scheduler
 
-    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[cfg.optim.schedule]
+    name = LR_SCHEDULES[cfg.optim.schedule]
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
                          num_training_steps=cfg.train.steps)
 
@@ -491,13 +489,6 @@ class _SilentLogger:
 
     def message(self, text):
         pass
-
-
-@contextmanager
-def _timed(timings: dict[str, float], key: str):
-    t0 = time.perf_counter()
-    yield
-    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
 @contextmanager

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int) -> str:
-    """The KL_MATH.md sampling row that a trainer configuration realises for the KL loss term.
+    """The sampling row of docs/kl_math.md that a trainer configuration realises for the KL loss term.
 
     With w in the graph the term is w * k even on the first (on-policy) iteration, where w = 1 in value but
     carries the score; ``detached`` then equals the on-policy row; ``none`` is on-policy only while
@@ -33,13 +33,28 @@ def kl_gradient_target(cfg: "GRPOConfig") -> str:
     return ESTIMATORS[cfg.kl.estimator].gradient_target(cfg.kl.placement, sampling, level="token")
 
 
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_replay(cfg: "GRPOConfig") -> None:
+    """The kl.replay settings of an active anchor (kl.replay.coef > 0); the one place that checks them.
+    kl.replay.estimator is refused, like every named choice, when the config is built."""
+    r = cfg.kl.replay
+    _need(bool(r.source), "kl.replay.source is empty: name a file of replay prompts (other skills, no answers "
+                          "needed), or set kl.replay.coef 0")
+    _need(r.num_prompts >= 1, "kl.replay.num_prompts must be >= 1")
+    _need(r.completions_per_prompt >= 1, "kl.replay.completions_per_prompt must be >= 1")
+    _need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
+    _need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
+    _need(r.temperature > 0, "kl.replay.temperature must be > 0")
+
+
 def validate_config(cfg: "GRPOConfig") -> list[str]:
     warnings: list[str] = []
 
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
+    need = _need
     r, k, t, o, loss = cfg.rollout, cfg.kl, cfg.train, cfg.optim, cfg.loss
     need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
@@ -74,12 +89,9 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
                                     "model.name_or_path empty to run the embedded demo)")
     need(len(cfg.rewards.functions) > 0, "rewards.functions is empty: name at least one reward function")
-    rp = k.replay
-    need(rp.coef >= 0, "kl.replay.coef must be >= 0 (0 turns the replay anchor off)")
-    if rp.coef > 0:
-        need(bool(rp.source), "kl.replay.coef > 0 needs kl.replay.source: a file or dataset of replay prompts")
-        need(rp.num_prompts >= 1 and rp.completions_per_prompt >= 1 and rp.batch_size >= 1,
-             "kl.replay.num_prompts, kl.replay.completions_per_prompt and kl.replay.batch_size must be >= 1")
+    need(k.replay.coef >= 0, "kl.replay.coef must be >= 0 (0 turns the replay anchor off)")
+    if k.replay.coef > 0:
+        validate_replay(cfg)
     for i, s in enumerate(cfg.eval.sets):
         need(isinstance(s, dict) and s.get("name") and s.get("source"),
              f"eval.sets[{i}] needs a name and a source, e.g. {{name: gsm8k, source: test.jsonl}}")

@@ -2,7 +2,7 @@
 
 Everything is float64 and exact by enumeration, built from the library's own functions (``kl_estimate``,
 ``kl_loss_term``, ``apply_kl_penalty``, ``clipped_surrogate``, ``aggregate``), so the command and the tests
-check the code paths the trainer runs, against KL_MATH.md's ground truth.
+check the code paths the trainer runs, against the ground truth of docs/kl_math.md.
 
     penalty      penalty_objective (the penalty as the library builds it), classify_gradient
     categorical  level "token": one draw from K = 6 outcomes; values, per-sample gradients, gradient table

@@ -1,4 +1,4 @@
-"""Exact checks on one categorical draw (KL_MATH.md, "Exact tests"): the "token" level of the tables.
+"""Exact checks on one categorical draw (docs/kl_math.md, "Exact tests"): the "token" level of the tables.
 
 K = 6 outcomes with random float64 logits for pi (the parameters theta), pi_ref and mu (the rollout policy
 of the off-policy rows). Every expectation is a sum over the K outcomes, so nothing is sampled:
@@ -21,7 +21,7 @@ from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, exact_kl, kl_est
 from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
                                    penalty_objective)
 
-#: Per-sample gradient of each estimator as f(l) * s (KL_MATH.md, "Gradients"): grad k1 = s, grad k2 = l s,
+#: Per-sample gradient of each estimator as f(l) * s (docs/kl_math.md, "Gradients"): grad k1 = s, grad k2 = l s,
 #: grad k3 = (1 - r) s with r = exp(-l). Straight-through names "<base>_st" have the gradient of k2.
 SCORE_FACTORS: dict[str, Callable[[Tensor], Tensor]] = {
     "k1": torch.ones_like,
@@ -31,7 +31,7 @@ SCORE_FACTORS: dict[str, Callable[[Tensor], Tensor]] = {
 
 #: A biased estimator must miss KL by more than this fraction of KL ("clearly different").
 BIAS_MIN_REL = 1e-3
-#: An unbiased estimator must match KL to this absolute error (KL_MATH.md: 1e-12).
+#: An unbiased estimator must match KL to this absolute error (docs/kl_math.md: 1e-12).
 VALUE_ATOL = 1e-12
 
 

@@ -4,7 +4,7 @@ N samples y ~ q (pi on-policy, mu off-policy) go through :func:`penalty_objectiv
 1/N. Each distinct outcome reads its own copy of the logits, so one backward pass yields every sample's
 gradient of the surrogate (samples with the same outcome share it), hence their mean and standard deviation.
 
-    value     |mean_N k - E_pi[k]| <= 4 sd / sqrt(N)                              (KL_MATH.md)
+    value     |mean_N k - E_pi[k]| <= 4 sd / sqrt(N)                              (docs/kl_math.md)
     gradient  max_j |mean_N g_j - E_q[g_j]| / (sd_j / sqrt(N)) <= z*, z* two-sided Bonferroni over
               the d coordinates at alpha = 1e-3 (d = 6: z* = 3.76; d = 45: z* = 4.24)
 

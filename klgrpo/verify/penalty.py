@@ -6,7 +6,7 @@ One function, :func:`penalty_objective`, assembles the penalty from the library'
 (one token, T = 1), the sequence toy, the Monte Carlo check and the optimum search all call it, so they
 cannot disagree about what "k3 in the loss with w detached" means.
 
-Exact expected gradient (KL_MATH.md, "Exact tests"): with ``weights_B = q(y).detach()`` over every outcome y
+Exact expected gradient (docs/kl_math.md, "Exact tests"): with ``weights_B = q(y).detach()`` over every outcome y
 (q = pi on-policy, q = mu = pi_old off-policy), autograd of ``sum_y q(y) L(y)`` is E_q[grad L(y)] exactly.
 
 Samplings (what ``old_logp`` the library receives):

@@ -1,4 +1,4 @@
-"""Exact checks on a toy sequence model: the "sequence" level of the tables (KL_MATH.md, "Sequence toy").
+"""Exact checks on a toy sequence model: the "sequence" level of the tables (docs/kl_math.md, "Exact tests").
 
 Vocabulary {a, b, EOS}; generation stops at EOS or after 4 tokens. The policy has a free logit row for
 every prefix of non-EOS tokens (1 + 2 + 4 + 8 = 15 prefixes x 3 = 45 parameters), so there are

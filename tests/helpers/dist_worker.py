@@ -23,8 +23,8 @@ def gradient_and_metrics(trainer, batch):
     sums, maxes, entropy, _ = trainer.accumulate_gradients(batch)
     trainer.dist.sum_gradients(trainer.model.parameters())
     grad = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
-    metrics = step_metrics(batch, sums, maxes, entropy, torch.tensor(0.0), trainer.controller.value, 0.0, {},
-                           trainer.dist, trainer.device)
+    metrics, _ = step_metrics(batch, sums, maxes, entropy, torch.tensor(0.0), trainer.controller.value, 0.0, {},
+                              trainer.dist, trainer.device)
     return grad, metrics
 
 

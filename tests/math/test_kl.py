@@ -1,4 +1,4 @@
-"""KL estimators against exact answers (KL_MATH.md), parametrised over the ESTIMATORS registry.
+"""KL estimators against exact answers (docs/kl_math.md), parametrised over the ESTIMATORS registry.
 
 A newly registered estimator is picked up by every test here: its value property, its per-sample gradient
 formula (which must be written down in klgrpo.verify.categorical.SCORE_FACTORS, or be a "<base>_st"
@@ -79,7 +79,7 @@ def test_value_property_by_enumeration(problem, name):
 
 
 def test_k2_bias_has_either_sign():
-    # KL_MATH: k2 is biased, with a bias of either sign. Two outcomes:
+    # docs/kl_math.md: k2 is biased, with a bias of either sign. Two outcomes:
     # pi = (0.5, 0.5), ref = (0.9, 0.1): l = (ln(5/9), ln 5) = (-0.5878, 1.6094);
     #   E[l^2/2] = 0.5 (0.1727 + 1.2951) = 0.7339 > KL = 0.5 (-0.5878 + 1.6094) = 0.5108 (over-estimates).
     # pi = (0.95, 0.05), ref = (0.9, 0.1): l = (ln(19/18), ln 0.5) = (0.05407, -0.6931);
@@ -142,7 +142,7 @@ def test_declared_token_gradient_target(problem, kl_grads, name, placement, samp
 
 
 def test_kl_math_token_facts(problem, kl_grads):
-    """KL_MATH.md rows asserted directly (not through the declarations)."""
+    """Rows of docs/kl_math.md asserted directly (not through the declarations)."""
     rev, fwd = kl_grads["grad_reverse"], kl_grads["grad_forward"]
 
     def target(name, placement, sampling="on_policy"):

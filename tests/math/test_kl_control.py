@@ -1,4 +1,4 @@
-"""KL controllers (klgrpo/math/kl_control.py) against hand-computed beta sequences (KL_MATH.md, "Controllers")."""
+"""KL controllers (klgrpo/math/kl_control.py) against hand-computed beta sequences (docs/kl_math.md, "Controllers")."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import torch
 
 from klgrpo.math.kl_control import (
     CONTROLLERS,
+    DUAL_BETA_FLOOR,
     AdaptiveKLController,
     DualAscentKLController,
     DynamicScheduleKLController,
+    KLObservation,
     StepKLController,
     build_controller,
 )
@@ -245,3 +247,34 @@ def test_dual_ascent_starts_inside_its_bounds():
     assert DualAscentKLController(5.0, target=0.1, beta_min=0.01, beta_max=2.0).value == 2.0
     assert DualAscentKLController(1e-4, target=0.1, beta_min=0.01, beta_max=2.0).value == 0.01
     assert DualAscentKLController(0.5, target=0.1, beta_min=0.01, beta_max=2.0).value == 0.5
+
+
+@pytest.mark.parametrize("measure,expected_beta", [
+    # Ziegler, target 0.1, horizon 100, 10 sequences: token_mean 0.15 -> e = 0.2 (clipped from 0.5) -> 1.02;
+    # sequence_sum 0.05 -> e = -0.5 -> -0.2 -> beta = 1 - 0.2 * 10 / 100 = 0.98
+    ("token_mean", 1.02), ("sequence_sum", 0.98),
+])
+def test_observe_reads_the_declared_measure(measure, expected_beta):
+    obs = KLObservation(token_mean=0.15, sequence_sum=0.05, n_sequences=10, reward=0.3)
+    ctl = AdaptiveKLController(1.0, target=0.1, horizon=100, kl_measure=measure)
+    assert ctl.observe(obs) == pytest.approx(expected_beta, rel=1e-15)
+    twin = AdaptiveKLController(1.0, target=0.1, horizon=100, kl_measure=measure)
+    assert twin.update(obs.kl(measure), n_steps=10, reward=0.3) == ctl.value  # observe = update, spelled out
+    with pytest.raises(ValueError, match="kl_measure"):
+        obs.kl("token_sum")
+
+
+def test_observe_passes_the_reward():
+    ctl = DynamicScheduleKLController(1.0, reward_threshold=0.5, decay=0.5)
+    assert ctl.observe(KLObservation(token_mean=0.0, sequence_sum=0.0, n_sequences=4, reward=0.6)) == 0.5
+    assert ctl.observe(KLObservation(token_mean=0.0, sequence_sum=0.0, n_sequences=4, reward=0.4)) == 0.5
+    assert ctl.observe(KLObservation(token_mean=0.0, sequence_sum=0.0, n_sequences=4)) == 0.5  # no reward: hold
+
+
+def test_dual_beta_floor_is_explicit():
+    """beta_min 0 (the config default) would let log beta reach -inf: the controller keeps DUAL_BETA_FLOOR."""
+    ctl = DualAscentKLController(1.0, target=0.1, lr=100.0, beta_min=0.0)
+    assert ctl.beta_min == DUAL_BETA_FLOOR == 1e-12
+    # log beta = 0 + 100 * (0 - 0.1) / 0.1 = -100 -> e^-100 = 3.7e-44 < floor
+    assert ctl.update(0.0) == DUAL_BETA_FLOOR
+    assert DualAscentKLController(1.0, target=0.1, beta_min=0.25).beta_min == 0.25

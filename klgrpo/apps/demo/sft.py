@@ -1,6 +1,6 @@
 """Supervised warm start of the demo model, so that GRPO's reference is a real SFT model.
 
-Recipe (NOTES_DEMO.md): AdamW at lr 3e-3, batches of 128 drawn 30% from addition and 70% from
+Recipe (settings a prototype of the demo found to work on the CPU): AdamW at lr 3e-3, batches of 128 drawn 30% from addition and 70% from
 subtraction, cross-entropy on the answer tokens and the EOS only (prompt tokens carry no loss). Accuracy
 jumps at an unpredictable step, so instead of a fixed step count the run stops as soon as greedy
 accuracy on the trained skill's validation set reaches the target (checked every 10 steps), with a
