@@ -96,7 +96,10 @@ def k1_st(l: Tensor, clamp: float | None = None) -> Tensor:
 
 
 def k3_st(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
-    """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL."""
+    """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL.
+
+    Beyond the clamp the value is clamped but this function's gradient is still l (that of the unclamped k2);
+    the objective zeroes the KL gradient of such tokens (objective.kl_penalty_terms)."""
     return _straight_through(k3(l, clamp), k2(l))
 
 

@@ -125,12 +125,14 @@ def grpo_objective(
     delta: float | None = None,
     dual_clip: float | None = None,
     row_weights_B: Tensor | None = None,
+    metrics: bool = True,
 ) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
     ``delta`` / ``dual_clip``: TRL's two-sided and verl's dual ratio clip (policy_loss.clipped_surrogate; None:
     off). ``row_weights_B`` multiplies each sequence's per-token loss before the aggregation (None: 1); the exact
-    oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration."""
+    oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration.
+    ``metrics=False`` leaves ``sums`` and ``maxes`` empty (callers that need only the loss)."""
     mask = mask_BT.to(torch.float32)
     sums: dict[str, Tensor] = {}
     maxes: dict[str, Tensor] = {}
@@ -141,29 +143,36 @@ def grpo_objective(
         sums["reward_kl_penalty"] = kl.coef * (reward_kl_BT * mask).sum()
     pg = clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
     per_token = pg.loss_BT
-    sums["policy_loss"] = aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer)
-    sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()
-    sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
+    if metrics:
+        sums["policy_loss"] = aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer)
+        sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()
+        sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
 
     if ref_logp_BT is not None:
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT)
-        l_BT, kl_BT, adapted_BT = penalty.log_ratio_BT, penalty.raw_BT, penalty.adapted_BT
         if kl.in_loss and kl.coef > 0:
             per_token = per_token + kl.coef * penalty.loss_term_BT
-            sums["loss_kl_penalty"] = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation,
-                                                          normalizer)
-        with torch.no_grad():
-            ratio_BT = l_BT.detach()
-            # raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio: masked and summed at once
-            monitors = [ESTIMATORS[name].fn(ratio_BT, kl.clamp) for name in ("k2", "k3")]
-            masked = torch.stack([kl_BT.detach(), adapted_BT.detach(), ratio_BT, *monitors]) * mask
-            for name, value in zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()):
-                sums[name] = value
-            maxes["k3"] = masked[4].max()  # the heavy-tailed estimator's spikes
-            sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
-            if kl.shaping == "clip":
-                sums["shaping_clip"] = clip_fraction(kl_BT, mask, kl.clip_threshold) * mask.sum()
+            if metrics:
+                sums["loss_kl_penalty"] = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation,
+                                                              normalizer)
+        if metrics:
+            _record_kl_monitors(sums, maxes, penalty, mask, kl)
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
-    return ObjectiveOut(loss=loss, sums=sums, maxes=maxes)
+    return ObjectiveOut(loss=loss, sums=sums if metrics else {}, maxes=maxes)
+
+
+@torch.no_grad()
+def _record_kl_monitors(sums: dict[str, Tensor], maxes: dict[str, Tensor], penalty: KLPenalty, mask: Tensor,
+                        kl: KLTerm) -> None:
+    """raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio: masked and summed at once."""
+    ratio_BT = penalty.log_ratio_BT.detach()
+    monitors = [ESTIMATORS[name].fn(ratio_BT, kl.clamp) for name in ("k2", "k3")]
+    masked = torch.stack([penalty.raw_BT.detach(), penalty.adapted_BT.detach(), ratio_BT, *monitors]) * mask
+    for name, value in zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()):
+        sums[name] = value
+    maxes["k3"] = masked[4].max()  # the heavy-tailed estimator's spikes
+    sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
+    if kl.shaping == "clip":
+        sums["shaping_clip"] = clip_fraction(penalty.raw_BT, mask, kl.clip_threshold) * mask.sum()

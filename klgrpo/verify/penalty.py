@@ -100,7 +100,7 @@ def penalty_objective(
     if kl.in_reward and reward_mode == "sequence_score":
         advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
     out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl, aggregation, norm, eps, eps,
-                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B)
+                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B, metrics=False)
     return out.loss
 
 
