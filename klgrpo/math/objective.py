@@ -137,10 +137,12 @@ def grpo_objective(
     sums: dict[str, Tensor] = {}
     maxes: dict[str, Tensor] = {}
     advantages = advantages_B
-    if ref_logp_BT is not None and kl.reward_to_go and kl.coef > 0:
+    if ref_logp_BT is not None and kl.in_reward and kl.coef > 0:
         reward_kl_BT = reward_kl(old_logp_BT, ref_logp_BT, kl)
-        advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef)
-        sums["reward_kl_penalty"] = kl.coef * (reward_kl_BT * mask).sum()
+        if kl.reward_to_go:  # sequence_score: already in advantages_B
+            advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef)
+        if metrics:
+            sums["reward_kl_penalty"] = kl.coef * (reward_kl_BT * mask).sum()
     pg = clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
     per_token = pg.loss_BT
     if metrics:
@@ -148,7 +150,7 @@ def grpo_objective(
         sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()
         sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
 
-    if ref_logp_BT is not None:
+    if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT)
         if kl.in_loss and kl.coef > 0:
             per_token = per_token + kl.coef * penalty.loss_term_BT

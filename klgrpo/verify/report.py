@@ -126,7 +126,8 @@ def format_rows(rows: list[GradientCheck], level: str | None, title: str | None 
         head = f"{'level':<8} " + head
     title = title or (f"Expected gradient of the penalty, level {level} ({what.get(level, level)}): reverse = "
                       f"grad KL(pi||ref), forward = grad KL(ref||pi), within {GRADIENT_RTOL:g} x "
-                      f"||grad KL(pi||ref)||")
+                      f"||grad KL(pi||ref)||; computed by the trainer's grpo_objective, the reward KL read at the "
+                      f"rollout policy's log-probs as in training")
     lines = [title, head, "-" * len(head)]
     for r in rows:
         if level is not None and r.level != level:

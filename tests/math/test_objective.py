@@ -86,6 +86,8 @@ def test_sequence_score_mode_leaves_the_advantages_alone():
     out = grpo_objective(logp, old, ref, torch.tensor([0.0], dtype=F64), torch.ones(1, 1), kl, "token_mean",
                          Normalizer.of(torch.ones(1, 1)))
     assert float(out.loss.detach()) == 0.0  # the caller put the KL into the score (advantages.kl_penalized_scores)
+    # the metric still reports the penalty the score carries: beta * k1(l_old) = 0.1 * log 1.6
+    assert float(out.sums["reward_kl_penalty"]) == pytest.approx(0.1 * math.log(1.6), rel=1e-14)
     with pytest.raises(KeyError, match="reward_to_go, sequence_score"):
         _ = KLTerm(placement="reward", reward_mode="sum").reward_to_go
 
