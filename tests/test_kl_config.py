@@ -7,6 +7,8 @@ import pytest
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import KL_REWARD_MODES
 from klgrpo.math.kl import ESTIMATORS
+from klgrpo.math.kl_control import CONTROLLERS
+from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.train.config import GRPOConfig
 from klgrpo.train.validation import kl_gradient_target, validate_config
 
@@ -39,6 +41,8 @@ def test_choices_come_from_the_registries():
     fields = {f.name: f for f in GRPOConfig.__dataclass_fields__["kl"].default_factory.__dataclass_fields__.values()}
     assert fields["estimator"].metadata["choices"] == tuple(ESTIMATORS.names())
     assert fields["reward_mode"].metadata["choices"] == KL_REWARD_MODES
+    assert fields["controller"].metadata["choices"] == tuple(CONTROLLERS.names())
+    assert fields["shaping"].metadata["choices"] == tuple(SHAPINGS.names())
     with pytest.raises(ConfigError, match="reward_to_go, sequence_score"):
         _cfg(kl={"reward_mode": "sum"})
 

@@ -21,6 +21,8 @@ import yaml
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import KL_REWARD_MODES
 from klgrpo.math.kl import ESTIMATORS
+from klgrpo.math.kl_control import CONTROLLERS
+from klgrpo.math.kl_shaping import SHAPINGS
 
 
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -121,7 +123,7 @@ class KLConfig:
     is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
                             ("in_graph", "detached", "none"))
-    controller: str = _f("fixed", "how beta evolves", ("fixed", "adaptive", "step", "dual", "dynamic"))
+    controller: str = _f("fixed", "how beta evolves", tuple(CONTROLLERS.names()))
     target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)")
     horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)")
     dual_lr: float = _f(0.1, "dual controller step size on log beta")
@@ -133,7 +135,7 @@ class KLConfig:
     kl_measure: str = _f("token_mean", "the KL a controller consumes: mean per-token, or mean per-sequence sum "
                                        "(Ziegler's original)", ("token_mean", "sequence_sum"))
     shaping: str = _f("none", "shape the per-token KL before beta multiplies it",
-                      ("none", "clip", "sigmoid", "length_normalized"))
+                      tuple(SHAPINGS.names()))
     clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token")
     shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
     log_ratio_clamp: float = _f(20.0, "guard: |log pi - log ref| is clamped to this before k3's exp, and tokens "
