@@ -14,7 +14,7 @@ from klgrpo.apps.args import parse_args
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.rewards import BUILTIN_REWARDS, exact_match
 from klgrpo.errors import ConfigError
-from klgrpo.math.advantages import ADVANTAGE_SCALES
+from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS, Estimator, k2
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
@@ -29,6 +29,7 @@ SOURCES = {
     "model.dtype": DTYPE_NAMES,
     "kl.estimator": ESTIMATORS,
     "kl.placement": PLACEMENTS,
+    "kl.reward_mode": KL_REWARD_MODES,
     "kl.is_correction": IS_CORRECTIONS,
     "kl.controller": CONTROLLERS,
     "kl.kl_measure": KL_MEASURES,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from klgrpo.backends.lora import apply_lora, parameter_bytes
 from klgrpo.core.reference import AdapterDisabledReference, FrozenCopyReference
+from klgrpo.train.config import LoraConfig
 
 
 def reference_memory(build_model, cfg: "LoraConfig") -> dict[str, int]:
@@ -28,7 +29,6 @@ def reference_memory(build_model, cfg: "LoraConfig") -> dict[str, int]:
 def _main(argv=None) -> None:
     import argparse
 
-    from klgrpo.train.config import LoraConfig
     from klgrpo.apps.demo.model import build_tiny_model
 
     ap = argparse.ArgumentParser(description="policy + reference parameter memory, frozen copy vs LoRA")

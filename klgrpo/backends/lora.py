@@ -12,20 +12,17 @@ have). Here the synced reference is base + reference adapter, so a sync costs on
 
 from __future__ import annotations
 
-import copy
 import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from klgrpo.errors import ConfigError
 
 if TYPE_CHECKING:
     from klgrpo.train.config import LoraConfig
-    from klgrpo.core.rollout import RolloutBatch
 
 #: Name of the frozen second adapter that holds the synced reference; also its folder in a checkpoint
 #: (peft's own save_pretrained writes non-default adapters to <folder>/<name>/, the same place).

@@ -13,6 +13,16 @@ whose rewards are all equal gets A = 0 exactly.
 KL in the reward (docs/kl_math.md): the per-token k1 penalty enters as a reward-to-go with gamma = 1 and no length
 normalisation, A_it = A_i - beta * sum_{t' >= t} kl_it'. It is added AFTER the group normalisation so beta is not
 rescaled by 1/std; with k1 this gives exactly beta * grad KL(pi || ref) of the sequence, on-policy.
+
+The two ``kl.reward_mode`` values (KL_REWARD_MODES):
+
+    reward_to_go     the above (klgrpo's default; :func:`apply_kl_penalty`, applied inside the objective)
+    sequence_score   R_i - beta * sum_t kl_it BEFORE the group normalisation (:func:`kl_penalized_scores`):
+                     verl's and OpenRLHF's KL-in-reward for GRPO. Same expected gradient as reward_to_go before
+                     normalising (the past tokens' KL is uncorrelated with the later scores), but the group std
+                     divides beta too, and the penalty's variance is higher.
+
+In both modes kl_it is the estimator's value at the ROLLOUT policy's log-probs (objective.reward_kl).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import torch
 from torch import Tensor
 
 ADVANTAGE_SCALES = ("group", "batch", "none")
+KL_REWARD_MODES = ("reward_to_go", "sequence_score")
 
 #: Added to the std before dividing (TRL uses 1e-4).
 DEFAULT_STD_EPS = 1e-4
@@ -76,3 +87,9 @@ def reward_to_go(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
 def apply_kl_penalty(advantages_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, coef: float) -> Tensor:
     """Per-token advantages A_it = A_i - coef * reward_to_go(kl)_it, with ``kl_BT`` detached."""
     return (advantages_B.unsqueeze(-1) - coef * reward_to_go(kl_BT.detach(), mask_BT)) * mask_BT.to(kl_BT.dtype)
+
+
+def kl_penalized_scores(rewards_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, coef: float) -> Tensor:
+    """Scores R_i - coef * sum_t kl_it (``kl_BT`` detached): the sequence_score mode, before group_advantages."""
+    seq_kl_B = (kl_BT.detach() * mask_BT.to(kl_BT.dtype)).sum(dim=-1)
+    return rewards_B - coef * seq_kl_B.to(rewards_B.dtype)

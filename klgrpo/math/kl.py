@@ -32,7 +32,9 @@ from klgrpo.math.registry import Registry
 
 #: Default guard for the exponential in k3: the log-ratio is clamped to [-20, 20] before exp(-l).
 #: exp(20) = 4.9e8 is finite in float32, bfloat16 and float16; exp(100) is not (float32 overflows at 88.7).
-#: Clamped tokens get zero gradient from the KL term; count them with :func:`clamp_fraction`.
+#: The estimators here only clamp the value (k3_st's straight-through gradient is that of the UNclamped k2);
+#: the objective (objective.kl_penalty_terms) gives every token with |l| > clamp zero KL-term gradient, for
+#: every estimator and importance correction. Count those tokens with :func:`clamp_fraction`.
 DEFAULT_LOG_RATIO_CLAMP = 20.0
 
 #: Where the KL penalty enters the objective.
@@ -42,6 +44,9 @@ PLACEMENTS = ("loss", "reward", "both")
 #: ``use_bias_correction_kl``); ``off_policy_detached``: w detached (the classic bug for k3);
 #: ``off_policy_none``: no weight at all.
 SAMPLINGS = ("on_policy", "off_policy_in_graph", "off_policy_detached", "off_policy_none")
+#: The first PPO epoch of a trainer that applies ``is_correction`` (pi_old == pi numerically, w = 1 in value):
+#: token level only; loss rows equal the off-policy rows, reward rows the on-policy ones, "both" is declared.
+FIRST_EPOCH_SAMPLINGS = ("first_epoch_in_graph", "first_epoch_detached")
 #: What an expected gradient equals.
 GRADIENT_TARGETS = ("reverse", "forward", "zero", "neither")
 
@@ -91,7 +96,10 @@ def k1_st(l: Tensor, clamp: float | None = None) -> Tensor:
 
 
 def k3_st(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
-    """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL."""
+    """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL.
+
+    Beyond the clamp the value is clamped but this function's gradient is still l (that of the unclamped k2);
+    the objective zeroes the KL gradient of such tokens (objective.kl_penalty_terms)."""
     return _straight_through(k3(l, clamp), k2(l))
 
 
@@ -119,30 +127,36 @@ class Estimator:
         return self.gradients[(level, placement, sampling)]
 
 
-def _table(token: dict[tuple[str, str], str], sequence: dict[tuple[str, str], str]) -> dict:
-    """Fill the full (level, placement, sampling) table; unspecified entries are "neither"."""
+def _table(token: dict[tuple[str, str], str], sequence: dict[tuple[str, str], str],
+           first_epoch_both: dict[str, str] | None = None) -> dict:
+    """Fill the full (level, placement, sampling) table; unspecified entries are "neither".
+
+    ``first_epoch_both`` maps a correction ("in_graph", "detached") to the token-level "both" target on the
+    first epoch (mu = pi: the reward part is on-policy, the loss part off-policy; their sum is declared)."""
     table = {}
     for level, given in (("token", token), ("sequence", sequence)):
         for placement in PLACEMENTS:
             for sampling in SAMPLINGS:
                 table[(level, placement, sampling)] = given.get((placement, sampling), "neither")
+    for correction in ("in_graph", "detached"):
+        first = f"first_epoch_{correction}"
+        table[("token", "loss", first)] = table[("token", "loss", f"off_policy_{correction}")]
+        table[("token", "reward", first)] = table[("token", "reward", "on_policy")]
+        table[("token", "both", first)] = (first_epoch_both or {}).get(correction, "neither")
     return table
 
 
 # The declarations below follow from E_pi[grad penalty] = E_pi[f(l) s] with f read off each formula:
 # f = l -> reverse; f = 1 - exp(-l) -> forward; f constant -> zero (E_pi[s] = 0). With w = pi/mu in the
 # graph, E_mu[grad(w k)] = E_pi[(k + k') s]; detached w gives E_pi[k' s]; no weight gives E_mu[k' s].
-# A reward-placed value k contributes E_pi[k s] (REINFORCE through the advantage; the PPO ratio is the
-# importance weight, so the off-policy in-graph and detached variants equal the on-policy one).
+# A reward-placed value contributes E_pi[k(l_mu) s]: the trainer evaluates it at the ROLLOUT policy mu (a fixed
+# reward of the sampled sequence; the PPO ratio is the importance weight). On-policy (and on the first epoch)
+# mu = pi and it is E_pi[k s]; off-policy it is neither KL's gradient (for k1: grad KL(pi||ref) - grad KL(pi||mu)).
 ESTIMATORS: Registry[Estimator] = Registry("KL estimator")
-
-_REWARD_OFF = ("off_policy_in_graph", "off_policy_detached")
 
 
 def _reward_rows(target: str) -> dict:
-    rows = {("reward", "on_policy"): target}
-    rows.update({("reward", s): target for s in _REWARD_OFF})
-    return rows
+    return {("reward", "on_policy"): target}
 
 
 ESTIMATORS.register("k1", Estimator(
@@ -150,9 +164,10 @@ ESTIMATORS.register("k1", Estimator(
     gradients=_table(
         token={("loss", "on_policy"): "zero", ("loss", "off_policy_detached"): "zero",
                ("loss", "off_policy_in_graph"): "reverse", **_reward_rows("reverse"),
-               ("both", "on_policy"): "reverse", ("both", "off_policy_detached"): "reverse"},
+               ("both", "on_policy"): "reverse"},
         sequence={("loss", "on_policy"): "zero", ("loss", "off_policy_detached"): "zero",
                   ("reward", "on_policy"): "reverse", ("both", "on_policy"): "reverse"},
+        first_epoch_both={"detached": "reverse"},   # 0 (k1 loss, sg(w)) + E[l s] (reward)
     ),
     summary="log-ratio; unbiased value, high variance; as a loss its gradient is pure noise",
 ))
@@ -169,8 +184,9 @@ ESTIMATORS.register("k3", Estimator(
     gradients=_table(
         token={("loss", "on_policy"): "forward", ("loss", "off_policy_detached"): "forward",
                ("loss", "off_policy_in_graph"): "reverse",
-               ("both", "on_policy"): "reverse", ("both", "off_policy_detached"): "reverse"},
+               ("both", "on_policy"): "reverse"},
         sequence={("both", "on_policy"): "reverse"},
+        first_epoch_both={"detached": "reverse"},   # E[(1 - r) s] (loss, sg(w)) + E[k3 s] (reward) = E[l s]
     ),
     summary="exp(-l)+l-1 (TRL/GRPO's formula); unbiased low-variance value; FORWARD-KL gradient as a loss",
 ))

@@ -4,9 +4,13 @@ Clipped surrogate with ratio rho_t = pi(y_t) / pi_old(y_t) and advantages A (per
 
     loss_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
 
-eps_high > eps_low is DAPO's clip-higher. ``POLICY_LOSSES`` names the surrogates a config can pick
-(``loss.policy_loss``), each with the signature ``(logp_BT, old_logp_BT, advantages, mask_BT, eps_low,
-eps_high) -> SurrogateOut``:
+eps_high > eps_low is DAPO's clip-higher. Two optional guards for stale samples (None: off):
+
+    delta      rho_t in the unclipped branch is capped at delta (TRL's two-sided clip, ``GRPOConfig.delta``)
+    dual_clip  where A_t < 0, loss_t = min(loss_t, -dual_clip * A_t) (verl's ``clip_ratio_c``)
+
+The registry ``POLICY_LOSSES`` names the surrogates a config can pick (``loss.policy_loss``); the guards apply
+to ppo_clip only:
 
     ppo_clip  the clipped surrogate above (default)
     gspo      sequence ratio s_i = exp(mean_t (log pi - log pi_old)) over the sequence's tokens, clipped at
@@ -19,7 +23,9 @@ eps_high) -> SurrogateOut``:
               (MiniMax-M1, 2025). The clip applies whatever the sign of A.
 
 Every surrogate reports the per-token ratio pi / pi_old in ``ratio_BT`` (the KL term's importance weight
-reads it), not GSPO's sequence ratio. The KL term with samples from pi_old (docs/kl_math.md):
+reads it), not GSPO's sequence ratio.
+
+The KL term with samples from pi_old (docs/kl_math.md; built in objective.kl_penalty_terms):
 
     is_correction  term                           expected gradient (k3)
     in_graph       w_t * k(l_t), w = pi/pi_old    reverse KL (DeepSeek-V3.2, TRL use_bias_correction_kl)
@@ -37,7 +43,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, kl_estimate
 from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 from klgrpo.math.registry import Registry
 
@@ -71,15 +76,21 @@ def clipped_surrogate(
     advantages: Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    *,
+    delta: float | None = None,
+    dual_clip: float | None = None,
 ) -> SurrogateOut:
-    """Per-token PPO loss; ``advantages`` is [B] (broadcast over tokens) or [B, T]."""
+    """Per-token PPO loss; ``advantages`` is [B] (broadcast over tokens) or [B, T]. ``ratio_BT`` is the
+    uncapped rho (``delta`` caps only the surrogate's unclipped branch)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     ratio = _ratio(logp_BT, old_logp_BT)
     advantages = advantages.to(ratio.dtype)
-    unclipped = ratio * advantages
+    unclipped = (ratio if delta is None else ratio.clamp(max=delta)) * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
     with torch.no_grad():
         low = (ratio < 1.0 - eps_low) & (advantages < 0)
         high = (ratio > 1.0 + eps_high) & (advantages > 0)
@@ -132,8 +143,8 @@ def cispo_surrogate(
 
 
 def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor, eps_low: float = 0.2,
-              eps_high: float = 0.2) -> SurrogateOut:
-    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high)
+              eps_high: float = 0.2, *, delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
+    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
 
 
 #: ``loss.policy_loss`` name -> surrogate; the names are POLICY_LOSS_NAMES (the config's choices).
@@ -150,23 +161,3 @@ def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) 
         return torch.ones_like(logp_BT, dtype=_compute_dtype(logp_BT))
     w = _ratio(logp_BT, old_logp_BT)
     return w.detach() if is_correction == "detached" else w
-
-
-def kl_loss_term(
-    logp_BT: Tensor,
-    ref_logp_BT: Tensor,
-    estimator: str = "k3",
-    old_logp_BT: Tensor | None = None,
-    is_correction: str = "in_graph",
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
-) -> tuple[Tensor, Tensor]:
-    """Per-token KL loss term (before beta and shaping) and its raw estimate.
-
-    Returns ``(term_BT, kl_BT)``: ``kl_BT`` is the estimator's value at the current policy (in the graph);
-    ``term_BT`` multiplies it by the importance weight w = pi/pi_old per ``is_correction``
-    (w = 1 when ``old_logp_BT`` is None, the on-policy case).
-    """
-    kl_BT = kl_estimate(logp_BT, ref_logp_BT, estimator, clamp=clamp)
-    if old_logp_BT is None:
-        return kl_BT, kl_BT
-    return importance_weight(logp_BT, old_logp_BT, is_correction) * kl_BT, kl_BT

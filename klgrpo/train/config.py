@@ -21,7 +21,7 @@ import yaml
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.errors import ConfigError
-from klgrpo.math.advantages import ADVANTAGE_SCALES
+from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
@@ -136,6 +136,9 @@ class KLConfig:
     estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each)", Names(ESTIMATORS))
     placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
                         Names(PLACEMENTS))
+    reward_mode: str = _f("reward_to_go", "KL in the reward: reward_to_go (per token, after the group "
+                                          "normalisation) or sequence_score (beta * sum of the sequence's KL "
+                                          "subtracted from its score before it: verl, OpenRLHF)", Names(KL_REWARD_MODES))
     is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
                             Names(IS_CORRECTIONS))
@@ -153,7 +156,8 @@ class KLConfig:
     shaping: str = _f("none", "shape the per-token KL before beta multiplies it", Names(SHAPINGS))
     clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token")
     shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
-    log_ratio_clamp: float = _f(20.0, "k3 guard: |log pi - log ref| is clamped to this before exp (0: off)")
+    log_ratio_clamp: float = _f(20.0, "guard: |log pi - log ref| is clamped to this before k3's exp, and tokens "
+                                      "beyond it get zero KL gradient (0: off; refused for k3 and k3_st)")
     reference: str = _f("", "reference model: empty = a frozen copy of the initial policy; else a folder or "
                             "hub name")
     sync_every: int = _f(0, "reset the reference towards the policy every N steps (0: never)")
@@ -168,6 +172,9 @@ class LossConfig:
     aggregation: str = _f("token_mean", "how per-token terms become one loss", Names(AGGREGATIONS))
     eps_low: float = _f(0.2, "PPO clip: ratio >= 1 - eps_low")
     eps_high: float = _f(0.2, "PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO's clip-higher)")
+    delta: float = _f(0.0, "cap on the ratio in the unclipped PPO branch (TRL's two-sided clip `delta`; 0: off)")
+    dual_clip: float = _f(0.0, "dual clip: for A < 0 the loss is at most -dual_clip * A (verl's clip_ratio_c, "
+                               "3 there; 0: off)")
     advantage_scale: str = _f("group", "divide centred rewards by the group std, the batch std, or nothing",
                               Names(ADVANTAGE_SCALES))
     std_eps: float = _f(1e-4, "added to the std before dividing")

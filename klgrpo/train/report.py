@@ -17,8 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from klgrpo.errors import KLGRPOError
-from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
+from klgrpo.train.metrics import SUMMARY_FILE, read_metrics
 
 PLOTS_DIR = "plots"
 

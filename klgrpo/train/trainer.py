@@ -27,10 +27,10 @@ from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
 from klgrpo.errors import ConfigError
 from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
-from klgrpo.math.advantages import group_advantages
+from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import KLObservation, build_controller
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from klgrpo.core.forward import completion_logprobs
@@ -149,7 +149,7 @@ class GRPOTrainer:
         k = self.cfg.kl
         return KLTerm(coef=self.controller.value, estimator=k.estimator, placement=k.placement,
                       is_correction=k.is_correction, shaping=k.shaping, clip_threshold=k.clip_threshold,
-                      shaping_target=k.shaping_target, clamp=k.log_ratio_clamp or None)
+                      shaping_target=k.shaping_target, clamp=k.log_ratio_clamp or None, reward_mode=k.reward_mode)
 
     def _micro_slices(self, n: int):
         size = self.cfg.train.micro_batch_size or n
@@ -170,9 +170,6 @@ class GRPOTrainer:
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
         rewards = result.total.to(self.device)
-        all_rewards = self.dist.gather(rewards)  # groups never straddle ranks; "batch" scale needs them all
-        advantages = group_advantages(all_rewards, cfg.rollout.group_size, cfg.loss.advantage_scale,
-                                      cfg.loss.std_eps, cfg.loss.std_ddof)[self.dist.local_slice(all_rewards.numel())]
         loss_mask = rollout.completion_mask
         if cfg.rollout.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
@@ -180,12 +177,25 @@ class GRPOTrainer:
         with _timed(timings, "time/reference"):
             if self.reference is not None:
                 ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
+        scores, kl = rewards, self._kl_term()
+        if ref_logp is not None and kl.in_reward and kl.reward_mode == "sequence_score" and kl.coef > 0:
+            old_logp = self._rollout_logprobs(rollout)  # pi_old: the KL must be in the score before normalising
+            scores = kl_penalized_scores(rewards, reward_kl(old_logp, ref_logp, kl), loss_mask, kl.coef)
+        all_scores = self.dist.gather(scores)  # groups never straddle ranks; "batch" scale needs them all
+        advantages = group_advantages(all_scores, cfg.rollout.group_size, cfg.loss.advantage_scale,
+                                      cfg.loss.std_eps, cfg.loss.std_ddof)[self.dist.local_slice(all_scores.numel())]
         return StepBatch(rollout=rollout, rewards=rewards, reward_columns=result.per_function,
                          advantages=advantages, loss_mask=loss_mask,
-                         normalizer=Normalizer(num_sequences=float(all_rewards.numel()),
+                         normalizer=Normalizer(num_sequences=float(all_scores.numel()),
                                                num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
                                                max_len=float(cfg.rollout.max_new_tokens)),
                          ref_logp=ref_logp, old_logp=old_logp, timings=timings)
+
+    def _rollout_logprobs(self, rollout) -> torch.Tensor:
+        """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
+        with torch.no_grad():
+            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl)[0]
+                              for sl in self._micro_slices(rollout.size)])
 
     def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
         """Forward/backward over micro-batches; the loss is normalised globally, so .grad is the full-batch
@@ -203,7 +213,8 @@ class GRPOTrainer:
             with torch.set_grad_enabled(self.loss_fn is None):  # with a custom loss: only its metrics
                 out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
                                      cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
-                                     policy_loss=cfg.loss.policy_loss)
+                                     policy_loss=cfg.loss.policy_loss, delta=cfg.loss.delta or None,
+                                     dual_clip=cfg.loss.dual_clip or None)
             loss = out.loss
             if self.loss_fn is not None:
                 loss, custom = call_loss(self.loss_fn, LossInput(

@@ -15,16 +15,17 @@ def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int
     """The sampling row of docs/kl_math.md that a trainer configuration realises for the KL loss term.
 
     With w in the graph the term is w * k even on the first (on-policy) iteration, where w = 1 in value but
-    carries the score; ``detached`` then equals the on-policy row; ``none`` is on-policy only while
-    num_iterations == 1.
+    carries the score: the first_epoch rows; ``none`` is on-policy only while num_iterations == 1. KL in the
+    reward is read at the rollout policy, which is the current one on the first iteration (the reward rows
+    describe that; later iterations get their own warning).
     """
     if placement == "reward":
         return "on_policy"  # the PPO ratio is the importance weight of the advantage
-    if is_correction == "in_graph":
-        return "off_policy_in_graph"
-    if is_correction == "detached":
-        return "off_policy_detached"
-    return "on_policy" if num_iterations == 1 else "off_policy_none"
+    if is_correction == "none":
+        return "on_policy" if num_iterations == 1 else "off_policy_none"
+    if num_iterations == 1:
+        return f"first_epoch_{is_correction}"
+    return f"off_policy_{is_correction}"
 
 
 def kl_gradient_target(cfg: "GRPOConfig") -> str:
@@ -73,7 +74,15 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
     need(loss.eps_low >= 0 and loss.eps_high >= 0, "loss.eps_low and loss.eps_high must be >= 0")
     need(loss.std_ddof in (0, 1), "loss.std_ddof must be 0 (population std) or 1 (sample std)")
     need(k.coef >= 0, "kl.coef must be >= 0")
-    need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the k3 guard off)")
+    need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the guard off)")
+    need(k.log_ratio_clamp > 0 or not ESTIMATORS[k.estimator].uses_clamp,
+         f"kl.log_ratio_clamp=0 lets kl.estimator={k.estimator}'s exp(-l) overflow to inf: set kl.log_ratio_clamp "
+         f"to a positive value (default 20)")
+    need(loss.delta == 0 or loss.delta > 1, "loss.delta must be > 1 (TRL recommends > 1 + eps_high), or 0 for off")
+    need(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip must be > 1 (verl uses 3), or 0 for off")
+    need(loss.policy_loss == "ppo_clip" or not (loss.delta or loss.dual_clip),
+         f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
+         f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
     if k.controller in ("adaptive", "step", "dual"):
         need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
         need(k.coef > 0, f"kl.controller={k.controller} multiplies beta: set kl.coef > 0 as its starting value")
@@ -103,8 +112,16 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
                 f"kl.estimator={k.estimator} with kl.placement={k.placement} and kl.is_correction={k.is_correction}"
                 f" (num_iterations={t.num_iterations}) has an expected gradient that follows "
                 f"{'the FORWARD KL(ref||pi)' if target == 'forward' else target!r}, not the reverse KL(pi||ref) "
-                f"(see `klgrpo verify-kl`); for the reverse KL use kl.estimator=k3_st or k2, or "
-                f"kl.estimator=k3 with kl.is_correction=in_graph, or k1 with kl.placement=reward")
+                f"(see `klgrpo verify-kl`); for the reverse KL use kl.estimator=k3_st or k2 (with "
+                f"kl.is_correction=detached), kl.estimator=k3 with kl.is_correction=in_graph (TRL's default, "
+                f"use_bias_correction_kl=True), or k1 with kl.placement=reward")
+    if (k.coef > 0 or k.controller != "fixed") and k.placement in ("reward", "both") and t.num_iterations > 1:
+        warnings.append(
+            f"kl.placement={k.placement} with train.num_iterations={t.num_iterations}: the reward KL is the "
+            f"estimator's value at the ROLLOUT policy, fixed for all {t.num_iterations} updates of a batch; from the "
+            f"second update on the policy has moved, so the reward penalty's gradient is no longer that of "
+            f"KL(pi||ref) (for k1 it is off by grad KL(pi||pi_old)), and kl metrics of later updates still read "
+            f"the rollout's KL in the reward; use num_iterations=1 or kl.placement=loss for the exact gradient")
     if k.shaping == "clip" and k.estimator in ("k1", "k1_st"):
         warnings.append("kl.shaping=clip on a signed estimator clips only from above; negative k1 values pass")
     return warnings

@@ -1,10 +1,10 @@
 """Exact oracles for the KL machinery, shared by ``klgrpo verify-kl`` and the test suite.
 
-Everything is float64 and exact by enumeration, built from the library's own functions (``kl_estimate``,
-``kl_loss_term``, ``apply_kl_penalty``, ``clipped_surrogate``, ``aggregate``), so the command and the tests
-check the code paths the trainer runs, against the ground truth of docs/kl_math.md.
+Everything is float64 and exact by enumeration; the penalty is the trainer's own loss
+(``klgrpo.math.objective.grpo_objective`` with task advantages 0), so the command and the tests check the code
+the trainer runs, against the ground truth of docs/kl_math.md.
 
-    penalty      penalty_objective (the penalty as the library builds it), classify_gradient
+    penalty      penalty_objective (grpo_objective reduced to its KL penalty), classify_gradient
     categorical  level "token": one draw from K = 6 outcomes; values, per-sample gradients, gradient table
     sequence_toy level "sequence": {a, b, EOS}, length <= 4, 45 parameters, 31 sequences
     montecarlo   sampled estimates land within z* standard errors of the exact answers

@@ -103,13 +103,15 @@ def kl_values_and_gradients(problem: CategoricalProblem) -> dict[str, Tensor | f
 
 
 def expected_gradient(problem: CategoricalProblem, estimator: str, placement: str, sampling: str,
-                      clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
-    """E_q[grad L(y)] of the penalty surrogate, exactly: autograd of sum_y q(y).detach() L(y)."""
+                      clamp: float | None = DEFAULT_LOG_RATIO_CLAMP, **options) -> Tensor:
+    """E_q[grad L(y)] of the penalty surrogate, exactly: autograd of sum_y q(y).detach() L(y).
+
+    ``options`` go to :func:`penalty_objective` (reward_mode, delta, dual_clip, eps)."""
     theta = problem.theta()
     b = batch(problem, theta)
     weights = b["pi_B"] if sampling == "on_policy" else b["mu_B"]
     objective = penalty_objective(b["logp_BT"], b["ref_logp_BT"], b["mask_BT"], weights, estimator, placement,
-                                  sampling, mu_logp_BT=b["mu_logp_BT"], clamp=clamp)
+                                  sampling, mu_logp_BT=b["mu_logp_BT"], clamp=clamp, **options)
     return flat_grad(objective, theta)
 
 

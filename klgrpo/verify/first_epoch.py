@@ -5,8 +5,9 @@ first (often only) epoch, w = pi / pi_old = 1 in value, yet with ``in_graph`` th
 E_pi[k s] to the gradient: k3 becomes reverse, k3_st and k2 become "neither". These rows rerun the
 off-policy samplings with mu = pi exactly:
 
-    token level     the declared off_policy_in_graph / off_policy_detached rows hold for every mu,
-                    so they must hold for mu = pi too (checked)
+    token level     the registry's first_epoch_<correction> declarations (checked): the loss rows are the
+                    off-policy rows (they hold for every mu, so for mu = pi too), the reward part is on-policy
+                    (the reward KL is read at pi_old = pi), "both" is declared per estimator
     sequence level  detached: sg(w) = 1, identical to the on_policy row (checked);
                     in_graph: no declaration ("n/a"), shown for information
 """
@@ -38,7 +39,7 @@ def first_epoch_rows(cat: categorical.CategoricalProblem, toy: sequence_toy.ToyP
                     g = module.expected_gradient(problem, name, placement, sampling)
                     found = classify_gradient(g, kl["grad_reverse"], kl["grad_forward"], rtol)
                     if level == "token":
-                        declared = est.gradient_target(placement, sampling, "token")
+                        declared = est.gradient_target(placement, f"first_epoch_{correction}", "token")
                     elif correction == "detached":
                         declared = est.gradient_target(placement, "on_policy", "sequence")
                     else:

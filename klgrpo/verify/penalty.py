@@ -1,26 +1,31 @@
-"""The KL penalty as the library builds it, and the classification of its expected gradient.
+"""The KL penalty as the TRAINER builds it, and the classification of its expected gradient.
 
-One function, :func:`penalty_objective`, assembles the penalty from the library's own pieces
-(``kl_loss_term``/``importance_weight`` for the loss placement, ``kl_estimate`` -> ``apply_kl_penalty`` ->
-``clipped_surrogate`` for the reward placement, ``aggregate`` for the reduction). The categorical check
-(one token, T = 1), the sequence toy, the Monte Carlo check and the optimum search all call it, so they
-cannot disagree about what "k3 in the loss with w detached" means.
+:func:`penalty_objective` calls the trainer's own loss, :func:`klgrpo.math.objective.grpo_objective`, with
+task advantages 0 and beta 1, so the only thing left in the loss is the KL penalty (in the loss, in the reward,
+or both), built by the objective's single KL implementation (``kl_penalty_terms`` for the loss term,
+``reward_kl`` for the reward value). The categorical check (one token, T = 1), the sequence toy, the Monte
+Carlo check and the optimum search all go through it: a bug planted in the objective's KL term fails them.
 
 Exact expected gradient (docs/kl_math.md, "Exact tests"): with ``weights_B = q(y).detach()`` over every outcome y
-(q = pi on-policy, q = mu = pi_old off-policy), autograd of ``sum_y q(y) L(y)`` is E_q[grad L(y)] exactly.
+(q = pi on-policy, q = mu = pi_old off-policy), passed as grpo_objective's ``row_weights_B``, autograd of
+``sum_y q(y) L(y)`` is E_q[grad L(y)] exactly.
 
-Samplings (what ``old_logp`` the library receives):
+Samplings: what grpo_objective receives as ``old_logp`` (the rollout policy) and ``kl.is_correction``:
 
-    sampling              loss placement: KL term            reward placement: PPO ratio
-    on_policy             no weight (old_logp=None)          pi / sg(pi) (= 1, gradient = score)
-    off_policy_in_graph   w = pi/mu in the graph             pi / mu
-    off_policy_detached   sg(w) = sg(pi/mu)                  pi / mu  (the PPO ratio is always in the graph)
-    off_policy_none       no weight                          pi / sg(pi): stale samples used as if on-policy
+    sampling              old_logp     is_correction   loss placement          reward placement
+    on_policy             sg(logp)     none            k(l), no weight         PPO ratio pi/sg(pi)
+    off_policy_in_graph   mu           in_graph        w k(l), w = pi/mu       PPO ratio pi/mu
+    off_policy_detached   mu           detached        sg(w) k(l)              PPO ratio pi/mu
+    off_policy_none       mu           none            k(l), no weight         PPO ratio pi/mu
 
-The reward-placed value is the estimator evaluated at the current policy (``kl_estimate(logp, ref_logp)``,
-detached by ``apply_kl_penalty``). A trainer that freezes it at the rollout policy mu for later PPO epochs
-gets E_pi[k(l_mu) s] instead; for k1 that is the exact gradient minus grad KL(pi||mu), which vanishes at
-pi = mu (the first epoch, where both coincide) and grows with the distance between pi and mu.
+The reward-placed value is k at the ROLLOUT policy's log-probs, k(l_mu) (objective.reward_kl), exactly as in
+training: every PPO epoch sees the KL of the sampled sequence as a fixed reward. Its expected gradient is
+E_pi[k(l_mu) s]: the on-policy one at pi = mu (the first epoch), neither KL's off-policy (for k1, the exact
+gradient minus grad KL(pi||mu)).
+
+``reward_mode`` "sequence_score" puts beta * sum_t k(l_mu)_t into the sequence's score instead
+(advantages.kl_penalized_scores, as the trainer does before group_advantages); the oracle skips the group
+normalisation (a large group's mean is a baseline with zero expected gradient; its std would rescale beta).
 """
 
 from __future__ import annotations
@@ -32,13 +37,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from klgrpo.math.advantages import apply_kl_penalty
-from klgrpo.math.aggregation import Normalizer, aggregate
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS, kl_estimate
-from klgrpo.math.policy_loss import clipped_surrogate, kl_loss_term
+from klgrpo.math.advantages import kl_penalized_scores
+from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS
+from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 
-#: eps_low = eps_high for the reward-placement surrogate: the clip never binds, so the PPO loss is the plain
-#: ratio-weighted policy gradient whose expectation the oracle computes.
+#: eps_low = eps_high for the surrogate: the clip never binds, so the PPO loss is the plain ratio-weighted
+#: policy gradient whose expectation the oracle computes.
 WIDE_CLIP = 1e9
 
 #: Relative tolerance of the gradient classification, as a fraction of ||grad KL(pi||ref)||. The oracle is
@@ -46,6 +51,7 @@ WIDE_CLIP = 1e9
 GRADIENT_RTOL = 1e-9
 
 _IS_CORRECTION = {
+    "on_policy": "none",
     "off_policy_in_graph": "in_graph",
     "off_policy_detached": "detached",
     "off_policy_none": "none",
@@ -63,43 +69,39 @@ def penalty_objective(
     mu_logp_BT: Tensor | None = None,
     aggregation: str = "seq_mean_token_sum",
     clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
+    *,
+    reward_mode: str = "reward_to_go",
+    delta: float | None = None,
+    dual_clip: float | None = None,
+    eps: float = WIDE_CLIP,
 ) -> Tensor:
-    """sum_b weights_b * (penalty surrogate of sequence b), built with the library's functions.
+    """sum_b weights_b * (penalty surrogate of sequence b), computed by the trainer's ``grpo_objective``.
 
-    ``logp_BT`` carries the gradient; ``weights_B`` (detached here) are the sampling probabilities of the
-    rows for the exact expectation, or 1/N for N drawn samples. The aggregation counts are those of one
-    expected sequence: G = 1, sum_i n_i = E_q[n] (so ``token_mean`` is the large-batch limit), L_max = T.
+    ``logp_BT`` carries the gradient; ``weights_B`` (detached) are the sampling probabilities of the rows for
+    the exact expectation, or 1/N for N drawn samples. The aggregation counts are those of one expected
+    sequence: G = 1, sum_i n_i = E_q[n] (so ``token_mean`` is the large-batch limit), L_max = T.
     """
-    if placement not in ("loss", "reward", "both"):
-        raise KeyError(f"unknown placement {placement!r}; choose one of: loss, reward, both")
-    if sampling != "on_policy" and sampling not in _IS_CORRECTION:
-        raise KeyError(f"unknown sampling {sampling!r}; choose one of: on_policy, {', '.join(_IS_CORRECTION)}")
+    if placement not in PLACEMENTS:
+        raise KeyError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
+    if sampling not in _IS_CORRECTION:
+        raise KeyError(f"unknown sampling {sampling!r}; choose one of: {', '.join(_IS_CORRECTION)}")
     if sampling != "on_policy" and mu_logp_BT is None:
         raise ValueError(f"sampling {sampling!r} needs mu_logp_BT (the rollout policy's log-probs)")
     weights_B = weights_B.detach()
-    w_B1 = weights_B.unsqueeze(-1)
     norm = Normalizer(
         num_sequences=1.0,
         num_tokens=(weights_B * mask_BT.to(weights_B.dtype).sum(-1)).sum(),
         max_len=float(mask_BT.shape[-1]),
     )
-    total = torch.zeros((), dtype=logp_BT.dtype)
-    if placement in ("loss", "both"):
-        if sampling == "on_policy":
-            term_BT, _ = kl_loss_term(logp_BT, ref_logp_BT, estimator, clamp=clamp)
-        else:
-            term_BT, _ = kl_loss_term(logp_BT, ref_logp_BT, estimator, old_logp_BT=mu_logp_BT,
-                                      is_correction=_IS_CORRECTION[sampling], clamp=clamp)
-        total = total + aggregate(term_BT * w_B1, mask_BT, aggregation, norm)
-    if placement in ("reward", "both"):
-        kl_BT = kl_estimate(logp_BT, ref_logp_BT, estimator, clamp=clamp)
-        # Task advantages 0: only the penalty. A_it = -coef * sum_{t' >= t} k_it' (k detached inside).
-        advantages_BT = apply_kl_penalty(torch.zeros_like(weights_B), kl_BT, mask_BT, coef=1.0)
-        old_BT = mu_logp_BT if sampling in ("off_policy_in_graph", "off_policy_detached") else logp_BT.detach()
-        surrogate_BT = clipped_surrogate(logp_BT, old_BT, advantages_BT, eps_low=WIDE_CLIP,
-                                         eps_high=WIDE_CLIP).loss_BT
-        total = total + aggregate(surrogate_BT * w_B1, mask_BT, aggregation, norm)
-    return total
+    old_logp_BT = logp_BT.detach() if sampling == "on_policy" else mu_logp_BT
+    kl = KLTerm(coef=1.0, estimator=estimator, placement=placement, is_correction=_IS_CORRECTION[sampling],
+                clamp=clamp, reward_mode=reward_mode)
+    advantages_B = torch.zeros_like(weights_B)  # task advantages 0: only the penalty is left
+    if kl.in_reward and reward_mode == "sequence_score":
+        advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
+    out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl, aggregation, norm, eps, eps,
+                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B, metrics=False)
+    return out.loss
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.verify import categorical, montecarlo, optimum, sequence_toy
 from klgrpo.verify.first_epoch import first_epoch_rows
+from klgrpo.verify.migration import MigrationCheck, migration_rows
 from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck
 
 #: The per-sample gradient formula must match autograd to this absolute error (float64).
@@ -32,6 +33,7 @@ def torch_threads(n: int = 1):
 class VerifyReport:
     rows: list[GradientCheck] = field(default_factory=list)
     first_epoch: list[GradientCheck] = field(default_factory=list)
+    migration: list[MigrationCheck] = field(default_factory=list)
     values: list[dict] = field(default_factory=list)
     monte_carlo: list[montecarlo.MonteCarloCheck] = field(default_factory=list)
     optimum: list[optimum.OptimumResult] = field(default_factory=list)
@@ -39,13 +41,15 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return all(x.passed for x in self.rows + self.first_epoch + self.monte_carlo + self.optimum) and all(
+        return all(x.passed for x in self.rows + self.first_epoch + self.migration + self.monte_carlo
+                   + self.optimum) and all(
             v["passed"] for v in self.values)
 
     def as_dict(self) -> dict:
         return {
             "rows": [r.as_dict() for r in self.rows],
             "first_epoch": [r.as_dict() for r in self.first_epoch],
+            "migration": [r.as_dict() for r in self.migration],
             "values": self.values,
             "monte_carlo": [m.as_dict() for m in self.monte_carlo],
             "optimum": [o.as_dict() for o in self.optimum],
@@ -82,6 +86,7 @@ def run_all(samples: int = montecarlo.DEFAULT_SAMPLES, seed: int = 0, monte_carl
         report.values = value_checks(cat, toy)
         report.rows = categorical.gradient_rows(cat) + sequence_toy.gradient_rows(toy)
         report.first_epoch = first_epoch_rows(cat, toy)
+        report.migration = migration_rows(cat, toy)
         t1 = time.perf_counter()
         report.seconds["exact"] = t1 - t0
         if monte_carlo:
@@ -121,7 +126,8 @@ def format_rows(rows: list[GradientCheck], level: str | None, title: str | None 
         head = f"{'level':<8} " + head
     title = title or (f"Expected gradient of the penalty, level {level} ({what.get(level, level)}): reverse = "
                       f"grad KL(pi||ref), forward = grad KL(ref||pi), within {GRADIENT_RTOL:g} x "
-                      f"||grad KL(pi||ref)||")
+                      f"||grad KL(pi||ref)||; computed by the trainer's grpo_objective, the reward KL read at the "
+                      f"rollout policy's log-probs as in training")
     lines = [title, head, "-" * len(head)]
     for r in rows:
         if level is not None and r.level != level:
@@ -136,6 +142,18 @@ def format_rows(rows: list[GradientCheck], level: str | None, title: str | None 
 def _row(r: GradientCheck) -> str:
     return (f"{r.estimator:<9} {r.placement:<9} {r.sampling:<20} {r.gradient_target:<8} {r.declared:<8} "
             f"{_mark(r.passed):<4} {r.cosine_reverse:8.4f} {r.cosine_forward:8.4f} {r.norm_ratio:9.4f}")
+
+
+def format_migration(rows: list[MigrationCheck]) -> str:
+    head = (f"{'setting':<27} {'level':<8} {'estimator':<9} {'placement':<9} {'sampling':<20} {'found':<8} "
+            f"{'declared':<8} {'ok':<4} {'|g|/|rev|':>9}")
+    title = ("Migration settings through the trainer's objective (TRL delta, verl dual clip and sequence-score KL; "
+             "reward KL read at the rollout policy): which KL each expected gradient follows")
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.setting:<27} {r.level:<8} {r.estimator:<9} {r.placement:<9} {r.sampling:<20} "
+                     f"{r.gradient_target:<8} {r.declared:<8} {_mark(r.passed):<4} {r.norm_ratio:9.4f}")
+    return "\n".join(lines)
 
 
 def format_monte_carlo(checks: list[montecarlo.MonteCarloCheck]) -> str:
@@ -175,13 +193,14 @@ def format_optimum(results: list[optimum.OptimumResult]) -> str:
 
 def format_report(report: VerifyReport) -> str:
     first_epoch_title = ("First PPO epoch (pi_old == pi, so w = 1 in value) with kl.is_correction applied: token rows "
-                         "must match the off-policy declarations, sequence/detached the on_policy row; n/a = "
-                         "information only")
+                         "must match the first_epoch declarations (loss: off-policy rows; reward KL at pi_old = pi: "
+                         "on-policy rows), sequence/detached the on_policy row; n/a = information only")
     parts = [format_values(report.values), format_rows(report.rows, "token"), format_rows(report.rows, "sequence"),
-             format_rows(report.first_epoch, None, first_epoch_title),
+             format_rows(report.first_epoch, None, first_epoch_title), format_migration(report.migration),
              format_monte_carlo(report.monte_carlo), format_optimum(report.optimum)]
-    failed = [r for r in report.rows + report.first_epoch if not r.passed]
-    total = (len(report.rows) + len(report.first_epoch) + len(report.values) + len(report.monte_carlo)
+    failed = [r for r in report.rows + report.first_epoch + report.migration if not r.passed]
+    total = (len(report.rows) + len(report.first_epoch) + len(report.migration) + len(report.values)
+             + len(report.monte_carlo)
              + len(report.optimum))
     bad = len(failed) + sum(not v["passed"] for v in report.values) + sum(
         not m.passed for m in report.monte_carlo) + sum(not o.passed for o in report.optimum)

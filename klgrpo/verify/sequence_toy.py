@@ -131,19 +131,21 @@ def kl_values_and_gradients(problem: ToyProblem) -> dict[str, Tensor | float]:
 
 def penalty_at(theta: Tensor, ref_theta: Tensor, estimator: str, placement: str, sampling: str = "on_policy",
                mu_theta: Tensor | None = None, aggregation: str = "seq_mean_token_sum",
-               clamp: float | None = DEFAULT_LOG_RATIO_CLAMP, toy: SequenceToy = TOY) -> Tensor:
-    """The exact expected penalty surrogate over all sequences (its gradient is the expected gradient)."""
+               clamp: float | None = DEFAULT_LOG_RATIO_CLAMP, toy: SequenceToy = TOY, **options) -> Tensor:
+    """The exact expected penalty surrogate over all sequences (its gradient is the expected gradient);
+    ``options`` go to :func:`penalty_objective` (reward_mode, delta, dual_clip, eps)."""
     logp_BT = toy.logp_BT(theta)
     weights = logp_BT.sum(-1).exp() if sampling == "on_policy" else toy.seq_logp(mu_theta).exp()
     mu_logp_BT = None if mu_theta is None else toy.logp_BT(mu_theta)
     return penalty_objective(logp_BT, toy.logp_BT(ref_theta), toy.mask_BT, weights, estimator, placement,
-                             sampling, mu_logp_BT=mu_logp_BT, aggregation=aggregation, clamp=clamp)
+                             sampling, mu_logp_BT=mu_logp_BT, aggregation=aggregation, clamp=clamp, **options)
 
 
 def expected_gradient(problem: ToyProblem, estimator: str, placement: str, sampling: str,
-                      aggregation: str = "seq_mean_token_sum") -> Tensor:
+                      aggregation: str = "seq_mean_token_sum", **options) -> Tensor:
     theta = problem.params()
-    objective = penalty_at(theta, problem.ref_theta, estimator, placement, sampling, problem.mu_theta, aggregation)
+    objective = penalty_at(theta, problem.ref_theta, estimator, placement, sampling, problem.mu_theta, aggregation,
+                           **options)
     return flat_grad(objective, theta)
 
 

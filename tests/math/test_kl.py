@@ -168,12 +168,16 @@ def test_kl_math_token_facts(problem, kl_grads):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("name", NAMES)
 def test_token_declarations_hold_on_the_first_ppo_epoch(problem, kl_grads, name, placement, sampling):
-    """The off-policy declarations hold for every mu, so also for mu = pi (first epoch: w = 1 in value, but
-    an in-graph w still adds E_pi[k s] to the gradient)."""
+    """mu = pi (first epoch: w = 1 in value, but an in-graph w still adds E_pi[k s] to the gradient): the loss
+    rows equal the off-policy declarations (they hold for every mu), the reward rows the on-policy ones (the reward
+    KL is read at pi_old = pi); the registry's first_epoch_<correction> entries say so."""
     same = categorical.CategoricalProblem(problem.logits, problem.ref_logits, mu_logits=problem.logits.clone())
     g = categorical.expected_gradient(same, name, placement, sampling)
     found = classify_gradient(g, kl_grads["grad_reverse"], kl_grads["grad_forward"])["gradient_target"]
-    assert found == ESTIMATORS[name].gradient_target(placement, sampling, "token")
+    first_epoch = sampling.replace("off_policy", "first_epoch")
+    assert found == ESTIMATORS[name].gradient_target(placement, first_epoch, "token")
+    if placement == "loss":
+        assert found == ESTIMATORS[name].gradient_target(placement, sampling, "token")
 
 
 # ---------------------------------------------------------------- numerics

@@ -1,4 +1,4 @@
-"""PPO-clipped surrogate, importance weight and KL loss term (klgrpo/math/policy_loss.py), by hand."""
+"""PPO-clipped surrogate (with delta and dual clip) and importance weight (klgrpo/math/policy_loss.py), by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from klgrpo.math.policy_loss import IS_CORRECTIONS, clipped_surrogate, importance_weight, kl_loss_term
+from klgrpo.math.policy_loss import IS_CORRECTIONS, clipped_surrogate, importance_weight
 
 F64 = torch.float64
 RATIOS = [0.5, 0.75, 1.0, 1.25, 1.5]
@@ -101,42 +101,28 @@ def test_importance_weight_unknown_name():
         importance_weight(torch.zeros(1, 1), torch.zeros(1, 1), "stop_grad")
 
 
-# One token: pi = 0.5, ref = 0.25, pi_old = 0.4 -> l = log 2, r = 1/2, w = 0.5 / 0.4 = 1.25.
-LOG2 = math.log(2.0)
-K_VALUES = {
-    "k1": LOG2,                 # l
-    "k2": 0.5 * LOG2 ** 2,      # l^2 / 2 = 0.2402265
-    "k3": LOG2 - 0.5,           # r - 1 - log r = 1/2 + log 2 - 1 = 0.1931472
-}
-# d k / d logp (= d k / d l): k1: 1; k2: l; k3: 1 - r = 1/2
-K_GRADS = {"k1": 1.0, "k2": LOG2, "k3": 0.5}
+def test_delta_caps_the_unclipped_branch_only():
+    # A = -1, rho = [0.5 .. 1.5], eps 0.2/0.28, delta 1.3: unclipped -min(rho, 1.3)*A... = min over branches:
+    # -min(-min(rho, 1.3), -clip(rho)) = max(min(rho, 1.3), clip(rho)) = [0.8, 0.8, 1, 1.25, 1.3]
+    logp = _logp(RATIOS)
+    out = clipped_surrogate(logp, torch.zeros(1, 5, dtype=F64), torch.tensor([-1.0], dtype=F64), EPS_LOW, EPS_HIGH,
+                            delta=1.3)
+    torch.testing.assert_close(out.loss_BT, torch.tensor([[0.8, 0.8, 1.0, 1.25, 1.3]], dtype=F64), rtol=1e-14, atol=0)
+    torch.testing.assert_close(out.ratio_BT, torch.tensor([RATIOS], dtype=F64), rtol=1e-14, atol=0)  # uncapped
+    out.loss_BT.sum().backward()
+    # gradient d loss / d logp = rho * (-A) on the active unclipped branch (1.25), 0 where clipped or capped
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 1.0, 1.25, 0.0]], dtype=F64), rtol=1e-14, atol=0)
 
 
-@pytest.mark.parametrize("estimator", sorted(K_VALUES))
-@pytest.mark.parametrize("is_correction", IS_CORRECTIONS + ("on_policy",))
-def test_kl_loss_term(estimator, is_correction):
-    logp = torch.tensor([[math.log(0.5)]], dtype=F64, requires_grad=True)
-    ref = torch.tensor([[math.log(0.25)]], dtype=F64)
-    old = torch.tensor([[math.log(0.4)]], dtype=F64)
-    k, dk = K_VALUES[estimator], K_GRADS[estimator]
-    if is_correction == "on_policy":
-        term, kl = kl_loss_term(logp, ref, estimator)
-        w, expected_grad = 1.0, dk
-    else:
-        term, kl = kl_loss_term(logp, ref, estimator, old_logp_BT=old, is_correction=is_correction)
-        w = 1.0 if is_correction == "none" else 1.25
-        # d(w k)/d logp = w k + w k' when w is in the graph (d w / d logp = w), else w k'
-        expected_grad = 1.25 * (k + dk) if is_correction == "in_graph" else w * dk
-    assert float(kl.detach()) == pytest.approx(k, rel=1e-14)
-    assert float(term.detach()) == pytest.approx(w * k, rel=1e-14)
-    (grad,) = torch.autograd.grad(term.sum(), logp)
-    assert float(grad) == pytest.approx(expected_grad, rel=1e-14)
-
-
-def test_in_graph_k3_gradient_is_w_times_l():
-    # k3 + k3' = (e^{-l} + l - 1) + (1 - e^{-l}) = l, so the in-graph term's gradient is w l = 1.25 log 2
-    logp = torch.tensor([[math.log(0.5)]], dtype=F64, requires_grad=True)
-    term, _ = kl_loss_term(logp, torch.tensor([[math.log(0.25)]], dtype=F64), "k3",
-                           old_logp_BT=torch.tensor([[math.log(0.4)]], dtype=F64), is_correction="in_graph")
-    term.sum().backward()
-    assert float(logp.grad) == pytest.approx(1.25 * LOG2, rel=1e-14)  # 0.8664340
+def test_dual_clip_bounds_negative_advantage_loss():
+    # A = -2, rho = [0.5 .. 1.5], dual clip 1.3 -> loss = min(max(2 rho, 2 clip(rho)), 2 * 1.3)
+    #   2 rho = [1, 1.5, 2, 2.5, 3]; 2 clip = [1.6, 1.6, 2, 2.5, 2.56]; max = [1.6, 1.6, 2, 2.5, 3]; min(., 2.6)
+    logp = _logp(RATIOS)
+    out = clipped_surrogate(logp, torch.zeros(1, 5, dtype=F64), torch.tensor([-2.0], dtype=F64), EPS_LOW, EPS_HIGH,
+                            dual_clip=1.3)
+    torch.testing.assert_close(out.loss_BT, torch.tensor([[1.6, 1.6, 2.0, 2.5, 2.6]], dtype=F64), rtol=1e-14, atol=0)
+    # A > 0 is untouched
+    pos = clipped_surrogate(logp, torch.zeros(1, 5, dtype=F64), torch.tensor([2.0], dtype=F64), EPS_LOW, EPS_HIGH,
+                            dual_clip=1.3)
+    ref = clipped_surrogate(logp, torch.zeros(1, 5, dtype=F64), torch.tensor([2.0], dtype=F64), EPS_LOW, EPS_HIGH)
+    torch.testing.assert_close(pos.loss_BT, ref.loss_BT, rtol=0, atol=0)
