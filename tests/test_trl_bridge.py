@@ -303,3 +303,30 @@ def test_resume_with_another_controller_is_refused(model_dir, tmp_path):
 def test_stock_trl_args_are_refused(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="needs args from klgrpo.trl.GRPOConfig"):
         make_trainer(GRPOTrainer, trl.GRPOConfig, model_dir, tmp_path)
+
+
+def test_a_trl_outside_the_supported_range_fails_at_import_in_one_line(monkeypatch):
+    import klgrpo.trl as bridge
+
+    monkeypatch.setattr(bridge.metadata, "version", lambda name: "1.15.2")
+    with pytest.raises(ImportError) as err:
+        bridge._check_trl_version()
+    assert str(err.value) == ('klgrpo.trl supports TRL >=1.16,<1.17 but TRL 1.15.2 is installed; '
+                              'run: pip install "klgrpo[trl]"')
+
+    def missing(name):
+        raise bridge.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(bridge.metadata, "version", missing)
+    with pytest.raises(ImportError, match="but TRL is not installed; run: pip install"):
+        bridge._check_trl_version()
+
+
+def test_the_trl_extra_pins_the_supported_range():
+    import tomllib
+    from pathlib import Path
+
+    from klgrpo.trl import SUPPORTED_TRL
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["trl"] == [f"trl{SUPPORTED_TRL}"]
