@@ -330,3 +330,63 @@ def test_the_trl_extra_pins_the_supported_range():
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["optional-dependencies"]["trl"] == [f"trl{SUPPORTED_TRL}"]
+
+
+# ---- the exact gradient table of docs/trl.md -------------------------------------------------------------------
+
+def test_gradient_table_rows_match_verify_kl_declarations():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "trl_kl_gradients.py"
+    spec = importlib.util.spec_from_file_location("trl_kl_gradients", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    token = {label: script.categorical_gradient(fields)["gradient_target"] for label, fields in script.SETTINGS}
+    assert list(token.values()) == ["reverse", "neither", "neither", "reverse", "forward", "neither", "reverse"]
+    # the k3 rows are what verify-kl declares for the same placement and weight
+    from klgrpo.math.kl import ESTIMATORS
+    assert ESTIMATORS["k3"].gradient_target("loss", "off_policy_in_graph") == token[script.SETTINGS[0][0]]
+    assert ESTIMATORS["k3"].gradient_target("loss", "on_policy") == "forward"
+    assert ESTIMATORS["k3_st"].gradient_target("loss", "off_policy_detached") == token[script.SETTINGS[6][0]]
+
+
+# ---- 2 processes under accelerate launch ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_cpu_processes_under_accelerate_launch_share_one_controller(model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    # `--cpu --num_processes 2` starts ONE process in accelerate 1.15 (multi-CPU needs an MPI hostfile);
+    # `--multi_gpu` with ACCELERATE_USE_CPU=1 goes through torchrun and runs 2 gloo processes on the CPU
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip",
+           "127.0.0.1", "--main_process_port", port, str(root / "tests" / "helpers" / "trl_dist_worker.py"),
+           model_dir, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    kl_keys = ("adaptive_kl/current_beta", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "reward", "num_tokens")
+    assert ranks[0]["controller"] == ranks[1]["controller"]
+    assert [[h[k] for k in kl_keys] for h in ranks[0]["logs"]] == [[h[k] for k in kl_keys] for h in ranks[1]["logs"]]
+    logs = ranks[0]["logs"]
+    assert logs[0]["num_tokens"] > 0 and len(logs) == 3
+    # adaptive: beta <- beta (1 + clip(KL / target - 1, +-0.2) n / horizon), n = 4 sequences x 2 processes
+    beta = 0.1
+    for log in logs:
+        assert log["adaptive_kl/current_beta"] == pytest.approx(beta, rel=1e-12)
+        error = min(max(log["adaptive_kl/raw_kl"] / 1e-4 - 1.0, -0.2), 0.2)
+        beta *= 1.0 + error * 8 / 20.0
+    assert ranks[0]["controller"]["value"] == pytest.approx(beta, rel=1e-12)
