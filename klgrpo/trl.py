@@ -36,6 +36,7 @@ _check_trl_version()
 
 import json  # noqa: E402  (after the version check, so a wrong TRL fails with the one-line message)
 import os  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -170,6 +171,21 @@ def validate_kl_fields(args: GRPOConfig) -> None:
         raise ConfigError(f"GRPOConfig.kl_adaptation_method={args.kl_adaptation_method!r} with kl_controller="
                           f"{args.resolved_kl_controller!r} needs beta > 0 (TRL loads no reference model at beta=0)")
     build_kl_controller(args)  # the controller's own checks (target > 0, ...)
+    target = kl_gradient_target(args)
+    if args.beta != 0.0 and target in ("neither", "zero"):
+        warnings.warn(f"GRPOConfig: kl_estimator={args.kl_estimator!r} with kl_importance_weight="
+                      f"{args.resolved_kl_importance_weight!r} has an expected KL gradient of '{target}' (see "
+                      f"`klgrpo verify-kl`); 'k3' with 'in_graph' or 'k3_st' with 'detached' follow the reverse KL",
+                      stacklevel=3)
+
+
+def kl_gradient_target(args: GRPOConfig) -> str:
+    """What the expected per-token gradient of the unshaped KL term follows, from the estimator registry's
+    declarations (which ``klgrpo verify-kl`` checks): reverse, forward, zero or neither."""
+    weight = args.resolved_kl_importance_weight
+    sampling = {"in_graph": "off_policy_in_graph", "detached": "off_policy_detached",
+                "none": "on_policy" if args.num_iterations == 1 else "off_policy_none"}[weight]
+    return ESTIMATORS[args.kl_estimator].gradient_target("loss", sampling)
 
 
 def controller_params(args: GRPOConfig) -> dict[str, Any]:

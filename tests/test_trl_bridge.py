@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
 
-pytest.importorskip("trl")
 trl = pytest.importorskip("trl")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -390,3 +390,21 @@ def test_two_cpu_processes_under_accelerate_launch_share_one_controller(model_di
         error = min(max(log["adaptive_kl/raw_kl"] / 1e-4 - 1.0, -0.2), 0.2)
         beta *= 1.0 + error * 8 / 20.0
     assert ranks[0]["controller"]["value"] == pytest.approx(beta, rel=1e-12)
+
+
+@pytest.mark.parametrize("fields,target", [
+    ({}, "reverse"),                                                   # TRL's default: k3, in-graph weight
+    ({"use_bias_correction_kl": False}, "forward"),                    # k3, no weight, first epoch
+    ({"kl_estimator": "k3_st", "kl_importance_weight": "detached"}, "reverse"),
+    ({"kl_estimator": "k3_st"}, "neither"),                            # straight-through under an in-graph weight
+    ({"kl_estimator": "k1", "kl_importance_weight": "detached"}, "zero"),
+])
+def test_estimator_and_weight_combinations_without_a_kl_gradient_warn(tmp_path, fields, target):
+    from klgrpo.trl import kl_gradient_target
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = GRPOConfig(**run_args(tmp_path, **fields))
+    assert kl_gradient_target(args) == target
+    ours = [w for w in caught if "expected KL gradient" in str(w.message)]
+    assert len(ours) == (1 if target in ("neither", "zero") else 0)
