@@ -356,8 +356,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = None if checkpoint is None else os.path.join(checkpoint, CONTROLLER_FILE)
-        if path is None or not os.path.exists(path):
+        if checkpoint is not None:
+            self.restore_kl_controller(checkpoint)
+
+    def restore_kl_controller(self, checkpoint: str) -> None:
+        """Load the controller state saved in ``checkpoint`` (a checkpoint-N folder), if it holds one."""
+        path = os.path.join(checkpoint, CONTROLLER_FILE)
+        if not os.path.exists(path):
             return
         with open(path) as f:
             saved = json.load(f)

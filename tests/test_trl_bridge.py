@@ -292,12 +292,15 @@ def test_resumed_beta_trajectory_equals_the_uninterrupted_one(model_dir, tmp_pat
 
 
 def test_resume_with_another_controller_is_refused(model_dir, tmp_path):
-    fields = dict(kl_adaptation_method="dynamic", reward_threshold=-1.0, max_steps=2, save_strategy="steps",
-                  save_steps=2)
-    make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "a", **fields).train()
-    other = make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "b", max_steps=3)
+    (tmp_path / "checkpoint-2").mkdir()
+    state = {"controller": "dynamic", "state": {"value": 0.05, "num_updates": 2, "kl_measure": "token_mean"}}
+    (tmp_path / "checkpoint-2" / CONTROLLER_FILE).write_text(json.dumps(state))
+    other = make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "run")
     with pytest.raises(ConfigError, match="holds the state of kl_controller='dynamic' but this run uses 'fixed'"):
-        other.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+        other.restore_kl_controller(str(tmp_path / "checkpoint-2"))
+    same = make_trainer(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "run", kl_adaptation_method="dynamic")
+    same.restore_kl_controller(str(tmp_path / "checkpoint-2"))
+    assert same.kl_controller.state_dict() == state["state"]
 
 
 def test_stock_trl_args_are_refused(model_dir, tmp_path):
