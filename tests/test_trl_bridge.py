@@ -411,3 +411,17 @@ def test_estimator_and_weight_combinations_without_a_kl_gradient_warn(tmp_path, 
     assert kl_gradient_target(args) == target
     ours = [w for w in caught if "expected KL gradient" in str(w.message)]
     assert len(ours) == (1 if target in ("neither", "zero") else 0)
+
+
+def test_trl_command_line_parser_takes_the_new_fields_and_their_choices(tmp_path):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(GRPOConfig)
+    (args,) = parser.parse_args_into_dataclasses([
+        "--output_dir", str(tmp_path), "--use_cpu", "true", "--beta", "0.1", "--kl_adaptation_method", "clip",
+        "--kl_clip_threshold", "0.5", "--kl_controller", "adaptive", "--kl_estimator", "k3_st",
+        "--kl_importance_weight", "detached"])
+    assert (args.kl_adaptation_method, args.kl_clip_threshold, args.resolved_kl_controller, args.kl_estimator,
+            args.resolved_kl_importance_weight) == ("clip", 0.5, "adaptive", "k3_st", "detached")
+    with pytest.raises(SystemExit):  # argparse's own one-line "invalid choice" message
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--kl_adaptation_method", "soft"])
