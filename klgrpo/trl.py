@@ -1,0 +1,375 @@
+"""klgrpo's KL regularisation on TRL's own GRPOTrainer (``pip install "klgrpo[trl]"``).
+
+    from klgrpo.trl import GRPOConfig, GRPOTrainer      # instead of: from trl import ...
+    args = GRPOConfig(..., beta=0.001, kl_adaptation_method="length_normalized")
+
+Only the loss and beta change: ``GRPOTrainer._compute_loss`` computes the per-token log-probs exactly as TRL
+does and hands TRL's tensors to :func:`klgrpo.math.objective.grpo_objective`, the objective klgrpo's own
+trainer and ``klgrpo verify-kl`` use; beta comes from a klgrpo controller updated once per optimizer step.
+Generation (vLLM included), data, rewards, accelerate / DeepSpeed / FSDP, logging and checkpoints stay TRL's.
+With the defaults (kl_adaptation_method "none", estimator k3, the importance weight TRL's
+``use_bias_correction_kl`` selects) loss and gradient equal stock TRL's for loss_type grpo, bnpo, dr_grpo, dapo.
+docs/trl.md has the details.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+SUPPORTED_TRL = ">=1.16,<1.17"
+
+
+def _check_trl_version() -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    try:
+        found = metadata.version("trl")
+    except metadata.PackageNotFoundError:
+        found = None
+    if found is None or Version(found) not in SpecifierSet(SUPPORTED_TRL):
+        have = "TRL is not installed" if found is None else f"TRL {found} is installed"
+        raise ImportError(f'klgrpo.trl supports TRL {SUPPORTED_TRL} but {have}; run: pip install "klgrpo[trl]"')
+
+
+_check_trl_version()
+
+import json  # noqa: E402  (after the version check, so a wrong TRL fails with the one-line message)
+import os  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+
+from klgrpo.errors import ConfigError  # noqa: E402
+from klgrpo.math.aggregation import Normalizer  # noqa: E402
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS  # noqa: E402
+from klgrpo.math.kl_control import CONTROLLERS, KLController, build_controller  # noqa: E402
+from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
+from klgrpo.math.objective import KLTerm, grpo_objective  # noqa: E402
+from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
+
+#: The method names of the original adaptive-KL GRPOConfig: klgrpo's shapings plus the dynamic schedule.
+KL_ADAPTATION_METHODS = (*SHAPINGS.names(), "dynamic")
+
+#: TRL loss_type -> klgrpo aggregation (klgrpo.math.aggregation). The normaliser carries the difference
+#: between bnpo (tokens of the micro-batch) and dapo (tokens of the accumulation window, all processes).
+LOSS_TYPE_AGGREGATION = {
+    "grpo": "seq_mean_token_mean",
+    "bnpo": "token_mean",
+    "dr_grpo": "constant",
+    "dapo": "token_mean",
+}
+#: TRL loss types whose policy term klgrpo's objective does not have, with the reason.
+UNSUPPORTED_LOSS_TYPES = {
+    "luspo": "it needs sequence-level importance ratios; klgrpo's clipped surrogate is per token",
+    "cispo": "its policy term (clipped-weight REINFORCE) is not the PPO-clipped surrogate of klgrpo's objective",
+    "sapo": "its soft sigmoid gate replaces the PPO clip of klgrpo's objective",
+    "vespo": "its Gamma-weighted sequence loss is not the PPO-clipped surrogate of klgrpo's objective",
+}
+CONTROLLER_FILE = "klgrpo_kl_controller.json"
+
+
+def _help(text: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    return {"help": text} if choices is None else {"help": text, "choices": list(choices)}
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """TRL's GRPOConfig plus the adaptive-KL fields; every TRL field keeps its meaning and default."""
+
+    kl_adaptation_method: str = field(default="none", metadata=_help(
+        "How the KL penalty adapts: 'none' (TRL's behaviour), 'clip' (per-token KL = min(KL, kl_clip_threshold)), "
+        "'sigmoid' (per-token KL = sigmoid(KL - kl_target) * KL), 'length_normalized' (per-token KL divided by "
+        "the completion's length), 'dynamic' (beta *= dynamic_beta_decay while the mean reward exceeds "
+        "reward_threshold; beta = beta_min after beta_schedule_steps steps).", KL_ADAPTATION_METHODS))
+    kl_clip_threshold: float = field(default=1.0, metadata=_help(
+        "clip: upper bound on the per-token KL; tokens above it get no KL gradient."))
+    kl_target: float = field(default=0.1, metadata=_help(
+        "sigmoid: the KL level where the gate is 1/2; also the target KL of the adaptive, step and dual "
+        "controllers (mean per-token KL)."))
+    dynamic_beta_decay: float = field(default=0.9, metadata=_help(
+        "dynamic: multiply beta by this after each step whose mean reward exceeds reward_threshold."))
+    reward_threshold: float = field(default=0.8, metadata=_help(
+        "dynamic: the mean reward above which beta decays."))
+    beta_min: float = field(default=0.0, metadata=_help(
+        "dynamic and dual: lower bound on beta (dynamic sets beta to it after beta_schedule_steps steps)."))
+    beta_schedule_steps: int = field(default=1000, metadata=_help(
+        "dynamic: after this many optimizer steps beta = beta_min (0: never)."))
+    kl_estimator: str = field(default="k3", metadata=_help(
+        "Per-token KL estimator (klgrpo verify-kl proves what each one's gradient does): 'k3' (TRL's), 'k1', "
+        "'k2', 'k1_st', 'k3_st' (value of k3, reverse-KL gradient of k2).", tuple(ESTIMATORS.names())))
+    kl_importance_weight: str | None = field(default=None, metadata=_help(
+        "Importance weight w = pi/pi_old on the KL term: 'in_graph' (w keeps its gradient), 'detached', 'none'. "
+        "Unset: 'in_graph' when use_bias_correction_kl is true (TRL's default), else 'none'.", IS_CORRECTIONS))
+    kl_controller: str | None = field(default=None, metadata=_help(
+        "How beta evolves: 'fixed', 'adaptive' (Ziegler et al.: target kl_target, horizon kl_horizon), 'step', "
+        "'dual' (target kl_target), 'dynamic'. Unset: 'dynamic' when kl_adaptation_method is 'dynamic', else "
+        "'fixed'.", tuple(CONTROLLERS.names())))
+    kl_horizon: float = field(default=10000.0, metadata=_help(
+        "adaptive controller: horizon in samples (Ziegler et al. used ~10000)."))
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_kl_fields(self)
+
+    @property
+    def kl_shaping(self) -> str:
+        """The klgrpo shaping of this method ('dynamic' changes beta, not the per-token KL)."""
+        return "none" if self.kl_adaptation_method == "dynamic" else self.kl_adaptation_method
+
+    @property
+    def resolved_kl_controller(self) -> str:
+        if self.kl_controller is not None:
+            return self.kl_controller
+        return "dynamic" if self.kl_adaptation_method == "dynamic" else "fixed"
+
+    @property
+    def resolved_kl_importance_weight(self) -> str:
+        if self.kl_importance_weight is not None:
+            return self.kl_importance_weight
+        return "in_graph" if self.use_bias_correction_kl else "none"
+
+    @property
+    def aggregation(self) -> str:
+        return LOSS_TYPE_AGGREGATION[self.loss_type]
+
+
+def _check_choice(name: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"GRPOConfig.{name}={value!r} is not supported; choose one of: {', '.join(choices)}")
+
+
+def validate_kl_fields(args: GRPOConfig) -> None:
+    """One clear ConfigError for a field or combination the bridge cannot honour."""
+    _check_choice("kl_adaptation_method", args.kl_adaptation_method, KL_ADAPTATION_METHODS)
+    _check_choice("kl_estimator", args.kl_estimator, ESTIMATORS.names())
+    if args.kl_importance_weight is not None:
+        _check_choice("kl_importance_weight", args.kl_importance_weight, IS_CORRECTIONS)
+    if args.kl_controller is not None:
+        _check_choice("kl_controller", args.kl_controller, CONTROLLERS.names())
+    if args.kl_adaptation_method == "dynamic" and args.resolved_kl_controller != "dynamic":
+        raise ConfigError(f"GRPOConfig.kl_adaptation_method='dynamic' is the 'dynamic' controller; drop "
+                          f"kl_controller={args.kl_controller!r} or pick another kl_adaptation_method")
+    if args.loss_type in UNSUPPORTED_LOSS_TYPES:
+        raise ConfigError(f"GRPOConfig.loss_type={args.loss_type!r} is not supported by klgrpo.trl: "
+                          f"{UNSUPPORTED_LOSS_TYPES[args.loss_type]}; use one of: {', '.join(LOSS_TYPE_AGGREGATION)}")
+    _check_choice("loss_type", args.loss_type, tuple(LOSS_TYPE_AGGREGATION))
+    unsupported = {
+        "importance_sampling_level": (args.importance_sampling_level != "token", "'token'"),
+        "delta": (args.delta is not None, "None (klgrpo's objective has no two-sided clip)"),
+        "entropy_coef": (args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+                         "0.0 with use_adaptive_entropy=False (no entropy bonus in klgrpo's objective)"),
+    }
+    for name, (bad, fix) in unsupported.items():
+        if bad:
+            raise ConfigError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported by klgrpo.trl; "
+                              f"set it to {fix}")
+    if args.beta == 0.0 and (args.kl_adaptation_method != "none" or args.resolved_kl_controller != "fixed"):
+        raise ConfigError(f"GRPOConfig.kl_adaptation_method={args.kl_adaptation_method!r} with kl_controller="
+                          f"{args.resolved_kl_controller!r} needs beta > 0 (TRL loads no reference model at beta=0)")
+    build_kl_controller(args)  # the controller's own checks (target > 0, ...)
+    target = kl_gradient_target(args)
+    if args.beta != 0.0 and target in ("neither", "zero"):
+        warnings.warn(f"GRPOConfig: kl_estimator={args.kl_estimator!r} with kl_importance_weight="
+                      f"{args.resolved_kl_importance_weight!r} has an expected KL gradient of '{target}' (see "
+                      f"`klgrpo verify-kl`); 'k3' with 'in_graph' or 'k3_st' with 'detached' follow the reverse KL",
+                      stacklevel=3)
+
+
+def kl_gradient_target(args: GRPOConfig) -> str:
+    """What the expected per-token gradient of the unshaped KL term follows, from the estimator registry's
+    declarations (which ``klgrpo verify-kl`` checks): reverse, forward, zero or neither."""
+    weight = args.resolved_kl_importance_weight
+    sampling = {"in_graph": "off_policy_in_graph", "detached": "off_policy_detached",
+                "none": "on_policy" if args.num_iterations == 1 else "off_policy_none"}[weight]
+    return ESTIMATORS[args.kl_estimator].gradient_target("loss", sampling)
+
+
+def controller_params(args: GRPOConfig) -> dict[str, Any]:
+    """The constructor arguments of the resolved controller, from the config's fields."""
+    return {
+        "fixed": {},
+        "adaptive": {"target": args.kl_target, "horizon": args.kl_horizon},
+        "step": {"target": args.kl_target},
+        "dual": {"target": args.kl_target, "beta_min": max(args.beta_min, 1e-12)},
+        "dynamic": {"reward_threshold": args.reward_threshold, "decay": args.dynamic_beta_decay,
+                    "beta_min": args.beta_min, "schedule_steps": args.beta_schedule_steps},
+    }[args.resolved_kl_controller]
+
+
+def build_kl_controller(args: GRPOConfig) -> KLController:
+    try:
+        return build_controller(args.resolved_kl_controller, args.beta, **controller_params(args))
+    except ValueError as err:
+        raise ConfigError(f"GRPOConfig: kl_controller={args.resolved_kl_controller!r}: {err}") from None
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's GRPOTrainer whose loss is klgrpo's ``grpo_objective`` and whose beta is a klgrpo controller.
+
+    ``self.beta`` keeps TRL's meaning (non-zero: TRL computes the reference log-probs); the beta in the loss is
+    ``self.kl_controller.value``, updated once per optimizer step and saved as JSON in every checkpoint.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *rest, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-GRPO")
+        if not isinstance(args, GRPOConfig):
+            raise ConfigError("klgrpo.trl.GRPOTrainer needs args from klgrpo.trl.GRPOConfig, not "
+                              f"{type(args).__module__}.{type(args).__name__}")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self.kl_controller = build_kl_controller(args)
+        self._kl_window: torch.Tensor | None = None  # [raw KL sum, tokens, sequences] of this optimizer step
+        self._last_reward: float | None = None
+
+    # ---- rewards feed the dynamic controller -------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if self.model.training and self._metrics["train"]["reward"]:
+            self._last_reward = self._metrics["train"]["reward"][-1]  # mean over all processes' completions
+        return out
+
+    # ---- the loss --------------------------------------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        logps, entropies, aux_loss = self._policy_logps(model, inputs)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+        ref_logps = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        beta = self.kl_controller.value
+        out = grpo_objective(
+            logp_BT=logps, old_logp_BT=old_logps, ref_logp_BT=ref_logps,
+            advantages_B=advantages * self._policy_token_weight(inputs, logps, old_logps, entropies, mask,
+                                                                advantages),
+            mask_BT=mask, kl=self._kl_term(beta), aggregation=self.args.aggregation,
+            normalizer=self._normalizer(inputs, mask, mode), eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+        )
+        loss = out.loss
+        if self.aux_loss_enabled:
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        self._log_step_metrics(mode, out.sums, logps, old_logps, advantages, entropies, mask, beta)
+        if mode == "train" and "raw_kl" in out.sums:
+            self._update_controller(out.sums["raw_kl"], mask)
+        return loss
+
+    def _policy_logps(self, model, inputs):
+        """Per-token log-probs, entropies and MoE aux loss of the completion, computed as TRL computes them."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        return self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in (
+                "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")},
+        )
+
+    def _policy_token_weight(self, inputs, logps, old_logps, entropies, mask, advantages):
+        """TRL's non-negative per-token factors on the policy term only (entropy mask, off-policy sequence mask,
+        vLLM importance ratio), or 1. Folded into the advantages: -min(r A c, clip(r) A c) = c * -min(r A,
+        clip(r) A) for every c >= 0, so the KL term stays unweighted, as in TRL."""
+        weight = torch.ones_like(mask, dtype=logps.dtype)
+        if self.top_entropy_quantile < 1.0:
+            weight = weight * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        if self.off_policy_mask_threshold is not None:
+            weight = weight * self.get_off_policy_mask(
+                advantages=advantages, per_token_logps=logps,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps), mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            weight = weight * inputs["importance_sampling_ratio"]
+        return weight
+
+    def _kl_term(self, beta: float) -> KLTerm:
+        args = self.args
+        return KLTerm(coef=beta, estimator=args.kl_estimator, placement="loss",
+                      is_correction=args.resolved_kl_importance_weight, shaping=args.kl_shaping,
+                      clip_threshold=args.kl_clip_threshold, shaping_target=args.kl_target,
+                      clamp=DEFAULT_LOG_RATIO_CLAMP)
+
+    def _normalizer(self, inputs, mask, mode: str) -> Normalizer:
+        """The global counts that make klgrpo's aggregation equal TRL's normalisation of this loss_type."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type == "dapo":  # tokens of the whole accumulation window on all processes, per process
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                tokens = tokens * accumulation / self.args.steps_per_generation
+        else:  # bnpo: this micro-batch's tokens, scaled for accumulation like TRL
+            tokens = mask.sum().clamp(min=1.0) * accumulation
+        return Normalizer(num_sequences=float(mask.shape[0] * accumulation), num_tokens=tokens,
+                          max_len=float(self.max_completion_length))
+
+    # ---- metrics and the controller ---------------------------------------------------------------------------
+    def _global_mean(self, total: torch.Tensor, count: torch.Tensor) -> float:
+        both = self.accelerator.reduce(torch.stack([total.float(), count.float()]), reduction="sum")
+        return (both[0] / both[1].clamp(min=1.0)).item()
+
+    def _log_step_metrics(self, mode, sums, logps, old_logps, advantages, entropies, mask, beta) -> None:
+        metrics = self._metrics[mode]
+        tokens = mask.sum()
+        metrics["adaptive_kl/current_beta"].append(beta)
+        if "raw_kl" in sums:
+            raw = self._global_mean(sums["raw_kl"], tokens)
+            metrics["adaptive_kl/raw_kl"].append(raw)
+            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums["adapted_kl"], tokens))
+            metrics["kl"].append(raw)  # TRL's name: the mean per-token estimator value
+        metrics["entropy"].append(self._global_mean((entropies * mask).sum(), tokens))
+        ratio = torch.exp(logps.detach() - old_logps)
+        low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
+        high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+        for name, clipped in (("low_mean", low), ("high_mean", high), ("region_mean", low | high)):
+            metrics[f"clip_ratio/{name}"].append(self._global_mean((clipped.float() * mask).sum(), tokens))
+
+    def _update_controller(self, raw_kl_sum: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add this micro-batch to the step's window; at the optimizer step feed the global mean KL back."""
+        stats = torch.stack([raw_kl_sum.detach().float(), mask.sum().float(),
+                             torch.tensor(float(mask.shape[0]), device=mask.device)])
+        self._kl_window = stats if self._kl_window is None else self._kl_window + stats
+        if self.accelerator.sync_gradients:
+            total = self.accelerator.reduce(self._kl_window, reduction="sum")
+            observed = (total[0] / total[1].clamp(min=1.0)).item()
+            self.kl_controller.update(observed, n_steps=int(total[2].item()), reward=self._last_reward)
+            self._kl_window = None
+
+    # ---- checkpoints: the controller's state as JSON ---------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            state = {"controller": self.args.resolved_kl_controller, "state": self.kl_controller.state_dict()}
+            with open(os.path.join(folder, CONTROLLER_FILE), "w") as f:
+                json.dump(state, f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.restore_kl_controller(checkpoint)
+
+    def restore_kl_controller(self, checkpoint: str) -> None:
+        """Load the controller state saved in ``checkpoint`` (a checkpoint-N folder), if it holds one."""
+        path = os.path.join(checkpoint, CONTROLLER_FILE)
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("controller") != self.args.resolved_kl_controller:
+            raise ConfigError(f"{path} holds the state of kl_controller={saved.get('controller')!r} but this run "
+                              f"uses {self.args.resolved_kl_controller!r}; resume with the same kl settings")
+        self.kl_controller.load_state_dict(saved["state"])
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "KL_ADAPTATION_METHODS", "LOSS_TYPE_AGGREGATION", "SUPPORTED_TRL"]
