@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from klgrpo.apps.args import USAGE, parse_args
+from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import config_help
 
@@ -25,7 +26,8 @@ def main(argv: list[str]) -> int:
 
         trainer = GRPOTrainer(cfg)
         summary = trainer.train(resume=opts["resume"])
-        print(f"\nrun folder: {summary['run_dir']}  (klgrpo report {summary['run_dir']})")
+        if trainer.dist.is_main:  # once, not once per process
+            print_run_summary(summary, trainer.run_dir)
         return 0
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)

@@ -79,6 +79,8 @@ class GRPOTrainer:
         if self.dist.device is not None and cfg.model.device == "auto":
             self.device = self.dist.device
         dtype = resolve_dtype(cfg.model.dtype, self.device)
+        if model is None and self.dist.is_main:
+            log(f"loading {cfg.model.name_or_path} ({dtype}, {self.device})")
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
                                                      cfg.model.trust_remote_code)
         self.model = model.to(self.device) if model is not None else load_causal_lm(
@@ -99,6 +101,8 @@ class GRPOTrainer:
         self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
                                 or cfg.kl.replay.coef > 0)
+        if self.needs_reference and self.dist.is_main:
+            log("building the reference model")
         self.reference = self._build_reference() if self.needs_reference else None
         # What the loss's forward runs: the policy, or with train.compile its compiled wrapper (same weights);
         # sampling, evaluation and checkpoints always use the model itself.
