@@ -70,8 +70,8 @@ GLOSSARY: dict[str, str] = {
                             "shaping (zero KL gradient there); 0 for other shapings",
     "kl/sequence_sum": "mean over completions of sum_t l_t (summed k1): the sequence KL estimate, "
                        "Ziegler's controller input",
-    "train/replay_share": "train/replay_penalty / (|train/loss| + train/replay_penalty): the anchor's share of "
-                          "the objective",
+    "train/replay_share": "|train/replay_penalty| / (|train/loss| + |train/replay_penalty|), in [0, 1] (0 when "
+                          "both are 0): the anchor's share of the objective's magnitude",
     "kl/replay": "mean per token of the configured estimator's KL value on the replay prompts' completions",
     # completions
     "completions/mean_length": "mean over the step's completions of the completion length in tokens (EOS included)",
