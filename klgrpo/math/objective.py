@@ -51,6 +51,7 @@ class ObjectiveOut:
     loss: Tensor                # scalar, this micro-batch's share of the step loss
     sums: dict[str, Tensor]     # detached sums over masked tokens / sequences, for metrics
     maxes: dict[str, Tensor]    # detached maxima, for metrics
+    token_kl: Tensor | None = None  # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
 
 
 def grpo_objective(
@@ -99,8 +100,9 @@ def grpo_objective(
             for name, value in zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()):
                 sums[name] = value
             maxes["k3"] = masked[4].max()  # the heavy-tailed estimator's spikes
+            token_kl = torch.stack((masked[2], masked[4]))  # for the step's percentiles (train/step_metrics.py)
             sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
             if kl.shaping == "clip":
                 sums["shaping_clip"] = clip_fraction(kl_BT, mask, kl.clip_threshold) * mask.sum()
     loss = aggregate(per_token, mask, aggregation, normalizer)
-    return ObjectiveOut(loss=loss, sums=sums, maxes=maxes)
+    return ObjectiveOut(loss=loss, sums=sums, maxes=maxes, token_kl=token_kl if ref_logp_BT is not None else None)
