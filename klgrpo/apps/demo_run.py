@@ -64,16 +64,18 @@ def demo_args(argv: list[str], assets, seed: int) -> tuple[GRPOConfig, str]:
 
 def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False) -> int:
     from klgrpo.apps.args import parse_args
-    from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
-    from klgrpo.train.trainer import GRPOTrainer
 
     t0 = time.perf_counter()
     seed = parse_args(argv)[0].train.seed
+    if not print_config:  # before the imports of torch and transformers, which take seconds
+        print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.", flush=True)
+    from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
+    from klgrpo.train.trainer import GRPOTrainer
+
     if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
         cfg, _ = demo_args(argv, planned_demo_assets(seed=seed), seed)
         print(cfg.to_yaml())
         return 0
-    print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.")
     print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
     assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
     cfg, note = demo_args(argv, assets, seed)

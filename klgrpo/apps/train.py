@@ -22,6 +22,7 @@ def main(argv: list[str]) -> int:
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
+        print("klgrpo train: loading torch and transformers", flush=True)  # seconds of imports: say so first
         from klgrpo.train.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(cfg)
