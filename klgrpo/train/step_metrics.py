@@ -63,7 +63,7 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
         })
         metrics.update(percentiles)
         if "loss_kl_penalty" in values:
-            metrics["kl/loss_share"] = loss_share(values["loss_kl_penalty"], values["policy_loss"])
+            metrics["kl/loss_share"] = loss_share(values["loss_kl_penalty"], values["policy_abs"])
         if "shaping_clip" in values:
             metrics["kl/shaping_clip_frac"] = values["shaping_clip"] / n_tok_safe
     metrics["adaptive_kl/current_beta"] = beta
@@ -105,8 +105,10 @@ def kl_percentiles(token_kl_2BT: Tensor, mask_BT: Tensor, max_len: int, dist: Di
     return masked_quantiles(padded, mask, PERCENTILES).flatten()
 
 
-def loss_share(kl_term: float, policy_loss: float) -> float:
-    """|beta * KL term| / (|policy loss| + |beta * KL term|), in [0, 1] (0 when both are 0): how much of the loss's
-    magnitude the KL is."""
-    total = abs(kl_term) + abs(policy_loss)
+def loss_share(kl_term: float, policy_abs: float) -> float:
+    """|beta * KL term| / (policy_abs + |beta * KL term|), in [0, 1] (0 when both are 0): how much of the loss's
+    magnitude the KL is. ``policy_abs`` aggregates the per-token |policy loss| like the loss: the policy loss's
+    value cancels between positive and negative advantages (exactly 0 on-policy under token_mean with equal
+    lengths, which made the share 1 at every step), its per-token magnitude does not."""
+    total = abs(kl_term) + abs(policy_abs)
     return abs(kl_term) / total if total > 0 else 0.0
