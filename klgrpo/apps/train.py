@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from klgrpo.apps.args import USAGE, parse_args
@@ -22,7 +23,8 @@ def main(argv: list[str]) -> int:
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
-        print("klgrpo train: loading torch and transformers", flush=True)  # seconds of imports: say so first
+        if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun
+            print("klgrpo train: loading torch and transformers", flush=True)
         from klgrpo.train.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(cfg)
