@@ -89,6 +89,8 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
               f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
     trainer = GRPOTrainer(cfg, log=lambda m: print(f"      {m}"))
     summary = trainer.train(resume=resume)
+    if not trainer.dist.is_main:  # under torchrun the summary is written and printed once, by rank 0
+        return 0
     print("  3/3 greedy evaluation on held-out prompts, before and after")
     before, after = summary["eval_before"], summary["eval_after"]
     summary.update({
