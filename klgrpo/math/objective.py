@@ -78,9 +78,9 @@ def grpo_objective(
     pg = clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high)
     per_token = pg.loss_BT
     sums["policy_loss"] = aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer)
-    sums["policy_abs"] = aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer)  # for kl/loss_share
     sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()
     sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
+    sums["policy_abs"] = aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer)  # for kl/loss_share
 
     if ref_logp_BT is not None:
         l_BT = log_ratio(logp_BT, ref_logp_BT)  # once: the KL term, its weight and the monitors all read it

@@ -209,9 +209,9 @@ class GRPOTrainer:
             for k, v in out.maxes.items():
                 maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
             sums["loss"] = sums.get("loss", 0.0) + out.loss.detach()
+            entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
             if out.token_kl is not None:  # per-token values for the KL percentiles, joined along the batch
                 sums["token_kl"] = torch.cat((sums["token_kl"], out.token_kl), 1) if "token_kl" in sums else out.token_kl
-            entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
             if keep_logp:
                 kept.append(logp.detach())
         return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)
