@@ -122,9 +122,18 @@ def test_users_adaptive_controller_at_coef_0_names_the_fix(run_yaml, tmp_path, c
 
 
 # ---------------------------------------------------------------------------------------- README lines
+COMMAND = re.compile(r"klgrpo (?:train|sweep|verify-kl|report)\b[^`&|#]*")
+
+
 def readme_commands() -> list[str]:
-    """Every `klgrpo <command> ...` the README shows, in order (code blocks and inline code; comments cut)."""
-    found = re.findall(r"klgrpo (?:train|sweep|verify-kl|report)\b[^`\n&|#]*", README.read_text())
+    """Every `klgrpo <command> ...` the README shows, in order: in code blocks (one per line, comments cut) and
+    in inline code (which may wrap onto the next line)."""
+    text, found = README.read_text(), []
+    for i, part in enumerate(re.split(r"^```.*$", text, flags=re.M)):
+        if i % 2:  # inside a code block
+            found += [m for line in part.splitlines() for m in COMMAND.findall(line)]
+        else:
+            found += [m for span in re.findall(r"`([^`]+)`", part) for m in COMMAND.findall(span)]
     return [" ".join(c.split()) for c in found]
 
 
