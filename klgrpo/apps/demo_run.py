@@ -70,12 +70,13 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     if not print_config:  # before the imports of torch and transformers, which take seconds
         print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.", flush=True)
     from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
-    from klgrpo.train.trainer import GRPOTrainer
 
     if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
         cfg, _ = demo_args(argv, planned_demo_assets(seed=seed), seed)
         print(cfg.to_yaml())
         return 0
+    from klgrpo.train.trainer import GRPOTrainer
+
     print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
     assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
     cfg, note = demo_args(argv, assets, seed)
