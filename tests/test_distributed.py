@@ -92,7 +92,9 @@ def test_two_process_run_writes_once_and_resumes_on_one(tiny_model_dir, addition
             "--rollout.group_size", "4", "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "4",
             "--train.steps", "2", "--output-dir", str(run), "--logging.progress", "false",
             "--logging.plots", "false", "--rewards.functions", "[{name: format, kwargs: {pattern: '0'}}]"]
-    torchrun(args)
+    out = torchrun(args)
+    for once in ("klgrpo train: loading", "building the reference model", "run folder"):  # rank 0 only
+        assert out.count(once) == 1, (once, out[-3000:])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert [r["step"] for r in read_metrics(run)] == [1, 2]

@@ -220,3 +220,28 @@ def test_every_glossary_name_is_in_the_docs():
     text = DOCS.read_text()
     missing = [name for name in GLOSSARY if f"`{name}`" not in text]
     assert missing == [], f"add these names to {DOCS}: {missing}"
+
+
+def test_masked_quantiles_equal_torch_quantile_of_the_masked_values():
+    import torch
+
+    from klgrpo.train.step_metrics import PERCENTILES, masked_quantiles
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 6, 9, generator=gen, dtype=torch.float64).float()
+    mask = torch.rand(6, 9, generator=gen) < 0.6
+    got = masked_quantiles(values, mask, PERCENTILES)
+    for k in range(2):
+        expected = torch.quantile(values[k][mask], torch.tensor(PERCENTILES))
+        torch.testing.assert_close(got[k], expected, rtol=1e-6, atol=1e-7)
+    # by hand: the masked values 1, 2, 3, 10 -> p50 = 2.5, p90 = 3 + 0.7 * 7 = 7.9, p99 = 3 + 0.97 * 7 = 9.79
+    row = torch.tensor([[[3.0, 100.0, 1.0, 10.0, 2.0]]])
+    hand = masked_quantiles(row, torch.tensor([[True, False, True, True, True]]), PERCENTILES)[0]
+    torch.testing.assert_close(hand, torch.tensor([2.5, 7.9, 9.79]))
+    assert masked_quantiles(row, torch.zeros(1, 5, dtype=torch.bool), PERCENTILES).isnan().all()
+
+
+def test_loss_share_is_the_magnitude_share():
+    from klgrpo.train.step_metrics import loss_share
+
+    assert loss_share(0.25, 0.75) == 0.25 and loss_share(0.0, 0.0) == 0.0 and loss_share(-1.0, 0.0) == 1.0

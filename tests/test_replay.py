@@ -249,3 +249,16 @@ def test_trainer_logs_replay_and_resumes_identically(tiny_model_dir, addition_fi
     a, b = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_replay_share_is_the_magnitude_share_in_0_1():
+    from klgrpo.train.replay import replay_share
+
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    assert float(replay_share(t(0.25), t(-0.75))) == 0.25
+    assert float(replay_share(t(0.5), t(0.5))) == 0.5
+    assert float(replay_share(t(0.0), t(0.0))) == 0.0
+    assert float(replay_share(t(1.0), t(0.0))) == 1.0
+    # step 1 of the demo: policy == reference, both sides are rounding noise and the KL rounded below 0; the
+    # signed ratio p / (|L| + p) gave -0.614e-9 / (1e-9 - 0.614e-9) = -1.59
+    assert float(replay_share(t(-0.614e-9), t(1e-9))) == pytest.approx(0.614 / 1.614, rel=1e-12)

@@ -137,3 +137,23 @@ def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
     assert _controller_target(tmp_path) is None
     (tmp_path / "config.yaml").write_text("kl:\n  controller: dual\n  target: 3.0\n  kl_measure: sequence_sum\n")
     assert _controller_target(tmp_path) is None  # a sequence-sum target is not on the per-token axis
+
+
+def test_kl_plot_keeps_coinciding_curves_visible():
+    """raw = adapted (no shaping) and raw = k3 (k3 estimators) coincide: each keeps a style no other curve in
+    its panel has, and the monitors sit in a panel of their own."""
+    from klgrpo.train.report import _kl_plot
+
+    rows = [{"step": s, "adaptive_kl/raw_kl": 0.01 * s, "adaptive_kl/adapted_kl": 0.01 * s, "kl/k1": 0.01 * s,
+             "kl/k2": 0.01 * s, "kl/k3": 0.01 * s} for s in range(1, 61)]
+    fig = _kl_plot(rows, set(rows[0]) - {"step"}, kl_target=0.1)
+    top, bottom = fig.axes
+    def styles(ax):
+        return {line.get_label().split(" ")[0]: (line.get_linestyle(), line.get_linewidth())
+                for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+    assert set(styles(top)) == {"adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "controller"}
+    assert set(styles(bottom)) == {"kl/k1", "kl/k2", "kl/k3"}
+    for ax in (top, bottom):
+        drawn = [v for k, v in styles(ax).items() if k != "controller"]
+        assert len(set(drawn)) == len(drawn), drawn  # no two curves drawn alike

@@ -378,3 +378,13 @@ def test_error_kwarg_the_function_does_not_accept(reward_module):
 
 def test_errors_are_user_facing():
     assert issubclass(RewardError, KLGRPOError)
+
+
+def test_error_inside_a_reward_file_names_the_users_file_and_line(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("import json\n\n\ndef parse(text):\n    return json.loads(text)['score']\n\n\n"
+                    "def reward(prompts, completions, **columns):\n    return [parse(c) for c in completions]\n")
+    message = _call_error(f"{path}:reward", completions=('{"score": 1}', "not json", "{}"))
+    # json.loads raises deep inside the standard library; the line shown is the user's call of it (line 5)
+    assert "'reward' raised JSONDecodeError" in message
+    assert message.endswith(f"(at {path}:5 in parse)"), message

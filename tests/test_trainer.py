@@ -88,13 +88,13 @@ def test_micro_batch_invariance(tiny_model_dir, addition_file, tmp_path, aggrega
                 p.add_(0.01 * torch.randn_like(p))
         s, _, _, _ = trainer.accumulate_gradients(batch)
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None]))
-        sums.append({k: float(v) for k, v in s.items()})
+        sums.append({k: torch.as_tensor(v).double() for k, v in s.items()})  # token_kl is [2, B, T]
     assert grads[0].abs().max() > 0
     for g, s in zip(grads[1:], sums[1:]):
         torch.testing.assert_close(g, grads[0], rtol=1e-10, atol=1e-12)
         assert s.keys() == sums[0].keys()
         for k in s:
-            assert s[k] == pytest.approx(sums[0][k], rel=1e-9, abs=1e-12), k
+            torch.testing.assert_close(s[k], sums[0][k], rtol=1e-9, atol=1e-12, msg=k)
 
 
 @pytest.mark.parametrize("placement", ["loss", "reward", "both"])
@@ -151,6 +151,16 @@ def test_kl_dump_feeds_verify_from_run(tiny_model_dir, addition_file, tmp_path):
     dump = torch.load(tmp_path / "d" / "kl_dumps" / "step_000002.pt")
     assert dump["logp"].shape == dump["ref_logp"].shape == dump["mask"].shape
     assert dump["mask"].dtype == torch.bool and dump["step"] == 2
+    # the logged KL percentiles are those of the dumped tokens (the same forward's log-probs)
+    row = read_metrics(tmp_path / "d")[-1]
+    l = (dump["logp"] - dump["ref_logp"])[dump["mask"]].double()
+    q = torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)
+    for name, values in (("log_ratio", l), ("k3", torch.exp(-l) + l - 1)):
+        expected = torch.quantile(values, q).tolist()
+        got = [row[f"kl/{name}_p{p}"] for p in (50, 90, 99)]
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-7), name
+    assert max(abs(v) for v in l.tolist()) > 0
+    assert 0 < row["kl/loss_share"] < 1  # its formula: tests/math/test_objective_sums.py, tests/test_metrics.py
 
 
 # ------------------------------------------------------------------------------------------ the CLI's errors
@@ -195,7 +205,7 @@ def test_biased_kl_choice_warns(tiny_model_dir, addition_file, tmp_path):
     ok = make_config(tiny_model_dir, addition_file, tmp_path / "w2",
                      kl={"estimator": "k3", "placement": "loss", "is_correction": "in_graph"})
     GRPOTrainer(ok, log=messages.append)
-    assert not messages
+    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model"]  # no warning
 
 
 def test_yaml_then_cli_override_order(tmp_path):

@@ -47,20 +47,42 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
     }, origin="demo defaults")
 
 
-def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False) -> int:
-    from klgrpo.apps.demo.assets import prepare_demo_assets
+def demo_args(argv: list[str], assets, seed: int) -> tuple[GRPOConfig, str]:
+    """The demo's config with the user's arguments laid over it, and a note when a default was adapted.
+
+    The demo's beta is adaptive, which needs a starting kl.coef > 0: with ``--kl.coef 0`` and no controller of
+    the user's own, the demo switches to the fixed controller (no KL penalty), as ``klgrpo sweep`` does."""
     from klgrpo.apps.args import parse_args
-    from klgrpo.train.trainer import GRPOTrainer
+
+    cfg, _ = parse_args(argv, base=demo_config(assets, seed))
+    if cfg.kl.coef == 0 and cfg.kl.controller == "adaptive":
+        as_fixed, _ = parse_args(argv, base=demo_config(assets, seed).override({"kl.controller": "fixed"}))
+        if as_fixed.kl.controller == "fixed":  # the adaptive controller is the demo's default, not the user's choice
+            return as_fixed, ("kl.coef 0: kl.controller fixed (the demo's adaptive beta needs a starting "
+                              "kl.coef > 0); no KL penalty, the KL is still logged")
+    return cfg, ""
+
+
+def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False) -> int:
+    from klgrpo.apps.args import parse_args
 
     t0 = time.perf_counter()
     seed = parse_args(argv)[0].train.seed
-    print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.")
-    print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
-    assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
-    cfg, _ = parse_args(argv, base=demo_config(assets, seed))
-    if print_config:
+    if not print_config:  # before the imports of torch and transformers, which take seconds
+        print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.", flush=True)
+    from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
+
+    if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
+        cfg, _ = demo_args(argv, planned_demo_assets(seed=seed), seed)
         print(cfg.to_yaml())
         return 0
+    from klgrpo.train.trainer import GRPOTrainer
+
+    print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
+    assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
+    cfg, note = demo_args(argv, assets, seed)
+    if note:
+        print(f"      {note}")
     print(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
           f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
           f"{HELD_OUT} is never trained")
@@ -69,6 +91,8 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
               f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
     trainer = GRPOTrainer(cfg, log=lambda m: print(f"      {m}"))
     summary = trainer.train(resume=resume)
+    if not trainer.dist.is_main:  # under torchrun the summary is written and printed once, by rank 0
+        return 0
     print("  3/3 greedy evaluation on held-out prompts, before and after")
     before, after = summary["eval_before"], summary["eval_after"]
     summary.update({
@@ -95,41 +119,25 @@ def _last(run_dir, name: str):
     return values[-1] if values else None
 
 
-def _pct(x) -> str:
-    return "  n/a" if x is None else f"{100 * x:5.1f}%"
-
-
 def _signed(points) -> str:
     return "n/a" if points is None else f"{points:+.1f}"
 
 
 def _print_summary(s: dict, run_dir) -> None:
-    gain = None if s["accuracy_before"] is None or s["accuracy_after"] is None else \
-        100 * (s["accuracy_after"] - s["accuracy_before"])
-    ret = None if s["retention_before"] is None or s["retention_after"] is None else \
-        100 * (s["retention_after"] - s["retention_before"])
-    print()
-    print(f"  {'':<28}{'before':>8}{'after':>8}{'change':>9}")
-    print(f"  {TRAINED + ' (trained)':<28}{_pct(s['accuracy_before']):>8}{_pct(s['accuracy_after']):>8}"
-          f"{'' if gain is None else f'{gain:+8.1f}':>9}")
-    print(f"  {HELD_OUT + ' (retention)':<28}{_pct(s['retention_before']):>8}{_pct(s['retention_after']):>8}"
-          f"{'' if ret is None else f'{ret:+8.1f}':>9}")
-    kl = s.get("final_kl")
-    print(f"\n  steps {s['steps']}, {s['seconds_per_step']} s/step, GRPO wall {s['wall_seconds']} s, "
-          f"total {s['total_wall_seconds']} s; final KL {kl if kl is None else round(kl, 4)}, "
-          f"final beta {s['final_beta']:.4f}")
-    if s.get("stopped_early"):
-        print(f"  stopped early: {s['stopped_early']}")
-    print()
+    from klgrpo.apps.summary import eval_change, print_run_summary
+
+    before, after = s["eval_before"], s["eval_after"]
+    gain = eval_change(before.get(TRAINED), after.get(TRAINED))
+    ret = eval_change(before.get(HELD_OUT), after.get(HELD_OUT))
     if s.get("replay_coef"):
         rkl = s.get("final_replay_kl")
-        print(f"  with the replay anchor (coef {s['replay_coef']:g}, final replay KL "
-              f"{rkl if rkl is None else round(rkl, 4)}): {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points")
-        print(f"  the same run without it (the KL on {TRAINED} prompts only):  klgrpo train --kl.replay.coef 0")
+        middle = [f"  with the replay anchor (coef {s['replay_coef']:g}, final replay KL "
+                  f"{rkl if rkl is None else round(rkl, 4)}): {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points",
+                  f"  the same run without it (the KL on {TRAINED} prompts only):  klgrpo train --kl.replay.coef 0"]
     else:
-        print(f"  replay anchor off: {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points; "
-              f"the anchor keeps {HELD_OUT} near the reference: klgrpo train --kl.replay.coef 1")
-    print(f"\n  run folder   {run_dir}  (summary.json, metrics.jsonl, config.yaml, checkpoints/)")
-    print(f"  plots        {run_dir / 'plots'}  (redraw: klgrpo report {run_dir})")
-    print(f"  TensorBoard  tensorboard --logdir {run_dir / 'tb'}")
-    print("  real model   klgrpo train --config examples/qwen2.5-0.5b-gsm8k.yaml  (GPU and network; see README)")
+        middle = [f"  replay anchor off: {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points; "
+                  f"the anchor keeps {HELD_OUT} near the reference: klgrpo train --kl.replay.coef 1"]
+    print_run_summary(s, run_dir, labels={TRAINED: f"{TRAINED} (trained)", HELD_OUT: f"{HELD_OUT} (retention)"},
+                      middle=middle,
+                      footer=["  real model   klgrpo train --config examples/qwen2.5-0.5b-gsm8k.yaml  "
+                              "(GPU and network; see README)"])

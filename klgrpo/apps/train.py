@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from klgrpo.apps.args import USAGE, parse_args
+from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import config_help
 
@@ -21,11 +23,14 @@ def main(argv: list[str]) -> int:
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
+        if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun
+            print("klgrpo train: loading torch and transformers", flush=True)
         from klgrpo.train.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(cfg)
         summary = trainer.train(resume=opts["resume"])
-        print(f"\nrun folder: {summary['run_dir']}  (klgrpo report {summary['run_dir']})")
+        if trainer.dist.is_main:  # once, not once per process
+            print_run_summary(summary, trainer.run_dir)
         return 0
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)

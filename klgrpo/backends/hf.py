@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,12 +35,80 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+_TRUE = ("1", "true", "yes", "on")
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set: nothing may be downloaded."""
+    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A TCP connection to the hub's endpoint opens within ``timeout`` seconds (name lookup included).
+
+    Without a network, transformers retries for 20-60 s before its error; this answers in at most ``timeout``.
+    Behind a proxy the direct connection says nothing, so the answer is then True (transformers decides)."""
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return True
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    result: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    probe = threading.Thread(target=connect, daemon=True)  # name lookup has no timeout of its own
+    probe.start()
+    probe.join(timeout)
+    return bool(result and result[0])
+
+
+def _in_hub_cache(repo_id: str, filenames: tuple[str, ...]) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in filenames)
+    except Exception:  # not a valid repo id, or no huggingface_hub: let transformers give its own error
+        return False
+
+
+def hub_access(name_or_path: str, field: str, filenames: tuple[str, ...] = ("config.json",)) -> dict:
+    """Fail fast, in one line with the fix, when ``name_or_path`` is a hub name that cannot be fetched.
+
+    A local folder passes untouched. A hub name in the local hub cache loads from the cache when the hub is
+    unreachable (returns {"local_files_only": True} for from_pretrained). Otherwise no network, or
+    HF_HUB_OFFLINE=1, is a ConfigError naming ``field`` at once, instead of transformers' retries."""
+    if os.path.exists(os.path.expanduser(name_or_path)):
+        return {}
+    if not _hub_offline() and _hub_reachable():
+        return {}
+    if _in_hub_cache(name_or_path, filenames):
+        return {"local_files_only": True}
+    if _hub_offline():
+        raise ConfigError(f"cannot load {name_or_path!r} ({field}): it is neither a local folder nor in the hub "
+                          f"cache, and HF_HUB_OFFLINE=1 forbids downloading it; give a local model folder, or set "
+                          f"HF_HUB_OFFLINE=0 when online")
+    raise ConfigError(f"cannot load {name_or_path!r} ({field}): it is not a local folder and the hub cannot be "
+                      f"reached (no network?); give a local model folder, or connect and retry (a proxy goes in "
+                      f"HTTPS_PROXY)")
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """AutoTokenizer with left padding (generation) and a pad token (eos when the tokenizer has none)."""
+    access = hub_access(name_or_path, "model.tokenizer / model.name_or_path",
+                        ("tokenizer_config.json", "tokenizer.json", "config.json"))
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **access)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a tokenizer from {name_or_path!r} (model.tokenizer / model.name_or_path): "
                           f"{str(exc).splitlines()[0]}") from None
@@ -47,11 +119,12 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype):
+    access = hub_access(name_or_path, "model.name_or_path")
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+            name_or_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a causal LM from {name_or_path!r} (model.name_or_path): "

@@ -108,6 +108,7 @@ class ObjectiveOut:
     loss: Tensor                # scalar, this micro-batch's share of the step loss
     sums: dict[str, Tensor]     # detached sums over masked tokens / sequences, for metrics
     maxes: dict[str, Tensor]    # detached maxima, for metrics
+    token_kl: Tensor | None = None  # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
 
 
 def grpo_objective(
@@ -137,6 +138,7 @@ def grpo_objective(
     mask = mask_BT.to(torch.float32)
     sums: dict[str, Tensor] = {}
     maxes: dict[str, Tensor] = {}
+    token_kl = None
     advantages = advantages_B
     if ref_logp_BT is not None and kl.in_reward and kl.coef > 0:
         reward_kl_BT = reward_kl(old_logp_BT, ref_logp_BT, kl)
@@ -151,6 +153,7 @@ def grpo_objective(
         sums["policy_loss"] = aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer)
         sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()
         sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
+        sums["policy_abs"] = aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer)  # kl/loss_share
 
     if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT)
@@ -160,17 +163,18 @@ def grpo_objective(
                 sums["loss_kl_penalty"] = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation,
                                                               normalizer)
         if metrics:
-            _record_kl_monitors(sums, maxes, penalty, mask, kl)
+            token_kl = _record_kl_monitors(sums, maxes, penalty, mask, kl)
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
-    return ObjectiveOut(loss=loss, sums=sums if metrics else {}, maxes=maxes)
+    return ObjectiveOut(loss=loss, sums=sums if metrics else {}, maxes=maxes, token_kl=token_kl)
 
 
 @torch.no_grad()
 def _record_kl_monitors(sums: dict[str, Tensor], maxes: dict[str, Tensor], penalty: KLPenalty, mask: Tensor,
-                        kl: KLTerm) -> None:
-    """raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio: masked and summed at once."""
+                        kl: KLTerm) -> Tensor:
+    """raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio: masked and summed at once. Returns the
+    masked per-token l and k3, stacked [2, B, T], for the step's percentiles (train/step_metrics.py)."""
     ratio_BT = penalty.log_ratio_BT.detach()
     monitors = [ESTIMATORS[name].fn(ratio_BT, kl.clamp) for name in ("k2", "k3")]
     masked = torch.stack([penalty.raw_BT.detach(), penalty.adapted_BT.detach(), ratio_BT, *monitors]) * mask
@@ -180,3 +184,4 @@ def _record_kl_monitors(sums: dict[str, Tensor], maxes: dict[str, Tensor], penal
     sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
     if kl.shaping == "clip":
         sums["shaping_clip"] = clip_fraction(penalty.raw_BT, mask, kl.clip_threshold) * mask.sum()
+    return torch.stack((masked[2], masked[4]))

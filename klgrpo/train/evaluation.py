@@ -117,9 +117,15 @@ def load_eval_sets(cfg) -> dict[str, dict]:
 
 def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, float]:
     """Greedy accuracy of every set, as {"eval/<name>": value}; prompts are templated like the rollout's."""
+    from tqdm.auto import tqdm
+
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     results = {}
-    for name, s in sets.items():
+    # A bar of its own (gone when done): evaluating takes seconds, beside the step bar or before it starts.
+    bar = tqdm(sets.items(), total=len(sets), desc="evaluating", unit="set", leave=False, dynamic_ncols=True,
+               disable=not cfg.logging.progress or not sets)
+    for name, s in bar:
+        bar.set_postfix_str(f"{name} ({len(s['prompts'])} prompts)")
         texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
         results[f"eval/{name}"] = greedy_accuracy(model, tokenizer, texts, s["answers"], max_new,
                                                   cfg.eval.batch_size, s["reward_fn"])

@@ -72,8 +72,18 @@ GLOSSARY: dict[str, str] = {
                             "shaping (zero KL gradient there); 0 for other shapings",
     "kl/sequence_sum": "mean over completions of sum_t l_t (summed k1): the sequence KL estimate, "
                        "Ziegler's controller input",
-    "train/replay_share": "train/replay_penalty / (|train/loss| + train/replay_penalty): the anchor's share of "
-                          "the objective",
+    "kl/log_ratio_p50": "median over the step's loss-mask tokens of l (linear interpolation, as torch.quantile); "
+                        "kl/log_ratio_p90 and kl/log_ratio_p99 the 90th and 99th percentiles",
+    "kl/log_ratio_p90": "90th percentile over the step's loss-mask tokens of l",
+    "kl/log_ratio_p99": "99th percentile over the step's loss-mask tokens of l: where a few tokens run off",
+    "kl/k3_p50": "median over the step's loss-mask tokens of k3 = exp(-l) + l - 1 (|l| clamped at the k3 guard)",
+    "kl/k3_p90": "90th percentile over the step's loss-mask tokens of k3",
+    "kl/k3_p99": "99th percentile over the step's loss-mask tokens of k3: with kl/max, the heavy tail of the KL",
+    "kl/loss_share": "|beta * KL loss term| / (P + |beta * KL loss term|), in [0, 1], P = the per-token |policy "
+                     "loss| aggregated as the loss: how much of the loss's magnitude the KL is; logged when the KL "
+                     "is in the loss with beta > 0",
+    "train/replay_share": "|train/replay_penalty| / (|train/loss| + |train/replay_penalty|), in [0, 1] (0 when "
+                          "both are 0): the anchor's share of the objective's magnitude",
     "kl/replay": "mean per token of the configured estimator's KL value on the replay prompts' completions",
     # completions
     "completions/mean_length": "mean over the step's completions of the completion length in tokens (EOS included)",

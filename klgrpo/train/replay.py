@@ -172,8 +172,8 @@ class ReplayAnchor:
         """Backpropagate coef * (replay KL) for the next replay batch into ``model``'s .grad (adding to it).
 
         Returns ``kl/replay`` (mean per token), ``train/replay_penalty`` (coef times it), ``time/replay`` and,
-        when ``main_loss`` (the step's train/loss) is given, ``train/replay_share`` = penalty / (|loss| +
-        penalty). One host sync."""
+        when ``main_loss`` (the step's train/loss) is given, ``train/replay_share`` (:func:`replay_share`).
+        One host sync."""
         t0 = time.perf_counter()
         c = self.cache
         indices = self.sampler.next_indices()
@@ -194,8 +194,7 @@ class ReplayAnchor:
         kl = kl_sum / n_tok
         values = [kl, self.coef * kl]
         if main_loss is not None:
-            penalty = self.coef * kl
-            values.append(penalty / (torch.as_tensor(main_loss, device=kl.device).abs() + penalty).clamp(min=1e-30))
+            values.append(replay_share(self.coef * kl, torch.as_tensor(main_loss, device=kl.device)))
         floats = torch.stack([v.float().reshape(()) for v in values]).cpu().tolist()
         out = {"kl/replay": floats[0], "train/replay_penalty": floats[1]}
         if main_loss is not None:
@@ -216,6 +215,17 @@ class ReplayAnchor:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def replay_share(penalty: Tensor, main_loss: Tensor) -> Tensor:
+    """|penalty| / (|main_loss| + |penalty|), in [0, 1]; 0 when both are 0.
+
+    Magnitudes on both sides: the GRPO loss is often near 0 or negative, and the replay KL's value can round
+    below 0 when the policy still equals the reference (step 1) or be negative under k1, where the signed
+    ratio penalty / (|loss| + penalty) left [0, 1] (a -1.59 was logged at the demo's first step)."""
+    p, m = penalty.abs().double(), main_loss.abs().double()
+    total = p + m
+    return torch.where(total > 0, p / total.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(total))
+
+
 def _form(estimator: str) -> str:
     return "full" if estimator == "full" else "tokens"
 

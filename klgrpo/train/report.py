@@ -1,7 +1,7 @@
 """A run folder's plots and summary table (the trainer draws them at the end; ``klgrpo report`` redraws).
 
     plots/reward.png   train/reward (raw and smoothed), rewards/<function> when there are several, eval/<name>
-    plots/kl.png       adaptive_kl/raw_kl and adaptive_kl/adapted_kl, plus kl/k1, kl/k2, kl/k3 when logged
+    plots/kl.png       adaptive_kl/raw_kl and adaptive_kl/adapted_kl; below them kl/k1, kl/k2, kl/k3 when logged
     plots/beta.png     adaptive_kl/current_beta
     plots/length.png   completions/mean_length (and max_length), completions/clipped_ratio
 
@@ -79,8 +79,10 @@ def _plot_line(ax, series: Series, label: str, *, smooth: bool = False, **style)
     shown = [v if math.isfinite(v) else math.nan for v in values]
     many = len(values) >= 40
     if smooth and many:
-        line, = ax.plot(steps, shown, alpha=0.3, linewidth=1, **style)
-        ax.plot(steps, _smooth(shown), color=line.get_color(), linewidth=2, label=f"{label} (smoothed)")
+        raw_style = {k: v for k, v in style.items() if k not in ("linewidth", "alpha", "zorder")}
+        line, = ax.plot(steps, shown, alpha=0.3, linewidth=1, **raw_style)
+        ax.plot(steps, _smooth(shown), **{"linewidth": 2, **style, "color": line.get_color()},
+                label=f"{label} (smoothed)")
     else:
         ax.plot(steps, shown, marker="o" if len(values) <= 30 else None, markersize=3, label=label, **style)
 
@@ -126,17 +128,35 @@ def _reward_plot(rows, keys, kl_target=None):
     return fig
 
 
+#: How each KL curve is drawn. The curves often coincide (raw = adapted without shaping, raw = k3 for k3 and
+#: k3_st), so no curve may hide another: raw is a wide translucent band, adapted a thin dashed line on it, and
+#: the monitors get a panel of their own with a line style each.
+_KL_STYLES = {
+    "adaptive_kl/raw_kl": {"linewidth": 6, "alpha": 0.35, "zorder": 2},
+    "adaptive_kl/adapted_kl": {"linewidth": 1.5, "linestyle": "--", "zorder": 3},
+    "kl/k1": {"linewidth": 5, "alpha": 0.35, "zorder": 2},
+    "kl/k2": {"linewidth": 2, "linestyle": "--", "zorder": 3},
+    "kl/k3": {"linewidth": 1.5, "linestyle": ":", "zorder": 4},
+}
+
+
 def _kl_plot(rows, keys, kl_target=None):
-    names = [k for k in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "kl/k1", "kl/k2", "kl/k3") if k in keys]
-    if not names:
+    panels = [[k for k in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl") if k in keys],
+              [k for k in ("kl/k1", "kl/k2", "kl/k3") if k in keys]]
+    panels = [p for p in panels if p]
+    if not panels:
         return None
-    fig, (ax,) = _new_figure()
-    for k in names:
-        _plot_line(ax, _series(rows, k), k, smooth=True, linestyle="-" if k.startswith("adaptive_kl/") else ":")
-    ax.axhline(0.0, color="grey", linewidth=0.8)
-    if kl_target is not None:
-        ax.axhline(kl_target, color="black", linestyle="--", linewidth=1.0, label=f"controller target {kl_target:g}")
-    _finish(ax, "KL to the reference (mean per completion token)", "KL (nats per token)")
+    fig, axes = _new_figure(len(panels))
+    for ax, names in zip(axes, panels):
+        for k in names:
+            _plot_line(ax, _series(rows, k), k, smooth=True, **_KL_STYLES[k])
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        monitors = names[0].startswith("kl/")
+        if kl_target is not None and not monitors:  # the controller steers adaptive_kl/raw_kl
+            ax.axhline(kl_target, color="black", linestyle="--", linewidth=1.0,
+                       label=f"controller target {kl_target:g}")
+        _finish(ax, "KL monitors k1, k2, k3 of the same log-ratio" if monitors else
+                "KL in the objective: configured estimator, raw and after shaping", "KL (nats per token)")
     return fig
 
 

@@ -22,6 +22,9 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
     rollout, g = batch.rollout, batch.rollout.group_size
     lengths = rollout.completion_mask.sum(-1).float()
     local = dict(sums)
+    token_kl = local.pop("token_kl", None)
+    quantiles = (kl_percentiles(token_kl, batch.loss_mask, int(batch.normalizer.max_len), dist)
+                 if token_kl is not None else torch.zeros(0, device=device))
     local.update({
         "entropy": entropy_sum, "completion_tokens": lengths.sum(), "truncated": rollout.truncated.float().sum(),
         "reward": batch.rewards.sum(), "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
@@ -34,8 +37,10 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
     total = dist.sum(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=device)
                                        .reshape(()) for k in keys]))
     peak = dist.max(torch.stack([local_max[k].float().reshape(()) for k in max_keys]))
-    values = dict(zip(keys, total.tolist()))
-    values.update({f"max/{k}": v for k, v in zip(max_keys, peak.tolist())})
+    floats = torch.cat([total, peak, quantiles.to(total.device, torch.float32)]).tolist()  # the one host sync
+    values = dict(zip(keys, floats))
+    values.update({f"max/{k}": v for k, v in zip(max_keys, floats[len(keys):])})
+    percentiles = dict(zip(PERCENTILE_NAMES, floats[len(keys) + len(max_keys):]))
     n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
     n_tok_safe = max(n_tok, 1.0)
     metrics = {
@@ -58,6 +63,9 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
             "kl/max": values["max/k3"], "kl/clamp_frac": values["clamp"] / n_tok_safe,
             "kl/sequence_sum": values["k1"] / n_seq,
         })
+        metrics.update(percentiles)
+        if "loss_kl_penalty" in values:
+            metrics["kl/loss_share"] = loss_share(values["loss_kl_penalty"], values["policy_abs"])
         if "shaping_clip" in values:
             metrics["kl/shaping_clip_frac"] = values["shaping_clip"] / n_tok_safe
     metrics["adaptive_kl/current_beta"] = beta
@@ -67,3 +75,45 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
                                 sequence_sum=values.get("k1", 0.0) / n_seq, n_sequences=rollout.size,
                                 reward=values["reward"] / n_seq)
     return metrics, observation
+
+
+#: The per-token KL percentiles logged each step (p50 / p90 / p99 of l and of k3 over the loss-mask tokens).
+PERCENTILES = (0.5, 0.9, 0.99)
+PERCENTILE_NAMES = tuple(f"kl/{what}_p{round(100 * q)}" for what in ("log_ratio", "k3") for q in PERCENTILES)
+
+
+def masked_quantiles(values_KNT: Tensor, mask_NT: Tensor, qs: tuple[float, ...]) -> Tensor:
+    """[K, len(qs)]: quantiles of each of the K rows over the masked positions, with torch.quantile's linear
+    interpolation, without a host sync (one sort; masked-out positions sort last as +inf). NaN when no position
+    is masked in."""
+    flat = values_KNT.flatten(1).float()
+    keep = mask_NT.flatten().bool()
+    ordered = torch.where(keep, flat, torch.full_like(flat, float("inf"))).sort(dim=1).values
+    n = keep.sum()
+    pos = torch.tensor(qs, dtype=torch.float32, device=flat.device) * (n - 1).clamp(min=0)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    low, high = ordered[:, lo], ordered[:, hi]
+    out = torch.lerp(low, torch.where(hi > lo, high, low), (pos - lo).expand_as(low))
+    return torch.where(n > 0, out, torch.full_like(out, float("nan")))
+
+
+def kl_percentiles(token_kl_2BT: Tensor, mask_BT: Tensor, max_len: int, dist: Distributed) -> Tensor:
+    """The values of PERCENTILE_NAMES (flattened [2 x 3]) over every process's tokens: each rank pads its [B, T]
+    to max_len and all ranks gather, so a 2-process run logs the same percentiles as one process."""
+    t = token_kl_2BT.shape[-1]
+    width = max(max_len, t)
+    padded = torch.nn.functional.pad(token_kl_2BT.float(), (0, width - t))
+    mask = torch.nn.functional.pad(mask_BT[:, :t].to(torch.bool), (0, width - t))
+    if dist.enabled:
+        padded = dist.gather(padded.transpose(0, 1).contiguous()).transpose(0, 1)
+        mask = dist.gather(mask.to(torch.uint8)).bool()
+    return masked_quantiles(padded, mask, PERCENTILES).flatten()
+
+
+def loss_share(kl_term: float, policy_abs: float) -> float:
+    """|beta * KL term| / (policy_abs + |beta * KL term|), in [0, 1] (0 when both are 0): how much of the loss's
+    magnitude the KL is. ``policy_abs`` aggregates the per-token |policy loss| like the loss: the policy loss's
+    value cancels between positive and negative advantages (exactly 0 on-policy under token_mean with equal
+    lengths, which made the share 1 at every step), its per-token magnitude does not."""
+    total = abs(kl_term) + abs(policy_abs)
+    return abs(kl_term) / total if total > 0 else 0.0

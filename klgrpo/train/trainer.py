@@ -81,6 +81,8 @@ class GRPOTrainer:
         if self.dist.device is not None and cfg.model.device == "auto":
             self.device = self.dist.device
         dtype = resolve_dtype(cfg.model.dtype, self.device)
+        if model is None and self.dist.is_main:
+            log(f"loading {cfg.model.name_or_path} ({dtype}, {self.device})")
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
                                                      cfg.model.trust_remote_code)
         self.model = model.to(self.device) if model is not None else load_causal_lm(
@@ -102,6 +104,8 @@ class GRPOTrainer:
         self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
                                 or cfg.kl.replay.coef > 0)
+        if self.needs_reference and self.dist.is_main:
+            log("building the reference model")
         self.reference = self._build_reference() if self.needs_reference else None
         # What the loss's forward runs: the policy, or with train.compile its compiled wrapper (same weights);
         # sampling, evaluation and checkpoints always use the model itself.
@@ -229,6 +233,8 @@ class GRPOTrainer:
                 maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
             sums["loss"] = sums.get("loss", 0.0) + loss.detach()
             entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
+            if out.token_kl is not None:  # per-token values for the KL percentiles, joined along the batch
+                sums["token_kl"] = torch.cat((sums["token_kl"], out.token_kl), 1) if "token_kl" in sums else out.token_kl
             if keep_logp:
                 kept.append(logp.detach())
         return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)

@@ -85,7 +85,9 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
     if k.controller in ("adaptive", "step", "dual"):
         need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
-        need(k.coef > 0, f"kl.controller={k.controller} multiplies beta: set kl.coef > 0 as its starting value")
+        need(k.coef > 0, f"kl.controller={k.controller} multiplies beta, so kl.coef=0 would stay 0: set kl.coef > 0 "
+                         f"as its starting value, or for no KL penalty use kl.controller fixed "
+                         f"(--kl.controller fixed --kl.coef 0)")
     if k.controller == "adaptive":
         # Ziegler's factor 1 + e * n / horizon with |e| <= 0.2 stays positive only if horizon > 0.2 * n.
         need(k.horizon > 0.2 * batch, f"kl.horizon={k.horizon:g} must exceed 0.2 x the batch of {batch} sequences "

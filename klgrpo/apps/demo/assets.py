@@ -150,6 +150,26 @@ def prepare_demo_assets(
     return assets
 
 
+def planned_demo_assets(seed: int = 0, cache_dir: str | Path | None = None,
+                        settings: DemoSettings | None = None) -> DemoAssets:
+    """Where :func:`prepare_demo_assets` keeps (or would build) the assets of ``seed``, without building anything:
+    enough to show the demo's resolved config (``klgrpo train --print-config``) on a fresh machine."""
+    settings = settings if settings is not None else DEFAULT_SETTINGS
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()) / "demo"
+    folder = root / cache_key(seed, settings)
+    skills = (TRAINED_SKILL, HELD_OUT_SKILL)
+    return DemoAssets(
+        model_dir=folder / "model",
+        train_file=folder / f"train_{TRAINED_SKILL}.jsonl",
+        eval_files={s: folder / f"test_{s}.jsonl" for s in skills},
+        replay_file=folder / f"replay_{HELD_OUT_SKILL}.jsonl",
+        sft_stats={},
+        from_cache=_load(folder) is not None,
+        val_files={s: folder / f"validation_{s}.jsonl" for s in skills},
+        cache_dir=folder,
+    )
+
+
 def _build(folder: Path, seed: int, settings: DemoSettings, log: Callable[[str], None]) -> None:
     splits = {
         skill: make_splits(skill, settings.n_test, settings.n_validation, settings.n_replay)

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, Split
@@ -104,8 +105,9 @@ def run_sft(
     settings: SFTSettings = SFTSettings(),
     seed: int = 0,
     log: Callable[[str], None] = print,
+    progress: bool = True,
 ) -> dict:
-    """Train ``model`` in place; returns stats: steps, seconds, reached_target, val_accuracy [[step, acc], ...],
+    """Train ``model`` in place (a progress bar on stderr unless ``progress`` is False); returns stats: steps, seconds, reached_target, val_accuracy [[step, acc], ...],
     final_val_accuracy, first_loss, last_loss (mean of the last 10 steps)."""
     skills = [skill for skill, _ in settings.mix]
     missing = [s for s in skills if s not in train]
@@ -120,7 +122,10 @@ def run_sft(
     losses: list[float] = []
     accuracy = 0.0
     step = 0
-    with _torch_threads(settings.num_threads):
+    # The run stops at the accuracy target, usually well before max_steps: the bar shows steps and accuracy.
+    bar = tqdm(total=settings.max_steps, desc="SFT warm start", unit="step", leave=False, dynamic_ncols=True,
+               disable=not progress)
+    with _torch_threads(settings.num_threads), bar:
         start = time.perf_counter()
         model.train()
         while step < settings.max_steps:
@@ -131,11 +136,14 @@ def run_sft(
             optimizer.step()
             losses.append(loss.item())
             step += 1
+            bar.update(1)
             if step % settings.eval_every == 0 or step == settings.max_steps:
                 accuracy = greedy_accuracy(
                     model, tokenizer, validation.prompts, validation.answers, max_new_tokens=MAX_NEW_TOKENS
                 )
                 history.append([step, accuracy])
+                bar.set_postfix_str(f"loss {losses[-1]:.3f}, {settings.target_skill} accuracy {accuracy:.1%} "
+                                    f"(stops at {settings.target_accuracy:.0%})")
                 if accuracy >= settings.target_accuracy:
                     break
         seconds = time.perf_counter() - start

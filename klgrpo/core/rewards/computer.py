@@ -178,8 +178,29 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
     try:
         result = bound.fn(prompts, completions, **available)
     except Exception as e:
-        raise RewardError(f"reward function {bound.display!r} raised {_describe(e)}") from e
+        where = _user_frame(e, bound.fn)
+        raise RewardError(f"reward function {bound.display!r} raised {_describe(e)}"
+                          + (f" (at {where})" if where else "")) from e
     return _as_floats(result, len(completions), bound.display, completions)
+
+
+def _user_frame(error: BaseException, fn: Callable) -> str:
+    """``file:line in function`` of the line that raised, as the user wrote it: the deepest frame in the reward
+    function's own file, else the deepest frame outside klgrpo and installed packages; "" when there is none."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is _call itself
+    try:
+        own_file = os.path.realpath(inspect.getsourcefile(inspect.unwrap(fn)) or "")
+    except TypeError:  # a builtin or C callable
+        own_file = ""
+    klgrpo_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    own = [f for f in frames if own_file and os.path.realpath(f.filename) == own_file]
+    other = [f for f in frames if not os.path.realpath(f.filename).startswith(klgrpo_dir + os.sep)
+             and "site-packages" not in f.filename and not f.filename.startswith("<")]
+    chosen = (own or other or [None])[-1]
+    return f"{chosen.filename}:{chosen.lineno} in {chosen.name}" if chosen is not None else ""
 
 
 def _as_floats(result: Any, n: int, display: str, completions: list[str]) -> list[float]:
