@@ -103,9 +103,20 @@ class Engine:
                               "examples/accelerate/ddp.yaml")
         if self.kind != "single" and cfg.train.compile:
             raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
-        if self.kind == "deepspeed" and cfg.kl.replay.coef > 0:
-            raise ConfigError("kl.replay with DeepSpeed is not supported; set kl.replay.coef: 0 or use "
-                              "examples/accelerate/fsdp2.yaml")
+        if self.kind == "deepspeed":
+            if cfg.kl.replay.coef > 0:
+                raise ConfigError("kl.replay with DeepSpeed is not supported; set kl.replay.coef: 0 or use "
+                                  "examples/accelerate/fsdp2.yaml")
+            self._configure_deepspeed(cfg)
+
+    def _configure_deepspeed(self, cfg) -> None:
+        """klgrpo's settings win over the DeepSpeed config's: clipping (DeepSpeed clips, not klgrpo), and the
+        batch-size fields DeepSpeed insists on although klgrpo feeds it no data loader."""
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["gradient_clipping"] = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else 0.0
+        ds["gradient_accumulation_steps"] = 1
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size or cfg.rollout.group_size
+        ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * self.world_size
 
     # --------------------------------------------------------------------------------------- preparing
     def prepare(self, model, optimizer):
