@@ -108,16 +108,24 @@ def single_process_update(cfg_dict, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_two_processes_match_one_on_the_same_batch(kind, perturbed_model_dir, tiny_model_dir, addition_file,
-                                                   tmp_path):
+def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, perturbed_model_dir, tiny_model_dir,
+                                                                        addition_file, tmp_path):
+    """One launch per engine (process start-up costs seconds): the update comparison, then the 2-step run."""
     cfg_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "run")
-    batch, completions, metrics, grads, weights = single_process_update(cfg_dict, tmp_path)
-    assert metrics["kl/replay"] > 0 and metrics["grad_norm"] > 0
-
+    single = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
-    accelerate_launch(KINDS[kind], [str(WORKER), "update", str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"),
-                                    str(tmp_path / "out.pt")])
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    train_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    (tmp_path / "train.json").write_text(json.dumps(train_dict))
+    accelerate_launch(KINDS[kind], [str(WORKER), "both", str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"),
+                                    str(tmp_path / "out.pt"), str(tmp_path / "train.json"),
+                                    str(tmp_path / "train_out.json")])
+    check_update_matches(kind, torch.load(tmp_path / "out.pt", weights_only=False), *single)
+    check_checkpoint_and_resume(kind, train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json")
+                                                                                   .read_text()), tmp_path)
+
+
+def check_update_matches(kind, out, batch, completions, metrics, grads, weights):
+    assert metrics["kl/replay"] > 0 and metrics["grad_norm"] > 0
     assert (out["kind"], out["world_size"]) == (kind, 2)
     assert out["completions"] == completions  # same seed, same weights: the same tokens
     # FSDP2's reference runs transformers' forward, one process klgrpo's fast path: float32 rounding of two
@@ -140,17 +148,11 @@ def test_two_processes_match_one_on_the_same_batch(kind, perturbed_model_dir, ti
         torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_two_process_run_writes_one_checkpoint_and_resumes_on_two_and_one(kind, perturbed_model_dir, tiny_model_dir,
-                                                                          addition_file, tmp_path):
+def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    run = tmp_path / "run"
-    cfg_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, run)
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
-    accelerate_launch(KINDS[kind], [str(WORKER), "train", str(tmp_path / "cfg.json"), str(tmp_path / "out.json")])
-    out = json.loads((tmp_path / "out.json").read_text())
+    run = Path(cfg_dict["train"]["output_dir"])
     assert out["kind"] == kind and out["summary"]["world_size"] == 2
     assert out["checkpoints_after_run"] == ["step_2"]  # one folder, written by rank 0
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # resumed on 2 processes

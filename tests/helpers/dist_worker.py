@@ -7,6 +7,8 @@ updated weights for the test to compare with one process.
 
 ``train CONFIG OUT``: a 2-step run (checkpoint at the end), then a second trainer resumes it to step 3 on the
 same 2 processes; rank 0 writes what the first run left in checkpoints/.
+
+``both UPDATE_CONFIG BATCH UPDATE_OUT TRAIN_CONFIG TRAIN_OUT``: the two above in one launch.
 """
 
 import json
@@ -84,6 +86,12 @@ def run_train(config_file, out_file):
             json.dump({"kind": trainer.engine.kind, "summary": summary, "checkpoints_after_run": folders}, f)
 
 
+def run_both(update_config, batch_file, update_out, train_config, train_out):
+    """Both in one launch (each launch costs seconds of process start-up)."""
+    run_update(update_config, batch_file, update_out)
+    run_train(train_config, train_out)
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    {"update": run_update, "train": run_train}[mode](*args)
+    {"update": run_update, "train": run_train, "both": run_both}[mode](*args)
