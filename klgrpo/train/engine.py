@@ -125,7 +125,7 @@ class Engine:
         if self.kind == "single":
             return model, optimizer
         if self.shards_parameters:
-            model.klgrpo_fast_path = False  # the loss forward must run the module hooks that gather shards
+            _set_fast_path(model, False)  # the loss forward must run the module hooks that gather shards
         wrapped, optimizer = self.accelerator.prepare(model, optimizer)
         if self.kind == "deepspeed":
             self._ds_engine = wrapped
@@ -139,7 +139,7 @@ class Engine:
         if not self.shards_parameters or not isinstance(reference, FrozenCopyReference):
             return
         model = reference.model
-        model.klgrpo_fast_path = False
+        _set_fast_path(model, False)
         if self.kind == "fsdp2":
             from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -208,11 +208,11 @@ class Engine:
             if not self.shards_parameters:
                 yield model
                 return
-            model.klgrpo_fast_path = self.fast_path
+            _set_fast_path(model, self.fast_path)
             try:
                 yield model
             finally:
-                model.klgrpo_fast_path = False
+                _set_fast_path(model, False)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def full_state_dict(self, model) -> dict[str, Tensor] | None:
@@ -249,6 +249,15 @@ class Engine:
                                         for i, s in state["state"].items()}}
         inner.load_state_dict(state)
 
+    def load_adapter(self, model, ckpt: Path) -> None:
+        """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
+        if self.kind == "fsdp2":
+            _load_sharded_adapter(model, ckpt)
+            return
+        from klgrpo.backends.lora import load_adapter_weights
+
+        load_adapter_weights(model, ckpt)
+
     def load_model_file(self, model, path: Path, device) -> None:
         """Load a full safetensors state dict (missing keys allowed: tied weights) into ``model``."""
         if self.kind != "fsdp2":
@@ -261,6 +270,29 @@ class Engine:
 
         set_model_state_dict(model, load_file(str(path), device=str(device)),
                              options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _load_sharded_adapter(model, ckpt: Path) -> None:
+    """FSDP2: the trainable LoRA adapter of a checkpoint (peft's key format) into the sharded PeftModel."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from klgrpo.backends.lora import ADAPTER_WEIGHTS
+
+    saved = load_file(str(Path(ckpt) / ADAPTER_WEIGHTS))
+    tag = f".{model.active_adapter}."
+    live = {name: name.replace(tag, ".") for name, _ in model.named_parameters() if tag in name}
+    if set(live.values()) != set(saved):
+        raise ConfigError(f"{ckpt} does not match the live LoRA adapter (different model.lora.r, target_modules or "
+                          f"base model); resume with the model.lora settings the checkpoint was trained with")
+    set_model_state_dict(model, {name: saved[key] for name, key in live.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _set_fast_path(model, on: bool) -> None:
+    """model.fast_path for this module (read from the base model under a LoRA wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.klgrpo_fast_path = on
 
 
 def _full(value):

@@ -323,9 +323,7 @@ class GRPOTrainer:
     def resume(self, resume: str) -> None:
         ckpt = resolve_resume(resume, self.run_dir)
         if (ckpt / "adapter_model.safetensors").exists():
-            from klgrpo.backends.lora import load_adapter_weights
-
-            load_adapter_weights(self.model, ckpt)
+            self.engine.load_adapter(self.model, ckpt)
         else:
             self.engine.load_model_file(self.model, ckpt / "model.safetensors", self.device)
         state = load_trainer_state(ckpt)
