@@ -180,3 +180,29 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
                for i, p in enumerate(params))
     trainer.train()
     assert [r["step"] for r in read_metrics(tmp_path / "one")][-1] == 3
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_model_dir, addition_file, tmp_path):
+    """LoRA under FSDP2: the reference is the sharded policy with its adapter disabled; the checkpoint holds the
+    adapter (peft format), which resumes on 2 processes and, bitwise, on 1."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    cfg_dict = config_dict(tiny_model_dir, "", addition_file, run)
+    cfg_dict["model"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    del cfg_dict["kl"]["replay"], cfg_dict["kl"]["reference"]
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
+    accelerate_launch(KINDS["fsdp2"], [str(WORKER), "train", str(tmp_path / "cfg.json"), str(tmp_path / "out.json")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["kind"] == "fsdp2" and out["checkpoints_after_run"] == ["step_2"]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    adapter = load_file(str(run / "checkpoints" / "step_2" / "adapter_model.safetensors"))
+    assert sorted(k.rsplit(".", 2)[-2] for k in adapter) == ["lora_A", "lora_A", "lora_B", "lora_B"]
+    assert all(v.abs().sum() > 0 for k, v in adapter.items())  # B starts at 0: trained
+
+    one = dict(cfg_dict, train={**cfg_dict["train"], "steps": 3, "output_dir": str(tmp_path / "one")})
+    shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "one" / "checkpoints" / "step_2")
+    trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
+    trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
+    assert trainer.train()["steps"] == 3
