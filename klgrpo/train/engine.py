@@ -95,6 +95,13 @@ class Engine:
         reads the weights directly, cannot run on them outside ``full_weights``."""
         return self.kind == "fsdp2" or self.zero_stage == 3
 
+    @property
+    def fast_path_outside_loss_only(self) -> bool:
+        """The loss forward must go through the engine's module (its hooks gather shards or reduce gradients), so
+        klgrpo's fast path, which reads the weights directly, is off there and back on in ``full_weights``.
+        (DDP's wrapper hides the model's attributes, so its forward is the wrapper's anyway.)"""
+        return self.shards_parameters or self.kind == "deepspeed"
+
     def check(self, cfg) -> None:
         """Settings this engine cannot honour, as one line each."""
         if self.shards_parameters and cfg.kl.sync_every:
@@ -117,6 +124,7 @@ class Engine:
         ds["gradient_accumulation_steps"] = 1
         ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size or cfg.rollout.group_size
         ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * self.world_size
+        ds["zero_allow_untested_optimizer"] = True  # klgrpo's torch AdamW
 
     # --------------------------------------------------------------------------------------- preparing
     def prepare(self, model, optimizer):
@@ -124,8 +132,8 @@ class Engine:
         sampling, evaluation and checkpoints: FSDP2 shards it in place, DDP and DeepSpeed wrap it."""
         if self.kind == "single":
             return model, optimizer
-        if self.shards_parameters:
-            _set_fast_path(model, False)  # the loss forward must run the module hooks that gather shards
+        if self.fast_path_outside_loss_only:
+            _set_fast_path(model, False)
         wrapped, optimizer = self.accelerator.prepare(model, optimizer)
         if self.kind == "deepspeed":
             self._ds_engine = wrapped
@@ -205,7 +213,7 @@ class Engine:
         else:
             context = nullcontext()
         with context:
-            if not self.shards_parameters:
+            if not self.fast_path_outside_loss_only:
                 yield model
                 return
             _set_fast_path(model, self.fast_path)
@@ -344,5 +352,6 @@ def _zero3_gathered(ds_engine):
         offload.backward_hooks.clear()
         try:
             yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
+        finally:  # the method's name differs between DeepSpeed versions
+            register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
+            register(offload.module)
