@@ -161,7 +161,8 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     ckpt = run / "checkpoints" / "step_2"
     loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # the full weights
     reference = AutoModelForCausalLM.from_pretrained(perturbed_model_dir, dtype=torch.float32)
-    assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in reference.state_dict().items()}
+    shapes = {k: v.shape for k, v in reference.state_dict().items()}
+    assert {k: v.shape for k, v in loaded.state_dict().items()} == shapes
     assert any(not torch.equal(a, b) for a, b in zip(loaded.parameters(), reference.parameters()))  # it trained
 
     # Resume the 2-process checkpoint on 1 process: weights and full-size AdamW moments load as written.
