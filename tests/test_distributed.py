@@ -1,10 +1,15 @@
-"""Two CPU processes (gloo) against one on the same global batch: same gradient, loss and metrics; and a
-2-process training run that writes one run folder and resumes on 1 process."""
+"""Two CPU processes under ``accelerate launch`` with the shipped DDP and FSDP2 configs, against one process on
+the same global batch: the same completions from the same seed (FSDP2: sampled from the gathered weights), the
+same reference log-probs (FSDP2: a sharded reference), and after one update the same loss, gradient norm, metrics,
+gradient and weights (with the replay anchor on, so its once-per-step gradient is checked too). Then a 2-process
+run that writes one checkpoint (full weights loadable by from_pretrained, the optimizer state in the
+single-process layout), resumes on 2 processes and on 1."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,9 +21,11 @@ import torch
 from klgrpo.train.config import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
-from tests.helpers.dist_worker import gradient_and_metrics
+from tests.helpers.dist_worker import full_gradients, sample_slice, update_metrics
 
+ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
+KINDS = {"ddp": ROOT / "examples" / "accelerate" / "ddp.yaml", "fsdp2": ROOT / "examples" / "accelerate" / "fsdp2.yaml"}
 
 
 def free_port() -> int:
@@ -27,82 +34,176 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args, timeout=180, attempts=2):
-    """Run ``args`` under torchrun with 2 CPU processes. A worker killed by a signal (seen once in many runs
-    here: gloo aborting while the loopback rendezvous was set up) is retried once on a fresh port; an ordinary
-    non-zero exit (a Python error in our code) fails at once."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent.parent))
+def accelerate_launch(config_file, args, timeout=240, attempts=2):
+    """``accelerate launch --config_file CONFIG --num_processes 2`` on the CPU. A failure without a Python
+    traceback (seen once in many runs here: gloo aborting while the loopback rendezvous was set up) is retried
+    once on a fresh port; a Python error in our code fails at once."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
     outputs = []
     for _ in range(attempts):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), *args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+               "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+               *args]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun stops its workers on SIGTERM
+            proc.terminate()  # the launcher stops its workers on SIGTERM
             out, _ = proc.communicate(timeout=30)
-            pytest.fail(f"torchrun timed out:\n{out[-3000:]}")
+            pytest.fail(f"accelerate launch timed out:\n{out[-3000:]}")
         if proc.returncode == 0:
             return out
         outputs.append(out)
-        if "exitcode  : -" not in out:  # not killed by a signal: a real failure
+        if "Traceback" in out:  # a Python error (the launcher then stops the other rank): a real failure
             break
-    pytest.fail("torchrun failed:\n" + "\n----- retry -----\n".join(o[-3000:] for o in outputs))
+    pytest.fail("accelerate launch failed:\n" + "\n----- retry -----\n".join(o[-3000:] for o in outputs))
 
 
-def config_dict(model_dir, data_file, out, **train):
+def config_dict(model_dir, reference_dir, data_file, out, **train):
     return {
         "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
         "data": {"source": str(data_file)},
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
         "rewards": {"functions": [{"name": "format", "kwargs": {"pattern": "0"}}]},
-        "kl": {"coef": 0.1, "placement": "both"},
+        "kl": {"coef": 0.1, "placement": "both", "reference": str(reference_dir),
+               "replay": {"coef": 0.5, "source": str(data_file), "num_prompts": 4, "batch_size": 4}},
         "loss": {"advantage_scale": "batch"},  # needs the rewards of both ranks
-        "optim": {"lr": 1e-2},
+        "optim": {"lr": 1e-2, "max_grad_norm": 1e9},
         "train": {"steps": 2, "output_dir": str(out), "micro_batch_size": 4, **train},
         "logging": {"progress": False, "tensorboard": False, "plots": False},
     }
 
 
-def test_two_processes_match_one_on_the_same_batch(tiny_model_dir, addition_file, tmp_path):
-    cfg_dict = config_dict(tiny_model_dir, addition_file, tmp_path / "run")
+@pytest.fixture(scope="module")
+def perturbed_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model moved off its initial weights: the policy, with the tiny model as the reference, so the
+    KL and its gradient are not zero at the first step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    out = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(out)
+    for f in Path(tiny_model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def single_process_update(cfg_dict, tmp_path):
+    """One process: the global batch, the per-slice completions from the worker's seeds, one update."""
     single = GRPOTrainer(GRPOConfig.from_dict(cfg_dict), log=lambda *_: None)
     torch.manual_seed(0)
     batch = single.make_batch()
     assert batch.advantages.abs().sum() > 0
-    torch.save(batch, tmp_path / "batch.pt")
-    grad_1, metrics_1 = gradient_and_metrics(single, batch)
+    prompts = [single.dataset[i]["prompt"] for i in range(4)]
+    torch.save({"batch": batch, "prompts": prompts}, tmp_path / "batch.pt")
+    completions = [sample_slice(single, prompts[2 * r:2 * r + 2], r) for r in range(2)]
+    metrics = update_metrics(single, batch)
+    return batch, completions, metrics, full_gradients(single.model), single.model.state_dict()
 
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, perturbed_model_dir, tiny_model_dir,
+                                                                        addition_file, tmp_path):
+    """One launch per engine (process start-up costs seconds): the update comparison, then the 2-step run."""
+    cfg_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "run")
+    single = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
-    torchrun([str(WORKER), str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")])
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
-    assert out["world_size"] == 2
-    # float32 sums in another order: agreement to ~1e-6 relative.
-    torch.testing.assert_close(out["grad"], grad_1, rtol=1e-5, atol=1e-7)
-    assert out["metrics"].keys() == metrics_1.keys()
-    for k, v in metrics_1.items():
-        assert out["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    train_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    (tmp_path / "train.json").write_text(json.dumps(train_dict))
+    accelerate_launch(KINDS[kind], [str(WORKER), "both", str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"),
+                                    str(tmp_path / "out.pt"), str(tmp_path / "train.json"),
+                                    str(tmp_path / "train_out.json")])
+    check_update_matches(kind, torch.load(tmp_path / "out.pt", weights_only=False), *single)
+    check_checkpoint_and_resume(kind, train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json")
+                                                                                   .read_text()), tmp_path)
 
 
-def test_two_process_run_writes_once_and_resumes_on_one(tiny_model_dir, addition_file, tmp_path):
+def check_update_matches(kind, out, batch, completions, metrics, grads, weights):
+    assert metrics["kl/replay"] > 0 and metrics["grad_norm"] > 0
+    assert (out["kind"], out["world_size"]) == (kind, 2)
+    assert out["completions"] == completions  # same seed, same weights: the same tokens
+    # FSDP2's reference runs transformers' forward, one process klgrpo's fast path: float32 rounding of two
+    # computations of log-probs of size ~3, measured up to 5e-5 apart.
+    torch.testing.assert_close(out["ref_logp"], batch.ref_logp, rtol=0, atol=2e-4)
+    assert out["metrics"].keys() == metrics.keys()
+    for k, v in metrics.items():
+        assert out["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert out["grads"].keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(out["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    print(f"\n{kind} 2 vs 1 process, max abs diff: loss {abs(out['metrics']['train/loss'] - metrics['train/loss']):.3g}"
+          f", grad_norm {abs(out['metrics']['grad_norm'] - metrics['grad_norm']):.3g}, gradient "
+          f"{max((out['grads'][n] - g).abs().max().item() for n, g in grads.items()):.3g}, weights "
+          f"{max((out['weights'][n] - w).abs().max().item() for n, w in weights.items()):.3g}")
+    # AdamW's first step moves each weight by lr * g / (|g| + 1e-8), ~1e-2 here: entries whose gradient is near 0
+    # turn the ~3e-8 gradient differences into up to ~3e-5. 1e-4 is 1% of a step; a rank's missing or doubled
+    # update would be off by ~1e-2.
+    for name, w in weights.items():
+        torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=1e-4, msg=name)
+
+
+def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = Path(cfg_dict["train"]["output_dir"])
+    assert out["kind"] == kind and out["summary"]["world_size"] == 2
+    assert out["checkpoints_after_run"] == ["step_2"]  # one folder, written by rank 0
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # resumed on 2 processes
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+    ckpt = run / "checkpoints" / "step_2"
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # the full weights
+    reference = AutoModelForCausalLM.from_pretrained(perturbed_model_dir, dtype=torch.float32)
+    shapes = {k: v.shape for k, v in reference.state_dict().items()}
+    assert {k: v.shape for k, v in loaded.state_dict().items()} == shapes
+    assert any(not torch.equal(a, b) for a, b in zip(loaded.parameters(), reference.parameters()))  # it trained
+
+    # Resume the 2-process checkpoint on 1 process: weights and full-size AdamW moments load as written.
+    one = dict(cfg_dict, train={**cfg_dict["train"], "steps": 3, "output_dir": str(tmp_path / "one")})
+    shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "one" / "checkpoints" / "step_2")
+    trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
+    trainer.resume("latest")
+    saved = load_file(str(ckpt / "model.safetensors"))
+    for name, p in trainer.model.named_parameters():
+        if name in saved:
+            assert torch.equal(p.detach(), saved[name]), name
+    moments = trainer.optimizer.state_dict()["state"]
+    params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    assert len(moments) == len(params)
+    assert all(moments[i]["exp_avg"].shape == p.shape and moments[i]["exp_avg"].abs().sum() > 0
+               for i, p in enumerate(params))
+    trainer.train()
+    assert [r["step"] for r in read_metrics(tmp_path / "one")][-1] == 3
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_model_dir, addition_file, tmp_path):
+    """LoRA under FSDP2: the reference is the sharded policy with its adapter disabled; the checkpoint holds the
+    adapter (peft format), which resumes on 2 processes and, bitwise, on 1."""
+    from safetensors.torch import load_file
+
     run = tmp_path / "run"
-    args = ["-m", "klgrpo", "train", "--model.name_or_path", str(tiny_model_dir), "--data.source", str(addition_file),
-            "--rollout.group_size", "4", "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "4",
-            "--train.steps", "2", "--output-dir", str(run), "--logging.progress", "false",
-            "--logging.plots", "false", "--rewards.functions", "[{name: format, kwargs: {pattern: '0'}}]"]
-    out = torchrun(args)
-    for once in ("klgrpo train: loading", "building the reference model", "run folder"):  # rank 0 only
-        assert out.count(once) == 1, (once, out[-3000:])
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 2
-    assert [r["step"] for r in read_metrics(run)] == [1, 2]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2"]
-    # Resume the 2-process checkpoint on 1 process.
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-    done = subprocess.run([sys.executable, *args[:-14], *args[-14:]] + ["--train.steps", "3", "--resume", "latest"],
-                          env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    cfg_dict = config_dict(tiny_model_dir, "", addition_file, run)
+    cfg_dict["model"]["lora"] = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+    del cfg_dict["kl"]["replay"], cfg_dict["kl"]["reference"]
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
+    accelerate_launch(KINDS["fsdp2"], [str(WORKER), "train", str(tmp_path / "cfg.json"), str(tmp_path / "out.json")])
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["kind"] == "fsdp2" and out["checkpoints_after_run"] == ["step_2"]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 1
+    adapter = load_file(str(run / "checkpoints" / "step_2" / "adapter_model.safetensors"))
+    assert sorted(k.rsplit(".", 2)[-2] for k in adapter) == ["lora_A", "lora_A", "lora_B", "lora_B"]
+    assert all(v.abs().sum() > 0 for k, v in adapter.items())  # B starts at 0: trained
+
+    one = dict(cfg_dict, train={**cfg_dict["train"], "steps": 3, "output_dir": str(tmp_path / "one")})
+    shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "one" / "checkpoints" / "step_2")
+    trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
+    trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
+    assert trainer.train()["steps"] == 3

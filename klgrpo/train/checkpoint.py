@@ -49,8 +49,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
-                    reference=None, keep: int = 0) -> Path:
-    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all)."""
+                    reference=None, keep: int = 0, model_state: dict | None = None) -> Path:
+    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``:
+    the full state dict of a sharded model (gathered by the engine), saved instead of ``model``'s own."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
@@ -58,9 +59,9 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
-        model.save_pretrained(tmp, safe_serialization=True, selected_adapters=["default"])
+        model.save_pretrained(tmp, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
     else:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if reference is not None:

@@ -1,11 +1,12 @@
 """Multi-process training: the few collective operations the trainer needs, and nothing when alone.
 
-Launch with ``accelerate launch -m klgrpo train ...`` or ``torchrun --nproc_per_node N -m klgrpo train ...``
-(on CPUs: ``ACCELERATE_USE_CPU=1``, gloo). The process group is set up by accelerate's PartialState from the
-launcher's environment. Layout: every rank draws the same global prompt indices and keeps its contiguous
-slice, so each prompt's G completions stay on one rank; rewards are gathered so advantages (also
-scale="batch") equal the single-process ones; the loss of each rank is normalised by GLOBAL counts and the
-gradients are SUMMED across ranks, so loss, gradient and metrics equal a single process on the same batch.
+Launch with ``accelerate launch --config_file examples/accelerate/<ddp|fsdp2|...>.yaml -m klgrpo train ...``
+(docs/distributed.md). The process group is accelerate's (its PartialState, set up from the launcher's
+environment); model and optimizer preparation (DDP, FSDP2, DeepSpeed) live in klgrpo.train.engine. Layout:
+every rank draws the same global prompt indices and keeps its contiguous slice, so each prompt's G completions
+stay on one rank; rewards are gathered so advantages (also scale="batch") equal the single-process ones; the
+loss of each rank is normalised by GLOBAL counts and the gradients are SUMMED across ranks, so loss, gradient
+and metrics equal a single process on the same batch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
@@ -26,7 +26,8 @@ class Distributed:
 
     def __init__(self):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
-        if _launched_with_several_processes() or (dist.is_available() and dist.is_initialized()):
+        if _launched_with_several_processes() or (torch.distributed.is_available()
+                                                   and torch.distributed.is_initialized()):
             from accelerate import PartialState
 
             # Without cpu=True a machine with no GPU silently becomes "rank 0 of 1" in every process.
@@ -51,48 +52,33 @@ class Distributed:
         return slice(self.rank * share, (self.rank + 1) * share)
 
     def sum(self, t: Tensor) -> Tensor:
-        if self.enabled:
-            t = t.clone()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
+        if not self.enabled:
+            return t
+        from accelerate.utils import reduce
+
+        return reduce(t.clone(), reduction="sum")
 
     def max(self, t: Tensor) -> Tensor:
-        if self.enabled:
-            t = t.clone()
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
+        """Elementwise maximum over ranks."""
+        return self.gather(t.unsqueeze(0)).amax(dim=0) if self.enabled else t
 
     def gather(self, t: Tensor) -> Tensor:
         """Concatenate equally-shaped tensors of all ranks along dim 0, in rank order."""
         if not self.enabled:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts, dim=0)
+        from accelerate.utils import gather
+
+        return gather(t.contiguous())
 
     def gather_objects(self, obj) -> list:
         if not self.enabled:
             return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
+        from accelerate.utils import gather_object
 
-    def sum_gradients(self, params) -> None:
-        """grad <- sum over ranks (one flat buffer per dtype: one collective instead of one per tensor)."""
-        if not self.enabled:
-            return
-        grads = [p.grad for p in params if p.grad is not None]
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in group])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for g in group:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        return gather_object([obj])
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier()
+            from accelerate import PartialState
+
+            PartialState().wait_for_everyone()

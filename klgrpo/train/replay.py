@@ -168,12 +168,14 @@ class ReplayAnchor:
             log_w = log_w.clamp(-self.clamp, self.clamp)
         return log_w.exp() * kl_estimate(logp, c.ref_logp[rows, :t], self.estimator, clamp=self.clamp)
 
-    def accumulate_gradients(self, model, main_loss: Tensor | float | None = None) -> dict[str, float]:
+    def accumulate_gradients(self, model, main_loss: Tensor | float | None = None,
+                             backward: Callable[[Tensor], None] = Tensor.backward) -> dict[str, float]:
         """Backpropagate coef * (replay KL) for the next replay batch into ``model``'s .grad (adding to it).
 
         Returns ``kl/replay`` (mean per token), ``train/replay_penalty`` (coef times it), ``time/replay`` and,
         when ``main_loss`` (the step's train/loss) is given, ``train/replay_share`` (:func:`replay_share`).
-        One host sync."""
+        One host sync. ``backward``: how each micro-batch's loss is backpropagated (several processes:
+        the engine's, which takes this loss's gradient once although every rank computes it)."""
         t0 = time.perf_counter()
         c = self.cache
         indices = self.sampler.next_indices()
@@ -189,7 +191,7 @@ class ReplayAnchor:
                                                            use_cache=False).logits, c, sub, t_max)
             kl_BT = self.per_token_kl(logits, sub)
             part = (kl_BT * c.completion_mask[sub, :t_max]).sum()
-            (self.coef * part / n_tok).backward()
+            backward(self.coef * part / n_tok)
             kl_sum = kl_sum + part.detach()
         kl = kl_sum / n_tok
         values = [kl, self.coef * kl]

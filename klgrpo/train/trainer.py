@@ -25,6 +25,7 @@ from klgrpo.train.checkpoint import load_trainer_state, resolve_resume, rng_stat
 from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
+from klgrpo.train.engine import Engine
 from klgrpo.errors import ConfigError
 from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
@@ -73,6 +74,8 @@ class GRPOTrainer:
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.dist = Distributed()
+        self.engine = Engine(cfg.model.fast_path)  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
+        self.engine.check(cfg)
         if cfg.rollout.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                               f"{self.dist.world_size} processes, so every prompt's group stays on one process")
@@ -126,10 +129,15 @@ class GRPOTrainer:
                                      shuffle=cfg.data.shuffle)
         self.run_dir = Path(self.dist.gather_objects(str(_run_dir(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.replay = None
-        if cfg.kl.replay.coef > 0 and self.dist.is_main:  # the anchor's gradient is added on rank 0 only
+        # One process: rank 0 alone adds the anchor's gradient. Under an engine every rank computes the same anchor
+        # loss (a sharded model needs every rank in its forward) and its gradient is taken once.
+        if cfg.kl.replay.coef > 0 and (self.dist.is_main or self.engine.kind != "single"):
             from klgrpo.train.replay import ReplayAnchor
 
             self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log)
+        if self.engine.kind != "single":
+            self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
+            self.engine.prepare_reference(self.reference)
         self.step = 0
         self._batch: StepBatch | None = None
         self._stop_reason = ""
@@ -164,7 +172,7 @@ class GRPOTrainer:
         indices = self.sampler.next_indices()  # the same global indices on every rank
         rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
         prompts = [r["prompt"] for r in rows]
-        with _timed(timings, "time/generate"):
+        with _timed(timings, "time/generate"), self.engine.full_weights(self.model):
             rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -226,7 +234,7 @@ class GRPOTrainer:
                     cfg.loss.aggregation, batch.rollout.completion_ids[sl]))
                 for k, v in custom.items():
                     sums[f"custom/{k}"] = sums.get(f"custom/{k}", 0.0) + v
-            loss.backward()
+            self.engine.backward(loss)
             for k, v in out.sums.items():
                 sums[k] = sums.get(k, 0.0) + v.detach()
             for k, v in out.maxes.items():
@@ -253,13 +261,9 @@ class GRPOTrainer:
             sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump or keep_old)
             if keep_old:
                 batch.old_logp = logp
-            # The replay batch is the same on every rank: only rank 0 adds its gradient before the sum.
-            replay_metrics = (self.replay.accumulate_gradients(self.model, main_loss=sums["loss"])
-                              if self.replay is not None and self.dist.is_main else {})
-            self.dist.sum_gradients(self.model.parameters())
+            replay_metrics = (self._replay_gradients(sums["loss"]) if self.replay is not None else {})
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            self.optimizer.step()
+            grad_norm = self.engine.step(self.model, self.optimizer, max_norm)
             self.scheduler.step()
         if dump:
             self._dump_kl(logp, batch)
@@ -278,6 +282,14 @@ class GRPOTrainer:
         count = len(self._micro_slices(batch.rollout.size)) * self.dist.world_size
         return {k: v / count for k, v in zip(names, total.tolist())}
 
+    def _replay_gradients(self, main_loss) -> dict[str, float]:
+        if self.engine.kind == "single":
+            return self.replay.accumulate_gradients(self.model, main_loss=main_loss)
+        # The replay batch is the same on every rank: its gradient is taken once (see Engine.backward).
+        return self.replay.accumulate_gradients(
+            self.train_forward, main_loss=self.dist.sum(main_loss),
+            backward=lambda loss: self.engine.backward(loss, same_on_every_rank=True))
+
     def _dump_kl(self, logp: torch.Tensor, batch: StepBatch) -> None:
         folder = self.run_dir / "kl_dumps"
         folder.mkdir(parents=True, exist_ok=True)
@@ -285,7 +297,9 @@ class GRPOTrainer:
                     "mask": batch.loss_mask.bool().cpu()}, folder / f"step_{self.step + 1:06d}.pt")
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate_sets(self.model, self.tokenizer, self.eval_sets, self.cfg)
+        """Rank 0 evaluates; with sharded parameters every rank enters (to gather the weights) and waits."""
+        with self.engine.full_weights(self.model):
+            return evaluate_sets(self.model, self.tokenizer, self.eval_sets, self.cfg) if self.dist.is_main else {}
 
     # ------------------------------------------------------------------------------------------- loop
     def train_step(self) -> dict[str, float]:
@@ -325,7 +339,7 @@ class GRPOTrainer:
         self._step_start = None
 
     def _trainer_state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        return {"optimizer": self.engine.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
                 "eval_before": self._eval_before}
@@ -333,26 +347,23 @@ class GRPOTrainer:
     def save(self) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
         rng = self.dist.gather_objects(rng_state())
+        state, model_state = self._trainer_state(), self.engine.full_state_dict(self.model)  # collectives
         path = self.run_dir / "checkpoints" / f"step_{self.step}"
         if self.dist.is_main:
             path = save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
-                                   trainer_state={**self._trainer_state(), "rng_by_rank": rng},
+                                   trainer_state={**state, "rng_by_rank": rng}, model_state=model_state,
                                    reference=self.reference, keep=self.cfg.train.keep_checkpoints)
         self.dist.barrier()
         return path
 
     def resume(self, resume: str) -> None:
-        from safetensors.torch import load_model
-
         ckpt = resolve_resume(resume, self.run_dir)
         if (ckpt / "adapter_model.safetensors").exists():
-            from klgrpo.backends.lora import load_adapter_weights
-
-            load_adapter_weights(self.model, ckpt)
+            self.engine.load_adapter(self.model, ckpt)
         else:
-            load_model(self.model, str(ckpt / "model.safetensors"), strict=False, device=str(self.device))
+            self.engine.load_model_file(self.model, ckpt / "model.safetensors", self.device)
         state = load_trainer_state(ckpt)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
@@ -393,7 +404,8 @@ class GRPOTrainer:
         if resume:
             self.resume(resume)
         start = time.perf_counter()
-        evaluate = main and bool(self.eval_sets)  # greedy evaluation runs on rank 0 only
+        # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
+        evaluate = bool(self.eval_sets) and (main or self.engine.shards_parameters)
         if evaluate and self.step == 0:
             self._eval_before = self.evaluate()
         eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step

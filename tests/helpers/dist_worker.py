@@ -1,39 +1,98 @@
-"""Run under torchrun with 2 CPU processes: each rank takes its shard of a saved global batch, computes the
-gradient and metrics through the trainer's own path, and rank 0 writes them for the test to compare."""
+"""Run under ``accelerate launch`` with 2 CPU processes (an examples/accelerate config: DDP or FSDP2).
+
+``update CONFIG BATCH OUT``: each rank samples its slice of prompts under the engine's full weights, computes the
+reference log-probs of its shard of a saved global batch, then runs one optimizer update on that shard through
+the trainer's own path; rank 0 writes completions, reference log-probs, metrics, the full gradient and the
+updated weights for the test to compare with one process.
+
+``train CONFIG OUT``: a 2-step run (checkpoint at the end), then a second trainer resumes it to step 3 on the
+same 2 processes; rank 0 writes what the first run left in checkpoints/.
+
+``both UPDATE_CONFIG BATCH UPDATE_OUT TRAIN_CONFIG TRAIN_OUT``: the two above in one launch.
+"""
 
 import json
+import os
 import sys
 
 import torch
 
+from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.train.config import GRPOConfig
-from klgrpo.train.step_metrics import step_metrics
 from klgrpo.train.trainer import GRPOTrainer
 
-
-def perturb(model, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+SAMPLING_SEED = 1234
 
 
-def gradient_and_metrics(trainer, batch):
-    perturb(trainer.model)
-    sums, maxes, entropy, _ = trainer.accumulate_gradients(batch)
-    trainer.dist.sum_gradients(trainer.model.parameters())
-    grad = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
-    metrics, _ = step_metrics(batch, sums, maxes, entropy, torch.tensor(0.0), trainer.controller.value, 0.0, {},
-                              trainer.dist, trainer.device)
-    return grad, metrics
+def sample_slice(trainer, prompts, rank):
+    """Completions of ``prompts`` (this rank's slice) from seed SAMPLING_SEED + rank."""
+    cfg = trainer.cfg
+    torch.manual_seed(SAMPLING_SEED + rank)
+    with trainer.engine.full_weights(trainer.model):
+        out = generate_groups(trainer.model, trainer.tokenizer, prompts, SamplingParams(
+            group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature))
+    return out.completions
+
+
+def full_gradients(model) -> dict[str, torch.Tensor]:
+    """name -> full gradient (collective under FSDP2: every rank calls)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    state = trainer.engine.full_state_dict(trainer.model)
+    state = trainer.model.state_dict() if state is None else state
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def update_metrics(trainer, batch) -> dict[str, float]:
+    metrics, _ = trainer._update(batch)
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+def run_update(config_file, batch_file, out_file):
+    cfg = GRPOConfig.from_dict(json.loads(open(config_file).read()))
+    trainer = GRPOTrainer(cfg, log=lambda *_: None)
+    d = trainer.dist
+    assert d.world_size == 2, f"expected 2 processes, got {d.world_size}"
+    batch = torch.load(batch_file, weights_only=False)
+    prompts = batch["prompts"]
+    completions = d.gather_objects(sample_slice(trainer, prompts[d.local_slice(len(prompts))], d.rank))
+    shard = batch["batch"].rows(d.local_slice(batch["batch"].rollout.size))
+    ref_logp = trainer.reference.logprobs(shard.rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
+    ref_logp = d.gather(ref_logp)
+    metrics = update_metrics(trainer, shard)
+    grads, weights = full_gradients(trainer.model), full_weights(trainer)
+    if d.is_main:
+        torch.save({"kind": trainer.engine.kind, "world_size": d.world_size, "completions": completions,
+                    "ref_logp": ref_logp, "metrics": metrics, "grads": grads, "weights": weights}, out_file)
+
+
+def run_train(config_file, out_file):
+    raw = json.loads(open(config_file).read())
+    trainer = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
+    summary = trainer.train()
+    folders = sorted(os.listdir(trainer.run_dir / "checkpoints"))
+    raw["train"]["steps"] = 3
+    resumed = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
+    resumed.train(resume="latest")
+    if trainer.dist.is_main:
+        with open(out_file, "w") as f:
+            json.dump({"kind": trainer.engine.kind, "summary": summary, "checkpoints_after_run": folders}, f)
+
+
+def run_both(update_config, batch_file, update_out, train_config, train_out):
+    """Both in one launch (each launch costs seconds of process start-up)."""
+    run_update(update_config, batch_file, update_out)
+    run_train(train_config, train_out)
 
 
 if __name__ == "__main__":
-    config_file, batch_file, out_file = sys.argv[1:4]
-    cfg = GRPOConfig.from_dict(json.loads(open(config_file).read()))
-    trainer = GRPOTrainer(cfg, log=lambda *_: None)
-    assert trainer.dist.world_size == 2, f"expected 2 processes, got {trainer.dist.world_size}"
-    batch = torch.load(batch_file, weights_only=False)
-    grad, metrics = gradient_and_metrics(trainer, batch.rows(trainer.dist.local_slice(batch.rollout.size)))
-    if trainer.dist.is_main:
-        torch.save({"grad": grad, "metrics": metrics, "world_size": trainer.dist.world_size}, out_file)
+    mode, *args = sys.argv[1:]
+    {"update": run_update, "train": run_train, "both": run_both}[mode](*args)

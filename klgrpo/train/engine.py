@@ -1,0 +1,357 @@
+"""Model and optimizer preparation on accelerate: DDP, FSDP2 or DeepSpeed ZeRO, chosen by ``accelerate launch``.
+
+One plain process (no launcher) prepares nothing: the model, optimizer and backward are torch's own. Under a
+launcher ``Engine`` builds one ``accelerate.Accelerator`` from the launcher's environment (the config file's
+``distributed_type``, ``fsdp_config``, ``deepspeed_config``) and routes through it: ``prepare`` (wrap / shard
+model and optimizer), ``backward``, ``step`` (clip + optimizer step), the full state dict for checkpoints and
+the full weights for sampling.
+
+Gradients are SUMMED across ranks, not averaged: each rank's loss is already normalised by the global token /
+sequence counts, so the single-process gradient is the sum of the ranks' gradients. DDP, FSDP2's
+reduce-scatter and DeepSpeed all average, so ``backward`` multiplies the loss by the world size first
+(exact for a power-of-two world size). A loss computed identically on every rank (the replay anchor) is
+backpropagated unscaled: the average of equal gradients is that gradient.
+
+FSDP2 on CPUs: accelerate 1.15 turns ``distributed_type: FSDP`` into plain multi-CPU data parallel when no GPU
+is present (its state only honours FSDP for GPU-like devices), although torch's ``fully_shard`` runs on the
+CPU over gloo. ``Engine`` then sets the state's FSDP plugin (parsed from the same launcher environment) and
+distributed type itself, so accelerate's own FSDP2 path (``prepare``: auto-wrap policy, ``fully_shard`` of each
+unit, the optimizer remapped to the sharded parameters; ``clip_grad_norm_``) is the one that runs -- and is
+tested -- on CPUs. Full state dicts are gathered with torch's ``get_model_state_dict`` (what accelerate's
+``get_state_dict`` calls on GPUs). DeepSpeed needs GPUs; its branch is
+written against accelerate's and DeepSpeed's documented APIs and is untested here.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from klgrpo.errors import ConfigError
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def launched_by_accelerate() -> bool:
+    """A launcher started several processes, or an accelerate config asks for FSDP / DeepSpeed."""
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 or _env_flag("ACCELERATE_USE_FSDP")
+            or _env_flag("ACCELERATE_USE_DEEPSPEED"))
+
+
+class Engine:
+    """Which engine runs (``kind``: single, ddp, fsdp2, deepspeed) and the calls that differ between them."""
+
+    def __init__(self, fast_path: bool = True):
+        self.accelerator = None
+        self.kind = "single"
+        self.fast_path = fast_path
+        self._ds_engine = None
+        if launched_by_accelerate():
+            self._start_accelerator()
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _start_accelerator(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        on_cpu = not torch.cuda.is_available()
+        acc = Accelerator(cpu=on_cpu)
+        if _env_flag("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
+            acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables
+            acc.state.distributed_type = DistributedType.FSDP
+        self.accelerator = acc
+        kind = acc.distributed_type
+        if kind == DistributedType.FSDP:
+            if acc.state.fsdp_plugin.fsdp_version != 2:
+                raise ConfigError("the accelerate config's fsdp_config.fsdp_version is 1; klgrpo supports FSDP2 "
+                                  "only: set fsdp_version: 2 (see examples/accelerate/fsdp2.yaml)")
+            self.kind = "fsdp2"
+        elif kind == DistributedType.DEEPSPEED:
+            self.kind = "deepspeed"
+        elif kind == DistributedType.NO:
+            self.kind = "single"
+        else:
+            self.kind = "ddp"
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes if self.accelerator is not None else 1
+
+    @property
+    def zero_stage(self) -> int:
+        if self.kind != "deepspeed":
+            return 0
+        return int(self.accelerator.state.deepspeed_plugin.zero_stage)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters live in shards (FSDP2, ZeRO-3): a forward needs every rank, and klgrpo's fast path, which
+        reads the weights directly, cannot run on them outside ``full_weights``."""
+        return self.kind == "fsdp2" or self.zero_stage == 3
+
+    @property
+    def fast_path_outside_loss_only(self) -> bool:
+        """The loss forward must go through the engine's module (its hooks gather shards or reduce gradients), so
+        klgrpo's fast path, which reads the weights directly, is off there and back on in ``full_weights``.
+        (DDP's wrapper hides the model's attributes, so its forward is the wrapper's anyway.)"""
+        return self.shards_parameters or self.kind == "deepspeed"
+
+    def check(self, cfg) -> None:
+        """Settings this engine cannot honour, as one line each."""
+        if self.shards_parameters and cfg.kl.sync_every:
+            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with {self.kind} (sharded parameters): the "
+                              "reference's synced weights cannot be checkpointed yet; set kl.sync_every: 0 or use "
+                              "examples/accelerate/ddp.yaml")
+        if self.kind != "single" and cfg.train.compile:
+            raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
+        if self.kind == "deepspeed":
+            if cfg.kl.replay.coef > 0:
+                raise ConfigError("kl.replay with DeepSpeed is not supported; set kl.replay.coef: 0 or use "
+                                  "examples/accelerate/fsdp2.yaml")
+            self._configure_deepspeed(cfg)
+
+    def _configure_deepspeed(self, cfg) -> None:
+        """klgrpo's settings win over the DeepSpeed config's: clipping (DeepSpeed clips, not klgrpo), and the
+        batch-size fields DeepSpeed insists on although klgrpo feeds it no data loader."""
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["gradient_clipping"] = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else 0.0
+        ds["gradient_accumulation_steps"] = 1
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size or cfg.rollout.group_size
+        ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * self.world_size
+        ds["zero_allow_untested_optimizer"] = True  # klgrpo's torch AdamW
+
+    # --------------------------------------------------------------------------------------- preparing
+    def prepare(self, model, optimizer):
+        """(what the loss's forward runs, the optimizer to step). ``model`` stays the module itself for
+        sampling, evaluation and checkpoints: FSDP2 shards it in place, DDP and DeepSpeed wrap it."""
+        if self.kind == "single":
+            return model, optimizer
+        if self.fast_path_outside_loss_only:
+            _set_fast_path(model, False)
+        wrapped, optimizer = self.accelerator.prepare(model, optimizer)
+        if self.kind == "deepspeed":
+            self._ds_engine = wrapped
+        return wrapped, optimizer
+
+    def prepare_reference(self, reference) -> None:
+        """A frozen copy is sharded like the policy under FSDP2 / ZeRO-3 (a full copy per rank otherwise); the
+        LoRA reference is the policy itself with adapters off, sharded with it."""
+        from klgrpo.core.reference import FrozenCopyReference
+
+        if not self.shards_parameters or not isinstance(reference, FrozenCopyReference):
+            return
+        model = reference.model
+        _set_fast_path(model, False)
+        if self.kind == "fsdp2":
+            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+            model = fsdp2_prepare_model(self.accelerator, model)  # in place; no optimizer to remap
+        else:
+            model = self._deepspeed_inference_engine(model)
+        reference.model = reference.forward_model = model
+
+    def _deepspeed_inference_engine(self, model):
+        """ZeRO-3 partitioning of a frozen model (no optimizer), from the run's DeepSpeed config."""
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        config.pop("optimizer", None)
+        config.pop("scheduler", None)
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            if config.get(key) == "auto":
+                config[key] = 1 if key != "train_batch_size" else self.world_size
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+
+    # ------------------------------------------------------------------------------------------ a step
+    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False) -> None:
+        """loss.backward() leaving the SUM over ranks of each rank's gradient in .grad (see the module doc);
+        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once."""
+        if self.kind == "single":
+            loss.backward()
+            return
+        scale = 1.0 if same_on_every_rank else float(self.world_size)
+        if self.kind == "deepspeed":
+            # accelerate's backward would also run the DeepSpeed step; the step waits for ``step`` below.
+            self._ds_engine.backward(loss * scale)
+            return
+        self.accelerator.backward(loss * scale)
+
+    def step(self, model, optimizer, max_norm: float) -> Tensor:
+        """Clip the gradient to ``max_norm`` (inf: measure only) and step; returns the gradient norm before
+        clipping, the same number on every rank."""
+        if self.kind == "deepspeed":  # clipping is DeepSpeed's ("gradient_clipping" of its config)
+            self._ds_engine.step()
+            norm = self._ds_engine.get_global_grad_norm()
+            return torch.as_tensor(float("nan") if norm is None else float(norm))
+        if self.kind == "single":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        else:
+            norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    @contextmanager
+    def full_weights(self, model):
+        """Every rank enters: inside, ``model`` holds its full weights as ordinary tensors and its forward runs
+        no collective, so ranks may sample prompts of different lengths for different numbers of steps (and
+        rank 0 alone may evaluate). FSDP2: each FSDP unit unsharded, with resharding after forward off; ZeRO-3:
+        parameters gathered with DeepSpeed's partitioning hooks removed. klgrpo's fast path is back on inside."""
+        if self.kind == "fsdp2":
+            context = _fsdp2_unsharded(model)
+        elif self.zero_stage == 3:
+            context = _zero3_gathered(self._ds_engine)
+        else:
+            context = nullcontext()
+        with context:
+            if not self.fast_path_outside_loss_only:
+                yield model
+                return
+            _set_fast_path(model, self.fast_path)
+            try:
+                yield model
+            finally:
+                _set_fast_path(model, False)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def full_state_dict(self, model) -> dict[str, Tensor] | None:
+        """Every rank calls this. The full (unsharded) state dict for rank 0's save_pretrained, or None where
+        the module's own state dict is already full (one process, DDP)."""
+        if self.kind in ("single", "ddp"):
+            return None
+        if self.kind == "deepspeed":
+            return self.accelerator.get_state_dict(self._ds_engine)  # ZeRO-3: needs zero3_save_16bit_model
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Gathered on rank 0's CPU only (the other ranks get {}).
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        """Every rank calls this. The optimizer state in the single-process layout (full tensors, parameters
+        numbered in order), so a checkpoint resumes on any number of processes."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self.kind == "deepspeed":
+            return {}  # ZeRO's partitioned moments are not gathered: a resume restarts them (see docs)
+        state = inner.state_dict()
+        if self.kind != "fsdp2":
+            return state
+        return {**state, "state": {i: {k: _full(v) for k, v in s.items()} for i, s in state["state"].items()}}
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        """The inverse of ``optimizer_state_dict`` (each rank keeps its shard of every full tensor)."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if self.kind == "deepspeed":
+            return
+        if self.kind == "fsdp2" and state.get("state"):
+            params = [p for group in inner.param_groups for p in group["params"]]
+            state = {**state, "state": {i: {k: _shard_like(v, params[int(i)]) for k, v in s.items()}
+                                        for i, s in state["state"].items()}}
+        inner.load_state_dict(state)
+
+    def load_adapter(self, model, ckpt: Path) -> None:
+        """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
+        if self.kind == "fsdp2":
+            _load_sharded_adapter(model, ckpt)
+            return
+        from klgrpo.backends.lora import load_adapter_weights
+
+        load_adapter_weights(model, ckpt)
+
+    def load_model_file(self, model, path: Path, device) -> None:
+        """Load a full safetensors state dict (missing keys allowed: tied weights) into ``model``."""
+        if self.kind != "fsdp2":
+            from safetensors.torch import load_model
+
+            load_model(model, str(path), strict=False, device=str(device))
+            return
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, load_file(str(path), device=str(device)),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _load_sharded_adapter(model, ckpt: Path) -> None:
+    """FSDP2: the trainable LoRA adapter of a checkpoint (peft's key format) into the sharded PeftModel."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from klgrpo.backends.lora import ADAPTER_WEIGHTS
+
+    saved = load_file(str(Path(ckpt) / ADAPTER_WEIGHTS))
+    tag = f".{model.active_adapter}."
+    live = {name: name.replace(tag, ".") for name, _ in model.named_parameters() if tag in name}
+    if set(live.values()) != set(saved):
+        raise ConfigError(f"{ckpt} does not match the live LoRA adapter (different model.lora.r, target_modules or "
+                          f"base model); resume with the model.lora settings the checkpoint was trained with")
+    set_model_state_dict(model, {name: saved[key] for name, key in live.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _set_fast_path(model, on: bool) -> None:
+    """model.fast_path for this module (read from the base model under a LoRA wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.klgrpo_fast_path = on
+
+
+def _full(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _shard_like(value, param):
+    """This rank's shard of the full tensor ``value`` laid out as the DTensor ``param`` (state of that shape)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor) and isinstance(value, Tensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
+
+
+@contextmanager
+def _fsdp2_unsharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 finds its root at the first forward; unsharding before any forward would leave every unit a root.
+    model._get_fsdp_state()._lazy_init()
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    # Each unit's own resharding choice (accelerate keeps the last unit gathered), restored afterwards.
+    reshard_meshes = [g.post_forward_mesh_info if g is not None else None for g in groups]
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit, group, mesh in zip(units, groups, reshard_meshes):
+            unit.reshard()
+            if group is not None:
+                group.post_forward_mesh_info = mesh
+
+
+@contextmanager
+def _zero3_gathered(ds_engine):
+    """ZeRO-3: gather every parameter and take DeepSpeed's forward hooks off (they would release the gathered
+    parameters after each submodule), then put them back."""
+    import deepspeed
+
+    offload = ds_engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(list(ds_engine.module.parameters())):
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks.clear()
+        offload.backward_hooks.clear()
+        try:
+            yield
+        finally:  # the method's name differs between DeepSpeed versions
+            register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
+            register(offload.module)
