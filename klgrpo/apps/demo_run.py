@@ -46,7 +46,8 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
     }, origin="demo defaults")
 
 
-def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False) -> int:
+def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False,
+             overwrite: bool = False) -> int:
     from klgrpo.apps.demo.assets import prepare_demo_assets
     from klgrpo.apps.args import parse_args
     from klgrpo.train.trainer import GRPOTrainer
@@ -67,7 +68,7 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
         print(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
               f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
     trainer = GRPOTrainer(cfg, log=lambda m: print(f"      {m}"))
-    summary = trainer.train(resume=resume)
+    summary = trainer.train(resume=resume, overwrite=overwrite)
     print("  3/3 greedy evaluation on held-out prompts, before and after")
     before, after = summary["eval_before"], summary["eval_after"]
     summary.update({

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from klgrpo.train.checkpoint import load_trainer_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from klgrpo.train.checkpoint import rng_state, save_checkpoint, set_rng_state
 from klgrpo.train.config import GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
@@ -39,6 +39,10 @@ from klgrpo.core.rewards import RewardComputer, RewardSpec
 from klgrpo.core.rollout import generate_groups
 from klgrpo.core.batch import StepBatch
 from klgrpo.train.step_metrics import step_metrics
+from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
+from klgrpo.train.resume import load_resumable_checkpoint
+from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt
+from klgrpo.train.tally import StepTally
 
 
 def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
@@ -80,7 +84,8 @@ class GRPOTrainer:
             self.device = self.dist.device
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
-                                                     cfg.model.trust_remote_code)
+                                                     cfg.model.trust_remote_code,
+                                                     "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path")
         self.model = model.to(self.device) if model is not None else load_causal_lm(
             cfg.model.name_or_path, cfg.model, self.device, dtype)
         _disable_dropout(self.model)
@@ -124,6 +129,7 @@ class GRPOTrainer:
 
             self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log)
         self.step = 0
+        self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self._batch: StepBatch | None = None
         self._stop_reason = ""
         self._eval_before: dict[str, float] = {}
@@ -137,7 +143,7 @@ class GRPOTrainer:
             return AdapterDisabledReference(self.model)
         if ref_path:
             dtype = next(self.model.parameters()).dtype
-            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype)
+            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype, field="kl.reference")
             ref_model.klgrpo_fast_path = self.cfg.model.fast_path
             return FrozenCopyReference(ref_model)
         return FrozenCopyReference.copy_of(self.model)
@@ -230,13 +236,18 @@ class GRPOTrainer:
             self.dist.sum_gradients(self.model.parameters())
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            self.optimizer.step()
-            self.scheduler.step()
+            applied = self.guard.allows_update(sums["loss"], grad_norm)  # NaN/inf never reaches the weights
+            if applied:
+                self.optimizer.step()
+                self.scheduler.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         if dump:
             self._dump_kl(logp, batch)
         metrics = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta, self.scheduler.get_last_lr()[0],
                                timings, self.dist, self.device)
         metrics.update(replay_metrics)
+        metrics["train/skipped_steps"] = self.guard.skipped_total
         return metrics
 
     def _dump_kl(self, logp: torch.Tensor, batch: StepBatch) -> None:
@@ -267,7 +278,8 @@ class GRPOTrainer:
         observed = metrics.get("adaptive_kl/raw_kl", 0.0)
         if self.controller.kl_measure == "sequence_sum":
             observed = metrics.get("kl/sequence_sum", 0.0)
-        self.controller.update(observed, n_steps=batch.rollout.size, reward=metrics["train/reward"])
+        if self.guard.consecutive == 0 and math.isfinite(observed):  # a skipped step leaves beta as it was
+            self.controller.update(observed, n_steps=batch.rollout.size, reward=metrics["train/reward"])
         self.step += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
             self.reference.sync(self.model, self.cfg.kl.sync_alpha)
@@ -292,7 +304,7 @@ class GRPOTrainer:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
-                "eval_before": self._eval_before}
+                "eval_before": self._eval_before, "guard": self.guard.state_dict()}
 
     def save(self) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
@@ -306,27 +318,20 @@ class GRPOTrainer:
         return path
 
     def resume(self, resume: str) -> None:
-        from safetensors.torch import load_model
-
-        ckpt = resolve_resume(resume, self.run_dir)
-        if (ckpt / "adapter_model.safetensors").exists():
-            from klgrpo.backends.lora import load_adapter_weights
-
-            load_adapter_weights(self.model, ckpt)
-        else:
-            load_model(self.model, str(ckpt / "model.safetensors"), strict=False, device=str(self.device))
-        state = load_trainer_state(ckpt)
+        # The newest checkpoint that loads (a corrupt newest one is named and skipped for an older one).
+        ckpt, state = load_resumable_checkpoint(self, resume)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
         self._batch = state.get("pending_batch")
+        if self._batch is not None:
+            self._batch = _to_device(self._batch, self.device)
+        self.guard.load_state_dict(state.get("guard"))
         if self._batch is not None and len(state.get("rng_by_rank", [None])) != self.dist.world_size:
             self._batch = None  # a half-used batch belongs to the old process layout: draw a new one
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
-        if self.reference is not None:
-            self.reference.load(ckpt)
         rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
         if len(rng_by_rank) == self.dist.world_size:
             set_rng_state(rng_by_rank[self.dist.rank])
@@ -339,8 +344,8 @@ class GRPOTrainer:
     def _should_stop(self, metrics: dict[str, float], start: float) -> bool:
         """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
         cfg = self.cfg
-        if not all(math.isfinite(v) for k, v in metrics.items() if k.startswith(("train/loss", "kl/"))):
-            self._stop_reason = f"non-finite loss or KL at step {self.step}; see metrics.jsonl"
+        if self.guard.exhausted:
+            self._stop_reason = self.guard.stop_message(self.step)
             return True
         over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
         if self.dist.enabled:
@@ -349,11 +354,11 @@ class GRPOTrainer:
             self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
         return over
 
-    def train(self, resume: str | None = None) -> dict[str, Any]:
+    def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+        """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
+        ("latest" or a checkpoint folder) continues one (run_folder.py)."""
         cfg, main = self.cfg, self.dist.is_main
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        lock = open_run_folder(self.run_dir, cfg, resume, overwrite, log=self.log) if main else None
         if resume:
             self.resume(resume)
         start = time.perf_counter()
@@ -361,13 +366,13 @@ class GRPOTrainer:
         if evaluate and self.step == 0:
             self._eval_before = self.evaluate()
         eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step
-        history: list[dict[str, float]] = []
+        history = StepTally()  # what the summary needs, not every row (constant memory per step)
         logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                                 progress=cfg.logging.progress, start_step=self.step) if main else _SilentLogger())
         with logger:
             if eval_before and self.step == 0:
                 logger.log(0, eval_before)
-            with _save_on_interrupt(self, logger):
+            with sigterm_as_interrupt(), _save_on_interrupt(self, logger):
                 while self.step < cfg.train.steps:
                     metrics = self.train_step()
                     if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
@@ -399,15 +404,18 @@ class GRPOTrainer:
 
                 make_plots(self.run_dir)
         self.dist.barrier()
+        if lock is not None:
+            lock.release()
+        if self.guard.exhausted:
+            raise NonFiniteError(self.guard.stop_message(self.step))
         return summary
 
     def _summary(self, history, eval_before, eval_after, wall) -> dict[str, Any]:
-        last = history[-1] if history else {}
-        steps = [h["time/step"] for h in history]
+        last = history.last
         return {
             "steps": self.step,
             "wall_seconds": round(wall, 2),
-            "seconds_per_step": round(sum(steps) / len(steps), 4) if steps else None,
+            "seconds_per_step": history.mean("time/step", digits=4),
             "eval_before": {k.removeprefix("eval/"): v for k, v in eval_before.items()},
             "eval_after": {k.removeprefix("eval/"): v for k, v in eval_after.items()},
             "final_kl": last.get("adaptive_kl/raw_kl"),
@@ -472,6 +480,23 @@ class _SilentLogger:
         pass
 
 
+def _to_device(batch: StepBatch, device) -> StepBatch:
+    """A pending batch read from a checkpoint (CPU tensors) on the training device."""
+    import dataclasses
+
+    def move(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if isinstance(value, dict):
+            return {k: move(v) for k, v in value.items()}
+        if dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, **{f.name: move(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value)})
+        return value
+
+    return move(batch)
+
+
 @contextmanager
 def _timed(timings: dict[str, float], key: str):
     t0 = time.perf_counter()
@@ -485,11 +510,13 @@ def _save_on_interrupt(trainer: GRPOTrainer, logger):
     try:
         yield
     except KeyboardInterrupt:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+        # A second Ctrl-C (or a SIGTERM) must not cut the save short.
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             trainer._rollback_partial_step()
             path = trainer.save()
             logger.message(f"interrupted: saved {path}; continue with --resume latest")
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         raise
