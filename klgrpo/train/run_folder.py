@@ -33,7 +33,7 @@ from typing import Callable
 import yaml
 
 from klgrpo.errors import ConfigError
-from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive
+from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
 LOCK_FILE = ".klgrpo.lock"
 CONFIG_FILE = "config.yaml"
@@ -163,6 +163,8 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
     written (fresh run) or updated with a resume's harmless changes (said so)."""
     run_dir = Path(run_dir)
     warnings = check_run_folder(run_dir, cfg, resume, overwrite)
+    if resume:
+        resume_candidates(resume, run_dir)  # nothing to resume: refuse before writing anything
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir).acquire()
     if not resume and overwrite and holds_run(run_dir):

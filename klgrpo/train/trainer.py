@@ -357,8 +357,15 @@ class GRPOTrainer:
     def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
         """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
         ("latest" or a checkpoint folder) continues one (run_folder.py)."""
+        lock = open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log) if self.dist.is_main else None
+        try:
+            return self._train(resume)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self, resume: str | None) -> dict[str, Any]:
         cfg, main = self.cfg, self.dist.is_main
-        lock = open_run_folder(self.run_dir, cfg, resume, overwrite, log=self.log) if main else None
         if resume:
             self.resume(resume)
         start = time.perf_counter()
@@ -404,8 +411,6 @@ class GRPOTrainer:
 
                 make_plots(self.run_dir)
         self.dist.barrier()
-        if lock is not None:
-            lock.release()
         if self.guard.exhausted:
             raise NonFiniteError(self.guard.stop_message(self.step))
         return summary
