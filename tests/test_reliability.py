@@ -338,6 +338,9 @@ def test_scientific_notation_everywhere(tmp_path):
     assert (cfg.optim.lr, cfg.kl.coef, cfg.kl.target, cfg.loss.std_eps) == (5e-6, 1e-3, 2.5e-2, 1e-8)
     assert parse_args(["--optim.lr", "1e-4"])[0].optim.lr == 1e-4
     assert parse_grid(["kl.coef=1e-3,2e-2"]) == [("kl.coef", ["1e-3", "2e-2"])]
+    from klgrpo.core.rewards import RewardSpec
+
+    assert RewardSpec.parse({"name": "exact_match", "weight": "5e-1"}).weight == 0.5
     with pytest.raises(ConfigError, match="must be float"):
         parse_args(["--optim.lr", "1e-4x"])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,6 +27,8 @@ from klgrpo.core.rewards.loading import _describe, display_name, load_reward_fun
 #: Largest |reward| accepted: the group variance of float32 rewards of this size stays far from overflow
 #: (float32 squares overflow above ~1.8e19) and keeps 7 significant digits of the centred rewards.
 REWARD_LIMIT = 1e12
+#: A number in scientific notation without a dot (1e-3), which YAML 1.1 leaves as text.
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 #: Column names the reward functions take as their first two arguments.
 RESERVED_ARGUMENTS = ("prompts", "completions")
 
@@ -44,11 +47,8 @@ class RewardSpec:
     kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if isinstance(self.weight, str):  # "1e-3" from a command line or YAML 1.1
-            try:
-                self.weight = float(self.weight)
-            except ValueError:
-                pass
+        if isinstance(self.weight, str) and _SCIENTIFIC.match(self.weight.strip()):
+            self.weight = float(self.weight)  # YAML 1.1 reads 1e-3 (no dot) as text; other text stays refused
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError(f"a reward function needs a non-empty name, got {self.name!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
