@@ -74,7 +74,7 @@ def main() -> None:
     subprocess.run(command(config, reference), check=True, env=env, capture_output=True)
 
     run = work / "killed"
-    kills, failures, t0 = 0, [], time.perf_counter()
+    kills, mid_save, failures, t0 = 0, 0, [], time.perf_counter()
     while True:
         proc = subprocess.Popen(command(config, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if kills < args.kills:
@@ -86,6 +86,10 @@ def main() -> None:
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
         code = proc.wait()
+        root = run / "checkpoints"
+        if code == -signal.SIGKILL and root.is_dir() and any(p.name.startswith((".tmp_", ".trash_"))
+                                                             for p in root.iterdir()):
+            mid_save += 1  # killed while writing or pruning a checkpoint
         err = proc.stderr.read().decode(errors="replace").strip()
         if code not in (0, -signal.SIGKILL):
             failures.append(f"exit {code}: {err.splitlines()[-1] if err else ''}")
@@ -100,7 +104,8 @@ def main() -> None:
     equal = a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     logged = rows(run)
     leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith((".tmp_", ".trash_"))]
-    print(f"kills survived: {kills} of {args.kills} (SIGKILL, resumed each time; {time.perf_counter() - t0:.0f} s)")
+    print(f"kills survived: {kills} of {args.kills} (SIGKILL, resumed each time; {mid_save} of them while a "
+          f"checkpoint was being written or pruned; {time.perf_counter() - t0:.0f} s)")
     print(f"steps logged once each: {logged == list(range(1, args.steps + 1))} ({len(logged)} rows)")
     print(f"final weights bitwise equal to the uninterrupted run: {equal}")
     print(f"leftover temporary folders: {leftovers or 'none'}; failed resumes: {failures or 'none'}")
