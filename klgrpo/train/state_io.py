@@ -86,6 +86,20 @@ def load_state(folder: Path, stem: str) -> Any:
     return _decode(data["tree"], tensors, doc)
 
 
+def to_device(tree: Any, device) -> Any:
+    """``tree`` (as loaded: CPU tensors) with every tensor moved to ``device``; dataclasses are rebuilt."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(v, device) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: to_device(getattr(tree, f.name), device)
+                                            for f in dataclasses.fields(tree)})
+    return tree
+
+
 # ---------------------------------------------------------------------------------------------- encoding
 def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -152,4 +166,4 @@ def _first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:200]
 
 
-__all__ = ["save_state", "load_state", "state_files", "StateFileError", "FORMAT"]
+__all__ = ["save_state", "load_state", "to_device", "state_files", "StateFileError", "FORMAT"]

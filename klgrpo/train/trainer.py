@@ -42,6 +42,7 @@ from klgrpo.train.step_metrics import step_metrics
 from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt
+from klgrpo.train.state_io import to_device
 from klgrpo.train.tally import StepTally
 
 
@@ -326,7 +327,7 @@ class GRPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self._batch = state.get("pending_batch")
         if self._batch is not None:
-            self._batch = _to_device(self._batch, self.device)
+            self._batch = to_device(self._batch, self.device)
         self.guard.load_state_dict(state.get("guard"))
         if self._batch is not None and len(state.get("rng_by_rank", [None])) != self.dist.world_size:
             self._batch = None  # a half-used batch belongs to the old process layout: draw a new one
@@ -483,23 +484,6 @@ class _SilentLogger:
 
     def message(self, text):
         pass
-
-
-def _to_device(batch: StepBatch, device) -> StepBatch:
-    """A pending batch read from a checkpoint (CPU tensors) on the training device."""
-    import dataclasses
-
-    def move(value):
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        if isinstance(value, dict):
-            return {k: move(v) for k, v in value.items()}
-        if dataclasses.is_dataclass(value):
-            return dataclasses.replace(value, **{f.name: move(getattr(value, f.name))
-                                                 for f in dataclasses.fields(value)})
-        return value
-
-    return move(batch)
 
 
 @contextmanager
