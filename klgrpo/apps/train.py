@@ -70,7 +70,7 @@ def _early_checks(cfg, opts):
 def _early_checks_of_demo(cfg, opts) -> None:
     """The demo's config is resolved after its assets are built: check the fields given and the folder now."""
     from klgrpo.train.run_folder import check_run_folder
-    from klgrpo.train.validation import _check_finite_and_ranges
+    from klgrpo.train.validation import check_finite_and_ranges
 
     def need(ok, message):
         if not ok:
@@ -78,7 +78,7 @@ def _early_checks_of_demo(cfg, opts) -> None:
 
             raise ConfigError(message)
 
-    _check_finite_and_ranges(cfg, need)
+    check_finite_and_ranges(cfg, need)
     if cfg.train.output_dir and not opts["resume"]:
         check_run_folder(cfg.train.output_dir, cfg, None, opts["overwrite"])
 

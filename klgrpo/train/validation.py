@@ -41,7 +41,7 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
             raise ConfigError(message)
 
     r, k, t, o, loss = cfg.rollout, cfg.kl, cfg.train, cfg.optim, cfg.loss
-    _check_finite_and_ranges(cfg, need)
+    check_finite_and_ranges(cfg, need)
     need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
@@ -130,7 +130,7 @@ _LOWER_BOUNDS = (
 )
 
 
-def _check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
+def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
     """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
     import math
 
