@@ -179,7 +179,7 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     assert len(moments) == len(params)
     assert all(moments[i]["exp_avg"].shape == p.shape and moments[i]["exp_avg"].abs().sum() > 0
                for i, p in enumerate(params))
-    trainer.train()
+    trainer.train(resume="latest")  # the folder holds a run: continuing it is explicit
     assert [r["step"] for r in read_metrics(tmp_path / "one")][-1] == 3
 
 
@@ -206,4 +206,4 @@ def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_mod
     shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "one" / "checkpoints" / "step_2")
     trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
     trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
-    assert trainer.train()["steps"] == 3
+    assert trainer.train(resume="latest")["steps"] == 3

@@ -21,7 +21,8 @@ def test_one_process_is_plain_torch():
     assert engine.prepare(model, opt) == (model, opt)
     x = torch.randn(5, 4)
     engine.backward(model(x).square().sum())
-    norm = engine.step(model, opt, max_norm=0.5)
+    norm, applied = engine.step(model, opt, max_norm=0.5)
+    assert applied
     twin(x).square().sum().backward()
     twin_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
     twin_opt.step()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import GRPOConfig
 
-USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|PATH] [--<group>.<field> VALUE ...]
+USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|PATH] [--overwrite]
+                    [--<group>.<field> VALUE ...]
 
 With no model configured (model.name_or_path empty) this runs the embedded demo: a tiny model is
 SFT-trained on arithmetic on the CPU, then trained with GRPO and an adaptive KL, evaluated before and after.
@@ -13,7 +14,9 @@ SFT-trained on arithmetic on the CPU, then trained with GRPO and an adaptive KL,
 Options:
   --config FILE        YAML file with any of the groups below
   --output-dir DIR     run folder (same as --train.output_dir)
-  --resume latest|DIR  continue from the newest checkpoint of the run folder, or from a checkpoint folder
+  --resume latest|DIR  continue from the newest checkpoint of the run folder, or from a checkpoint folder;
+                       without --config the run folder's config.yaml is used
+  --overwrite          replace the run already in --output-dir (without it such a folder is refused)
   --print-config       print the resolved config and exit
 Every field below can be set as --group.field VALUE (or --group.field=VALUE); VALUE is parsed as YAML.
 """
@@ -21,15 +24,15 @@ Every field below can be set as --group.field VALUE (or --group.field=VALUE); VA
 
 def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOConfig, dict]:
     """Resolve ``base`` (default: GRPOConfig()) < --config YAML < overrides; also return the other options."""
-    config_file, overrides, opts = None, {}, {"resume": None, "print_config": False}
+    config_file, overrides, opts = None, {}, {"resume": None, "print_config": False, "overwrite": False}
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
             raise KLGRPOError(f"unexpected argument {arg!r}; options look like --kl.coef 0.02 (see klgrpo train --help)")
         key, eq, value = arg[2:].partition("=")
-        if key == "print-config":
-            opts["print_config"] = True
+        if key in ("print-config", "overwrite"):
+            opts[key.replace("-", "_")] = True
             i += 1
             continue
         if not eq:
@@ -49,6 +52,25 @@ def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOCon
     cfg = base or GRPOConfig()
     if config_file:
         cfg = cfg.merge_yaml(config_file)
+    elif opts["resume"] and base is None:
+        cfg = _run_config(opts["resume"], overrides.get("train.output_dir")) or cfg
     if overrides:
         cfg = cfg.override(overrides)
     return cfg, opts
+
+
+def _run_config(resume: str, output_dir: str | None) -> GRPOConfig | None:
+    """--resume without --config: the config.yaml of the run being resumed (its folder, or the run that holds
+    the checkpoint folder named); None when there is none (the resume then reports what is missing)."""
+    from pathlib import Path
+
+    from klgrpo.errors import ConfigError
+
+    if resume == "latest":
+        if not output_dir:
+            raise ConfigError("--resume latest needs --output-dir DIR: the run folder to continue")
+        home = Path(output_dir)
+    else:
+        home = Path(resume).parent.parent
+    path = home / "config.yaml"
+    return GRPOConfig().merge_yaml(path) if path.is_file() else None

@@ -6,7 +6,9 @@ one table of accuracy, retention, final KL and wall time with the spread over se
 
 Each run is ``python -m klgrpo train`` in a subprocess (a crash in one cell is reported, the others still
 run), in ``<output-dir>/<key=value,...>/seed=<s>/`` with its output in ``sweep.log`` there. Running the same
-command again skips the runs that finished (their summary.json exists) and reruns the others from scratch.
+command again skips the runs that finished with the same resolved config (a run's identity is the SHA-256 of
+its full resolved config, kept in ``sweep_cell.json``) and reruns the others from scratch (``--overwrite``):
+a cell whose overrides, config file or sweep-wide options changed is trained again.
 
 The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png):
     accuracy   greedy accuracy after training on the trained skill, and its change in points from before
@@ -44,6 +46,7 @@ from typing import Any, Callable
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
 
+IDENTITY_FILE = "sweep_cell.json"
 LOG_FILE = "sweep.log"
 PLOT_FILE = "accuracy_vs_retention.png"
 #: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter
@@ -189,8 +192,10 @@ def sweep_defaults(config: str | None, grid_keys: list[str], extra: list[str]) -
     return {k: v for k, v in defaults.items() if k not in user}
 
 
-def run_argv(run: Run, config: str | None, extra: list[str]) -> list[str]:
+def run_argv(run: Run, config: str | None, extra: list[str], overwrite: bool = False) -> list[str]:
     argv = list(train_argv_prefix())
+    if overwrite:  # the folder holds an earlier run of this cell (failed, or with another config)
+        argv.append("--overwrite")
     if config:
         argv += ["--config", config]
     for key, value in sweep_defaults(config, [k for k, _ in run.cell.overrides], extra).items():
@@ -201,10 +206,35 @@ def run_argv(run: Run, config: str | None, extra: list[str]) -> list[str]:
     return argv + ["--train.seed", str(run.seed), "--output-dir", str(run.run_dir)]
 
 
-def execute(run: Run, argv: list[str]) -> None:
+def run_identity(run: Run, config: str | None, extra: list[str]) -> str:
+    """SHA-256 of the run's fully resolved config (defaults < config file < sweep defaults < extra < cell <
+    seed), without its output folder; of the argument list when it does not resolve (the run will fail)."""
+    import hashlib
+
+    from klgrpo.apps.args import parse_args as parse_train_args
+
+    argv = run_argv(run, config, extra)[len(train_argv_prefix()):]
+    try:
+        resolved = parse_train_args(argv)[0].to_dict()
+        resolved["train"].pop("output_dir", None)
+        payload = {"demo": not resolved["model"]["name_or_path"], "config": resolved}
+    except KLGRPOError:
+        payload = {"argv": argv[:-2]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _finished_identity(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / IDENTITY_FILE).read_text()).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def execute(run: Run, argv: list[str], identity: str = "") -> None:
     """Run one training in a subprocess, its output into <run>/sweep.log; sets status, error, summary."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
     (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+    (run.run_dir / IDENTITY_FILE).write_text(json.dumps({"identity": identity, "argv": argv}))
     t0 = time.perf_counter()
     with open(run.run_dir / LOG_FILE, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(argv) + "\n")
@@ -259,9 +289,10 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
               log: Callable[[str], None] = print) -> list[Run]:
     runs = [Run(cell, seed, out / cell.name / f"seed={seed}") for cell in cells for seed in seeds]
     todo = []
+    identities = {id(run): run_identity(run, config, extra) for run in runs}
     for run in runs:
         summary = _read_summary(run.run_dir)
-        if summary is not None:
+        if summary is not None and _finished_identity(run.run_dir) == identities[id(run)]:
             run.status, run.summary = "skipped", summary
         else:
             todo.append(run)
@@ -271,7 +302,11 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
     counter = itertools.count(done + 1)
 
     def one(run: Run) -> Run:
-        execute(run, run_argv(run, config, extra))
+        from klgrpo.train.run_folder import holds_run
+
+        (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+        earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
+        execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
         verdict = f"{run.seconds:.0f} s" if run.status == "finished" else f"FAILED ({run.error})"
         log(f"  [{next(counter)}/{len(runs)}] {run.cell.name} seed={run.seed}: {verdict}")
         return run

@@ -1,4 +1,8 @@
-"""``klgrpo train``: defaults < --config YAML < dotted overrides; no model configured -> the embedded demo."""
+"""``klgrpo train``: defaults < --config YAML < dotted overrides; no model configured -> the embedded demo.
+
+Exit codes: 0 done, 2 a bad input or a run that cannot go on (one line on stderr), 130 Ctrl-C, 143 SIGTERM
+(both save the last complete step first; continue with --resume latest).
+"""
 
 from __future__ import annotations
 
@@ -10,31 +14,81 @@ from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import config_help
 
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + config_help())
         return 0
+    run_dir, fresh = None, False
     try:
         cfg, opts = parse_args(argv)
+        fresh = not opts["resume"]
         if not cfg.model.name_or_path:
             from klgrpo.apps.demo_run import run_demo
 
-            return run_demo(argv, resume=opts["resume"], print_config=opts["print_config"])
+            _early_checks_of_demo(cfg, opts)
+            return run_demo(argv, resume=opts["resume"], print_config=opts["print_config"],
+                            overwrite=opts["overwrite"])
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
         if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun
             print("klgrpo train: loading torch and transformers", flush=True)
+        run_dir = _early_checks(cfg, opts)
         from klgrpo.train.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(cfg)
-        summary = trainer.train(resume=opts["resume"])
+        run_dir = trainer.run_dir
+        summary = trainer.train(resume=opts["resume"], overwrite=opts["overwrite"])
         if trainer.dist.is_main:  # once, not once per process
             print_run_summary(summary, trainer.run_dir)
         return 0
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
+        if fresh and run_dir is not None:
+            from klgrpo.train.run_folder import discard_unstarted_run
+
+            discard_unstarted_run(run_dir)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from klgrpo.train.run_folder import Terminated
+
+        if isinstance(exc, Terminated):
+            print("klgrpo train: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         print("klgrpo train: interrupted", file=sys.stderr)
         return 130
+
+
+def _early_checks(cfg, opts):
+    """What can be refused before a model is built: config values, the run folder, the reward functions."""
+    from klgrpo.train.run_folder import check_run_folder
+    from klgrpo.train.trainer import _run_dir
+
+    cfg.validate()  # errors only here; the trainer prints the warnings
+    run_dir = _run_dir(cfg)
+    check_run_folder(run_dir, cfg, opts["resume"], opts["overwrite"])
+    _check_rewards(cfg)
+    return run_dir
+
+
+def _early_checks_of_demo(cfg, opts) -> None:
+    """The demo's config is resolved after its assets are built: check the fields given and the folder now."""
+    from klgrpo.train.run_folder import check_run_folder
+    from klgrpo.train.validation import check_finite_and_ranges
+
+    def need(ok, message):
+        if not ok:
+            from klgrpo.errors import ConfigError
+
+            raise ConfigError(message)
+
+    check_finite_and_ranges(cfg, need)
+    if cfg.train.output_dir and not opts["resume"]:
+        check_run_folder(cfg.train.output_dir, cfg, None, opts["overwrite"])
+
+
+def _check_rewards(cfg) -> None:
+    from klgrpo.core.rewards import RewardComputer, RewardSpec
+
+    RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])

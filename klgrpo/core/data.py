@@ -65,8 +65,9 @@ def load_prompts(
     columns: dict[str, str] | None = None,
     split: str = "train",
     limit: int | None = None,
+    field: str = "data.source",
 ) -> PromptDataset:
-    """Read a prompt dataset.
+    """Read a prompt dataset; errors name ``field`` (the config field that named ``source``).
 
     source: a .jsonl/.ndjson/.json/.csv/.parquet file, a local dataset folder, or a hub dataset name
         (``"openai/gsm8k:main"`` picks the config ``main``); the last two need ``pip install "klgrpo[data]"``.
@@ -76,6 +77,31 @@ def load_prompts(
     split: the split of a hub dataset or dataset folder.
     limit: keep only the first ``limit`` rows.
     """
+    try:
+        return _load_prompts(source, prompt_column, columns, split, limit)
+    except UnicodeDecodeError as exc:
+        raise DataError(_not_utf8(Path(str(source)).expanduser(), exc, field)) from None
+    except DataError as exc:
+        if field == "data.source":
+            raise
+        raise DataError(exc.message.replace("data.source", field)) from None
+
+
+def _not_utf8(path: Path, exc: UnicodeDecodeError, field: str) -> str:
+    """The first line of ``path`` that is not UTF-8, for the error message."""
+    try:
+        for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return (f"{path} line {lineno} is not UTF-8 text (byte {line[bad.start]:#04x} at column "
+                        f"{bad.start + 1}); save the file as UTF-8 (it is {field})")
+    except OSError:
+        pass
+    return f"{path} is not UTF-8 text ({exc.reason}); save the file as UTF-8 (it is {field})"
+
+
+def _load_prompts(source, prompt_column, columns, split, limit) -> PromptDataset:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigError(f"data.limit must be a positive integer or null, got {limit!r}")
     mapping = dict(columns or {})

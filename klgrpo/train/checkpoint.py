@@ -1,14 +1,17 @@
 """Atomic checkpoints: a run can be killed at any moment and the newest complete checkpoint still loads.
 
-    checkpoints/step_N/   model (save_pretrained, safetensors), tokenizer, trainer_state.pt (optimizer,
-                          scheduler, RNG states, controller, data position, step), reference/ once synced
+    checkpoints/step_N/   model (save_pretrained, safetensors), tokenizer, trainer_state.safetensors +
+                          trainer_state.json (optimizer, scheduler, RNG states, controller, data position,
+                          pending batch, step; see state_io: nothing is pickled), reference/ once synced
 
-A checkpoint is written to a temporary sibling folder and renamed into place, so step_N either exists
-whole or not at all.
+A checkpoint is written to a temporary sibling folder (.tmp_step_N_<pid>) and renamed into place, so step_N
+either exists whole or not at all; pruning renames a folder to .trash_step_N_<pid> before deleting it.
+``clean_incomplete`` removes what a kill in the middle of either leaves behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -18,10 +21,16 @@ from typing import Any
 
 import torch
 
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.train.guard import check_finite_weights
+from klgrpo.train.state_io import StateFileError, load_state, save_state, state_files
 
-STATE_FILE = "trainer_state.pt"
+STATE_STEM = "trainer_state"
+STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io
+LEGACY_STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
+_TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
 
 
 def rng_state() -> dict[str, Any]:
@@ -51,29 +60,70 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
                     reference=None, keep: int = 0, model_state: dict | None = None) -> Path:
     """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``:
-    the full state dict of a sharded model (gathered by the engine), saved instead of ``model``'s own."""
+    the full state dict of a sharded model (gathered by the engine), saved instead of ``model``'s own.
+
+    Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
+    folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
+    check_finite_weights(model if model_state is None else model_state, step)
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".tmp_step_{step}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
-        model.save_pretrained(tmp, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
-    else:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if reference is not None:
-        reference.save(tmp)
-    torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE_FILE)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state)
+        if final.exists():
+            _remove(final)
+        os.replace(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(exc, final, run_dir) from None
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     return final
+
+
+def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
+                      model_state: dict | None = None) -> None:
+    if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
+        model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
+    else:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=model_state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if reference is not None:
+        reference.save(folder)
+    save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step})
+
+
+def _save_error(exc: OSError, final: Path, run_dir: Path) -> KLGRPOError:
+    done = list_checkpoints(run_dir)
+    kept = f"the newest complete checkpoint is {done[-1]}" if done else "no earlier checkpoint exists"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return KLGRPOError(f"no space left on the device while saving {final}: free disk space (or lower "
+                           f"train.keep_checkpoints) and continue with --resume latest; {kept}")
+    return KLGRPOError(f"cannot write {final} ({exc.strerror or exc}); check that train.output_dir is a writable "
+                       f"folder; {kept}")
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder so that a kill midway leaves a .trash_ folder, never a half step_N."""
+    trash = folder.with_name(f".trash_{folder.name}_{os.getpid()}")
+    try:
+        os.replace(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def is_complete(folder: Path) -> bool:
+    """A checkpoint folder holds the trainer state (both files) and the model's weights."""
+    folder = Path(folder)
+    weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    return (all(p.is_file() for p in state_files(folder, STATE_STEM))
+            and any((folder / w).is_file() for w in weights))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -81,25 +131,76 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).exists()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)]
     return [p for _, p in sorted(found)]
+
+
+def clean_incomplete(run_dir: Path) -> list[Path]:
+    """Remove what killed saves and prunes leave behind: .tmp_step_* of dead processes, .trash_step_* and
+    step_N folders that are incomplete and older than the newest complete checkpoint. Returns the removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    complete = list_checkpoints(run_dir)
+    newest = int(_STEP_DIR.match(complete[-1].name).group(1)) if complete else -1
+    removed = []
+    for p in root.iterdir():
+        tmp = _TMP_DIR.match(p.name)
+        step = _STEP_DIR.match(p.name)
+        orphan = ((tmp and not pid_alive(int(tmp.group(2)))) or _TRASH_DIR.match(p.name)
+                  or (step and int(step.group(1)) < newest and not is_complete(p)))
+        if orphan and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def resume_candidates(resume: str, run_dir: Path) -> list[Path]:
+    """``latest`` -> the run's complete checkpoints, newest first; otherwise the one checkpoint folder named."""
+    if resume == "latest":
+        found = list_checkpoints(run_dir)
+        if not found:
+            _refuse_pickled(Path(run_dir) / "checkpoints")
+            raise ConfigError(f"--resume latest: no checkpoint in {Path(run_dir) / 'checkpoints'}; "
+                              f"pass --output-dir of the run to resume or a checkpoint folder")
+        return found[::-1]
+    path = Path(resume)
+    if not (path / STATE_FILE).exists():
+        _refuse_pickled(path.parent)
+        raise ConfigError(f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}); "
+                          f"pass a checkpoints/step_N folder or 'latest'")
+    return [path]
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path:
     """``latest`` -> the newest checkpoint of run_dir; otherwise a checkpoint folder path."""
-    if resume == "latest":
-        found = list_checkpoints(run_dir)
-        if not found:
-            raise ConfigError(f"--resume latest: no checkpoint in {Path(run_dir) / 'checkpoints'}; "
-                              f"pass --output-dir of the run to resume or a checkpoint folder")
-        return found[-1]
-    path = Path(resume)
-    if not (path / STATE_FILE).exists():
-        raise ConfigError(f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}); "
-                          f"pass a checkpoints/step_N folder or 'latest'")
-    return path
+    return resume_candidates(resume, run_dir)[0]
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return torch.load(Path(checkpoint) / STATE_FILE, weights_only=False)
+    """The trainer state of a checkpoint, read from safetensors + JSON (nothing is unpickled)."""
+    state = load_state(Path(checkpoint), STATE_STEM)
+    if not isinstance(state, dict) or "step" not in state:
+        raise StateFileError(f"{Path(checkpoint) / STATE_FILE} holds no trainer state")
+    return state
+
+
+def _refuse_pickled(folder: Path) -> None:
+    """Checkpoints of older klgrpo versions pickled their trainer state; klgrpo does not unpickle files."""
+    if folder.is_dir() and any(folder.glob(f"*/{LEGACY_STATE_FILE}")) or (folder / LEGACY_STATE_FILE).exists():
+        raise ConfigError(f"the checkpoints in {folder} hold {LEGACY_STATE_FILE} (pickle, written by an older "
+                          f"klgrpo), which klgrpo does not load because unpickling can run code; start a new run")

@@ -220,6 +220,8 @@ class TrainConfig:
     output_dir: str = _f("", "run folder (default runs/<run_name>)")
     run_name: str = _f("", "run name (default: a timestamp)")
     torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
+    max_skipped_steps: int = _f(3, "stop the run (non-zero exit) after this many steps in a row were skipped for a "
+                                   "non-finite loss or gradient norm; a skipped step never updates the weights")
     compile: bool = _f(False, "torch.compile the policy's and the reference's forward and the sampling loop's "
                               "step: faster steps after a one-off compilation (tens of seconds on a CPU, again "
                               "once when the shapes change); pays on long runs, see docs/benchmarks.md for the "
@@ -260,12 +262,18 @@ class GRPOConfig:
     def merge_yaml(self, path: str | Path) -> "GRPOConfig":
         """A copy with the YAML file's values laid over this config's."""
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder; pass --config a YAML file (a run folder's is "
+                              f"{path / 'config.yaml'})")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+        except (UnicodeDecodeError, OSError) as exc:
+            raise ConfigError(f"config file {path} cannot be read as UTF-8 text ({type(exc).__name__}); "
+                              f"save it as UTF-8 YAML") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of groups (model:, data:, kl:, ...)")
         return GRPOConfig.from_dict(_deep_merge(self.to_dict(), data), origin=str(path))
@@ -288,7 +296,11 @@ class GRPOConfig:
                 node = node[part]
             if parts[-1] not in node:
                 raise ConfigError(_unknown(key, origin))
-            node[parts[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
+            try:
+                node[parts[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
+            except yaml.YAMLError:
+                raise ConfigError(f"{key} in {origin}: {value!r} is not a valid value (YAML); quote text values"
+                                  ) from None
         return GRPOConfig.from_dict(data, origin=origin)
 
     def validate(self) -> list[str]:
@@ -350,6 +362,8 @@ def _coerce(value: Any, typ: Any, path: str, origin: str) -> Any:
             raise bad
         return int(value)
     if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string: accept scientific notation
+            value = _float_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)
@@ -372,6 +386,17 @@ def _coerce(value: Any, typ: Any, path: str, origin: str) -> Any:
             raise bad
         return value
     return value
+
+
+def _float_text(text: str) -> float | str:
+    """``"1e-4"``, ``"5E-6"``, ``"+2.5e3"``, ``".inf"`` -> float; anything else stays text (and is refused)."""
+    cleaned = text.strip().replace("_", "")
+    if cleaned.lower() in (".inf", "+.inf", "-.inf", ".nan"):
+        cleaned = cleaned.replace(".", "")
+    try:
+        return float(cleaned)
+    except ValueError:
+        return text
 
 
 def _build(cls: type, data: dict, prefix: str, origin: str):

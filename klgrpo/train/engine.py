@@ -186,19 +186,24 @@ class Engine:
             return
         self.accelerator.backward(loss * scale)
 
-    def step(self, model, optimizer, max_norm: float) -> Tensor:
-        """Clip the gradient to ``max_norm`` (inf: measure only) and step; returns the gradient norm before
-        clipping, the same number on every rank."""
+    def step(self, model, optimizer, max_norm: float, allow=None) -> tuple[Tensor, bool]:
+        """Clip the gradient to ``max_norm`` (inf: measure only) and step, unless ``allow(norm)`` is False (the
+        trainer's guard against a non-finite step). Returns the gradient norm before clipping (the same number
+        on every rank) and whether the optimizer stepped. DeepSpeed clips and steps in one call, so there the
+        step is always taken (DeepSpeed's own loss scaler skips overflowing fp16 steps)."""
         if self.kind == "deepspeed":  # clipping is DeepSpeed's ("gradient_clipping" of its config)
             self._ds_engine.step()
             norm = self._ds_engine.get_global_grad_norm()
-            return torch.as_tensor(float("nan") if norm is None else float(norm))
+            return torch.as_tensor(float("nan") if norm is None else float(norm)), True
         if self.kind == "single":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         else:
             norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if allow is not None and not allow(norm):
+            return norm, False
         optimizer.step()
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm, True
 
     @contextmanager
     def full_weights(self, model):

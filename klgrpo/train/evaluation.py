@@ -106,10 +106,10 @@ def load_eval_sets(cfg) -> dict[str, dict]:
     from klgrpo.core.rewards import load_reward_function
 
     sets = {}
-    for s in cfg.eval.sets:
+    for i, s in enumerate(cfg.eval.sets):
         ds = load_prompts(s["source"], prompt_column=s.get("prompt_column", "prompt"),
                           columns={"answer": s.get("answer_column", "answer")}, split=s.get("split", "test"),
-                          limit=s.get("limit") or None)
+                          limit=s.get("limit") or None, field=f"eval.sets[{i}].source")
         sets[s["name"]] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
                            "reward_fn": load_reward_function(s.get("reward", "exact_match"))}
     return sets

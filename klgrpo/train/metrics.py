@@ -98,6 +98,9 @@ GLOSSARY: dict[str, str] = {
                "sampling temperature)",
     "grad_norm": "global L2 norm of the gradient over the trainable parameters, before clipping",
     "lr": "learning rate of this optimizer step",
+    "train/skipped_steps": "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "
+                           "optimizer, scheduler and KL controller did not move on them); the run stops after "
+                           "train.max_skipped_steps in a row",
     # timing
     "time/generate": "wall seconds spent sampling the step's completions",
     "time/reward": "wall seconds spent in the reward functions",

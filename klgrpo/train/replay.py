@@ -9,7 +9,7 @@ points on average in a prototype of the demo (docs/retention.md); the exact KL o
 
 Build, once per run folder: the first ``num_prompts`` replay prompts, ``completions_per_prompt`` completions
 each sampled from the REFERENCE (at ``kl.replay.temperature``, with a private seed: the trainer's RNG stream
-is untouched), cached in ``<run>/replay_cache.pt`` with what the KL form needs and reused on resume:
+is untouched), cached in ``<run>/replay_cache.safetensors`` + ``replay_cache.json`` (state_io: nothing is unpickled) with what the KL form needs and reused on resume:
 
     "full"       the reference's log-softmax over the vocabulary at every completion position, when
                  N x T x V float32 fits ``cache_budget_bytes`` (default 256 MiB); otherwise the reference's
@@ -30,7 +30,6 @@ moves; a cached anchor keeps the original reference, a recomputing one follows t
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,9 +45,11 @@ from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
+from klgrpo.train.state_io import StateFileError, load_state, save_state
 from klgrpo.train.validation import validate_replay
 
-CACHE_FILE = "replay_cache.pt"
+CACHE_STEM = "replay_cache"
+CACHE_FILE = CACHE_STEM + ".json"  # beside replay_cache.safetensors
 #: Largest full-vocabulary reference cache held (N x T x V float32); above it "full" recomputes each step.
 DEFAULT_CACHE_BUDGET_BYTES = 256 * 2**20
 #: Rows of the cache recomputed at load to check that the cache belongs to this reference.
@@ -115,7 +116,7 @@ class ReplayAnchor:
     @classmethod
     def build(cls, cfg, model, tokenizer, reference, run_dir: str | Path, *, log: Callable[[str], None] = print,
               cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES) -> "ReplayAnchor":
-        """Load ``<run_dir>/replay_cache.pt`` when it matches these settings and this reference; else sample
+        """Load ``<run_dir>/replay_cache.*`` when it matches these settings and this reference; else sample
         the completions from the reference once and write the cache."""
         r = cfg.kl.replay
         _check_settings(cfg, reference)
@@ -131,9 +132,7 @@ class ReplayAnchor:
             t0 = time.perf_counter()
             cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes)
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks of one run may race here
-            torch.save({k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in cache.to_dict().items()}, tmp)
-            tmp.replace(path)
+            save_state(path.parent, CACHE_STEM, cache.to_dict())
             kept = "full-vocabulary log-probs" if cache.ref_logsoftmax is not None else "per-token log-probs"
             log(f"replay anchor: sampled {cache.size} reference completions ({r.completions_per_prompt} per replay "
                 f"prompt) in {time.perf_counter() - t0:.1f} s; cached with the reference's {kept} in {path}")
@@ -269,7 +268,7 @@ def _same_module(a, b) -> bool:
 
 def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: int) -> ReplayCache:
     r = cfg.kl.replay
-    ds = load_prompts(r.source, prompt_column=r.prompt_column, limit=r.num_prompts)
+    ds = load_prompts(r.source, prompt_column=r.prompt_column, limit=r.num_prompts, field="kl.replay.source")
     prompts = ds.prompts
     chunk = max(1, cfg.rollout.prompts_per_step)
     # A private seed, and the global RNG state restored afterwards: the trainer's stream (and resume equality)
@@ -343,9 +342,10 @@ def _load_cache(path: Path, meta: dict, reference, device, log) -> ReplayCache |
     if not path.exists():
         return None
     try:
-        data = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file: resample rather than fail the run
-        log(f"replay anchor: cannot read {path} ({type(exc).__name__}); sampling a new cache")
+        data = load_state(path.parent, CACHE_STEM)
+        assert isinstance(data, dict) and isinstance(data.get("meta"), dict)
+    except (StateFileError, AssertionError) as exc:  # a truncated or foreign file: resample rather than fail
+        log(f"replay anchor: cannot read {path} ({exc or 'not a replay cache'}); sampling a new cache")
         return None
     old = {k: v for k, v in data.get("meta", {}).items() if k != "vocab"}
     if data.get("version") != _VERSION or old != meta:

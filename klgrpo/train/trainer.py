@@ -15,13 +15,12 @@ import random
 import signal
 import time
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from klgrpo.train.checkpoint import load_trainer_state, resolve_resume, rng_state, save_checkpoint, set_rng_state
+from klgrpo.train.checkpoint import rng_state, save_checkpoint, set_rng_state
 from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
@@ -42,6 +41,11 @@ from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.core.batch import StepBatch
 from klgrpo.train.step_metrics import step_metrics
 from klgrpo.train.timing import phase_timer as _timed
+from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
+from klgrpo.train.resume import load_resumable_checkpoint
+from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
+from klgrpo.train.state_io import to_device
+from klgrpo.train.tally import StepTally
 
 
 def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
@@ -87,7 +91,8 @@ class GRPOTrainer:
         if model is None and self.dist.is_main:
             log(f"loading {cfg.model.name_or_path} ({dtype}, {self.device})")
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
-                                                     cfg.model.trust_remote_code)
+                                                     cfg.model.trust_remote_code,
+                                                     "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path")
         self.model = model.to(self.device) if model is not None else load_causal_lm(
             cfg.model.name_or_path, cfg.model, self.device, dtype)
         _disable_dropout(self.model)
@@ -139,6 +144,7 @@ class GRPOTrainer:
             self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
             self.engine.prepare_reference(self.reference)
         self.step = 0
+        self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self._batch: StepBatch | None = None
         self._stop_reason = ""
         self._eval_before: dict[str, float] = {}
@@ -152,7 +158,7 @@ class GRPOTrainer:
             return AdapterDisabledReference(self.model)
         if ref_path:
             dtype = next(self.model.parameters()).dtype
-            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype)
+            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype, field="kl.reference")
             ref_model.klgrpo_fast_path = self.cfg.model.fast_path
             return FrozenCopyReference(ref_model)
         return FrozenCopyReference.copy_of(self.model)
@@ -263,14 +269,21 @@ class GRPOTrainer:
                 batch.old_logp = logp
             replay_metrics = (self._replay_gradients(sums["loss"]) if self.replay is not None else {})
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            grad_norm = self.engine.step(self.model, self.optimizer, max_norm)
-            self.scheduler.step()
+            # A non-finite loss or gradient norm never reaches the weights: the step is skipped and counted.
+            loss_sum = self.dist.sum(sums["loss"]) if self.dist.enabled else sums["loss"]  # ranks decide alike
+            grad_norm, applied = self.engine.step(self.model, self.optimizer, max_norm,
+                                                  allow=lambda norm: self.guard.allows_update(loss_sum, norm))
+            if applied:
+                self.scheduler.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
         if dump:
             self._dump_kl(logp, batch)
         metrics, observation = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta,
                                             self.scheduler.get_last_lr()[0], timings, self.dist, self.device)
         metrics.update(replay_metrics)
         metrics.update(self._custom_metrics(sums, batch))
+        metrics["train/skipped_steps"] = self.guard.skipped_total
         return metrics, observation
 
     def _custom_metrics(self, sums: dict, batch: StepBatch) -> dict[str, float]:
@@ -317,7 +330,8 @@ class GRPOTrainer:
             self._batch = None
         if generated:
             metrics.update(batch.timings)
-        self.controller.observe(observation)
+        if self.guard.consecutive == 0 and math.isfinite(observation.token_mean):  # a skipped step leaves beta
+            self.controller.observe(observation)
         self.step += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
             self.reference.sync(self.model, self.cfg.kl.sync_alpha)
@@ -342,7 +356,7 @@ class GRPOTrainer:
         return {"optimizer": self.engine.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
-                "eval_before": self._eval_before}
+                "eval_before": self._eval_before, "guard": self.guard.state_dict()}
 
     def save(self) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
@@ -357,23 +371,20 @@ class GRPOTrainer:
         return path
 
     def resume(self, resume: str) -> None:
-        ckpt = resolve_resume(resume, self.run_dir)
-        if (ckpt / "adapter_model.safetensors").exists():
-            self.engine.load_adapter(self.model, ckpt)
-        else:
-            self.engine.load_model_file(self.model, ckpt / "model.safetensors", self.device)
-        state = load_trainer_state(ckpt)
+        # The newest checkpoint that loads (a corrupt newest one is named and skipped for an older one).
+        ckpt, state = load_resumable_checkpoint(self, resume)
         self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
         self._batch = state.get("pending_batch")
+        if self._batch is not None:
+            self._batch = to_device(self._batch, self.device)
+        self.guard.load_state_dict(state.get("guard"))
         if self._batch is not None and len(state.get("rng_by_rank", [None])) != self.dist.world_size:
             self._batch = None  # a half-used batch belongs to the old process layout: draw a new one
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
-        if self.reference is not None:
-            self.reference.load(ckpt)
         rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
         if len(rng_by_rank) == self.dist.world_size:
             set_rng_state(rng_by_rank[self.dist.rank])
@@ -386,8 +397,8 @@ class GRPOTrainer:
     def _should_stop(self, metrics: dict[str, float], start: float) -> bool:
         """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
         cfg = self.cfg
-        if not all(math.isfinite(v) for k, v in metrics.items() if k.startswith(("train/loss", "kl/"))):
-            self._stop_reason = f"non-finite loss or KL at step {self.step}; see metrics.jsonl"
+        if self.guard.exhausted:
+            self._stop_reason = self.guard.stop_message(self.step)
             return True
         over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
         if self.dist.enabled:
@@ -396,11 +407,18 @@ class GRPOTrainer:
             self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
         return over
 
-    def train(self, resume: str | None = None) -> dict[str, Any]:
+    def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+        """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
+        ("latest" or a checkpoint folder) continues one (run_folder.py)."""
+        lock = open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log) if self.dist.is_main else None
+        try:
+            return self._train(resume)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _train(self, resume: str | None) -> dict[str, Any]:
         cfg, main = self.cfg, self.dist.is_main
-        if main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         if resume:
             self.resume(resume)
         start = time.perf_counter()
@@ -409,13 +427,13 @@ class GRPOTrainer:
         if evaluate and self.step == 0:
             self._eval_before = self.evaluate()
         eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step
-        history: list[dict[str, float]] = []
+        history = StepTally()  # what the summary needs, not every row (constant memory per step)
         logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
                                 progress=cfg.logging.progress, start_step=self.step) if main else _SilentLogger())
         with logger:
             if eval_before and self.step == 0:
                 logger.log(0, eval_before)
-            with _save_on_interrupt(self, logger):
+            with sigterm_as_interrupt(), _save_on_interrupt(self, logger):
                 while self.step < cfg.train.steps:
                     metrics = self.train_step()
                     if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
@@ -447,15 +465,16 @@ class GRPOTrainer:
 
                 make_plots(self.run_dir)
         self.dist.barrier()
+        if self.guard.exhausted:
+            raise NonFiniteError(self.guard.stop_message(self.step))
         return summary
 
     def _summary(self, history, eval_before, eval_after, wall) -> dict[str, Any]:
-        last = history[-1] if history else {}
-        steps = [h["time/step"] for h in history]
+        last = history.last
         return {
             "steps": self.step,
             "wall_seconds": round(wall, 2),
-            "seconds_per_step": round(sum(steps) / len(steps), 4) if steps else None,
+            "seconds_per_step": history.mean("time/step", digits=4),
             "eval_before": {k.removeprefix("eval/"): v for k, v in eval_before.items()},
             "eval_after": {k.removeprefix("eval/"): v for k, v in eval_after.items()},
             "final_kl": last.get("adaptive_kl/raw_kl"),
@@ -500,8 +519,7 @@ def _make_scheduler(optimizer, cfg: GRPOConfig):
 def _run_dir(cfg: GRPOConfig) -> Path:
     if cfg.train.output_dir:
         return Path(cfg.train.output_dir)
-    name = cfg.train.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / name
+    return Path("runs") / cfg.train.run_name if cfg.train.run_name else timestamped_run_dir()
 
 
 class _SilentLogger:
@@ -526,11 +544,13 @@ def _save_on_interrupt(trainer: GRPOTrainer, logger):
     try:
         yield
     except KeyboardInterrupt:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+        # A second Ctrl-C (or a SIGTERM) must not cut the save short.
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             trainer._rollback_partial_step()
             path = trainer.save()
             logger.message(f"interrupted: saved {path}; continue with --resume latest")
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         raise

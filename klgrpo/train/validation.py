@@ -57,6 +57,7 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
 
     need = _need
     r, k, t, o, loss = cfg.rollout, cfg.kl, cfg.train, cfg.optim, cfg.loss
+    check_finite_and_ranges(cfg, need)
     need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
@@ -127,3 +128,85 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
     if k.shaping == "clip" and k.estimator in ("k1", "k1_st"):
         warnings.append("kl.shaping=clip on a signed estimator clips only from above; negative k1 values pass")
     return warnings
+
+
+#: Float fields for which an infinity means something ("no upper bound").
+_INFINITY_ALLOWED = ("kl.beta_max",)
+#: (field, lowest allowed value, whether the bound itself is allowed, what the field means at its bound)
+_LOWER_BOUNDS = (
+    ("rollout.top_k", 0, True, "0 turns top-k off"),
+    ("optim.warmup_steps", 0, True, "0: no warm-up"),
+    ("optim.weight_decay", 0, True, ""),
+    ("train.save_every", 0, True, "0 saves only at the end"),
+    ("train.keep_checkpoints", 0, True, "0 keeps all"),
+    ("train.max_wall_seconds", 0, True, "0: no limit"),
+    ("train.micro_batch_size", 0, True, "0: the whole batch"),
+    ("train.torch_threads", 0, True, "0: torch's default"),
+    ("train.max_skipped_steps", 1, True, ""),
+    ("data.limit", 0, True, "0: all rows"),
+    ("loss.std_eps", 0, True, ""),
+    ("kl.target", 0, True, ""),
+    ("kl.horizon", 0, False, ""),
+    ("kl.dual_lr", 0, True, ""),
+    ("kl.beta_min", 0, True, ""),
+    ("kl.schedule_steps", 0, True, "0: never"),
+    ("kl.clip_threshold", 0, False, ""),
+    ("kl.dump_every", 0, True, "0: never"),
+    ("kl.replay.temperature", 0, False, ""),
+    ("eval.every", 0, True, "0: before and after training only"),
+    ("eval.max_new_tokens", 0, True, "0: rollout.max_new_tokens"),
+    ("eval.batch_size", 1, True, ""),
+    ("model.lora.r", 0, True, "0: no LoRA"),
+    ("model.lora.alpha", 0, False, ""),
+)
+
+
+def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
+    """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
+    import math
+
+    for path, value in _leaves(cfg):
+        if isinstance(value, float) and not isinstance(value, bool):
+            need(not math.isnan(value), f"{path} is NaN; give it a number")
+            need(math.isfinite(value) or path in _INFINITY_ALLOWED,
+                 f"{path} is {value}; give it a finite number")
+    for path, low, inclusive, meaning in _LOWER_BOUNDS:
+        value = _get(cfg, path)
+        ok = value >= low if inclusive else value > low
+        need(ok, f"{path} must be {'>=' if inclusive else '>'} {low}, got {value!r}"
+                 + (f" ({meaning})" if meaning else ""))
+    o, loss, k = cfg.optim, cfg.loss, cfg.kl
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    need(0 <= loss.eps_low < 1, f"loss.eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
+                                f"got {loss.eps_low!r}")
+    need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
+    need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
+    need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")
+    for i, f in enumerate(cfg.rewards.functions):
+        weight = f.get("weight", 1.0) if isinstance(f, dict) else 1.0
+        if isinstance(weight, str):
+            try:
+                weight = float(weight)
+            except ValueError:
+                pass
+        need(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+             f"rewards.functions[{i}].weight must be a finite number, got {weight!r}")
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted path, value) of every leaf field of a config dataclass tree."""
+    import dataclasses
+
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def _get(cfg, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +24,11 @@ from torch import Tensor
 from klgrpo.errors import ConfigError, RewardError
 from klgrpo.core.rewards.loading import _describe, display_name, load_reward_function
 
+#: Largest |reward| accepted: the group variance of float32 rewards of this size stays far from overflow
+#: (float32 squares overflow above ~1.8e19) and keeps 7 significant digits of the centred rewards.
+REWARD_LIMIT = 1e12
+#: A number in scientific notation without a dot (1e-3), which YAML 1.1 leaves as text.
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 #: Column names the reward functions take as their first two arguments.
 RESERVED_ARGUMENTS = ("prompts", "completions")
 
@@ -41,6 +47,8 @@ class RewardSpec:
     kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if isinstance(self.weight, str) and _SCIENTIFIC.match(self.weight.strip()):
+            self.weight = float(self.weight)  # YAML 1.1 reads 1e-3 (no dot) as text; other text stays refused
         if not isinstance(self.name, str) or not self.name.strip():
             raise ConfigError(f"a reward function needs a non-empty name, got {self.name!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
@@ -137,6 +145,10 @@ class RewardComputer:
             values = _call(bound, prompts, completions, columns)
             per_function[bound.display] = torch.tensor(values, dtype=torch.float32)
             total += bound.spec.weight * torch.tensor(values, dtype=torch.float64)
+        if n and float(total.abs().max()) > REWARD_LIMIT:
+            i = int(total.abs().argmax())
+            raise RewardError(f"the weighted total reward is {float(total[i]):g} at index {i}; it must lie within "
+                              f"+-{REWARD_LIMIT:g}: lower the rewards.functions weights or rescale the rewards")
         weights = {b.display: b.spec.weight for b in self._bound}
         return RewardResult(total=total.to(torch.float32), per_function=per_function, weights=weights)
 
@@ -235,6 +247,10 @@ def _as_floats(result: Any, n: int, display: str, completions: list[str]) -> lis
         if not math.isfinite(value):
             raise RewardError(f"reward function {display!r} returned {value} {where}; return a finite number for "
                               f"every completion")
+        if abs(value) > REWARD_LIMIT:
+            raise RewardError(f"reward function {display!r} returned {value:g} {where}; rewards must lie within "
+                              f"+-{REWARD_LIMIT:g} (larger ones overflow the advantages' float32 variance): "
+                              f"rescale the reward")
         values.append(value)
     return values
 

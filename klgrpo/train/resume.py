@@ -1,0 +1,73 @@
+"""Resume from the newest checkpoint that loads.
+
+``--resume latest`` tries the run's complete checkpoints newest first: a checkpoint whose trainer state or
+weights cannot be read (a truncated file, a disk error) is named in a warning and the next older one is
+used. ``--resume <folder>`` names one checkpoint; if it does not load, the error names the file.
+Everything is read before anything is applied, except the weights, which the next candidate overwrites.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.train.checkpoint import load_trainer_state, resume_candidates
+
+
+class CheckpointLoadError(KLGRPOError):
+    """A checkpoint's file cannot be read."""
+
+
+def load_resumable_checkpoint(trainer, resume: str) -> tuple[Path, dict[str, Any]]:
+    """Load the weights (policy and reference) of the first candidate that loads into ``trainer``'s models;
+    return that checkpoint and its trainer state (not yet applied)."""
+    candidates = resume_candidates(resume, trainer.run_dir)
+    failures = []
+    for ckpt in candidates:
+        try:
+            state = load_trainer_state(ckpt)
+            _load_weights(trainer, ckpt)
+        except KLGRPOError as exc:
+            failures.append(str(exc))
+            if len(candidates) > 1:
+                trainer.log(f"warning: checkpoint {ckpt.name} cannot be loaded: {exc}")
+            continue
+        if failures:
+            trainer.log(f"warning: resuming from {ckpt} instead (the newest checkpoint that loads)")
+        return ckpt, state
+    if len(candidates) == 1:
+        raise CheckpointLoadError(f"cannot resume: {failures[0]}; pass --resume an intact checkpoint folder")
+    raise CheckpointLoadError(f"cannot resume: none of the {len(candidates)} checkpoints loads (newest: "
+                              f"{failures[0]}); start a new run")
+
+
+def _load_weights(trainer, ckpt: Path) -> None:
+    adapter = ckpt / "adapter_model.safetensors"
+    target = adapter if adapter.exists() else ckpt / "model.safetensors"
+    try:
+        if adapter.exists():
+            trainer.engine.load_adapter(trainer.model, ckpt)
+        elif target.exists():
+            trainer.engine.load_model_file(trainer.model, target, trainer.device)
+        else:
+            raise CheckpointLoadError(f"{target} is missing")
+    except KLGRPOError:
+        raise
+    except Exception as exc:  # safetensors and torch raise several types for a truncated or foreign file
+        raise CheckpointLoadError(f"{target} cannot be read ({_first_line(exc)})") from None
+    if trainer.reference is not None:
+        try:
+            trainer.reference.load(ckpt)
+        except KLGRPOError:
+            raise
+        except Exception as exc:
+            raise CheckpointLoadError(f"the reference in {ckpt} cannot be read ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:200]
+
+
+__all__ = ["load_resumable_checkpoint", "CheckpointLoadError", "ConfigError"]

@@ -1,0 +1,322 @@
+"""Run-folder safety: a folder that holds a run is never overwritten unless asked, one run writes it at a time,
+a resume continues the run it names, and what killed saves leave behind is cleaned at start.
+
+    check_run_folder(run_dir, cfg, resume, overwrite)   read-only checks (the CLI runs them before building a model)
+    open_run_folder(run_dir, cfg, resume, overwrite)    the checks, then --overwrite's clearing, the lock,
+                                                        the clean-up and config.yaml; returns the RunLock
+
+A folder "holds a run" when it has a checkpoint, a metrics row or a summary.json. A fresh run into such a
+folder is refused with a line naming --resume, --output-dir and --overwrite; --overwrite deletes only the
+files klgrpo writes (RUN_FILES) and keeps anything else in the folder.
+
+The lock is ``<run>/.klgrpo.lock`` (created with O_EXCL, holding the PID and host). A lock whose process is
+gone (same host) is stale and taken over; a live one refuses the second run.
+
+Resuming compares the run's config.yaml with the new config: a change of a field in ``RESUME_SAFE_FIELDS``
+(how long, how often to save or evaluate, logging, device) is applied with a warning and config.yaml is
+updated (said so); any other change (group_size, prompts_per_step, seed, lr, data, ...) would not continue
+the same run and is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from klgrpo.errors import ConfigError
+from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
+from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
+
+LOCK_FILE = ".klgrpo.lock"
+CONFIG_FILE = "config.yaml"
+#: What klgrpo writes into a run folder: --overwrite deletes these and nothing else.
+RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "checkpoints", "tb", "plots",
+             "kl_dumps", "merged", "replay_cache.safetensors", "replay_cache.json", "replay_cache.pt")
+#: Fields a resume may change (with a warning): they do not change what the steps compute.
+RESUME_SAFE_PREFIXES = ("logging.", "eval.")
+RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
+                      "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
+                      "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
+                      "model.fast_path", "model.lora.save_merged")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, ``docker stop``): handled like Ctrl-C, the CLI exits 143."""
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_output_dir(run_dir: Path) -> None:
+    """The run folder is a folder (or can be created) and is writable."""
+    run_dir = Path(run_dir)
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == run_dir else f"is inside {existing}, which is a file"
+        raise ConfigError(f"train.output_dir {run_dir} {what}; pass --output-dir a folder path")
+    probe = existing / f".klgrpo_write_test_{os.getpid()}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"train.output_dir {run_dir}: cannot write in {existing} ({exc.strerror or exc}); "
+                          f"pass --output-dir a writable folder") from None
+
+
+def timestamped_run_dir(prefix: str = "") -> Path:
+    """runs/<prefix><date-time>, with -2, -3, ... appended when a run started in the same second already has it."""
+    from datetime import datetime
+
+    base = Path("runs") / f"{prefix}{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def holds_run(run_dir: Path) -> bool:
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    if root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir()):
+        return True
+    if (run_dir / SUMMARY_FILE).exists():
+        return True
+    metrics = run_dir / METRICS_FILE
+    try:
+        return metrics.is_file() and bool(metrics.read_text(encoding="utf-8", errors="replace").strip())
+    except OSError:
+        return True
+
+
+def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = False) -> list[str]:
+    """Refuse a fresh run into a run folder (without overwrite), a folder locked by a live run, or a resume
+    whose config breaks the run's exactness. Returns the warnings of a resume's harmless changes."""
+    run_dir = Path(run_dir)
+    check_output_dir(run_dir)
+    _check_lock(run_dir)
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
+    if not resume:
+        if holds_run(run_dir) and not overwrite:
+            raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, start a new one "
+                              f"with another --output-dir, or replace it with --overwrite")
+        return []
+    return compare_configs(saved_config(_config_home(run_dir, resume)), cfg.to_dict(), run_dir)
+
+
+def _config_home(run_dir: Path, resume: str) -> Path:
+    """The folder whose config.yaml a resume continues: the run folder, or the run of a checkpoint path."""
+    if resume != "latest":
+        home = Path(resume).resolve().parent.parent
+        if (home / CONFIG_FILE).is_file():
+            return home
+    return run_dir
+
+
+def saved_config(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise ConfigError(f"{path} is not valid YAML; restore it or pass the run's config with --config") from None
+    return data if isinstance(data, dict) else None
+
+
+def compare_configs(saved: dict | None, new: dict, run_dir: Path) -> list[str]:
+    """Warnings for harmless changes; ConfigError for a change that would not continue the same run."""
+    if saved is None:
+        return []
+    old, now = _flatten(saved), _flatten(new)
+    changed = [k for k in sorted(set(old) & set(now)) if old[k] != now[k]]
+    unsafe = [k for k in changed if not _resume_safe(k)]
+    if unsafe:
+        shown = "; ".join(f"{k} {old[k]!r} -> {now[k]!r}" for k in unsafe[:3])
+        more = f" (and {len(unsafe) - 3} more)" if len(unsafe) > 3 else ""
+        raise ConfigError(f"--resume with a changed config would not continue the run in {run_dir}: {shown}{more}; "
+                          f"drop those overrides (--resume without --config uses the run's {CONFIG_FILE}) or start "
+                          f"a new run with another --output-dir")
+    warnings = [f"resuming with {k} {old[k]!r} -> {now[k]!r}" for k in changed if k != "train.output_dir"]
+    if "train.steps" in changed and now.get("optim.schedule") in ("linear", "cosine"):
+        warnings.append(f"optim.schedule={now['optim.schedule']} was laid out for {old['train.steps']} steps; with "
+                        f"train.steps {now['train.steps']} the learning rate follows the new schedule from the "
+                        f"resumed step on (a finished run's rate rises again)")
+    return warnings
+
+
+def _resume_safe(key: str) -> bool:
+    return key in RESUME_SAFE_FIELDS or key.startswith(RESUME_SAFE_PREFIXES)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and k not in ("columns", "kwargs"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ open
+def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = False,
+                    log: Callable[[str], None] = print) -> "RunLock":
+    """Checks, then: --overwrite clears the old run, the lock is taken, orphans are removed, config.yaml is
+    written (fresh run) or updated with a resume's harmless changes (said so)."""
+    run_dir = Path(run_dir)
+    warnings = check_run_folder(run_dir, cfg, resume, overwrite)
+    if resume:
+        resume_candidates(resume, run_dir)  # nothing to resume: refuse before writing anything
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir).acquire()
+    if not resume and overwrite and holds_run(run_dir):
+        clear_run(run_dir)
+        log(f"--overwrite: deleted the earlier run in {run_dir}")
+    removed = clean_incomplete(run_dir)
+    if removed:
+        log(f"removed {len(removed)} incomplete checkpoint folder(s) left by an interrupted save or prune: "
+            f"{', '.join(p.name for p in removed)}")
+    for w in warnings:
+        log(f"warning: {w}")
+    config = run_dir / CONFIG_FILE
+    text = cfg.to_yaml()
+    if not resume or not config.exists():
+        config.write_text(text)
+    elif warnings and config.read_text() != text:
+        config.write_text(text)
+        log(f"{config} updated with the changes above")
+    return lock
+
+
+def clear_run(run_dir: Path) -> None:
+    for name in RUN_FILES:
+        path = Path(run_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def discard_unstarted_run(run_dir: Path) -> None:
+    """After a fresh run failed before its first step: remove what it wrote, so no half-written run stays."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or holds_run(run_dir) or list_checkpoints(run_dir):
+        return
+    lock = run_dir / LOCK_FILE
+    owner = _read_lock(lock)
+    if owner and owner.get("pid") != os.getpid():
+        return
+    clear_run(run_dir)
+    lock.unlink(missing_ok=True)
+    try:
+        run_dir.rmdir()
+    except OSError:  # other files of the user's stay
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ lock
+class RunLock:
+    """``<run>/.klgrpo.lock``: one writer per run folder; stale locks of dead processes are taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                _check_lock(self.path.parent)  # raises while the owner lives
+                self._take_over_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+            self.held = True
+            return self
+        raise ConfigError(f"cannot take the lock {self.path}; another klgrpo run keeps taking it: pick another "
+                          f"--output-dir")
+
+    def _take_over_stale(self) -> None:
+        """Move the stale lock aside atomically (only one contender wins the rename), and put it back if what
+        was moved is not the stale lock we judged (a live run took the lock in between)."""
+        seen = _read_lock(self.path)
+        aside = self.path.with_name(f"{LOCK_FILE}.stale.{os.getpid()}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return
+        moved = _read_lock(aside)
+        if moved != seen and moved and _owner_alive(moved):
+            os.replace(aside, self.path)
+            raise ConfigError(f"{self.path.parent} is being written by another klgrpo run (PID {moved.get('pid')}); "
+                              f"wait for it to finish or pick another --output-dir")
+        aside.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self.held:
+            owner = _read_lock(self.path)
+            if owner and owner.get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _read_lock(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}  # unreadable: treated as stale
+
+
+def _owner_alive(owner: dict) -> bool:
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False  # this process: an earlier trainer of it that did not release
+    if owner.get("host") not in (None, socket.gethostname()):
+        return True  # another machine's process: cannot be checked, assume it runs
+    return pid_alive(pid)
+
+
+def _check_lock(run_dir: Path) -> None:
+    owner = _read_lock(Path(run_dir) / LOCK_FILE)
+    if owner and _owner_alive(owner):
+        raise ConfigError(f"{run_dir} is being written by another klgrpo run (PID {owner.get('pid')} on "
+                          f"{owner.get('host')}); wait for it to finish or pick another --output-dir "
+                          f"(if that process is gone, delete {Path(run_dir) / LOCK_FILE})")
+
+
+# --------------------------------------------------------------------------------------------- signals
+@contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt), so the trainer saves the last
+    complete step as on Ctrl-C. Only the main thread can install handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = ["timestamped_run_dir", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
+           "discard_unstarted_run", "RunLock", "Terminated", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]

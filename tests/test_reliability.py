@@ -1,0 +1,434 @@
+"""Nothing lost, nothing executed that was not asked for: run folders, locks, non-finite steps, state files
+without pickle, corrupt checkpoints, full disks, orphans, SIGTERM, float notation, sweep identity, memory."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.configs import make_config, quiet
+from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.train.metrics import read_metrics
+from klgrpo.train.trainer import GRPOTrainer
+
+FAST = {"logging": {"progress": False, "tensorboard": False, "plots": False}}
+
+
+def _cli(args, capsys):
+    from klgrpo.apps.cli import main
+
+    code = main(["train", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _base_args(model, data, out, *extra):
+    return ["--model.name_or_path", str(model), "--data.source", str(data), "--output-dir", str(out),
+            "--rollout.group_size", "4", "--rollout.prompts_per_step", "4", "--rollout.max_new_tokens", "4",
+            "--rewards.functions", "[{name: format, kwargs: {pattern: '0'}}]", "--optim.lr", "1e-2",
+            "--train.steps", "2", "--logging.progress", "false", "--logging.tensorboard", "false",
+            "--logging.plots", "false", *extra]
+
+
+def _weights(run_dir, step):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+
+
+# ------------------------------------------------------------------------------------- 1. run folders
+def test_fresh_run_into_a_run_folder_is_refused_and_overwrite_replaces_it(tiny_model_dir, addition_file,
+                                                                          tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in [out / "config.yaml", out / "metrics.jsonl", out / "summary.json"]}
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--train.seed", "1"), capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "already holds a run" in err and "--resume" in err and "--output-dir" in err and "--overwrite" in err
+    assert {n: (out / n).read_bytes() for n in before} == before  # nothing touched
+    (out / "notes.txt").write_text("mine")
+    code, _, _ = _cli(_base_args(tiny_model_dir, addition_file, out, "--train.seed", "1", "--train.steps", "1",
+                                 "--overwrite"), capsys)
+    assert code == 0
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]  # the old step_2 went with the old run
+    assert len(read_metrics(out)) == 1 and (out / "notes.txt").read_text() == "mine"  # user files stay
+
+
+def test_resume_without_config_uses_the_run_folder_config(tiny_model_dir, addition_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = _base_args(tiny_model_dir, addition_file, out, "--train.save_every", "1")
+    assert _cli(args, capsys)[0] == 0
+    saved = (out / "config.yaml").read_text()
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest", "--train.steps", "3"], capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert "train.steps 2 -> 3" in (out / "config.yaml").read_text() or "steps: 3" in (out / "config.yaml").read_text()
+    assert saved != (out / "config.yaml").read_text()
+
+
+def test_resume_with_a_changed_exactness_field_is_refused(tiny_model_dir, addition_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    saved = (out / "config.yaml").read_bytes()
+    for field, value in [("rollout.group_size", "8"), ("train.seed", "3"), ("rollout.prompts_per_step", "2")]:
+        code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "latest",
+                                       f"--{field}", value), capsys)
+        assert code == 2 and field in err and "--output-dir" in err and len(err.strip().splitlines()) == 1
+    assert (out / "config.yaml").read_bytes() == saved
+
+
+def test_extending_a_finished_cosine_run_warns():
+    from klgrpo.train.config import GRPOConfig
+    from klgrpo.train.run_folder import compare_configs
+
+    old = GRPOConfig.from_dict({"optim": {"schedule": "cosine"}, "train": {"steps": 10}})
+    new = old.override({"train.steps": 20})
+    warnings = compare_configs(old.to_dict(), new.to_dict(), "run")
+    assert any("train.steps 10 -> 20" in w for w in warnings)
+    assert any("optim.schedule=cosine" in w and "rises again" in w for w in warnings)
+    assert compare_configs(old.to_dict(), old.to_dict(), "run") == []
+
+
+def test_lock_refuses_a_live_writer_and_takes_over_a_dead_one(tmp_path):
+    from klgrpo.train.run_folder import LOCK_FILE, RunLock, check_run_folder
+    from klgrpo.train.config import GRPOConfig
+
+    import socket
+
+    run = tmp_path / "run"
+    run.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / LOCK_FILE).write_text(json.dumps({"pid": live.pid, "host": socket.gethostname()}))
+        with pytest.raises(ConfigError, match=f"PID {live.pid}"):
+            RunLock(run).acquire()
+        with pytest.raises(ConfigError, match="being written by another klgrpo run"):
+            check_run_folder(run, GRPOConfig(), None)
+    finally:
+        live.kill()
+        live.wait()
+    # The same PID is now dead: its lock is stale and taken over.
+    lock = RunLock(run).acquire()
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (run / LOCK_FILE).exists()
+
+
+def test_orphans_are_cleaned_and_only_those(tmp_path):
+    from klgrpo.train.checkpoint import clean_incomplete
+
+    root = tmp_path / "checkpoints"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+
+    def complete(name):
+        (root / name).mkdir(parents=True)
+        for f in ("trainer_state.json", "trainer_state.safetensors", "model.safetensors"):
+            (root / name / f).write_text("x")
+
+    complete("step_2")
+    complete("step_4")
+    (root / "step_1").mkdir()
+    (root / "step_1" / "trainer_state.json").write_text("x")  # half-pruned: older than the newest, incomplete
+    (root / "step_6").mkdir()  # incomplete but NEWER than every complete one: not ours to judge, kept
+    (root / f".tmp_step_5_{dead}").mkdir()  # a dead process's save
+    (root / f".tmp_step_5_{os.getpid()}").mkdir()  # a live process's save (this one): kept
+    (root / ".trash_step_0_123").mkdir()  # an interrupted prune
+    (root / "mine").mkdir()  # not a klgrpo pattern
+    removed = sorted(p.name for p in clean_incomplete(tmp_path))
+    assert removed == sorted([".tmp_step_5_" + dead, ".trash_step_0_123", "step_1"])
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        ["step_2", "step_4", "step_6", f".tmp_step_5_{os.getpid()}", "mine"])
+
+
+# ---------------------------------------------------------------------------------- 2. non-finite steps
+def _poison(trainer, monkeypatch, at_steps, what):
+    real = trainer.accumulate_gradients
+
+    def poisoned(batch, keep_logp=False):
+        sums, maxes, ent, logp = real(batch, keep_logp)
+        if trainer.step + 1 in at_steps:
+            if what == "loss":
+                sums["loss"] = sums["loss"] * float("nan")
+            else:  # a finite loss with an infinite gradient
+                next(p for p in trainer.model.parameters() if p.grad is not None).grad[0] = float("inf")
+        return sums, maxes, ent, logp
+
+    monkeypatch.setattr(trainer, "accumulate_gradients", poisoned)
+
+
+@pytest.mark.parametrize("what", ["loss", "grad"])
+def test_non_finite_step_is_skipped_before_the_weights_change(tiny_model_dir, addition_file, tmp_path,
+                                                              monkeypatch, what):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 3, "save_every": 1,
+                                                                          "keep_checkpoints": 0}, **FAST)
+    trainer = GRPOTrainer(cfg, log=quiet)
+    _poison(trainer, monkeypatch, {2}, what)
+    trainer.train()
+    w1, w2, w3 = (_weights(tmp_path / "r", s) for s in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)  # step 2 was skipped: the weights did not move
+    assert any(not torch.equal(w2[k], w3[k]) for k in w1)  # step 3 trained again
+    rows = [r for r in read_metrics(tmp_path / "r") if "train/loss" in r]
+    assert [r["train/skipped_steps"] for r in rows] == [0, 1, 1]
+    assert trainer.scheduler.last_epoch == 2  # the scheduler skipped the step too
+
+
+def test_consecutive_non_finite_steps_stop_the_run_non_zero(tiny_model_dir, addition_file, tmp_path, monkeypatch,
+                                                            capsys):
+    from klgrpo.train import trainer as trainer_module
+
+    real_update = trainer_module.GRPOTrainer._update
+
+    def nan_from_step_2(self, batch):
+        if self.step >= 1:
+            _poison(self, monkeypatch, {self.step + 1}, "loss")
+        return real_update(self, batch)
+
+    monkeypatch.setattr(trainer_module.GRPOTrainer, "_update", nan_from_step_2)
+    out = tmp_path / "r"
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--train.steps", "10",
+                                   "--train.max_skipped_steps", "2"), capsys)
+    assert code == 2 and "2 steps in a row" in err and "train.max_skipped_steps=2" in err
+    assert len(err.strip().splitlines()) == 1
+    saved = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in saved] == ["step_3"]  # stopped after steps 2 and 3 were skipped
+    assert all(torch.isfinite(t).all() for t in _weights(out, 3).values())
+
+
+def test_no_checkpoint_with_non_finite_weights(tiny_model_dir, addition_file, tmp_path):
+    from klgrpo.train.guard import NonFiniteError
+
+    trainer = GRPOTrainer(make_config(tiny_model_dir, addition_file, tmp_path / "r", **FAST), log=quiet)
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="no checkpoint was written"):
+        trainer.save()
+    assert not (tmp_path / "r" / "checkpoints" / "step_0").exists()
+    assert not list((tmp_path / "r" / "checkpoints").glob(".tmp_*"))
+
+
+# ------------------------------------------------------------------------------ 3. no unpickling anywhere
+class _Payload:
+    marker = None
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+def _pickle_payload(tmp_path):
+    _Payload.marker = tmp_path / "PWNED"
+    return pickle.dumps({"x": _Payload()})
+
+
+def test_state_round_trip_keeps_every_type_bitwise(tmp_path):
+    import numpy as np
+
+    from klgrpo.core.batch import StepBatch
+    from klgrpo.core.rollout import RolloutBatch
+    from klgrpo.math.aggregation import Normalizer
+    from klgrpo.train.state_io import load_state, save_state
+
+    rollout = RolloutBatch(input_ids=torch.arange(12).reshape(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long),
+                           completion_ids=torch.arange(8).reshape(2, 4), completion_mask=torch.ones(2, 4).bool(),
+                           truncated=torch.tensor([True, False]), prompt_len=2, group_size=2,
+                           prompts=[[{"role": "user", "content": "1+1=\u00e9"}], "x"], completions=["2", "NaN"])
+    logp = torch.randn(2, 4, dtype=torch.float64)
+    batch = StepBatch(rollout=rollout, rewards=torch.tensor([1.0, -0.5]), reward_columns={"f": torch.ones(2)},
+                      advantages=torch.tensor([0.7, -0.7]), loss_mask=rollout.completion_mask,
+                      normalizer=Normalizer(2.0, torch.tensor(8.0), 4.0), ref_logp=logp[:, :3], old_logp=None,
+                      timings={"time/generate": 0.125}, iterations_done=1)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    import random
+
+    tree = {"batch": batch, "optimizer": opt.state_dict(), "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(), "values": [math.inf, 0.1, None]}
+    save_state(tmp_path, "s", tree)
+    back = load_state(tmp_path, "s")
+    b = back["batch"]
+    assert isinstance(b, StepBatch) and b.rollout.prompts == rollout.prompts and b.rollout.completions == ["2", "NaN"]
+    assert torch.equal(b.ref_logp, logp[:, :3]) and b.ref_logp.dtype == torch.float64 and b.old_logp is None
+    assert torch.equal(b.normalizer.num_tokens, torch.tensor(8.0)) and b.timings == {"time/generate": 0.125}
+    assert b.iterations_done == 1 and b.rollout.prompt_len == 2 and torch.equal(b.loss_mask, rollout.completion_mask)
+    assert back["python_rng"] == random.getstate()
+    assert back["numpy_rng"][0] == "MT19937" and np.array_equal(back["numpy_rng"][1], np.random.get_state()[1])
+    assert torch.equal(back["torch_rng"], torch.get_rng_state()) and back["values"][0] == math.inf
+    state = back["optimizer"]["state"]
+    assert set(state) == {0, 1} and torch.equal(state[0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)  # tuples stay tuples
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fresh.load_state_dict(back["optimizer"])
+
+
+def test_a_pickle_payload_in_any_file_klgrpo_reads_does_not_run(tiny_model_dir, addition_file, tmp_path):
+    from klgrpo.train.checkpoint import load_trainer_state
+    from klgrpo.train.state_io import StateFileError, load_state
+    from klgrpo.verify.from_run import DumpError, load_dump
+
+    payload = _pickle_payload(tmp_path)
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 1}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    ckpt = tmp_path / "r" / "checkpoints" / "step_1"
+    # 1) the trainer state's files replaced by pickles (one at a time)
+    for name in ("trainer_state.safetensors", "trainer_state.json"):
+        original = (ckpt / name).read_bytes()
+        (ckpt / name).write_bytes(payload)
+        with pytest.raises(StateFileError):
+            load_trainer_state(ckpt)
+        (ckpt / name).write_bytes(original)
+    # 2) a pickle in the JSON's tensor-free parts cannot name a class either
+    doc = json.loads((ckpt / "trainer_state.json").read_text())
+    doc["tree"]["evil"] = {"__klgrpo__": "dataclass", "type": "Popen", "fields": {"args": "true"}}
+    (ckpt / "trainer_state.json").write_text(json.dumps(doc))
+    with pytest.raises(StateFileError, match="does not know"):
+        load_trainer_state(ckpt)
+    # 3) a legacy pickled trainer_state.pt is refused, not loaded
+    legacy = tmp_path / "legacy" / "checkpoints" / "step_1"
+    legacy.mkdir(parents=True)
+    (legacy / "trainer_state.pt").write_bytes(payload)
+    with pytest.raises(ConfigError, match="does not load because unpickling can run code"):
+        GRPOTrainer(make_config(tiny_model_dir, addition_file, tmp_path / "legacy", **FAST),
+                    log=quiet).train(resume="latest")
+    # 4) the replay cache (read whenever a run uses that folder, even without --resume)
+    (tmp_path / "rc").mkdir()
+    for name in ("replay_cache.safetensors", "replay_cache.json", "replay_cache.pt"):
+        (tmp_path / "rc" / name).write_bytes(payload)
+    with pytest.raises(StateFileError):
+        load_state(tmp_path / "rc", "replay_cache")
+    # 5) a KL dump read by verify-kl --from-run
+    (tmp_path / "step_000001.pt").write_bytes(payload)
+    with pytest.raises(DumpError):
+        load_dump(tmp_path / "step_000001.pt")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_replay_cache_with_a_pickle_payload_is_resampled_not_run(tiny_model_dir, addition_file, tmp_path):
+    payload = _pickle_payload(tmp_path)
+    run = tmp_path / "r"
+    run.mkdir()
+    for name in ("replay_cache.safetensors", "replay_cache.json", "replay_cache.pt"):
+        (run / name).write_bytes(payload)
+    messages = []
+    cfg = make_config(tiny_model_dir, addition_file, run, kl={"coef": 0.1, "replay": {
+        "coef": 1.0, "source": str(addition_file), "num_prompts": 4, "batch_size": 4}}, **FAST)
+    GRPOTrainer(cfg, log=messages.append)
+    assert any("cannot read" in m and "sampling a new cache" in m for m in messages)
+    assert not (tmp_path / "PWNED").exists()
+    assert json.loads((run / "replay_cache.json").read_text())["format"] == 1
+
+
+# --------------------------------------------------------------------------- 4. scientific notation
+def test_scientific_notation_everywhere(tmp_path):
+    from klgrpo.apps.args import parse_args
+    from klgrpo.apps.sweep import parse_grid
+
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: 5e-6\nkl:\n  coef: 1E-3\n  target: +2.5e-2\n")
+    cfg, _ = parse_args(["--config", str(tmp_path / "c.yaml"), "--loss.std_eps", "1e-8"])
+    assert (cfg.optim.lr, cfg.kl.coef, cfg.kl.target, cfg.loss.std_eps) == (5e-6, 1e-3, 2.5e-2, 1e-8)
+    assert parse_args(["--optim.lr", "1e-4"])[0].optim.lr == 1e-4
+    assert parse_grid(["kl.coef=1e-3,2e-2"]) == [("kl.coef", ["1e-3", "2e-2"])]
+    from klgrpo.core.rewards import RewardSpec
+
+    assert RewardSpec.parse({"name": "exact_match", "weight": "5e-1"}).weight == 0.5
+    with pytest.raises(ConfigError, match="must be float"):
+        parse_args(["--optim.lr", "1e-4x"])
+
+
+# ---------------------------------------------------------------------- 5. corrupt checkpoints, full disk
+def test_corrupt_newest_checkpoint_falls_back_and_names_the_file(tiny_model_dir, addition_file, tmp_path):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 2, "save_every": 1,
+                                                                          "keep_checkpoints": 0}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    newest = tmp_path / "r" / "checkpoints" / "step_2" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    with pytest.raises(KLGRPOError, match="step_2/model.safetensors cannot be read") as err:
+        GRPOTrainer(cfg.override({"train.steps": 4}), log=quiet).train(
+            resume=str(tmp_path / "r" / "checkpoints" / "step_2"))
+    assert "\n" not in str(err.value)
+    messages = []
+    trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=messages.append)
+    trainer.train(resume="latest")
+    assert any("step_2 cannot be loaded" in m and "model.safetensors" in m for m in messages)
+    assert any("resuming from" in m and "step_1" in m for m in messages)
+    assert [r["step"] for r in read_metrics(tmp_path / "r")] == [1, 2, 3]
+
+
+def test_full_disk_during_save_says_so_and_keeps_the_old_checkpoint(tiny_model_dir, addition_file, tmp_path,
+                                                                    monkeypatch):
+    from klgrpo.train import checkpoint
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 1}, **FAST)
+    trainer = GRPOTrainer(cfg, log=quiet)
+    trainer.train()
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_state", full)
+    trainer.step = 2
+    with pytest.raises(KLGRPOError) as err:
+        trainer.save()
+    assert "no space left" in str(err.value) and "step_1" in str(err.value)
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step_1"]  # no .tmp left
+
+
+# --------------------------------------------------------------------------------------------- 7. SIGTERM
+def test_sigterm_saves_the_last_complete_step_and_exits_143(tiny_model_dir, addition_file, tmp_path, capsys,
+                                                            monkeypatch):
+    from klgrpo.train import trainer as trainer_module
+
+    real_update = trainer_module.GRPOTrainer._update
+
+    def terminate_on_second(self, batch):
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_update(self, batch)
+
+    monkeypatch.setattr(trainer_module.GRPOTrainer, "_update", terminate_on_second)
+    out = tmp_path / "r"
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--train.steps", "3"), capsys)
+    assert code == 143 and "SIGTERM" in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone after the run
+
+
+# ------------------------------------------------------------------------------------------- 10. sweep
+def test_sweep_reruns_a_cell_whose_config_changed(tmp_path, monkeypatch):
+    from klgrpo.apps import sweep
+
+    script = tmp_path / "fake.py"
+    script.write_text("import json, pathlib, sys\nargs = [a for a in sys.argv[1:] if a != '--overwrite']\n"
+                      "kv = dict(zip([a[2:] for a in args[0::2]], args[1::2]))\n"
+                      "out = pathlib.Path(kv['output-dir']); out.mkdir(parents=True, exist_ok=True)\n"
+                      "(out / 'summary.json').write_text(json.dumps({'steps': int(kv['train.steps']), "
+                      "'overwrite': '--overwrite' in sys.argv}))\n")
+    monkeypatch.setattr(sweep, "train_argv_prefix", lambda: [sys.executable, str(script)])
+    cells = sweep.cells_of(sweep.parse_grid(["kl.coef=1e-3"]))
+    first = sweep.run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "7"], log=quiet)
+    same = sweep.run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "7"], log=quiet)
+    changed = sweep.run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "8"], log=quiet)
+    assert [r.status for r in (first + same + changed)] == ["finished", "skipped", "finished"]
+    assert changed[0].summary["steps"] == 8  # not the old run relabelled
+
+
+# ------------------------------------------------------------------------------------------ 11. memory
+def test_step_tally_keeps_constant_state():
+    from klgrpo.train.tally import StepTally
+
+    tally = StepTally()
+    for i in range(1000):
+        tally.append({"time/step": float(i), "train/reward": i * 2.0})
+    assert tally.last == {"time/step": 999.0, "train/reward": 1998.0}
+    assert tally.mean("time/step") == pytest.approx(499.5) and len(tally) == 1000
+    assert len(vars(tally)["_sums"]) == 1  # no per-step rows kept
