@@ -80,9 +80,10 @@ class GRPOTrainer:
             self.device = self.dist.device
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
-                                                     cfg.model.trust_remote_code)
+                                                     cfg.model.trust_remote_code,
+                                                     gguf_file="" if cfg.model.tokenizer else cfg.model.gguf_file)
         self.model = model.to(self.device) if model is not None else load_causal_lm(
-            cfg.model.name_or_path, cfg.model, self.device, dtype)
+            cfg.model.name_or_path, cfg.model, self.device, dtype, gguf_file=cfg.model.gguf_file)
         _disable_dropout(self.model)
         self.model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
         if cfg.model.lora.r > 0:
