@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -87,7 +89,9 @@ def part_example(args, model_dir: Path, work: Path) -> dict:
     from klgrpo.train.trainer import GRPOTrainer
 
     steps = 2 if args.tiny else 6
+    data = ROOT / "examples" / "data" / "arithmetic_train.jsonl"  # the example's own prompts, from any directory
     overrides = {"model.name_or_path": str(model_dir), "model.gguf_file": "", "model.dtype": "bfloat16",
+                 "data.source": str(data),
                  "model.device": args.device, "train.steps": steps, "train.output_dir": str(work / "example"),
                  "train.torch_threads": 1 if args.tiny else 0, "eval.sets": [], "logging.progress": False,
                  "logging.plots": False, "logging.tensorboard": False}
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     out_dir = Path(os.environ.get("OUT") or "gpu_out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = out_dir / "work"
+    # models and runs go to a temporary folder: only the small summary belongs in $OUT, which travels back
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     from benchmarks._common import machine_info
 
     report = {"machine": machine_info(), "device": args.device, "tiny": args.tiny,
@@ -259,6 +264,7 @@ def main(argv=None) -> int:
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
         print(f"[gpu_check] {name}: {report[name + '_wall_s']} s", flush=True)
     report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+    shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(report, indent=2, default=str)
     (out_dir / "gpu_check.json").write_text(text)
     print(text)

@@ -126,6 +126,7 @@ class TRLPhases:
 
 def have_trl() -> bool:
     try:
+        import datasets  # noqa: F401  (the prompts reach TRL as a datasets.Dataset)
         import trl  # noqa: F401
     except ImportError:
         return False

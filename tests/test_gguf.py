@@ -110,3 +110,25 @@ def test_training_from_a_gguf_file_checkpoints_an_ordinary_model(tiny_gguf, tmp_
                                                          written.state_dict().values()))
     assert changed and trainer.step == 1
     assert torch.equal(reloaded.state_dict()["lm_head.weight"], reloaded.state_dict()["model.embed_tokens.weight"])
+
+
+def test_lora_on_a_gguf_base_exports_merged_weights(tiny_gguf, tmp_path):
+    """model.lora with lora.save_merged: the merge reloads the base from the GGUF file (folder + gguf_file)."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from klgrpo.train.trainer import GRPOTrainer
+
+    folder, name, written = tiny_gguf
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(8)))
+    cfg = make_config(folder, data, tmp_path / "run", model={"gguf_file": name,
+                                                             "lora": {"r": 4, "save_merged": True}},
+                      rewards={"functions": [{"name": "format", "kwargs": {"pattern": "[a-z]"}}]}, optim={"lr": 0.1},
+                      train={"steps": 1, "output_dir": str(tmp_path / "run"), "seed": 0})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    trainer.train()
+    merged = AutoModelForCausalLM.from_pretrained(trainer.run_dir / "merged", dtype=torch.float32)
+    assert "quantization_config" not in json.loads((trainer.run_dir / "merged" / "config.json").read_text())
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[w], written.state_dict()[w])  # the adapter is merged in

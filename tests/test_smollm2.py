@@ -93,6 +93,7 @@ def test_example_config_trains_and_evaluates(tmp_path):
     from klgrpo.train.trainer import GRPOTrainer
 
     cfg = GRPOConfig.from_yaml(EXAMPLE).override({
+        "data.source": str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"),  # from any working directory
         "train.steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 4, "rollout.max_new_tokens": 12,
         "eval.sets": [{"name": "add", "source": str(EXAMPLE.parent / "data" / "arithmetic_eval.jsonl"),
                        "reward": "numeric_match", "limit": 4}],

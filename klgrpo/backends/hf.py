@@ -55,7 +55,7 @@ def _package_folder(package: str) -> str:
     return str(Path(list(spec.submodule_search_locations)[0]))
 
 
-def _gguf_kwargs(folder: str, gguf_file: str) -> dict:
+def gguf_kwargs(folder: str, gguf_file: str) -> dict:
     """``{"gguf_file": ...}`` for from_pretrained, after checking the file and the gguf package are there."""
     if not gguf_file:
         return {}
@@ -76,7 +76,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, gguf_file
     from transformers import AutoTokenizer
 
     folder, gguf_file = split_gguf(name_or_path, gguf_file)
-    extra = _gguf_kwargs(folder, gguf_file)
+    extra = gguf_kwargs(folder, gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as exc:
@@ -95,7 +95,7 @@ def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, 
     from transformers import AutoModelForCausalLM
 
     folder, gguf_file = split_gguf(name_or_path, gguf_file)
-    extra = _gguf_kwargs(folder, gguf_file)
+    extra = gguf_kwargs(folder, gguf_file)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra
@@ -104,11 +104,11 @@ def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, 
         raise ConfigError(f"cannot load a causal LM from {name_or_path!r} (model.name_or_path): "
                           f"{str(exc).splitlines()[0]}") from None
     if gguf_file:
-        _forget_gguf_origin(model)
+        forget_gguf_origin(model)
     return model.to(device)
 
 
-def _forget_gguf_origin(model) -> None:
+def forget_gguf_origin(model) -> None:
     """The weights are plain float tensors once dequantized; drop the GGUF quantization marker from the config so
     checkpoints (save_pretrained) load back as an ordinary model, without the GGUF file."""
     if getattr(model.config, "quantization_config", None) is not None:

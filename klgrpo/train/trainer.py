@@ -391,7 +391,7 @@ class GRPOTrainer:
             from klgrpo.backends.lora import export_merged
 
             export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
-                          base_model=cfg.model.name_or_path or None)
+                          base_model=_base_model_path(cfg.model) or None)
         summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -424,6 +424,13 @@ class GRPOTrainer:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _base_model_path(model_cfg) -> str:
+    """model.name_or_path, with model.gguf_file joined on (the spelling export_merged loads a GGUF base from)."""
+    if model_cfg.gguf_file:
+        return str(Path(model_cfg.name_or_path) / model_cfg.gguf_file)
+    return model_cfg.name_or_path
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
