@@ -9,7 +9,7 @@
 (c) bf16 equality of klgrpo's fast path (shared-prompt log-probs through its decoder) against transformers'
     forward: max |difference| of the per-token log-probs and of every parameter's gradient;
 (d) klgrpo's decoder against transformers' generate(cache_implementation="static"): greedy tokens equal
-    (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each.
+    (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each; bf16 and float32.
 
 No network and no GGUF package are assumed there, and the 98 MB SmolLM2 GGUF file does not travel: (b)-(d) use
 SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152,
@@ -183,15 +183,26 @@ def _logp_and_grads(model, batch, weights, fast: bool):
 
 
 def part_decoder(args, model_dir: Path) -> dict:
-    """Greedy: klgrpo's loop (top_k=1) vs generate(cache_implementation="static"); tokens equal, tokens/s."""
+    """Greedy: klgrpo's loop (top_k=1) vs generate(cache_implementation="static"), in bf16 and float32: tokens
+    equal, tokens/s. A random model's next-token scores are close together, so bf16 rounding can flip a greedy
+    choice in either implementation; float32 shows whether the two compute the same thing."""
+    import torch
+
+    b, n = (3, 8) if args.tiny else (64, 128)
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        out[dtype] = _greedy_compare(args, model_dir, getattr(torch, dtype), b, n if dtype == "bfloat16" else n // 2)
+    return out
+
+
+def _greedy_compare(args, model_dir: Path, dtype, b: int, n: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from klgrpo.backends.kv_decoder import KVSampler
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device).eval()
-    b, n = (3, 8) if args.tiny else (64, 128)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     enc = _chat_prompts(tok, b).to(args.device)
     ids, mask = enc.input_ids, enc.attention_mask
     no_eos = [-1]  # a random model's EOS would end rows at random places; both run all n tokens
@@ -216,10 +227,9 @@ def part_decoder(args, model_dir: Path) -> dict:
             tokens[name] = fn()
             sync(args.device)
             timings[name] = {"first_call_s": first, "s": time.perf_counter() - t0}
-    a, b_ = tokens["klgrpo"], tokens["transformers_static"]
-    same = (a == b_)
-    diverged = (~same).float().argmax(1)  # first differing column per row (0 where none)
-    return {"batch": f"{b} prompts, {n} new tokens, greedy, bf16",
+    same = tokens["klgrpo"] == tokens["transformers_static"]
+    diverged = (~same).float().argmax(1)  # first differing column per row
+    return {"batch": f"{b} prompts, {n} new tokens, greedy",
             "tokens_equal_all": bool(same.all()), "token_agreement": same.float().mean().item(),
             "rows_fully_equal": int(same.all(1).sum()), "rows": b,
             "first_divergence_per_row": [int(c) if not row.all() else None for c, row in zip(diverged, same)],
