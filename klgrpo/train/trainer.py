@@ -92,9 +92,10 @@ class GRPOTrainer:
             log(f"loading {cfg.model.name_or_path} ({dtype}, {self.device})")
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
                                                      cfg.model.trust_remote_code,
-                                                     "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path")
+                                                     gguf_file="" if cfg.model.tokenizer else cfg.model.gguf_file,
+                                                     field="model.tokenizer" if cfg.model.tokenizer else "model.name_or_path")
         self.model = model.to(self.device) if model is not None else load_causal_lm(
-            cfg.model.name_or_path, cfg.model, self.device, dtype)
+            cfg.model.name_or_path, cfg.model, self.device, dtype, gguf_file=cfg.model.gguf_file)
         _disable_dropout(self.model)
         self.model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
         if cfg.model.lora.r > 0:
@@ -456,7 +457,7 @@ class GRPOTrainer:
             from klgrpo.backends.lora import export_merged
 
             export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
-                          base_model=cfg.model.name_or_path or None)
+                          base_model=_base_model_path(cfg.model) or None)
         summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
         if main:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -490,6 +491,13 @@ class GRPOTrainer:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _base_model_path(model_cfg) -> str:
+    """model.name_or_path, with model.gguf_file joined on (the spelling export_merged loads a GGUF base from)."""
+    if model_cfg.gguf_file:
+        return str(Path(model_cfg.name_or_path) / model_cfg.gguf_file)
+    return model_cfg.name_or_path
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)

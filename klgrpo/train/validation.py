@@ -97,6 +97,8 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
     need(not (cfg.model.lora.r > 0 and k.reference and k.sync_every),
          "kl.sync_every with LoRA needs the adapter-disabled reference: leave kl.reference empty (a separate "
          "reference checkpoint cannot be synced from adapter weights)")
+    need(not (cfg.model.gguf_file and not cfg.model.name_or_path),
+         "model.gguf_file needs model.name_or_path: the folder that holds the GGUF file")
     if cfg.model.name_or_path:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
                                     "model.name_or_path empty to run the embedded demo)")

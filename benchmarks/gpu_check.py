@@ -1,0 +1,285 @@
+"""One GPU run, in one go (~6 minutes on one H100/H200), of everything klgrpo has not measured on a GPU yet:
+
+    python benchmarks/gpu_check.py                 # on the GPU machine; writes $OUT/gpu_check.json (./gpu_out)
+    python benchmarks/gpu_check.py --tiny          # the same code path on the CPU with tiny sizes (~1-2 min)
+
+(a) vs_trl: klgrpo against TRL's GRPOTrainer on the Qwen2.5-0.5B shape in bf16 (benchmarks/vs_trl.py; without
+    TRL installed it times klgrpo alone and says so);
+(b) the SmolLM2 example config (examples/smollm2-135m-arithmetic.yaml) for a few steps in bf16: seconds/step;
+(c) bf16 equality of klgrpo's fast path (shared-prompt log-probs through its decoder) against transformers'
+    forward: max |difference| of the per-token log-probs and of every parameter's gradient;
+(d) klgrpo's decoder against transformers' generate(cache_implementation="static"): greedy tokens equal
+    (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each; bf16 and float32.
+
+No network and no GGUF package are assumed there, and the 98 MB SmolLM2 GGUF file does not travel: (b)-(d) use
+SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152,
+tied embeddings) with RANDOM weights and the benchmarks' character tokenizer padded to 49,152 ids (with a ChatML
+template), and (a) uses the Qwen2.5-0.5B shape likewise (benchmarks/_common.py). Timings therefore hold for the
+real models' shapes; a random model rarely emits EOS, so every completion runs to max_new_tokens (the worst case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+EXAMPLE = ROOT / "examples" / "smollm2-135m-arithmetic.yaml"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SMOLLM2_SHAPE = {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "intermediate": 1536, "vocab": 49152}
+TINY_SHAPE = {"hidden": 72, "layers": 2, "heads": 9, "kv_heads": 3, "intermediate": 96, "vocab": 512}
+
+
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def smollm2_shaped(folder: Path, shape: dict, dtype: str) -> Path:
+    """SmolLM2-135M's architecture, random init, saved with its (character) tokenizer into ``folder``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from benchmarks._common import build_tokenizer
+
+    tok = build_tokenizer(shape["vocab"])
+    tok.chat_template = CHATML
+    ids = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id, "bos_token_id": None}
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                         intermediate_size=shape["intermediate"], max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, tie_word_embeddings=True, **ids)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(do_sample=False, **ids)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def part_vs_trl(args, work: Path) -> dict:
+    from benchmarks import vs_trl
+
+    argv = (["--model-shape", "tiny", "--steps", "2", "--warmup", "1", "--device", "cpu", "--dtype", "bfloat16"]
+            if args.tiny else ["--model-shape", "qwen0.5b", "--steps", "6", "--warmup", "3", "--device",
+                               args.device, "--dtype", "bfloat16"])
+    results = vs_trl.main(argv + ["--only-current", "--workdir", str(work / "vs_trl")])
+    r = results[0]
+    o = r["ours"]["klgrpo"]
+    return {"shape": r["shape"], "trl_installed": vs_trl.have_trl(), "trl_s_per_step": r["trl"],
+            "klgrpo_s_per_step": o["s"], "klgrpo_over_trl_paired": o["paired"], "steps_measured": r["n"],
+            "trl_peak_gb": r["trl_peak_gb"], "klgrpo_peak_gb": o["peak_gb"], "klgrpo_phases": o["phases"],
+            "trl_phases": r["trl_phases"]}
+
+
+def part_example(args, model_dir: Path, work: Path) -> dict:
+    from klgrpo.train.config import GRPOConfig
+    from klgrpo.train.trainer import GRPOTrainer
+
+    steps = 2 if args.tiny else 6
+    data = ROOT / "examples" / "data" / "arithmetic_train.jsonl"  # the example's own prompts, from any directory
+    overrides = {"model.name_or_path": str(model_dir), "model.gguf_file": "", "model.dtype": "bfloat16",
+                 "data.source": str(data),
+                 "model.device": args.device, "train.steps": steps, "train.output_dir": str(work / "example"),
+                 "train.torch_threads": 1 if args.tiny else 0, "eval.sets": [], "logging.progress": False,
+                 "logging.plots": False, "logging.tensorboard": False}
+    if args.tiny:
+        overrides.update({"rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 8})
+    cfg = GRPOConfig.from_yaml(EXAMPLE).override(overrides)
+    summary = GRPOTrainer(cfg, log=lambda *_: None).train()
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    per_step = [r["time/step"] for r in rows if "time/step" in r]
+    return {"steps": steps, "batch": f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size}, "
+                                     f"max_new_tokens {cfg.rollout.max_new_tokens}",
+            "s_per_step_each": per_step, "s_per_step_after_first": sum(per_step[1:]) / max(len(per_step) - 1, 1),
+            "mean_completion_length": [r.get("completions/mean_length") for r in rows if "time/step" in r]}
+
+
+def _chat_prompts(tok, n: int) -> dict:
+    from klgrpo.core.rollout import encode_prompts
+
+    questions = [f"What is {3 + 7 * i} + {11 + 5 * i}?" + " Think." * (i % 3) for i in range(n)]  # 3 lengths
+    return tok(encode_prompts(tok, questions, as_chat=True), return_tensors="pt", padding=True)
+
+
+def part_equality(args, model_dir: Path) -> dict:
+    """Fast path vs transformers' forward on the same bf16 weights: log-probs and every parameter's gradient.
+    bf16 rounding makes any two implementations differ, so each bf16 result is also compared with a float32
+    reference (transformers' forward on the same weights upcast): the fast path should be no further from it than
+    transformers' own bf16 forward is."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    g, n_prompts, t = (2, 3, 8) if args.tiny else (8, 8, 64)
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device)
+    batch, weights = _equality_batch(tok, bf16.config.vocab_size, g, n_prompts, t, args.device)
+    runs = {"fast_bf16": _logp_and_grads(bf16, batch, weights, fast=True),
+            "transformers_bf16": _logp_and_grads(bf16, batch, weights, fast=False)}
+    fp32 = bf16.float()  # the very same weights, upcast (in place: the bf16 runs are done)
+    runs["fast_fp32"] = _logp_and_grads(fp32, batch, weights, fast=True)
+    runs["transformers_fp32"] = _logp_and_grads(fp32, batch, weights, fast=False)
+    ref_lp, ref_g = runs["transformers_fp32"]
+    scale = max(v.abs().max().item() for v in ref_g.values())
+    out = {"batch": f"{n_prompts} prompts x {g}, {t} completion tokens", "logp_mean_abs": ref_lp.abs().mean().item(),
+           "grad_max_abs": scale}
+
+    def diff(a: str, b: str) -> dict:
+        (lp_a, g_a), (lp_b, g_b) = runs[a], runs[b]
+        worst = max((g_a[k] - g_b[k]).abs().max().item() for k in g_b)
+        return {"logp_max_abs_diff": (lp_a - lp_b).abs().max().item(), "grad_max_abs_diff": worst,
+                "grad_max_abs_diff_over_grad_max_abs": worst / scale}
+
+    out["fast_bf16_vs_transformers_bf16"] = diff("fast_bf16", "transformers_bf16")
+    out["fast_bf16_vs_fp32_reference"] = diff("fast_bf16", "transformers_fp32")
+    out["transformers_bf16_vs_fp32_reference"] = diff("transformers_bf16", "transformers_fp32")
+    out["fast_fp32_vs_transformers_fp32"] = diff("fast_fp32", "transformers_fp32")
+    return out
+
+
+def _equality_batch(tok, vocab: int, g: int, n_prompts: int, t: int, device):
+    """Chat prompts of 3 lengths x G random completions (no padding inside), and random per-token weights."""
+    import torch
+
+    from klgrpo.core.rollout import RolloutBatch
+
+    enc = _chat_prompts(tok, n_prompts)
+    prompts = enc.input_ids.repeat_interleave(g, 0).to(device)
+    pmask = enc.attention_mask.repeat_interleave(g, 0).to(device)
+    gen = torch.Generator().manual_seed(0)
+    completion = torch.randint(3, vocab, (prompts.shape[0], t), generator=gen).to(device)
+    cmask = torch.ones_like(completion, dtype=torch.bool)
+    batch = RolloutBatch(input_ids=torch.cat([prompts, completion], 1),
+                         attention_mask=torch.cat([pmask, cmask.long()], 1), completion_ids=completion,
+                         completion_mask=cmask, truncated=cmask[:, 0], prompt_len=prompts.shape[1], group_size=g,
+                         prompts=[""] * prompts.shape[0], completions=[""] * prompts.shape[0])
+    return batch, torch.randn(completion.shape, generator=gen).to(device)
+
+
+def _logp_and_grads(model, batch, weights, fast: bool):
+    """(per-token log-probs, {parameter: gradient of sum(logp * weights)}), both float32 on the CPU side."""
+    from klgrpo.core.forward import completion_logprobs
+
+    model.train()
+    model.klgrpo_fast_path = fast
+    model.zero_grad(set_to_none=True)
+    logp, _ = completion_logprobs(model, batch, temperature=1.0)
+    (logp.float() * weights).sum().backward()
+    grads = {k: p.grad.float().clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return logp.detach().float(), grads
+
+
+def part_decoder(args, model_dir: Path) -> dict:
+    """Greedy: klgrpo's loop (top_k=1) vs generate(cache_implementation="static"), in bf16 and float32: tokens
+    equal, tokens/s. A random model's next-token scores are close together, so bf16 rounding can flip a greedy
+    choice in either implementation; float32 shows whether the two compute the same thing."""
+    import torch
+
+    b, n = (3, 8) if args.tiny else (64, 128)
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        out[dtype] = _greedy_compare(args, model_dir, getattr(torch, dtype), b, n if dtype == "bfloat16" else n // 2)
+    return out
+
+
+def _greedy_compare(args, model_dir: Path, dtype, b: int, n: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from klgrpo.backends.kv_decoder import KVSampler
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    enc = _chat_prompts(tok, b).to(args.device)
+    ids, mask = enc.input_ids, enc.attention_mask
+    no_eos = [-1]  # a random model's EOS would end rows at random places; both run all n tokens
+
+    def ours():
+        loop = KVSampler.for_model(model, ids.shape[1] + n)
+        return loop.sample(ids, mask, n, 1.0, 1.0, 1, tok.pad_token_id, no_eos)
+
+    def theirs():
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                              min_new_tokens=n, cache_implementation="static", pad_token_id=tok.pad_token_id,
+                              eos_token_id=None)[:, ids.shape[1]:]
+
+    timings, tokens = {}, {}
+    with torch.no_grad():
+        for name, fn in (("klgrpo", ours), ("transformers_static", theirs)):
+            t0 = time.perf_counter()
+            fn()  # warm-up (generate's static cache compiles its forward on the first call)
+            sync(args.device)
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tokens[name] = fn()
+            sync(args.device)
+            timings[name] = {"first_call_s": first, "s": time.perf_counter() - t0}
+    same = tokens["klgrpo"] == tokens["transformers_static"]
+    diverged = (~same).float().argmax(1)  # first differing column per row
+    return {"batch": f"{b} prompts, {n} new tokens, greedy",
+            "tokens_equal_all": bool(same.all()), "token_agreement": same.float().mean().item(),
+            "rows_fully_equal": int(same.all(1).sum()), "rows": b,
+            "first_divergence_per_row": [int(c) if not row.all() else None for c, row in zip(diverged, same)],
+            **{f"{k}_tokens_per_s": b * n / v["s"] for k, v in timings.items()},
+            "timings": timings}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: checks the script runs")
+    parser.add_argument("--device", default="", help="default: cuda when present, else cpu")
+    parser.add_argument("--only", default="a,b,c,d", help="comma-separated parts to run")
+    args = parser.parse_args(argv)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    out_dir = Path(os.environ.get("OUT") or "gpu_out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # models and runs go to a temporary folder: only the small summary belongs in $OUT, which travels back
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    from benchmarks._common import machine_info
+
+    report = {"machine": machine_info(), "device": args.device, "tiny": args.tiny,
+              "models": "random weights: (a) Qwen2.5-0.5B shape; (b)-(d) SmolLM2-135M shape "
+                        + json.dumps(TINY_SHAPE if args.tiny else SMOLLM2_SHAPE)}
+    t_start = time.perf_counter()
+    model_dir = smollm2_shaped(work / "smollm2-shaped", TINY_SHAPE if args.tiny else SMOLLM2_SHAPE, "bfloat16")
+    parts = {"a": ("vs_trl_qwen0.5b_bf16", lambda: part_vs_trl(args, work)),
+             "b": ("smollm2_example_bf16", lambda: part_example(args, model_dir, work)),
+             "c": ("fast_path_equality", lambda: part_equality(args, model_dir)),
+             "d": ("decoder_vs_static_generate", lambda: part_decoder(args, model_dir))}
+    for key in args.only.split(","):
+        name, run = parts[key.strip()]
+        t0 = time.perf_counter()
+        try:  # one failing part must not cost the others' figures
+            report[name] = run()
+        except Exception as exc:  # noqa: BLE001
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        report[name + "_wall_s"] = round(time.perf_counter() - t0, 1)
+        (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+        print(f"[gpu_check] {name}: {report[name + '_wall_s']} s", flush=True)
+    report["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+    shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(report, indent=2, default=str)
+    (out_dir / "gpu_check.json").write_text(text)
+    print(text)
+    return 0 if not any(isinstance(v, dict) and "error" in v for v in report.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""benchmarks/gpu_check.py on the CPU with tiny sizes (--tiny): every part runs and reports, with TRL and with
+TRL missing (vs_trl then times klgrpo alone). Slow: about a minute."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _run(tmp_path, monkeypatch, argv):
+    from benchmarks import gpu_check
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    code = gpu_check.main(argv)
+    return code, json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_tiny_run_reports_every_part(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    code, report = _run(tmp_path, monkeypatch, ["--tiny"])
+    assert code == 0
+    a, b, c, d = (report[k] for k in ("vs_trl_qwen0.5b_bf16", "smollm2_example_bf16", "fast_path_equality",
+                                      "decoder_vs_static_generate"))
+    assert a["trl_installed"] and a["trl_s_per_step"] > 0 and a["klgrpo_s_per_step"] > 0
+    assert len(b["s_per_step_each"]) == b["steps"] == 2
+    assert c["fast_fp32_vs_transformers_fp32"]["logp_max_abs_diff"] < 1e-5  # float32: equal to rounding
+    assert c["fast_fp32_vs_transformers_fp32"]["grad_max_abs_diff_over_grad_max_abs"] < 1e-5
+    for dtype in ("bfloat16", "float32"):
+        assert d[dtype]["klgrpo_tokens_per_s"] > 0 and d[dtype]["transformers_static_tokens_per_s"] > 0
+    assert d["float32"]["tokens_equal_all"]
+
+
+def test_without_trl_vs_trl_times_klgrpo_alone(tmp_path, monkeypatch, capsys):
+    from benchmarks import vs_trl
+
+    monkeypatch.setattr(vs_trl, "have_trl", lambda: False)
+    code, report = _run(tmp_path, monkeypatch, ["--tiny", "--only", "a"])
+    a = report["vs_trl_qwen0.5b_bf16"]
+    assert code == 0 and not a["trl_installed"] and a["klgrpo_s_per_step"] > 0
+    assert a["trl_s_per_step"] != a["trl_s_per_step"]  # NaN: not measured
+    assert "trl is not installed" in capsys.readouterr().out
