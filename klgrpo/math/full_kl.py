@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from klgrpo.math.kl import FIRST_EPOCH_SAMPLINGS, SAMPLINGS
 from klgrpo.math.logprobs import (DEFAULT_CHUNK_TOKENS, _accumulation_dtype, _block_budget, _blocks,
                                   _logsumexp_and_entropy_, _scaled_copy)
 
@@ -28,6 +29,17 @@ from klgrpo.math.logprobs import (DEFAULT_CHUNK_TOKENS, _accumulation_dtype, _bl
 #: take a sampled log-ratio; this needs both models' whole distributions).
 FULL_KL = "full"
 FULL_KL_ESTIMATORS = (FULL_KL,)
+
+#: What the expected gradient of beta * w * KL_t (loss placement only) follows, by (level, sampling) as in
+#: klgrpo.math.kl's tables; ``klgrpo verify-kl`` checks every entry. Token level (one prefix): KL_t does not
+#: depend on the sampled token, so E_q[grad (w KL)] = grad KL for q = pi or mu with w = 1, sg(pi/mu) or pi/mu
+#: in the graph (whose extra term KL * E_mu[grad w] = KL * grad sum_y pi(y) is 0): reverse, every sampling.
+#: Sequence level: grad E_pi[sum_t KL_t] also has the term E_pi[sum_t KL_t * grad log pi(prefix_t)], which a
+#: loss-only term never produces: neither (like k2).
+FULL_KL_GRADIENTS = {
+    **{("token", sampling): "reverse" for sampling in SAMPLINGS + FIRST_EPOCH_SAMPLINGS},
+    **{("sequence", sampling): "neither" for sampling in SAMPLINGS},
+}
 
 #: Float buffers of V entries alive per position in a block at most: the policy's x, log-softmax and exp, the
 #: reference head's output and its log-softmax.
