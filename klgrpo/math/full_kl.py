@@ -72,7 +72,7 @@ class _FullKL(torch.autograd.Function):
             lse, entropy_BT[rows, cols] = _logsumexp_and_entropy_(x)
             a.sub_(lse.unsqueeze(-1))
             out["ref_logp"][rows, cols] = r.gather(-1, target).squeeze(-1)
-            out["kl"][rows, cols] = _kl_rows(a, r)
+            out["kl"][rows, cols] = _kl_rows_(a, r)
             out["lse"][rows, cols] = lse
             out["logp"][rows, cols] = target_x - lse
             del x, a, r
@@ -98,18 +98,19 @@ class _FullKL(torch.autograd.Function):
             g_logp = (grad_logp_BT[rows, cols] / temperature).unsqueeze(-1)
             g_kl = (grad_kl_BT[rows, cols] / temperature).unsqueeze(-1)
             # g_kl * p * ((a - r) - KL) - g_logp * p + onehot * g_logp, built in r's buffer
-            r.neg_().add_(a).sub_(kl_BT[rows, cols, None]).mul_(g_kl).sub_(g_logp).mul_(a.exp_())
+            r.neg_().add_(a).masked_fill_(torch.isneginf(a), 0.0)  # p = 0 there: no gradient, not 0 * inf
+            r.sub_(kl_BT[rows, cols, None]).mul_(g_kl).sub_(g_logp).mul_(a.exp_())
             r.scatter_add_(-1, targets_BT[rows, cols, None], g_logp)
             grad_logits[rows, cols] = r
             del a, r
         return grad_logits, None, None, None, None, None
 
 
-def _kl_rows(a: Tensor, r: Tensor) -> Tensor:
-    """sum_v exp(a) (a - r) over the last dim; a zero-probability entry adds 0 (even where r = -inf)."""
-    p = a.exp()
-    diff = torch.where(p > 0, a - r, torch.zeros_like(a))
-    return (p * diff).sum(dim=-1)
+def _kl_rows_(a: Tensor, r: Tensor) -> Tensor:
+    """sum_v exp(a) (a - r) over the last dim, overwriting both (no new [.., V] float buffer); a
+    zero-probability entry adds 0 (even where r = -inf)."""
+    diff = r.neg_().add_(a).masked_fill_(torch.isneginf(a), 0.0)
+    return a.exp_().mul_(diff).sum(dim=-1)
 
 
 def token_logprobs_and_full_kl(
