@@ -84,3 +84,25 @@ def test_full_kl_outside_the_loss_is_refused_in_one_line(tiny_model_dir, additio
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as err:
         cfg.validate()
     assert "\n" not in str(err.value)
+
+
+def test_full_kl_with_lora_reads_the_adapter_disabled_reference(tiny_model_dir, addition_file, tmp_path):
+    """LoRA: the reference is the policy with its adapter off (then, after a sync, the reference adapter)."""
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "l", model={"lora": {"r": 4, "alpha": 8.0}},
+                      kl={"coef": BETA, "estimator": "full", "sync_every": 1}, optim={"lr": 5e-2},
+                      train={"steps": 1})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    trainer.train()  # one step, then the sync: the reference adapter exists and equals the policy's
+    assert trainer.reference.synced
+    trainer.model.train()
+    trainer._update(trainer.make_batch())  # one more update without a sync: the policy moves away
+    batch = trainer.make_batch()
+    sums, _, _, _ = trainer.accumulate_gradients(batch)
+    with torch.no_grad():
+        with trainer.reference.sampling_model() as model:
+            ref_logits = _completion_logits(model, batch.rollout).double()
+        logits = _completion_logits(trainer.model, batch.rollout).double()
+    mask = batch.loss_mask.to(torch.float64)
+    want = (exact_kl(logits, ref_logits) * mask).sum()
+    assert float(want) > 1e-6
+    torch.testing.assert_close(sums["raw_kl"].double(), want, rtol=1e-4, atol=1e-6)
