@@ -17,6 +17,11 @@ On CUDA: torch.cuda.max_memory_allocated() - memory_allocated() before the run, 
 model's backward whatever computes the log-probs, so the table also shows extra minus that gradient.
 
 Goal: klgrpo's forward extra peak <= 0.5 x the bf16 logits (the naive path needs about 4x).
+kl.estimator full (klgrpo.math.full_kl.token_logprobs_and_full_kl: log-probs, entropy and the exact KL over the
+vocabulary against a reference given as the input of its output layer, [B, T, --hidden] bf16, plus that layer):
+the hidden states are allocated inside the measured run (the reference forward hands them over), the output
+layer's weight before it (it belongs to the reference model). Goal: its extra peak <= 0.5 x the bf16 logits,
+forward, and forward+backward less the logits' gradient.
 Also measured: the trainer's per-micro-batch pair token_logprobs + token_entropy (two passes over the logits)
 against the one-pass token_logprobs_and_entropy (a proposed change to klgrpo.core.forward.completion_logprobs), and
 with --baseline-rev REV token_logprobs as git revision REV had it (e.g. 2ba1a72: per-row chunks of 256
@@ -38,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = ("naive", "klgrpo", "logp+entropy (2 passes)", "logp+entropy (1 pass)")
+FULL_KL = "logp+entropy+full KL"
 BASELINE = "klgrpo@"  # + a git revision: token_logprobs as that commit had it (--baseline-rev)
 MODES = ("forward", "forward+backward")
 
@@ -69,7 +75,7 @@ def _module_at(rev: str):
     return module
 
 
-def _run_variant(variant: str, logits, targets, temperature: float, backward: bool):
+def _run_variant(variant: str, logits, targets, temperature: float, backward: bool, ref_head=None):
     import torch
 
     from klgrpo.math.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
@@ -81,6 +87,12 @@ def _run_variant(variant: str, logits, targets, temperature: float, backward: bo
                .gather(-1, targets.unsqueeze(-1)).squeeze(-1),)
     elif variant == "klgrpo":
         out = (token_logprobs(logits, targets, temperature),)
+    elif variant == FULL_KL:
+        from klgrpo.math.full_kl import token_logprobs_and_full_kl
+
+        hidden = torch.randn(*targets.shape, ref_head.in_features, device=logits.device, dtype=logits.dtype)
+        logp, kl, entropy, _ = token_logprobs_and_full_kl(logits, targets, hidden, ref_head, temperature)
+        out = (logp + kl, entropy)
     elif variant == "logp+entropy (2 passes)":
         out = (token_logprobs(logits, targets, temperature), token_entropy(logits.detach(), temperature))
     else:
@@ -102,12 +114,16 @@ def child(args) -> None:
     targets = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=g, device=device)
     backward = args.mode == "forward+backward"
     cuda = device.type == "cuda"
+    ref_head = None
+    if args.variant == FULL_KL:  # the reference's output layer: part of the reference model, not extra
+        ref_head = torch.nn.Linear(args.hidden, args.vocab, bias=False, device=device, dtype=torch.bfloat16)
+        ref_head.requires_grad_(False)
 
     def run():
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = _run_variant(args.variant, logits, targets, args.temperature, backward)
+        out = _run_variant(args.variant, logits, targets, args.temperature, backward, ref_head)
         if cuda:
             torch.cuda.synchronize()
         return out, time.perf_counter() - t0
@@ -141,7 +157,7 @@ def measure(args, variant: str, mode: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--variant", variant, "--mode", mode,
            "--batch", str(args.batch), "--tokens", str(args.tokens), "--vocab", str(args.vocab),
            "--temperature", str(args.temperature), "--device", args.device, "--threads", str(args.threads),
-           "--timing-runs", str(args.timing_runs)]
+           "--timing-runs", str(args.timing_runs), "--hidden", str(args.hidden)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"child {variant}/{mode} failed:\n{done.stderr[-2000:]}")
@@ -162,6 +178,9 @@ def main(argv=None) -> int:
                         help="also measure token_logprobs as this git revision had it (e.g. 2ba1a72, before the "
                              "block rewrite)")
     parser.add_argument("--skip-entropy", action="store_true", help="leave out the logp+entropy rows")
+    parser.add_argument("--hidden", type=int, default=896, help="reference hidden size for the full-KL row "
+                                                                "(896: Qwen2.5-0.5B, whose vocabulary is the default)")
+    parser.add_argument("--skip-full-kl", action="store_true", help="leave out the kl.estimator full rows")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="klgrpo", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="forward", help=argparse.SUPPRESS)
@@ -182,7 +201,9 @@ def main(argv=None) -> int:
     variants = list(VARIANTS[:2]) + ([BASELINE + args.baseline_rev] if args.baseline_rev else [])
     if not args.skip_entropy:
         variants += VARIANTS[2:]
-    plan = [(v, m) for v in variants for m in MODES if not (v.startswith("logp+entropy") and m != "forward")]
+    plan = [(v, m) for v in variants for m in MODES if not (v.startswith("logp+entropy (") and m != "forward")]
+    if not args.skip_full_kl:
+        plan += [(FULL_KL, m) for m in MODES]
     for r in range(args.repeats):
         for variant, mode in plan:
             cells.setdefault((variant, mode), []).append(measure(args, variant, mode))
@@ -225,6 +246,11 @@ def main(argv=None) -> int:
     fwd_ratio = summary[("klgrpo", "forward")][0] / logits_bytes
     print(f"goal: klgrpo forward extra peak <= 0.5 x bf16 logits: {fwd_ratio:.3f}x -> {verdict(fwd_ratio <= 0.5)} "
           f"(naive: {summary[('naive', 'forward')][0] / logits_bytes:.2f}x) ({time.perf_counter() - t0:.0f} s)")
+    if not args.skip_full_kl:
+        full_fwd = summary[(FULL_KL, "forward")][0] / logits_bytes
+        full_bwd = (summary[(FULL_KL, "forward+backward")][0] - logits_bytes) / logits_bytes
+        print(f"goal: kl.estimator full extra peak <= 0.5 x bf16 logits: forward {full_fwd:.3f}x, forward+backward "
+              f"less the logits' gradient {full_bwd:.3f}x -> {verdict(max(full_fwd, full_bwd) <= 0.5)}")
     return 0
 
 

@@ -16,6 +16,7 @@ from klgrpo.core.rewards import BUILTIN_REWARDS, exact_match
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
+from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS, Estimator, k2
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
@@ -27,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
 #: config field -> the names it must accept, read from where the code that uses the field looks them up.
 SOURCES = {
     "model.dtype": DTYPE_NAMES,
-    "kl.estimator": ESTIMATORS,
+    "kl.estimator": (*ESTIMATORS, *FULL_KL_ESTIMATORS),
     "kl.placement": PLACEMENTS,
     "kl.reward_mode": KL_REWARD_MODES,
     "kl.is_correction": IS_CORRECTIONS,

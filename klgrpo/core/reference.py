@@ -21,6 +21,7 @@ from torch import Tensor
 from klgrpo.backends.lora import (ADAPTER_WEIGHTS, REFERENCE_ADAPTER, adapter_params, is_up_factor, keep_requires_grad,
                                   load_adapter_file, require_peft_model)
 from klgrpo.core.forward import completion_logprobs, position_ids_from_mask
+from klgrpo.core.full_kl import capture_head_inputs
 from klgrpo.core.rollout import RolloutBatch
 
 
@@ -29,6 +30,11 @@ class Reference(Protocol):
 
     def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Full next-token logits [B, L, V] of the reference (no grad), e.g. for the exact replay KL."""
+        ...
+
+    def head_inputs(self, input_ids: Tensor, attention_mask: Tensor, keep: int) -> tuple[Tensor, torch.nn.Module]:
+        """(input of the output layer at the last ``keep`` positions [B, keep, H], that layer), no grad: the
+        reference's logits rebuilt block by block for kl.estimator full (core.full_kl)."""
         ...
 
     def sync(self, policy, alpha: float) -> None: ...
@@ -75,6 +81,9 @@ class FrozenCopyReference:
     def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+
+    def head_inputs(self, input_ids: Tensor, attention_mask: Tensor, keep: int):
+        return capture_head_inputs(self.model, input_ids, attention_mask, keep)
 
     @torch.no_grad()
     def sync(self, policy, alpha: float = 1.0) -> None:
@@ -138,6 +147,12 @@ class AdapterDisabledReference:
         with self.sampling_model() as model:
             return model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+
+    def head_inputs(self, input_ids: Tensor, attention_mask: Tensor, keep: int):
+        """The output layer is the base model's, shared with the policy (core.full_kl checks the rebuilt
+        log-probs, so an adapter on that layer is caught)."""
+        with self.sampling_model() as model:
+            return capture_head_inputs(model, input_ids, attention_mask, keep)
 
     def _ensure_reference_adapter(self) -> None:
         if REFERENCE_ADAPTER in self.model.peft_config:

@@ -8,6 +8,8 @@
     pg_it  = -min(rho_it A_it, clip(rho_it, 1 - eps_low, 1 + eps_high) A_it)   (+ delta, dual_clip: policy_loss.py)
     kl_it  = w_it * shape(k(l_it))                        (KL in the loss; w per kl.is_correction; tokens with
                                                            |l_it| > kl.clamp keep the value, get zero gradient)
+           = w_it * shape(KL_it)                          (kl.estimator full: the exact KL over the vocabulary
+                                                           at prefix t, math/full_kl.py; no clamp needed)
     loss   = aggregate(pg + beta * kl, mask, mode, global normaliser)
 
 :func:`kl_penalty_terms` (the loss term) and :func:`reward_kl` (the reward value) are the ONLY implementation
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from klgrpo.math.advantages import KL_REWARD_MODES, apply_kl_penalty
 from klgrpo.math.aggregation import Normalizer, aggregate
+from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
 from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight
@@ -81,16 +84,25 @@ def reward_kl(old_logp_BT: Tensor, ref_logp_BT: Tensor, kl: KLTerm) -> Tensor:
 
 
 def kl_penalty_terms(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, kl: KLTerm,
-                     ratio_BT: Tensor | None = None) -> KLPenalty:
+                     ratio_BT: Tensor | None = None, full_kl_BT: Tensor | None = None) -> KLPenalty:
     """The KL loss term per token: w * shape(k(l)), w = pi / pi_old per ``kl.is_correction``.
 
     ``ratio_BT`` is the surrogate's pi / pi_old (reused as the detached weight). Clamp guard: a token with
     |l| > kl.clamp keeps its (clamped) value but gets ZERO gradient from the KL term, for every estimator and
     correction: there the in-graph weight would multiply k3's clamped constant (e^clamp - clamp - 1) and push
     the policy the wrong way, and no estimator's gradient is trustworthy that far from the reference.
+
+    ``kl.estimator`` "full" takes the exact per-position KL ``full_kl_BT`` (in the graph) as k: nothing
+    exponentiates the log-ratio and its gradient is exact at any distance, so the clamp guard does not apply.
     """
     l_BT = log_ratio(logp_BT, ref_logp_BT)  # once: the KL term, its weight and the monitors all read it
-    raw_BT = ESTIMATORS[kl.estimator].fn(l_BT, kl.clamp)  # = kl_estimate(logp, ref_logp, kl.estimator)
+    full = kl.estimator == FULL_KL
+    if full:
+        if full_kl_BT is None:
+            raise ValueError("kl.estimator full needs full_kl_BT, the exact per-position KL (math.full_kl)")
+        raw_BT = full_kl_BT
+    else:
+        raw_BT = ESTIMATORS[kl.estimator].fn(l_BT, kl.clamp)  # = kl_estimate(logp, ref_logp, kl.estimator)
     adapted_BT = shape_kl(raw_BT, mask_BT, kl.shaping, kl_clip_threshold=kl.clip_threshold,
                           kl_target=kl.shaping_target)
     if kl.is_correction == "detached" and ratio_BT is not None:
@@ -98,7 +110,7 @@ def kl_penalty_terms(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor, 
     else:
         w = importance_weight(logp_BT, old_logp_BT, kl.is_correction)
     term_BT = w * adapted_BT
-    if kl.clamp:
+    if kl.clamp and not full:
         term_BT = torch.where(l_BT.detach().abs() > kl.clamp, term_BT.detach(), term_BT)
     return KLPenalty(log_ratio_BT=l_BT, raw_BT=raw_BT, adapted_BT=adapted_BT, loss_term_BT=term_BT)
 
@@ -128,13 +140,18 @@ def grpo_objective(
     dual_clip: float | None = None,
     row_weights_B: Tensor | None = None,
     metrics: bool = True,
+    full_kl_BT: Tensor | None = None,
 ) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
     ``delta`` / ``dual_clip``: TRL's two-sided and verl's dual ratio clip (policy_loss.clipped_surrogate; None:
     off). ``row_weights_B`` multiplies each sequence's per-token loss before the aggregation (None: 1); the exact
     oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration.
-    ``metrics=False`` leaves ``sums`` and ``maxes`` empty (callers that need only the loss)."""
+    ``metrics=False`` leaves ``sums`` and ``maxes`` empty (callers that need only the loss). ``full_kl_BT``:
+    the exact per-position KL of math.full_kl, required by (and only read for) ``kl.estimator`` "full", which
+    enters the loss only."""
+    if kl.estimator == FULL_KL and kl.in_reward:
+        raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
     sums: dict[str, Tensor] = {}
     maxes: dict[str, Tensor] = {}
@@ -156,7 +173,8 @@ def grpo_objective(
         sums["policy_abs"] = aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer)  # kl/loss_share
 
     if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
-        penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT)
+        penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
+                                   full_kl_BT=full_kl_BT)
         if kl.in_loss and kl.coef > 0:
             per_token = per_token + kl.coef * penalty.loss_term_BT
             if metrics:

@@ -23,6 +23,7 @@ from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
+from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
@@ -137,7 +138,9 @@ class ReplayConfig:
 @dataclass
 class KLConfig:
     coef: float = _f(0.04, "beta: the initial KL coefficient (0 with monitor=false: no reference model at all)")
-    estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each)", Names(ESTIMATORS))
+    estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each), or 'full': the exact KL "
+                                 "over the vocabulary at each sampled prefix (loss placement)",
+                        Names(ESTIMATORS, FULL_KL_ESTIMATORS))
     placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
                         Names(PLACEMENTS))
     reward_mode: str = _f("reward_to_go", "KL in the reward: reward_to_go (per token, after the group "

@@ -34,6 +34,8 @@ from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 from klgrpo.core.forward import completion_logprobs
+from klgrpo.core.full_kl import completion_logprobs_and_full_kl
+from klgrpo.math.full_kl import FULL_KL
 from klgrpo.core.loss_api import LossInput, call_loss, resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
@@ -225,15 +227,20 @@ class GRPOTrainer:
         entropy_sum = torch.zeros((), device=self.device)
         kept = []
         for sl in self._micro_slices(batch.rollout.size):
-            logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                with_entropy=True)
-            old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
             ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
+            full_kl = None
+            if kl.estimator == FULL_KL and self.reference is not None:  # the reference re-runs here (core.full_kl)
+                logp, entropy, full_kl = completion_logprobs_and_full_kl(
+                    self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
+            else:
+                logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
+                                                    with_entropy=True)
+            old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
             with torch.set_grad_enabled(self.loss_fn is None):  # with a custom loss: only its metrics
                 out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
                                      cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
                                      policy_loss=cfg.loss.policy_loss, delta=cfg.loss.delta or None,
-                                     dual_clip=cfg.loss.dual_clip or None)
+                                     dual_clip=cfg.loss.dual_clip or None, full_kl_BT=full_kl)
             loss = out.loss
             if self.loss_fn is not None:
                 loss, custom = call_loss(self.loss_fn, LossInput(

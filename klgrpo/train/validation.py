@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from klgrpo.errors import ConfigError
+from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int
 def kl_gradient_target(cfg: "GRPOConfig") -> str:
     """What the expected KL gradient of this configuration follows, per token (ESTIMATORS' declarations)."""
     sampling = kl_gradient_sampling(cfg.kl.placement, cfg.kl.is_correction, cfg.train.num_iterations)
+    if cfg.kl.estimator == FULL_KL:
+        return FULL_KL_GRADIENTS[("token", sampling)]
     return ESTIMATORS[cfg.kl.estimator].gradient_target(cfg.kl.placement, sampling, level="token")
 
 
@@ -50,6 +53,15 @@ def validate_replay(cfg: "GRPOConfig") -> None:
     _need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
     _need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
     _need(r.temperature > 0, "kl.replay.temperature must be > 0")
+
+
+def validate_full_kl(cfg: "GRPOConfig") -> None:
+    """kl.estimator full: the exact KL over the vocabulary, a loss term of the built-in objective only."""
+    _need(cfg.kl.placement == "loss", f"kl.estimator=full is the exact KL over the vocabulary and enters the loss "
+                                      f"only: set kl.placement loss (not {cfg.kl.placement}), or pick a "
+                                      f"per-token estimator for the reward")
+    _need(not cfg.loss.function, "kl.estimator=full needs the built-in objective: leave loss.function empty, or "
+                                 "use a per-token estimator with your own loss")
 
 
 def validate_config(cfg: "GRPOConfig") -> list[str]:
@@ -76,7 +88,9 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
     need(loss.std_ddof in (0, 1), "loss.std_ddof must be 0 (population std) or 1 (sample std)")
     need(k.coef >= 0, "kl.coef must be >= 0")
     need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the guard off)")
-    need(k.log_ratio_clamp > 0 or not ESTIMATORS[k.estimator].uses_clamp,
+    if k.estimator == FULL_KL:
+        validate_full_kl(cfg)
+    need(k.log_ratio_clamp > 0 or k.estimator == FULL_KL or not ESTIMATORS[k.estimator].uses_clamp,
          f"kl.log_ratio_clamp=0 lets kl.estimator={k.estimator}'s exp(-l) overflow to inf: set kl.log_ratio_clamp "
          f"to a positive value (default 20)")
     need(loss.delta == 0 or loss.delta > 1, "loss.delta must be > 1 (TRL recommends > 1 + eps_high), or 0 for off")

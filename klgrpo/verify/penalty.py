@@ -74,12 +74,14 @@ def penalty_objective(
     delta: float | None = None,
     dual_clip: float | None = None,
     eps: float = WIDE_CLIP,
+    full_kl_BT: Tensor | None = None,
 ) -> Tensor:
     """sum_b weights_b * (penalty surrogate of sequence b), computed by the trainer's ``grpo_objective``.
 
     ``logp_BT`` carries the gradient; ``weights_B`` (detached) are the sampling probabilities of the rows for
     the exact expectation, or 1/N for N drawn samples. The aggregation counts are those of one expected
     sequence: G = 1, sum_i n_i = E_q[n] (so ``token_mean`` is the large-batch limit), L_max = T.
+    ``full_kl_BT``: the exact per-position KL (math.full_kl) that estimator "full" puts in the loss.
     """
     if placement not in PLACEMENTS:
         raise KeyError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
@@ -100,7 +102,8 @@ def penalty_objective(
     if kl.in_reward and reward_mode == "sequence_score":
         advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
     out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl, aggregation, norm, eps, eps,
-                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B, metrics=False)
+                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B, metrics=False,
+                         full_kl_BT=full_kl_BT)
     return out.loss
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.verify import categorical, montecarlo, optimum, sequence_toy
+from klgrpo.verify import categorical, full_kl, montecarlo, optimum, sequence_toy
 from klgrpo.verify.first_epoch import first_epoch_rows
 from klgrpo.verify.migration import MigrationCheck, migration_rows
 from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck
@@ -35,6 +35,8 @@ class VerifyReport:
     first_epoch: list[GradientCheck] = field(default_factory=list)
     migration: list[MigrationCheck] = field(default_factory=list)
     values: list[dict] = field(default_factory=list)
+    full_kl: list[GradientCheck] = field(default_factory=list)       # kl.estimator full, loss placement
+    full_kl_values: list[dict] = field(default_factory=list)
     monte_carlo: list[montecarlo.MonteCarloCheck] = field(default_factory=list)
     optimum: list[optimum.OptimumResult] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -42,8 +44,8 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return all(x.passed for x in self.rows + self.first_epoch + self.migration + self.monte_carlo
-                   + self.optimum) and all(
-            v["passed"] for v in self.values)
+                   + self.optimum + self.full_kl) and all(
+            v["passed"] for v in self.values + self.full_kl_values)
 
     def as_dict(self) -> dict:
         return {
@@ -51,6 +53,8 @@ class VerifyReport:
             "first_epoch": [r.as_dict() for r in self.first_epoch],
             "migration": [r.as_dict() for r in self.migration],
             "values": self.values,
+            "full_kl": [r.as_dict() for r in self.full_kl],
+            "full_kl_values": self.full_kl_values,
             "monte_carlo": [m.as_dict() for m in self.monte_carlo],
             "optimum": [o.as_dict() for o in self.optimum],
             "seconds": self.seconds,
@@ -87,6 +91,8 @@ def run_all(samples: int = montecarlo.DEFAULT_SAMPLES, seed: int = 0, monte_carl
         report.rows = categorical.gradient_rows(cat) + sequence_toy.gradient_rows(toy)
         report.first_epoch = first_epoch_rows(cat, toy)
         report.migration = migration_rows(cat, toy)
+        report.full_kl_values = full_kl.value_rows(cat, toy)
+        report.full_kl = full_kl.gradient_rows(cat, toy)
         t1 = time.perf_counter()
         report.seconds["exact"] = t1 - t0
         if monte_carlo:
@@ -156,6 +162,14 @@ def format_migration(rows: list[MigrationCheck]) -> str:
     return "\n".join(lines)
 
 
+def format_full_kl(report: VerifyReport) -> str:
+    title = ("kl.estimator full (exact KL over the vocabulary at each prefix, loss placement), through the trainer's "
+             "chunked KL and grpo_objective: values vs the exact KL, per-draw gradient vs grad KL(pi||ref) "
+             "(token: zero variance), expected gradients")
+    values = format_values(report.full_kl_values).split("\n")[1:]
+    return "\n".join([title, *values, "", *format_rows(report.full_kl, None, "").split("\n")[1:]])
+
+
 def format_monte_carlo(checks: list[montecarlo.MonteCarloCheck]) -> str:
     if not checks:
         return "Monte Carlo: skipped"
@@ -197,12 +211,14 @@ def format_report(report: VerifyReport) -> str:
                          "on-policy rows), sequence/detached the on_policy row; n/a = information only")
     parts = [format_values(report.values), format_rows(report.rows, "token"), format_rows(report.rows, "sequence"),
              format_rows(report.first_epoch, None, first_epoch_title), format_migration(report.migration),
+             format_full_kl(report),
              format_monte_carlo(report.monte_carlo), format_optimum(report.optimum)]
-    failed = [r for r in report.rows + report.first_epoch + report.migration if not r.passed]
-    total = (len(report.rows) + len(report.first_epoch) + len(report.migration) + len(report.values)
+    failed = [r for r in report.rows + report.first_epoch + report.migration + report.full_kl if not r.passed]
+    values = report.values + report.full_kl_values
+    total = (len(report.rows) + len(report.first_epoch) + len(report.migration) + len(report.full_kl) + len(values)
              + len(report.monte_carlo)
              + len(report.optimum))
-    bad = len(failed) + sum(not v["passed"] for v in report.values) + sum(
+    bad = len(failed) + sum(not v["passed"] for v in values) + sum(
         not m.passed for m in report.monte_carlo) + sum(not o.passed for o in report.optimum)
     parts.append(f"verify-kl: {'PASSED' if report.passed else 'FAILED'}: {total - bad}/{total} checks passed")
     return "\n\n".join(parts)

@@ -152,10 +152,10 @@ def test_verify_kl_fails_when_the_objective_kl_term_is_wrong(monkeypatch):
     which calls grpo_objective, must report it."""
     real = objective.kl_penalty_terms
 
-    def detached_weight(logp_BT, old_logp_BT, ref_logp_BT, mask_BT, kl, ratio_BT=None):
+    def detached_weight(logp_BT, old_logp_BT, ref_logp_BT, mask_BT, kl, ratio_BT=None, full_kl_BT=None):
         if kl.is_correction == "in_graph":
             kl = KLTerm(**{**kl.__dict__, "is_correction": "detached"})
-        return real(logp_BT, old_logp_BT, ref_logp_BT, mask_BT, kl, ratio_BT)
+        return real(logp_BT, old_logp_BT, ref_logp_BT, mask_BT, kl, ratio_BT, full_kl_BT)
 
     monkeypatch.setattr(objective, "kl_penalty_terms", detached_weight)
     failed = _failures(categorical.gradient_rows(categorical.make_categorical()))
