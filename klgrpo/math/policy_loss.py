@@ -85,7 +85,13 @@ def clipped_surrogate(
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     ratio = _ratio(logp_BT, old_logp_BT)
-    advantages = advantages.to(ratio.dtype)
+    return _pessimistic_clip(ratio, ratio, advantages.to(ratio.dtype), eps_low, eps_high, delta, dual_clip)
+
+
+def _pessimistic_clip(ratio: Tensor, token_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
+                      delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
+    """-min(rho A, clip(rho) A) with the optional delta cap and dual clip; ``token_ratio`` is what the
+    SurrogateOut reports as the per-token pi / pi_old (GSPO clips a sequence ratio but reports the token's)."""
     unclipped = (ratio if delta is None else ratio.clamp(max=delta)) * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
@@ -94,7 +100,7 @@ def clipped_surrogate(
     with torch.no_grad():
         low = (ratio < 1.0 - eps_low) & (advantages < 0)
         high = (ratio > 1.0 + eps_high) & (advantages > 0)
-    return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
+    return SurrogateOut(loss_BT=loss, ratio_BT=token_ratio, clipped_low_BT=low, clipped_high_BT=high)
 
 
 def gspo_surrogate(
@@ -114,13 +120,7 @@ def gspo_surrogate(
     seq_log_ratio_B1 = (log_token_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     # value s_i, gradient s_i * grad log pi(y_t): exp(sg(log s_i) + log pi - sg(log pi))
     ratio = torch.exp(seq_log_ratio_B1.detach() + log_token_ratio - log_token_ratio.detach())
-    advantages = advantages.to(ratio.dtype)
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    loss = -torch.minimum(ratio * advantages, clipped)
-    with torch.no_grad():
-        low = (ratio < 1.0 - eps_low) & (advantages < 0)
-        high = (ratio > 1.0 + eps_high) & (advantages > 0)
-    return SurrogateOut(loss_BT=loss, ratio_BT=torch.exp(log_token_ratio), clipped_low_BT=low, clipped_high_BT=high)
+    return _pessimistic_clip(ratio, torch.exp(log_token_ratio), advantages.to(ratio.dtype), eps_low, eps_high)
 
 
 def cispo_surrogate(
