@@ -12,6 +12,7 @@ import torch
 from klgrpo.train.config import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.core.kl_dump import load_dump
 
 from tests.helpers.configs import make_config, quiet
 
@@ -148,7 +149,7 @@ def test_ctrl_c_saves_last_complete_step_and_resumes_identically(tiny_model_dir,
 def test_kl_dump_feeds_verify_from_run(tiny_model_dir, addition_file, tmp_path):
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "d", kl={"dump_every": 1}, train={"steps": 2})
     GRPOTrainer(cfg, log=quiet).train()
-    dump = torch.load(tmp_path / "d" / "kl_dumps" / "step_000002.pt")
+    dump = load_dump(tmp_path / "d" / "kl_dumps" / "step_000002.safetensors")
     assert dump["logp"].shape == dump["ref_logp"].shape == dump["mask"].shape
     assert dump["mask"].dtype == torch.bool and dump["step"] == 2
     # the logged KL percentiles are those of the dumped tokens (the same forward's log-probs)

@@ -14,6 +14,7 @@ from klgrpo.math.kl import ESTIMATORS, kl_estimate
 from klgrpo.verify import categorical, montecarlo, sequence_toy
 from klgrpo.apps.verify_kl import main as verify_main
 from klgrpo.verify.penalty import GRADIENT_RTOL, classify_gradient, flat_grad
+from klgrpo.core.kl_dump import save_dump
 from klgrpo.verify.report import torch_threads
 from klgrpo.verify.sequence_toy import TOY
 
@@ -243,8 +244,7 @@ def _write_dump(run_dir, step=10):
     l = torch.tensor([[0.5, -0.5, 1.0], [0.0, 2.0, 100.0]])
     mask = torch.tensor([[True, True, True], [True, True, False]])
     (run_dir / "kl_dumps").mkdir(parents=True)
-    torch.save({"step": step, "logp": ref_logp + l, "ref_logp": ref_logp, "mask": mask},
-               run_dir / "kl_dumps" / f"step_{step:06d}.pt")
+    save_dump(run_dir / "kl_dumps" / f"step_{step:06d}.safetensors", step, ref_logp + l, ref_logp, mask)
 
 
 def test_from_run_hand_computed(tmp_path, capsys):
@@ -271,7 +271,7 @@ def test_from_run_hand_computed(tmp_path, capsys):
     assert k3["clamp_frac"] == 0.0  # the only |l| > 20 token is masked out
     text = capsys.readouterr().out
     k1_line = next(line for line in text.splitlines() if " k1 " in line)
-    assert "step_000010.pt" in k1_line and "0.6" in k1_line and "1.6" in k1_line and "0.2000" in k1_line
+    assert "step_000010.safetensors" in k1_line and "0.6" in k1_line and "1.6" in k1_line and "0.2000" in k1_line
 
 
 def test_from_run_missing_folder_and_dumps(tmp_path, capsys):
@@ -282,10 +282,10 @@ def test_from_run_missing_folder_and_dumps(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no KL dumps" in err
     (tmp_path / "kl_dumps").mkdir()
-    (tmp_path / "kl_dumps" / "step_000001.pt").write_text("not a torch file")
+    (tmp_path / "kl_dumps" / "step_000001.safetensors").write_text("not a safetensors file")
     assert verify_main(["--from-run", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "step_000001.pt" in err
+    assert len(err.splitlines()) == 1 and "step_000001.safetensors" in err
 
 
 def test_top_level_cli_dispatches(tmp_path, capsys):

@@ -312,10 +312,12 @@ class GRPOTrainer:
             backward=lambda loss: self.engine.backward(loss, same_on_every_rank=True))
 
     def _dump_kl(self, logp: torch.Tensor, batch: StepBatch) -> None:
-        folder = self.run_dir / "kl_dumps"
+        from klgrpo.core.kl_dump import DUMP_DIR, save_dump
+
+        folder = self.run_dir / DUMP_DIR
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": self.step + 1, "logp": logp.float().cpu(), "ref_logp": batch.ref_logp.float().cpu(),
-                    "mask": batch.loss_mask.bool().cpu()}, folder / f"step_{self.step + 1:06d}.pt")
+        save_dump(folder / f"step_{self.step + 1:06d}.safetensors", self.step + 1, logp, batch.ref_logp,
+                  batch.loss_mask)
 
     def evaluate(self) -> dict[str, float]:
         """Rank 0 evaluates; with sharded parameters every rank enters (to gather the weights) and waits."""

@@ -1,8 +1,8 @@
 """k1 / k2 / k3 side by side on the per-token log-probs a training run dumped.
 
-A run may write ``RUN_DIR/kl_dumps/step_NNNNNN.pt``: a ``torch.save``'d dict
-``{"step": int, "logp": float32 [B, T], "ref_logp": float32 [B, T], "mask": bool [B, T]}`` (log-probs of the
-sampled tokens under the policy and the reference). For every dump and estimator this reports, over the
+A run may write ``RUN_DIR/kl_dumps/step_NNNNNN.safetensors``: tensors ``logp`` float32 [B, T], ``ref_logp``
+float32 [B, T], ``mask`` bool [B, T] (log-probs of the sampled tokens under the policy and the reference) and the
+step in the file's metadata (``{"step": "N"}``); read as data, nothing in it is executed. For every dump and estimator this reports, over the
 masked tokens, the mean, the 50/90/99th percentiles (linear interpolation between order statistics, as
 ``numpy.percentile``), the max, and for k1 the fraction of negative values; plus the fraction of tokens whose
 |log-ratio| exceeds the k3 clamp. The values go through ``kl_estimate`` in float64.
@@ -16,16 +16,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from klgrpo.core.kl_dump import DUMP_DIR, DUMP_GLOB, DumpError, load_dump  # noqa: F401 (the --from-run API)
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, clamp_fraction, kl_estimate
 
-DUMP_DIR = "kl_dumps"
-DUMP_GLOB = "step_*.pt"
 DUMP_ESTIMATORS = ("k1", "k2", "k3")
-_KEYS = ("logp", "ref_logp", "mask")
-
-
-class DumpError(Exception):
-    """A missing folder, a missing dump or a malformed dump; the message is one sentence with the remedy."""
 
 
 @dataclass
@@ -66,18 +60,6 @@ def find_dumps(run_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_dump(path: Path) -> dict:
-    try:
-        dump = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: say which one
-        raise DumpError(f"cannot read KL dump {str(path)!r}: {exc}".splitlines()[0]) from None
-    if not isinstance(dump, dict) or any(k not in dump for k in _KEYS):
-        raise DumpError(f"KL dump {str(path)!r} must be a dict with keys {', '.join(('step',) + _KEYS)}")
-    shapes = {tuple(dump[k].shape) for k in _KEYS}
-    if len(shapes) != 1:
-        raise DumpError(f"KL dump {str(path)!r}: logp, ref_logp and mask must have the same [B, T] shape, "
-                        f"got {[tuple(dump[k].shape) for k in _KEYS]}")
-    return dump
 
 
 def dump_stats(dump: dict, file: str = "", clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> list[EstimatorStats]:
