@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer
     from klgrpo.backends.kv_decoder import KVSampler
     from klgrpo.core.forward import completion_logprobs
-    from klgrpo.core.rollout import encode_prompts, generate_groups
+    from klgrpo.core.rollout import SamplingParams, encode_prompts, generate_groups
     from klgrpo.train.config import ModelConfig
 
     torch.set_num_threads(args.threads)
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
           f"fast path takes it: {KVSampler.for_model(model, 64) is not None}")
 
     torch.manual_seed(0)
-    batch = generate_groups(model, tok, PROMPTS, group_size=args.group_size, max_new_tokens=args.new_tokens,
-                            as_chat=True)
+    batch = generate_groups(model, tok, PROMPTS, SamplingParams(group_size=args.group_size,
+                                                                max_new_tokens=args.new_tokens, as_chat=True))
     mask = batch.completion_mask
     weights = torch.randn(mask.shape)
     runs = []

@@ -16,7 +16,7 @@ import torch
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer
 from klgrpo.backends.kv_decoder import KVSampler
 from klgrpo.core.forward import completion_logprobs
-from klgrpo.core.rollout import encode_prompts, generate_groups
+from klgrpo.core.rollout import SamplingParams, encode_prompts, generate_groups
 from klgrpo.train.config import ModelConfig
 
 # Slow, and skipped (when selected with -m slow) without the model file: the default run deselects them
@@ -52,7 +52,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_transformers(smollm2):
     every parameter's gradient within 1e-3 of the largest gradient entry (measured: see docs/benchmarks.md)."""
     model, tok = smollm2
     torch.manual_seed(0)
-    batch = generate_groups(model, tok, PROMPTS, group_size=2, max_new_tokens=12, as_chat=True)
+    batch = generate_groups(model, tok, PROMPTS, SamplingParams(group_size=2, max_new_tokens=12, as_chat=True))
     mask = batch.completion_mask
     weights = torch.randn(mask.shape)
     results = []
