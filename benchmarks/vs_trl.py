@@ -169,7 +169,6 @@ def klgrpo_trainers(shape: str, args, root: Path, model_dir: Path, data: Path, d
     from klgrpo.train.metrics import MetricsLogger
     from klgrpo.train.trainer import GRPOTrainer
 
-    cuda = args.device.startswith("cuda")
     kinds = {"klgrpo": (GRPOTrainer, None, {})}  # label: (trainer class, klgrpo package, config extras)
     if not args.only_current:
         kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
