@@ -9,7 +9,10 @@
 (c) bf16 equality of klgrpo's fast path (shared-prompt log-probs through its decoder) against transformers'
     forward: max |difference| of the per-token log-probs and of every parameter's gradient;
 (d) klgrpo's decoder against transformers' generate(cache_implementation="static"): greedy tokens equal
-    (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each; bf16 and float32.
+    (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each; bf16 and float32;
+(e) the rollout as the trainer runs it (klgrpo.core.rollout.generate_groups, bf16, sampling at temperature 1):
+    klgrpo's loop (model.fast_path) against transformers' generate with rollout.generate_cache dynamic and static;
+    seconds per batch after one warm-up call (the static cache's compilation is reported apart).
 
 No network and no GGUF package are assumed there, and the 98 MB SmolLM2 GGUF file does not travel: (b)-(d) use
 SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152,
@@ -237,11 +240,44 @@ def _greedy_compare(args, model_dir: Path, dtype, b: int, n: int) -> dict:
             "timings": timings}
 
 
+def part_samplers(args, model_dir: Path) -> dict:
+    import torch
+
+    from klgrpo.backends.hf import load_causal_lm, load_tokenizer
+    from klgrpo.core.rollout import SamplingParams, generate_groups
+    from klgrpo.train.config import ModelConfig
+
+    tok = load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir), ModelConfig(), torch.device(args.device), torch.bfloat16)
+    n, g, new = (2, 2, 4) if args.tiny else (8, 8, 64)
+    prompts = [f"What is {i} + {2 * i + 1}?" for i in range(n)]
+    out = {"batch": f"{n} prompts x {g}, {new} new tokens, temperature 1, bf16", "calls_timed": 3}
+    for label, fast, cache in (("klgrpo_loop", True, "dynamic"), ("generate_dynamic", False, "dynamic"),
+                               ("generate_static", False, "static")):
+        model.klgrpo_fast_path = fast
+        params = SamplingParams(group_size=g, max_new_tokens=new, as_chat=True, generate_cache=cache)
+        sync(args.device)
+        t0 = time.perf_counter()
+        generate_groups(model, tok, prompts, params)  # warm-up (the static cache compiles here)
+        sync(args.device)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            batch = generate_groups(model, tok, prompts, params)
+            sync(args.device)
+            times.append(time.perf_counter() - t0)
+        out[label] = {"first_call_s": first, "s_per_batch": sorted(times)[1],
+                      "mean_length": float(batch.completion_mask.sum(-1).float().mean())}
+    out["static_over_loop"] = out["generate_static"]["s_per_batch"] / out["klgrpo_loop"]["s_per_batch"]
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: checks the script runs")
     parser.add_argument("--device", default="", help="default: cuda when present, else cpu")
-    parser.add_argument("--only", default="a,b,c,d", help="comma-separated parts to run")
+    parser.add_argument("--only", default="a,b,c,d,e", help="comma-separated parts to run")
     args = parser.parse_args(argv)
     import torch
 
@@ -262,7 +298,8 @@ def main(argv=None) -> int:
     parts = {"a": ("vs_trl_qwen0.5b_bf16", lambda: part_vs_trl(args, work)),
              "b": ("smollm2_example_bf16", lambda: part_example(args, model_dir, work)),
              "c": ("fast_path_equality", lambda: part_equality(args, model_dir)),
-             "d": ("decoder_vs_static_generate", lambda: part_decoder(args, model_dir))}
+             "d": ("decoder_vs_static_generate", lambda: part_decoder(args, model_dir)),
+             "e": ("rollout_samplers_bf16", lambda: part_samplers(args, model_dir))}
     for key in args.only.split(","):
         name, run = parts[key.strip()]
         t0 = time.perf_counter()

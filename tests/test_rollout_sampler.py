@@ -13,7 +13,7 @@ import torch
 
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.backends.kv_decoder import KVSampler, filter_logits
-from klgrpo.core.rollout import SamplingParams, generate_groups
+from klgrpo.core.rollout import GENERATE_CACHES, SamplingParams, generate_groups
 
 V = 23
 
@@ -149,6 +149,26 @@ def test_same_seed_gives_generate_tokens(top_k, top_p, monkeypatch):
     assert torch.equal(fast.attention_mask, slow.attention_mask)
     assert fast.completions == slow.completions
     assert model.training  # the train/eval state is restored
+
+
+def test_static_cache_generate_gives_the_dynamic_cache_tokens():
+    """rollout.generate_cache static: transformers' generate with a preallocated cache samples the same tokens
+    from the same seed as with its dynamic cache (float64: the logits agree far below a sampling flip)."""
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    model = _randomise(_llama()).to(torch.float64)
+    model.config.vocab_size = V
+    model.klgrpo_fast_path = False  # the generate path
+    runs = []
+    for cache in GENERATE_CACHES:
+        torch.manual_seed(7)
+        runs.append(generate_groups(model, tok, ["12+3=", "7-1=", "99+99="], SamplingParams(
+            group_size=3, max_new_tokens=10, temperature=0.9, generate_cache=cache)))
+    dynamic, static = runs
+    assert dynamic.completion_ids.shape[1] > 1
+    assert torch.equal(dynamic.completion_ids, static.completion_ids)
+    assert torch.equal(dynamic.completion_mask, static.completion_mask)
+    assert dynamic.completions == static.completions
 
 
 def test_eos_stops_rows_and_the_loop():

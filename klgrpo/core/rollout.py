@@ -19,6 +19,10 @@ from torch import Tensor
 from klgrpo.backends.kv_decoder import KVSampler
 
 
+#: transformers ``generate``'s KV cache when klgrpo samples through it (``rollout.generate_cache``).
+GENERATE_CACHES = ("dynamic", "static")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How ``generate_groups`` samples: the rollout settings of one call, by name.
@@ -30,6 +34,9 @@ class SamplingParams:
     system_prompt   system message prepended to chat prompts
     as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
     compiled        run the KV-cached loop's steps through torch.compile where the model allows it
+    generate_cache  transformers generate's KV cache when that path samples (model.fast_path off, or an
+                    architecture the loop does not reproduce): "dynamic", or "static" (preallocated; on CUDA
+                    transformers compiles the decoding step: seconds once, then several times faster)
     """
 
     group_size: int
@@ -40,6 +47,7 @@ class SamplingParams:
     system_prompt: str = ""
     as_chat: bool = False
     compiled: bool = False
+    generate_cache: str = "dynamic"
 
 
 @dataclass
@@ -139,7 +147,7 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
             out = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=p.temperature,
                 top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=eos_ids,
+                eos_token_id=eos_ids, **({"cache_implementation": "static"} if p.generate_cache == "static" else {}),
             )
             completion_ids = out[:, prompt_len:]
     finally:

@@ -20,6 +20,7 @@ import yaml
 
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
+from klgrpo.core.rollout import GENERATE_CACHES
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
@@ -109,6 +110,10 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
+    generate_cache: str = _f("dynamic", "KV cache of transformers' generate when it samples (model.fast_path false "
+                                        "or an architecture klgrpo's loop does not cover): dynamic, or static "
+                                        "(compiled by transformers on CUDA: faster on long GPU runs)",
+                             Names(GENERATE_CACHES))
 
 
 @dataclass

@@ -197,7 +197,8 @@ class GRPOTrainer:
             rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat, compiled=cfg.train.compile))
+                system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat, compiled=cfg.train.compile,
+                generate_cache=cfg.rollout.generate_cache))
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
