@@ -158,9 +158,9 @@ def test_static_cache_generate_gives_the_dynamic_cache_tokens():
     torch.manual_seed(0)
     model = _randomise(_llama()).to(torch.float64)
     model.config.vocab_size = V
-    model.klgrpo_fast_path = False  # the generate path
     runs = []
     for cache in GENERATE_CACHES:
+        model.klgrpo_fast_path = cache == "static"  # static bypasses klgrpo's loop even with the fast path on
         torch.manual_seed(7)
         runs.append(generate_groups(model, tok, ["12+3=", "7-1=", "99+99="], SamplingParams(
             group_size=3, max_new_tokens=10, temperature=0.9, generate_cache=cache)))
@@ -256,3 +256,24 @@ def test_shared_prompt_logprobs_equal_transformers_forward(arch, rows):
     # agree to float32 rounding only (about 1e-7 relative here); a real mistake shows at 1e-2 and beyond.
     torch.testing.assert_close(g_fast, g_ref, rtol=1e-5, atol=1e-6)
     assert g_ref.abs().max() > 1e-3  # the comparison is not between zeros
+
+
+def test_trainer_samples_with_the_static_cache_when_configured(tiny_model_dir, addition_file, tmp_path, monkeypatch):
+    """rollout.generate_cache static reaches the sampler: the trainer's rollouts go through generate (not the
+    loop) with cache_implementation="static", and training runs."""
+    from klgrpo.backends.kv_decoder import KVSampler
+    from klgrpo.train.trainer import GRPOTrainer
+    from tests.helpers.configs import make_config, quiet
+
+    calls = []
+
+    def spy_generate(self, *args, **kwargs):
+        calls.append(kwargs.get("cache_implementation"))
+        return type(self).generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVSampler, "sample", lambda *a, **k: pytest.fail("the loop must not sample"))
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", rollout={"generate_cache": "static"})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    monkeypatch.setattr(trainer.model, "generate", lambda *a, **k: spy_generate(trainer.model, *a, **k))
+    summary = trainer.train()
+    assert summary["steps"] == 2 and calls == ["static", "static"]

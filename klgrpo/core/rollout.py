@@ -34,9 +34,10 @@ class SamplingParams:
     system_prompt   system message prepended to chat prompts
     as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
     compiled        run the KV-cached loop's steps through torch.compile where the model allows it
-    generate_cache  transformers generate's KV cache when that path samples (model.fast_path off, or an
-                    architecture the loop does not reproduce): "dynamic", or "static" (preallocated; on CUDA
-                    transformers compiles the decoding step: seconds once, then several times faster)
+    generate_cache  "dynamic": klgrpo's KV-cached loop where it reproduces the model (model.fast_path on), else
+                    transformers' generate with its dynamic cache; "static": always transformers' generate with a
+                    preallocated cache, which transformers compiles on CUDA (seconds once, then several times
+                    faster than the loop there); the training log-probs keep model.fast_path either way
     """
 
     group_size: int
@@ -139,7 +140,7 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     model.eval()
     try:
         loop = (KVSampler.for_model(model, prompt_len + p.max_new_tokens)
-                if p.temperature > 0 else None)
+                if p.temperature > 0 and p.generate_cache != "static" else None)
         if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
             completion_ids = loop.sample(unique_ids, unique_mask, p.max_new_tokens, p.temperature, p.top_p, p.top_k,
                                          tokenizer.pad_token_id, eos_ids, p.group_size, p.compiled)

@@ -110,9 +110,9 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
-    generate_cache: str = _f("dynamic", "KV cache of transformers' generate when it samples (model.fast_path false "
-                                        "or an architecture klgrpo's loop does not cover): dynamic, or static "
-                                        "(compiled by transformers on CUDA: faster on long GPU runs)",
+    generate_cache: str = _f("dynamic", "dynamic: sample with klgrpo's loop (model.fast_path) or generate's dynamic "
+                                        "cache; static: always transformers' generate with a static cache, compiled "
+                                        "on CUDA (faster on long GPU runs; log-probs keep model.fast_path)",
                              Names(GENERATE_CACHES))
 
 
