@@ -234,45 +234,52 @@ class GRPOTrainer:
     def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
         """Forward/backward over micro-batches; the loss is normalised globally, so .grad is the full-batch
         gradient whatever the micro-batch size. Returns (metric sums, maxima, entropy sum, logp or None)."""
-        cfg, kl = self.cfg, self._kl_term()
+        kl = self._kl_term()
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
         entropy_sum = torch.zeros((), device=self.device)
-        kept = []
+        kept, token_kl = [], []
         for sl in self._micro_slices(batch.rollout.size):
-            ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
-            full_kl = None
-            if kl.estimator == FULL_KL and self.reference is not None:  # the reference re-runs here (core.full_kl)
-                logp, entropy, full_kl = completion_logprobs_and_full_kl(
-                    self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
-            else:
-                logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                    with_entropy=True)
-            old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
-            with torch.set_grad_enabled(self.loss_fn is None):  # with a custom loss: only its metrics
-                out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
-                                     cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
-                                     policy_loss=cfg.loss.policy_loss, delta=cfg.loss.delta or None,
-                                     dual_clip=cfg.loss.dual_clip or None, full_kl_BT=full_kl)
-            loss = out.loss
-            if self.loss_fn is not None:
-                loss, custom = call_loss(self.loss_fn, LossInput(
-                    logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
-                    cfg.loss.aggregation, batch.rollout.completion_ids[sl]))
-                for k, v in custom.items():
-                    sums[f"custom/{k}"] = sums.get(f"custom/{k}", 0.0) + v
+            loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
             self.engine.backward(loss)
-            for k, v in out.sums.items():
+            for k, v in [*out.sums.items(), *((f"custom/{k}", v) for k, v in custom.items())]:
                 sums[k] = sums.get(k, 0.0) + v.detach()
             for k, v in out.maxes.items():
                 maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
             sums["loss"] = sums.get("loss", 0.0) + loss.detach()
             entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
-            if out.token_kl is not None:  # per-token values for the KL percentiles, joined along the batch
-                sums["token_kl"] = torch.cat((sums["token_kl"], out.token_kl), 1) if "token_kl" in sums else out.token_kl
+            if out.token_kl is not None:  # per-token values for the KL percentiles
+                token_kl.append(out.token_kl)
             if keep_logp:
                 kept.append(logp.detach())
+        if token_kl:
+            sums["token_kl"] = torch.cat(token_kl, 1)  # [2, B, T], the micro-batches joined along the batch
         return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)
+
+    def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
+        """(loss to backpropagate, ObjectiveOut, logp, entropy, custom metrics) of rows ``sl``. With a custom loss
+        the built-in objective still runs, without gradient, for the KL monitors."""
+        cfg = self.cfg
+        ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
+        full_kl = None
+        if kl.estimator == FULL_KL and self.reference is not None:  # the reference re-runs here (core.full_kl)
+            logp, entropy, full_kl = completion_logprobs_and_full_kl(
+                self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
+        else:
+            logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
+                                                with_entropy=True)
+        old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
+        with torch.set_grad_enabled(self.loss_fn is None):
+            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
+                                 cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
+                                 policy_loss=cfg.loss.policy_loss, delta=cfg.loss.delta or None,
+                                 dual_clip=cfg.loss.dual_clip or None, full_kl_BT=full_kl)
+        if self.loss_fn is None:
+            return out.loss, out, logp, entropy, {}
+        loss, custom = call_loss(self.loss_fn, LossInput(
+            logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
+            cfg.loss.aggregation, batch.rollout.completion_ids[sl]))
+        return loss, out, logp, entropy, custom
 
     def _update(self, batch: StepBatch) -> tuple[dict[str, float], KLObservation]:
         """One optimizer step on ``batch``: gradients, clipping, AdamW, scheduler."""
