@@ -31,4 +31,11 @@ class RewardError(KLGRPOError):
     """A reward function cannot be loaded, raised, or returned something that is not one float per row."""
 
 
-__all__ = ["KLGRPOError", "ConfigError", "DataError", "RewardError"]
+def first_line(exc: BaseException, limit: int | None = 200) -> str:
+    """The first line of an exception's message (its type's name when empty), cut to ``limit`` characters: what a
+    one-line error quotes from a library's multi-line message."""
+    lines = str(exc).strip().splitlines()
+    return (lines[0] if lines else type(exc).__name__)[:limit]
+
+
+__all__ = ["KLGRPOError", "ConfigError", "DataError", "RewardError", "first_line"]

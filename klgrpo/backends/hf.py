@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from klgrpo.train.config import ModelConfig
@@ -188,7 +188,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, gguf_file
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **access, **extra)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a tokenizer from {name_or_path!r} ({field}): "
-                          f"{_first_line(exc)}") from None
+                          f"{first_line(exc, limit=None)}") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -211,15 +211,10 @@ def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, 
         )
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a causal LM from {name_or_path!r} ({field}): "
-                          f"{_first_line(exc)}") from None
+                          f"{first_line(exc, limit=None)}") from None
     if gguf_file:
         forget_gguf_origin(model)
     return model.to(device)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def forget_gguf_origin(model) -> None:

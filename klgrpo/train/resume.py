@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError, KLGRPOError, first_line
 from klgrpo.train.checkpoint import load_trainer_state, resume_candidates
 
 
@@ -55,19 +55,14 @@ def _load_weights(trainer, ckpt: Path) -> None:
     except KLGRPOError:
         raise
     except Exception as exc:  # safetensors and torch raise several types for a truncated or foreign file
-        raise CheckpointLoadError(f"{target} cannot be read ({_first_line(exc)})") from None
+        raise CheckpointLoadError(f"{target} cannot be read ({first_line(exc)})") from None
     if trainer.reference is not None:
         try:
             trainer.reference.load(ckpt)
         except KLGRPOError:
             raise
         except Exception as exc:
-            raise CheckpointLoadError(f"the reference in {ckpt} cannot be read ({_first_line(exc)})") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return (lines[0] if lines else type(exc).__name__)[:200]
+            raise CheckpointLoadError(f"the reference in {ckpt} cannot be read ({first_line(exc)})") from None
 
 
 __all__ = ["load_resumable_checkpoint", "CheckpointLoadError", "ConfigError"]

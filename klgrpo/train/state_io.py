@@ -27,7 +27,7 @@ import torch
 
 from klgrpo.core.batch import StepBatch
 from klgrpo.core.rollout import RolloutBatch
-from klgrpo.errors import KLGRPOError
+from klgrpo.errors import KLGRPOError, first_line
 from klgrpo.math.aggregation import Normalizer
 
 _TAG = "__klgrpo__"
@@ -80,7 +80,7 @@ def load_state(folder: Path, stem: str) -> Any:
             token = (f.metadata() or {}).get("token")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error type for a truncated or foreign file
-        raise StateFileError(f"{weights} cannot be read ({_first_line(exc)})") from None
+        raise StateFileError(f"{weights} cannot be read ({first_line(exc)})") from None
     if token != data.get("token"):
         raise StateFileError(f"{weights} and {doc} were not written together (a save was cut short)")
     return _decode(data["tree"], tensors, doc)
@@ -159,11 +159,6 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor], where: Path) -> Any:
 
 def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
 
 
 __all__ = ["save_state", "load_state", "to_device", "state_files", "StateFileError", "FORMAT"]
