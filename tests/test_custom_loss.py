@@ -116,6 +116,35 @@ def test_loss_function_from_config_logs_its_metrics_averaged(tiny_model_dir, add
     assert row["custom/rows"] == 4.0 and row["custom/three"] == 3.0  # 16 rows in 4 micro-batches of 4
 
 
+def test_datum_loss_from_config_receives_the_controllers_beta(tiny_model_dir, addition_file, tmp_path):
+    """A datum-shaped loss.function gets the step's beta as its kl_coef (not its own default 0.01): kl.coef at the
+    first step, then the adaptive controller's value, which moves; it logs what it received as a metric."""
+    loss_file = tmp_path / "datum_loss.py"
+    loss_file.write_text(
+        "import torch\n"
+        "def loss(data, logprobs_list, kl_coef=0.01):\n"
+        "    total = sum(-(d.loss_fn_inputs['advantages'] * lp).sum() for d, lp in zip(data, logprobs_list))\n"
+        "    return total, {'kl_coef': kl_coef}\n")
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 3},
+                      kl={"coef": 0.3, "controller": "adaptive", "target": 1e-6, "horizon": 10.0},
+                      loss={"function": f"{loss_file}:loss"})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    betas = []
+    for _ in range(3):
+        betas.append(trainer.controller.value)
+        metrics = trainer.train_step()
+        assert metrics["custom/kl_coef"] == pytest.approx(betas[-1], rel=1e-6)
+        assert metrics["adaptive_kl/current_beta"] == pytest.approx(betas[-1], rel=1e-6)
+    assert betas[0] == 0.3 and betas[2] != pytest.approx(0.3, rel=1e-3)  # the controller moved beta
+
+
+def test_datum_loss_without_a_coefficient_is_named_in_a_warning(tiny_model_dir, addition_file, tmp_path):
+    lines = []
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run")
+    GRPOTrainer(cfg, loss_fn=lambda data, logprobs_list: (logprobs_list[0].sum(), {}), log=lines.append)
+    assert any("takes no KL-coefficient keyword" in line for line in lines)
+
+
 def test_loss_function_errors_name_the_fix(tiny_model_dir, addition_file, tmp_path):
     with pytest.raises(ConfigError, match=r"loss.function 'nowhere.py:f': file nowhere.py not found"):
         load_loss_function("nowhere.py:f")

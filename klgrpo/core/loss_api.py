@@ -8,7 +8,9 @@ Typed (the trainer's):   loss_fn(inp: LossInput) -> (loss, metrics)
 Datum (hosted training APIs'):   loss_fn(data: list[Datum], logprobs_list: list[Tensor]) -> (loss, metrics)
     ``data[i].loss_fn_inputs`` holds per-token tensors of completion i ("target_tokens", "advantages",
     "logprobs" = the sampling policy's, "ref_logprobs", "mask"), ``logprobs_list[i]`` the current policy's
-    log-probs of the same tokens, with gradient. :func:`as_typed` runs such a function on a LossInput.
+    log-probs of the same tokens, with gradient. :func:`as_typed` runs such a function on a LossInput; the
+    trainer also passes the step's beta as the function's KL-coefficient keyword (``kl_coef=``, ``beta=``, ...:
+    :data:`COEFFICIENT_NAMES`) when it has one.
 
 ``metrics`` is a dict of name -> number (float or 0-d tensor); the trainer logs each as ``custom/<name>``,
 averaged over the micro-batches of the step.
@@ -28,6 +30,9 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.aggregation import Normalizer, aggregate
 
 SIGNATURES = ("typed", "datum")
+#: Keyword names read as a datum-signature loss's KL coefficient: the trainer passes the step's beta to the first
+#: one the function takes, and ``verify-kl --loss`` scales it.
+COEFFICIENT_NAMES = ("kl_coef", "beta", "kl_beta", "kl_weight", "kl_coeff", "coef")
 
 
 @dataclass(frozen=True)
@@ -130,12 +135,37 @@ def call_loss(fn: Callable, inp: LossInput, name: str = "") -> tuple[Tensor, dic
     return loss.reshape(()), clean
 
 
-def resolve_loss_function(config_name: str, loss_fn: Callable | None = None) -> Callable[[LossInput], tuple] | None:
+def resolve_loss_function(config_name: str, loss_fn: Callable | None = None,
+                          warn: Callable[[str], None] | None = None) -> Callable[[LossInput], tuple] | None:
     """The typed loss the trainer calls: ``loss_fn`` (Python) or ``loss.function`` (config), datum-signature
-    functions wrapped by :func:`as_typed`; None for the built-in objective."""
+    functions wrapped so that they receive the step's beta as their coefficient keyword (``warn`` is told when
+    such a function has none); None for the built-in objective."""
     if loss_fn is not None and config_name:
         raise ConfigError(f"both loss.function={config_name!r} and GRPOTrainer(loss_fn=...) are set; keep one")
     fn = loss_fn if loss_fn is not None else (load_loss_function(config_name) if config_name else None)
     if fn is None:
         return None
-    return fn if signature_of(fn, config_name) == "typed" else as_typed(fn)
+    if signature_of(fn, config_name) == "typed":
+        return fn
+    coef = coefficient_name(fn)
+    if not coef:
+        if warn is not None:
+            warn(f"the loss function {config_name or getattr(fn, '__name__', 'loss')} takes no KL-coefficient "
+                 f"keyword ({', '.join(COEFFICIENT_NAMES)}): kl.coef and the controller's beta do not reach it")
+        return as_typed(fn)
+
+    def with_beta(inp: LossInput):  # the step's beta (kl.coef or the controller's value), not fn's own default
+        return fn(*datums_from_input(inp), **{coef: inp.beta})
+    with_beta.__name__ = getattr(fn, "__name__", "loss")
+    with_beta.coefficient = coef
+    return with_beta
+
+
+def coefficient_name(fn: Callable) -> str:
+    """The first of :data:`COEFFICIENT_NAMES` that ``fn`` takes as a keyword, or ""."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ""
+    return next((n for n in COEFFICIENT_NAMES if n in params
+                 and params[n].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)), "")

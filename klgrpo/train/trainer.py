@@ -93,7 +93,8 @@ class GRPOTrainer:
         self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
-        self.loss_fn = resolve_loss_function(cfg.loss.function, loss_fn)  # None: the built-in objective
+        self.loss_fn = resolve_loss_function(  # None: the built-in objective
+            cfg.loss.function, loss_fn, warn=(lambda w: log(f"warning: {w}")) if self.dist.is_main else None)
         self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
         self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"

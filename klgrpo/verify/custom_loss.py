@@ -43,14 +43,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from klgrpo.core.loss_api import LossInput, as_typed, call_loss, signature_of
+from klgrpo.core.loss_api import COEFFICIENT_NAMES, LossInput, as_typed, call_loss, signature_of
 from klgrpo.errors import ConfigError
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.penalty import GRADIENT_RTOL, classify_gradient
 
-#: Keyword names recognised as the KL coefficient of a datum-signature loss.
-COEFFICIENT_NAMES = ("kl_coef", "beta", "kl_beta", "kl_weight", "kl_coeff", "coef")
 #: The two coefficients of the scaling (any distinct values: the KL part is linear in a sound loss).
 COEFFICIENTS = (1.0, 2.0)
 #: |value_over_kl -+ 1| below this reads as estimating +-KL (float64 enumeration errors are ~1e-15).
