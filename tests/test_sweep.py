@@ -136,6 +136,23 @@ def test_finished_runs_are_skipped(fake_trainer, tmp_path, monkeypatch):
     assert second[0].summary["eval_after"]["addition"] == pytest.approx(0.4)
 
 
+def test_demo_override_equal_to_the_library_default_is_a_new_cell(fake_trainer, tmp_path):
+    """The demo trains with the replay anchor on (kl.replay.coef 1); --kl.replay.coef 0 equals the library default
+    but turns the anchor off, so a finished run without it must not be reused (the cell's identity is the demo's
+    resolved config). Repeating the demo's own value is the same config and is reused."""
+    cells = cells_of(parse_grid(["kl.coef=0.2"]))
+    assert [r.status for r in run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)] == ["finished"]
+    off = run_sweep(cells, [0], tmp_path / "s", None, ["--kl.replay.coef", "0"], log=quiet)
+    assert [r.status for r in off] == ["finished"]  # trained again, not "skipped"
+    assert off[0].summary["args"]["kl.replay.coef"] == "0"
+    same = run_sweep(cells, [0], tmp_path / "s", None, ["--kl.replay.coef", "0"], log=quiet)
+    assert [r.status for r in same] == ["skipped"]
+    run = Run(cells[0], 0, tmp_path / "r")
+    assert sweep.run_identity(run, None, ["--kl.replay.coef", "1"]) == sweep.run_identity(run, None, [])
+    argv = sweep.run_argv(run, None, [])[len(sweep.train_argv_prefix()):]
+    assert sweep.resolved_train_config(argv).kl.replay.coef == 1.0
+
+
 def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):
     cells = cells_of(parse_grid(["kl.coef=0,0.2", "kl.replay.coef=0,1"]))
     serial = build_table(run_sweep(cells, [0, 1], tmp_path / "a", None, [], jobs=1, log=quiet))

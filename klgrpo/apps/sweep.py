@@ -207,20 +207,34 @@ def run_argv(run: Run, config: str | None, extra: list[str], overwrite: bool = F
 
 
 def run_identity(run: Run, config: str | None, extra: list[str]) -> str:
-    """SHA-256 of the run's fully resolved config (defaults < config file < sweep defaults < extra < cell <
-    seed), without its output folder; of the argument list when it does not resolve (the run will fail)."""
+    """SHA-256 of the config the run trains with, fully resolved (defaults < config file < sweep defaults <
+    extra < cell < seed; for the demo its own defaults < the same arguments, as ``klgrpo train --print-config``
+    shows them), without its output folder; of the argument list when it does not resolve (the run will fail).
+    An override equal to the library default still changes a demo run whose default differs."""
     import hashlib
-
-    from klgrpo.apps.args import parse_args as parse_train_args
 
     argv = run_argv(run, config, extra)[len(train_argv_prefix()):]
     try:
-        resolved = parse_train_args(argv)[0].to_dict()
+        resolved = resolved_train_config(argv).to_dict()
         resolved["train"].pop("output_dir", None)
-        payload = {"demo": not resolved["model"]["name_or_path"], "config": resolved}
+        payload = {"config": resolved}
     except KLGRPOError:
         payload = {"argv": argv[:-2]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def resolved_train_config(argv: list[str]):
+    """The config ``klgrpo train ARGV`` trains with: with no model configured, the demo's (its defaults and its
+    adaptations laid under the arguments; the assets are located, not built)."""
+    from klgrpo.apps.args import parse_args as parse_train_args
+
+    cfg = parse_train_args(argv)[0]
+    if cfg.model.name_or_path:
+        return cfg
+    from klgrpo.apps.demo.assets import planned_demo_assets
+    from klgrpo.apps.demo_run import demo_args
+
+    return demo_args(argv, planned_demo_assets(seed=cfg.train.seed), cfg.train.seed)[0]
 
 
 def _finished_identity(run_dir: Path) -> str | None:
