@@ -63,6 +63,39 @@ def test_fresh_run_into_a_run_folder_is_refused_and_overwrite_replaces_it(tiny_m
     assert len(read_metrics(out)) == 1 and (out / "notes.txt").read_text() == "mine"  # user files stay
 
 
+FLAKY_REWARD = """
+import pathlib
+CALLS = pathlib.Path(__file__).with_name("calls.txt")
+
+def flaky(prompts, completions, **kw):
+    n = int(CALLS.read_text()) if CALLS.exists() else 0
+    CALLS.write_text(str(n + 1))
+    if n == 1:
+        raise ValueError("the grader went away")
+    return [float("0" in c) for c in completions]
+"""
+
+
+def test_run_that_failed_before_its_first_checkpoint_names_only_remedies_that_work(tiny_model_dir, addition_file,
+                                                                                    tmp_path, capsys):
+    """A run that fails at step 2 (its reward raises) leaves step 1's metrics row and no checkpoint: the next fresh
+    run is refused without the impossible --resume latest, and --overwrite (the remedy it names) works."""
+    reward = tmp_path / "flaky_reward.py"
+    reward.write_text(FLAKY_REWARD)
+    out = tmp_path / "run"
+    args = _base_args(tiny_model_dir, addition_file, out, "--rewards.functions", f"[{{name: '{reward}:flaky'}}]")
+    code, _, err = _cli(args, capsys)
+    assert code == 2 and "the grader went away" in err
+    assert [r["step"] for r in read_metrics(out)] == [1] and not (out / "checkpoints").exists()
+    code, _, err = _cli(args, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "stopped before its first checkpoint" in err and "--overwrite" in err and "--output-dir" in err
+    assert "--resume" not in err
+    code, _, err = _cli([*args, "--overwrite"], capsys)  # the grader works again after its second call
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out) if "train/loss" in r] == [1, 2]
+
+
 def test_resume_without_config_uses_the_run_folder_config(tiny_model_dir, addition_file, tmp_path, capsys):
     out = tmp_path / "run"
     args = _base_args(tiny_model_dir, addition_file, out, "--train.save_every", "1")

@@ -108,6 +108,9 @@ def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = F
         raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
     if not resume:
         if holds_run(run_dir) and not overwrite:
+            if not list_checkpoints(run_dir):  # nothing to resume: name only the remedies that work
+                raise ConfigError(f"{run_dir} holds a run that stopped before its first checkpoint (nothing to "
+                                  f"resume); replace it with --overwrite or start a new one with another --output-dir")
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, start a new one "
                               f"with another --output-dir, or replace it with --overwrite")
         return []
