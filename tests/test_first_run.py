@@ -121,6 +121,32 @@ def test_users_adaptive_controller_at_coef_0_names_the_fix(run_yaml, tmp_path, c
     assert code == 2 and "kl.controller fixed" in err and len(err.strip().splitlines()) == 1
 
 
+# ------------------------------------------------------------------------------------- several processes
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_demo_banners_come_from_rank_0_only(monkeypatch, tmp_path, tiny_demo, capsys, rank):
+    """Under `accelerate launch` every process runs the demo: rank 0 prints the banners and the trainer's lines,
+    another rank prints nothing (the trainer stands in: a fake that logs one line and is not the main rank)."""
+    from klgrpo.train import trainer as trainer_module
+
+    class FakeTrainer:
+        def __init__(self, cfg, log):
+            log("building the reference model")
+            self.dist = type("Dist", (), {"is_main": False})()
+
+        def train(self, **_):
+            return {}
+
+    monkeypatch.setattr(trainer_module, "GRPOTrainer", FakeTrainer)
+    monkeypatch.setenv("RANK", rank)
+    assert demo_run.run_demo(["--output-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    if rank == "0":
+        assert out.count("klgrpo demo:") == 1 and "  1/3 SFT" in out and "  2/3 GRPO" in out
+        assert "      building the reference model" in out
+    else:
+        assert out == ""
+
+
 # ---------------------------------------------------------------------------------------- README lines
 COMMAND = re.compile(r"klgrpo (?:train|sweep|verify-kl|report)\b[^`&|#]*")
 
@@ -202,3 +228,18 @@ def test_every_readme_command_runs(monkeypatch, tmp_path, tiny_demo, run_yaml, c
         code = _run_readme_line(command, run_yaml, tmp_path)
         captured = capsys.readouterr()
         assert code == 0, f"{command!r} exited {code}: {captured.err[-2000:]}"
+
+
+def test_launcher_commands_in_the_docs_use_shipped_files():
+    """Every `accelerate launch` line of README.md and docs/ names an accelerate config and a run config that the
+    repository ships (the commands run as written from the repository root)."""
+    root = README.parent
+    launches = [(path.name, line) for path in [README, *sorted((root / "docs").glob("*.md"))]
+                for line in path.read_text().splitlines() if line.lstrip().startswith("accelerate launch")]
+    assert len(launches) >= 5
+    for name, line in launches:
+        files = re.findall(r"--config(?:_file)? (\S+)", line)
+        assert files, f"{name}: {line}"
+        for file in files:
+            assert (root / file).is_file(), f"{name}: {file} is not shipped ({line})"
+

@@ -16,6 +16,7 @@ goes off with ``--kl.replay.coef 0``.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from klgrpo.train.config import GRPOConfig
@@ -69,8 +70,10 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
 
     t0 = time.perf_counter()
     seed = parse_args(argv)[0].train.seed
+    # Under `accelerate launch` every process runs this: the banners and progress lines come from rank 0 only.
+    say = print if os.environ.get("RANK", "0") == "0" else _silent
     if not print_config:  # before the imports of torch and transformers, which take seconds
-        print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.", flush=True)
+        say("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.", flush=True)
     from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
 
     if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
@@ -79,20 +82,20 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
         return 0
     from klgrpo.train.trainer import GRPOTrainer
 
-    print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
-    assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
+    say("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
+    assets = prepare_demo_assets(seed=seed, log=lambda m: say(f"      {m}"))
     cfg, note = demo_args(argv, assets, seed)
     if note:
-        print(f"      {note}")
-    print(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
-          f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
-          f"{HELD_OUT} is never trained")
+        say(f"      {note}")
+    say(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
+        f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
+        f"{HELD_OUT} is never trained")
     if cfg.kl.replay.coef > 0:
-        print(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
-              f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
-    trainer = GRPOTrainer(cfg, log=lambda m: print(f"      {m}"))
+        say(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
+            f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
+    trainer = GRPOTrainer(cfg, log=lambda m: say(f"      {m}"))
     summary = trainer.train(resume=resume, overwrite=overwrite)
-    if not trainer.dist.is_main:  # under torchrun the summary is written and printed once, by rank 0
+    if not trainer.dist.is_main:  # under a launcher the summary is written and printed once, by rank 0
         return 0
     print("  3/3 greedy evaluation on held-out prompts, before and after")
     before, after = summary["eval_before"], summary["eval_after"]
@@ -107,6 +110,10 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(summary, run_dir)
     return 0
+
+
+def _silent(*_args, **_kwargs) -> None:
+    pass
 
 
 def _last(run_dir, name: str):
