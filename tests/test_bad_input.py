@@ -115,6 +115,8 @@ CASES = [
     ("config_not_utf8", lambda c: c.base("--config", str(c.file("c.yaml", b"kl:\n  coef: \xff\n"))),
      ["c.yaml", "UTF-8"]),
     ("config_bad_yaml", lambda c: c.base("--config", str(c.file("c.yaml", "kl: [\n"))), ["c.yaml is not valid YAML"]),
+    ("config_tab_indent", lambda c: c.base("--config", str(c.file("c.yaml", "kl:\n\tcoef: 0.1\n"))),
+     ["c.yaml, line 2 column 1", "a tab character", "use spaces"]),
     ("config_a_list", lambda c: c.base("--config", str(c.file("c.yaml", "- 1\n"))), ["c.yaml must hold a mapping"]),
     ("config_unknown_field", lambda c: c.base("--config", str(c.file("c.yaml", "kl:\n  coeff: 1\n"))),
      ["kl.coeff", "c.yaml", "did you mean kl.coef"]),

@@ -282,7 +282,7 @@ class GRPOConfig:
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+            raise ConfigError(_yaml_error(path, exc)) from None
         except (UnicodeDecodeError, OSError) as exc:
             raise ConfigError(f"config file {path} cannot be read as UTF-8 text ({type(exc).__name__}); "
                               f"save it as UTF-8 YAML") from None
@@ -320,6 +320,15 @@ class GRPOConfig:
         from klgrpo.train.validation import validate_config
 
         return validate_config(self)
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line for a YAML file that does not parse; a tab (YAML indents with spaces only) is named as such."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f", line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    if "'\\t'" in str(exc):  # PyYAML: found character '\t' that cannot start any token
+        return f"config file {path}{where}: a tab character; YAML indents with spaces only: use spaces instead of tabs"
+    return f"config file {path} is not valid YAML{where}: {' '.join(str(exc).split())}"
 
 
 def _deep_merge(base: dict, update: dict) -> dict:
