@@ -315,11 +315,12 @@ class GRPOConfig:
                                   ) from None
         return GRPOConfig.from_dict(data, origin=origin)
 
-    def validate(self) -> list[str]:
-        """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones."""
+    def validate(self, dataset_given: bool = False) -> list[str]:
+        """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones
+        (``dataset_given``: the prompts come from Python, data.source may be empty)."""
         from klgrpo.train.validation import validate_config
 
-        return validate_config(self)
+        return validate_config(self, dataset_given)
 
 
 def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:

@@ -73,7 +73,7 @@ class GRPOTrainer:
         hf_logging.disable_progress_bar()  # per-shard save/load bars would break the step progress bar
         self.cfg = config
         self.log = log
-        self.warnings = config.validate()
+        self.warnings = config.validate(dataset_given=train_dataset is not None)
         for w in self.warnings:
             log(f"warning: {w}")
         cfg = config

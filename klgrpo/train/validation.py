@@ -64,7 +64,8 @@ def validate_full_kl(cfg: "GRPOConfig") -> None:
                                  "use a per-token estimator with your own loss")
 
 
-def validate_config(cfg: "GRPOConfig") -> list[str]:
+def validate_config(cfg: "GRPOConfig", dataset_given: bool = False) -> list[str]:
+    """``dataset_given``: the prompts come from Python (GRPOTrainer's train_dataset), data.source may be empty."""
     warnings: list[str] = []
 
     need = _need
@@ -113,7 +114,7 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
          "reference checkpoint cannot be synced from adapter weights)")
     need(not (cfg.model.gguf_file and not cfg.model.name_or_path),
          "model.gguf_file needs model.name_or_path: the folder that holds the GGUF file")
-    if cfg.model.name_or_path:
+    if cfg.model.name_or_path and not dataset_given:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
                                     "model.name_or_path empty to run the embedded demo)")
     need(len(cfg.rewards.functions) > 0, "rewards.functions is empty: name at least one reward function")
