@@ -232,3 +232,34 @@ def test_micro_batches_that_split_groups_train(tiny_model_dir, addition_file, tm
     GRPOTrainer(cfg, log=quiet).train()
     rows = [r for r in read_metrics(tmp_path / "split") if "train/loss" in r]
     assert len(rows) == 2 and all(math.isfinite(r["train/loss"]) for r in rows)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3_st"])
+def test_kl_min_and_mean_logps_equal_the_batch_computed_by_hand(tiny_model_dir, addition_file, tmp_path, estimator):
+    """kl/min, logp/policy_mean and logp/reference_mean of one update, against the same quantities computed from
+    the batch with a separate forward (the policy moved off the reference first, so l != 0); micro-batches of 4."""
+    from klgrpo.core.forward import completion_logprobs
+    from klgrpo.math.kl import ESTIMATORS
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", kl={"estimator": estimator},
+                      train={"micro_batch_size": 4})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    torch.manual_seed(0)
+    batch = trainer.make_batch()
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        logp, _ = completion_logprobs(trainer.model, batch.rollout, cfg.rollout.temperature)
+    mask = batch.loss_mask.bool()
+    l_BT = logp - batch.ref_logp
+    metrics, _ = trainer._update(batch)
+    n = mask.sum().item()
+    assert metrics["logp/policy_mean"] == pytest.approx(logp[mask].sum().item() / n, rel=1e-5)
+    assert metrics["logp/reference_mean"] == pytest.approx(batch.ref_logp[mask].sum().item() / n, rel=1e-5)
+    assert metrics["logp/policy_mean"] - metrics["logp/reference_mean"] == pytest.approx(metrics["kl/k1"], abs=1e-5)
+    expected_min = ESTIMATORS[estimator].fn(l_BT, cfg.kl.log_ratio_clamp)[mask].min().item()
+    assert metrics["kl/min"] == pytest.approx(expected_min, rel=1e-4, abs=1e-7)
+    if estimator == "k1":
+        assert metrics["kl/min"] < 0  # some token is now less likely under the policy than under the reference
+    else:
+        assert 0 <= metrics["kl/min"] <= metrics["kl/max"]

@@ -199,6 +199,8 @@ def _record_kl_monitors(sums: dict[str, Tensor], maxes: dict[str, Tensor], penal
     for name, value in zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()):
         sums[name] = value
     maxes["k3"] = masked[4].max()  # the heavy-tailed estimator's spikes
+    # kl/min: the smallest per-token KL the loss uses (negative for k1; for k2, k3 a negative value is a bug)
+    maxes["negated_raw_kl"] = torch.where(mask > 0, -penalty.raw_BT.detach(), float("-inf")).max()
     sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
     if kl.shaping == "clip":
         sums["shaping_clip"] = clip_fraction(penalty.raw_BT, mask, kl.clip_threshold) * mask.sum()

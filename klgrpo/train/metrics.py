@@ -67,6 +67,13 @@ GLOSSARY: dict[str, str] = {
     "kl/k3": "mean per token of k3 = exp(-l) + l - 1 (unbiased, >= 0), on the same tokens as kl/k1",
     "kl/max": "max over the step's completion tokens of k3, with |l| clamped at the k3 guard (default 20): "
               "the spikes of the heavy-tailed estimator",
+    "kl/min": "min over the step's loss-mask tokens of the configured estimator's per-token KL value (the one "
+              "adaptive_kl/raw_kl averages): negative for k1 (a token the policy makes less likely than the "
+              "reference); for k2, k3, k3_st and full a negative value means a bug",
+    "logp/policy_mean": "mean per loss-mask token of log pi(y_t), the policy's log-prob of the sampled token "
+                        "(at the sampling temperature, with the weights of the update)",
+    "logp/reference_mean": "mean per loss-mask token of log pi_ref(y_t) on the same tokens: "
+                           "logp/policy_mean - logp/reference_mean = kl/k1",
     "kl/clamp_frac": "fraction of completion tokens whose |l| exceeded the k3 guard (clamped; no KL gradient there)",
     "kl/shaping_clip_frac": "fraction of completion tokens whose KL exceeded kl_clip_threshold under the clip "
                             "shaping (zero KL gradient there); 0 for other shapings",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,8 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
         "reward": batch.rewards.sum(), "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
         "advantage_abs": batch.advantages.abs().sum(),
     })
+    if batch.ref_logp is not None:  # logp/reference_mean; the policy's sum comes with the micro-batches' sums
+        local["logp_reference"] = (batch.ref_logp.float() * batch.loss_mask).sum()
     for name, values in batch.reward_columns.items():
         local[f"rewards/{name}"] = values.to(device).float().sum()
     local_max = dict(maxes, length=lengths.max())
@@ -54,6 +58,8 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
         "entropy": values["entropy"] / max(values["completion_tokens"], 1.0), "grad_norm": float(grad_norm),
     }
     metrics.update({k: v / n_seq for k, v in values.items() if k.startswith("rewards/")})
+    if "logp_policy" in values:
+        metrics["logp/policy_mean"] = values["logp_policy"] / n_tok_safe
     if batch.ref_logp is not None:
         metrics.update({
             "train/kl_penalty": values.get("loss_kl_penalty", 0.0) + values.get("reward_kl_penalty", 0.0) / n_seq,
@@ -61,6 +67,8 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
             "adaptive_kl/adapted_kl": values["adapted_kl"] / n_tok_safe,
             "kl/k1": values["k1"] / n_tok_safe, "kl/k2": values["k2"] / n_tok_safe, "kl/k3": values["k3"] / n_tok_safe,
             "kl/max": values["max/k3"], "kl/clamp_frac": values["clamp"] / n_tok_safe,
+            "kl/min": -values["max/negated_raw_kl"] if math.isfinite(values["max/negated_raw_kl"]) else 0.0,
+            "logp/reference_mean": values["logp_reference"] / n_tok_safe,
             "kl/sequence_sum": values["k1"] / n_seq,
         })
         metrics.update(percentiles)

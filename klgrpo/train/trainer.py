@@ -248,6 +248,7 @@ class GRPOTrainer:
             for k, v in out.maxes.items():
                 maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
             sums["loss"] = sums.get("loss", 0.0) + loss.detach()
+            sums["logp_policy"] = sums.get("logp_policy", 0.0) + (logp.detach() * batch.loss_mask[sl]).sum()
             entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
             if out.token_kl is not None:  # per-token values for the KL percentiles
                 token_kl.append(out.token_kl)
