@@ -176,6 +176,12 @@ class KLConfig:
     sync_alpha: float = _f(1.0, "reference sync mix: ref <- alpha * policy + (1 - alpha) * ref (1.0: copy)")
     monitor: bool = _f(True, "compute and log KL metrics even when coef is 0")
     dump_every: int = _f(0, "save per-token logp/ref_logp every N steps to kl_dumps/ for verify-kl --from-run")
+    warn_above: float = _f(0.2, "warning sign: a console line and a TensorBoard text entry when a window's mean "
+                                "per-token KL (adaptive_kl/raw_kl) is above this and rising: the policy is drifting "
+                                "(0: off)")
+    warn_below: float = _f(0.01, "warning sign: the same when a window's mean KL is below this, from the second "
+                                 "window on: the policy is not learning (0: off)")
+    warn_window: int = _f(20, "steps per window of the KL warning signs")
     replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 

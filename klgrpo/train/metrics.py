@@ -268,6 +268,12 @@ class MetricsLogger:
         """Print a line above the progress bar (also when the bar is off)."""
         tqdm.write(str(text))
 
+    def text(self, name: str, text: str, step: int) -> None:
+        """A text entry at ``step`` (TensorBoard's Text tab), e.g. a warning sign."""
+        if self._writer is not None:
+            self._writer.add_text(name, text, global_step=int(step))
+            self._writer.flush()
+
     def close(self) -> None:
         if self._closed:
             return

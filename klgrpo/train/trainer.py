@@ -44,6 +44,7 @@ from klgrpo.core.batch import StepBatch
 from klgrpo.train.step_metrics import step_metrics
 from klgrpo.train.timing import phase_timer as _timed
 from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
+from klgrpo.train.kl_watch import KLWatch
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
 from klgrpo.train.state_io import to_device
@@ -127,6 +128,7 @@ class GRPOTrainer:
             self.engine.prepare_reference(self.reference)
         self.step = 0
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
+        self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
         self._batch: StepBatch | None = None
         self._stop_reason = ""
         self._eval_before: dict[str, float] = {}
@@ -388,7 +390,8 @@ class GRPOTrainer:
         return {"optimizer": self.engine.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
-                "eval_before": self._eval_before, "guard": self.guard.state_dict()}
+                "eval_before": self._eval_before, "guard": self.guard.state_dict(),
+                "kl_watch": self.kl_watch.state_dict()}
 
     def save(self) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
@@ -413,6 +416,7 @@ class GRPOTrainer:
         if self._batch is not None:
             self._batch = to_device(self._batch, self.device)
         self.guard.load_state_dict(state.get("guard"))
+        self.kl_watch.load_state_dict(state.get("kl_watch"))
         if self._batch is not None and len(state.get("rng_by_rank", [None])) != self.dist.world_size:
             self._batch = None  # a half-used batch belongs to the old process layout: draw a new one
         if self.replay is not None and state.get("replay") is not None:
@@ -471,6 +475,9 @@ class GRPOTrainer:
                     if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                         metrics.update(self.evaluate())
                     logger.log(self.step, metrics)
+                    for line in self.kl_watch.observe(self.step, metrics.get("adaptive_kl/raw_kl")):
+                        logger.message(line)
+                        logger.text("warnings/kl", line, self.step)
                     history.append(metrics)
                     stop = self._should_stop(metrics, start)
                     if cfg.train.save_every and self.step % cfg.train.save_every == 0 and not stop:
@@ -574,6 +581,9 @@ class _SilentLogger:
         pass
 
     def message(self, text):
+        pass
+
+    def text(self, name, text, step):
         pass
 
 

@@ -169,6 +169,9 @@ _LOWER_BOUNDS = (
     ("kl.schedule_steps", 0, True, "0: never"),
     ("kl.clip_threshold", 0, False, ""),
     ("kl.dump_every", 0, True, "0: never"),
+    ("kl.warn_above", 0, True, "0: off"),
+    ("kl.warn_below", 0, True, "0: off"),
+    ("kl.warn_window", 1, True, ""),
     ("kl.replay.temperature", 0, False, ""),
     ("eval.every", 0, True, "0: before and after training only"),
     ("eval.max_new_tokens", 0, True, "0: rollout.max_new_tokens"),
@@ -197,6 +200,8 @@ def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
     need(0 <= loss.eps_low < 1, f"loss.eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
                                 f"got {loss.eps_low!r}")
     need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
+    need(not (k.warn_above > 0 and k.warn_below >= k.warn_above),
+         f"kl.warn_below ({k.warn_below:g}) must be below kl.warn_above ({k.warn_above:g}); set either to 0 to turn it off")
     need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
     need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")
     for i, f in enumerate(cfg.rewards.functions):

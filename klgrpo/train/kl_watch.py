@@ -1,0 +1,69 @@
+"""The KL's warning signs, watched over windows of steps (``kl.warn_above``, ``kl.warn_below``, ``kl.warn_window``).
+
+The steps are cut into consecutive windows of ``window`` steps (1..W, W+1..2W, ...); at the end of each window its
+mean per-token KL (``adaptive_kl/raw_kl``) is compared with the two bands:
+
+    drifting      mean > warn_above and above the previous window's mean (the KL keeps growing)
+    not learning  mean < warn_below, from the second window on (every run starts at the reference, KL = 0)
+
+A sign is announced when a window enters it (once, not at every window it stays in) and again only after a window
+outside it. 0 turns a band off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+DRIFTING, NOT_LEARNING = "drifting", "not_learning"
+
+
+class KLWatch:
+    def __init__(self, warn_above: float, warn_below: float, window: int):
+        self.warn_above, self.warn_below, self.window = warn_above, warn_below, max(1, int(window))
+        self._values: list[float] = []
+        self._previous_mean: float | None = None
+        self._windows_done = 0
+        self._active: set[str] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.warn_above > 0 or self.warn_below > 0
+
+    def observe(self, step: int, kl: float | None) -> list[str]:
+        """Record the step's KL; at a window's end return the lines of the signs that begin there."""
+        if not self.enabled or kl is None or not math.isfinite(kl):
+            return []
+        self._values.append(float(kl))
+        if len(self._values) < self.window:
+            return []
+        mean = sum(self._values) / len(self._values)
+        first, previous = step - len(self._values) + 1, self._previous_mean
+        self._values, self._previous_mean = [], mean
+        self._windows_done += 1
+        signs = {}
+        if self.warn_above > 0 and mean > self.warn_above and previous is not None and mean > previous:
+            signs[DRIFTING] = (f"KL warning at step {step}: the KL is {mean:.4g} per token (mean of steps {first}-{step}) "
+                               f"and rising (previous window {previous:.4g}), above kl.warn_above {self.warn_above:g}: "
+                               f"the policy is drifting from the reference; raise kl.coef, lower optim.lr, or use an "
+                               f"adaptive kl.controller")
+        if self.warn_below > 0 and mean < self.warn_below and self._windows_done > 1:
+            signs[NOT_LEARNING] = (f"KL warning at step {step}: the KL is {mean:.4g} per token (mean of steps "
+                                   f"{first}-{step}), below kl.warn_below {self.warn_below:g}: the policy is barely "
+                                   f"moving from the reference (not learning); check train/reward_std (no spread, "
+                                   f"no signal), raise optim.lr, or lower kl.coef")
+        new = [text for name, text in signs.items() if name not in self._active]
+        self._active = set(signs)
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self._values), "previous_mean": self._previous_mean,
+                "windows_done": self._windows_done, "active": sorted(self._active)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self._values = [float(v) for v in state.get("values", [])]
+        self._previous_mean = state.get("previous_mean")
+        self._windows_done = int(state.get("windows_done", 0))
+        self._active = set(state.get("active", []))

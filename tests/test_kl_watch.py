@@ -1,0 +1,73 @@
+"""The KL warning signs: windows, bands and announcements on scripted KL sequences (means by hand), the
+defaults' bands, and a run that writes the console line and the TensorBoard text entry."""
+
+from __future__ import annotations
+
+import pytest
+
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.kl_watch import KLWatch
+from klgrpo.train.trainer import GRPOTrainer
+
+from tests.helpers.configs import make_config, quiet
+
+
+def _feed(watch: KLWatch, kls: list[float]) -> dict[int, list[str]]:
+    return {step: lines for step, kl in enumerate(kls, start=1) if (lines := watch.observe(step, kl))}
+
+
+def test_defaults_are_the_tutorial_bands():
+    kl = GRPOConfig().kl
+    assert (kl.warn_above, kl.warn_below, kl.warn_window) == (0.2, 0.01, 20)
+
+
+def test_drifting_needs_above_and_rising_and_is_announced_once():
+    watch = KLWatch(warn_above=0.2, warn_below=0.0, window=2)
+    # window means: (0.1+0.3)/2 = 0.2 (not above), (0.25+0.35)/2 = 0.3 (above, rising from 0.2), 0.4 (still in:
+    # silent), 0.3 (above but falling: out), 0.5 (rising again: announced again)
+    out = _feed(watch, [0.1, 0.3, 0.25, 0.35, 0.4, 0.4, 0.3, 0.3, 0.5, 0.5])
+    assert sorted(out) == [4, 10]
+    assert "step 4" in out[4][0] and "0.3 per token (mean of steps 3-4)" in out[4][0]
+    assert "previous window 0.2" in out[4][0] and "kl.warn_above 0.2" in out[4][0] and "drifting" in out[4][0]
+    # the first window can never be "rising": nothing to compare with
+    assert _feed(KLWatch(0.2, 0.0, 2), [0.9, 0.9]) == {}
+
+
+def test_not_learning_skips_the_first_window():
+    watch = KLWatch(warn_above=0.0, warn_below=0.01, window=3)
+    # window means: 0 (first window: the run starts at the reference), 0.005 (below: announced), 0.02 (out), 0.002
+    out = _feed(watch, [0, 0, 0, 0.005, 0.005, 0.005, 0.02, 0.02, 0.02, 0.002, 0.002, 0.002])
+    assert sorted(out) == [6, 12]
+    assert "0.005 per token (mean of steps 4-6)" in out[6][0] and "not learning" in out[6][0]
+
+
+def test_off_and_state_round_trip():
+    assert _feed(KLWatch(0.0, 0.0, 1), [5.0, 0.0, 9.0]) == {}
+    a, b = KLWatch(0.2, 0.01, 2), KLWatch(0.2, 0.01, 2)
+    _feed(a, [0.1, 0.3, 0.25])  # mid-window
+    b.load_state_dict(a.state_dict())
+    assert a.observe(4, 0.35) == b.observe(4, 0.35) != []
+
+
+def test_bands_are_validated():
+    from klgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kl.warn_below \(0.3\) must be below kl.warn_above \(0.2\)"):
+        GRPOConfig.from_dict({"kl": {"warn_below": 0.3}, "data": {"source": "x.jsonl"}}).validate()
+    with pytest.raises(ConfigError, match="kl.warn_window must be >= 1"):
+        GRPOConfig.from_dict({"kl": {"warn_window": 0}}).validate()
+
+
+def test_a_sign_reaches_the_console_and_tensorboard(tiny_model_dir, addition_file, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 3},
+                      kl={"warn_above": 0.0, "warn_below": 100.0, "warn_window": 1},  # any KL is "below"
+                      logging={"tensorboard": True, "progress": False, "plots": False})
+    GRPOTrainer(cfg, log=quiet).train()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("KL warning")]
+    assert len(lines) == 1 and lines[0].startswith("KL warning at step 2:")  # window 1 skipped; 3 stays in
+    events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0}).Reload()
+    texts = events.Tensors("warnings/kl/text_summary")
+    assert [t.step for t in texts] == [2]
+    assert texts[0].tensor_proto.string_val[0].decode() == lines[0]
