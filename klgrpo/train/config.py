@@ -248,7 +248,12 @@ class TrainConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = _f(True, "write TensorBoard event files to <run>/tb")
+    report_to: list = _f(["tensorboard"], "experiment trackers that get every metric (same names and steps as "
+                                          "metrics.jsonl), through accelerate's: tensorboard, trackio, wandb, mlflow, "
+                                          "aim, comet_ml, clearml, dvclive, swanlab ([]: metrics.jsonl only); "
+                                          "docs/metrics.md")
+    project: str = _f("klgrpo", "the trackers' project (Trackio, W&B) or experiment (MLflow) name")
+    tensorboard: bool = _f(True, "write TensorBoard event files to <run>/tb (false drops tensorboard from report_to)")
     progress: bool = _f(True, "show a progress bar with a one-line step summary")
     plots: bool = _f(True, "draw PNG plots into <run>/plots at the end")
 

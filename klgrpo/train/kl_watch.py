@@ -45,8 +45,8 @@ class KLWatch:
         if self.warn_above > 0 and mean > self.warn_above and previous is not None and mean > previous:
             signs[DRIFTING] = (f"KL warning at step {step}: the KL is {mean:.4g} per token (mean of steps {first}-{step}) "
                                f"and rising (previous window {previous:.4g}), above kl.warn_above {self.warn_above:g}: "
-                               f"the policy is drifting from the reference; raise kl.coef, lower optim.lr, or use an "
-                               f"adaptive kl.controller")
+                               f"the policy is drifting from the reference; raise kl.coef (kl.target with an adaptive "
+                               f"kl.controller) or lower optim.lr")
         if self.warn_below > 0 and mean < self.warn_below and self._windows_done > 1:
             signs[NOT_LEARNING] = (f"KL warning at step {step}: the KL is {mean:.4g} per token (mean of steps "
                                    f"{first}-{step}), below kl.warn_below {self.warn_below:g}: the policy is barely "

@@ -28,9 +28,9 @@ from typing import Any, Iterable, Mapping
 from tqdm.auto import tqdm
 
 from klgrpo.errors import KLGRPOError
+from klgrpo.train.trackers import TB_DIR
 
 METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
 #: The run summary the trainer writes at the end (read by `klgrpo report`, the demo and the sweep).
 SUMMARY_FILE = "summary.json"
 
@@ -189,6 +189,9 @@ class MetricsLogger:
         progress: bool = True,
         start_step: int = 0,
         summary_keys: Iterable[str] = DEFAULT_SUMMARY_KEYS,
+        report_to: Iterable[str] | None = None,
+        project: str = "klgrpo",
+        config: dict | None = None,
     ):
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
@@ -206,13 +209,14 @@ class MetricsLogger:
         self._t0 = time.monotonic()
         self._file = self.path.open("a", encoding="utf-8")
 
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        # The trackers (accelerate's): report_to, or TensorBoard alone; logging.tensorboard false drops TensorBoard.
+        names = [n for n in (report_to if report_to is not None else ["tensorboard"])
+                 if n != "tensorboard" or tensorboard]
+        self._trackers = None
+        if names:
+            from klgrpo.train.trackers import RunTrackers
 
-            # purge_step makes TensorBoard drop events from earlier sessions at steps >= purge_step.
-            purge_step = start_step + 1 if start_step else 0
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge_step)
+            self._trackers = RunTrackers(names, self.run_dir, project, config, start_step)
 
         self._bar = None
         if progress:
@@ -241,10 +245,8 @@ class MetricsLogger:
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
 
-        if self._writer is not None:
-            for name, value in values.items():
-                self._writer.add_scalar(name, value, global_step=step)
-            self._writer.flush()
+        if self._trackers is not None:
+            self._trackers.log(values, step)
 
         for name, value in values.items():
             if not math.isfinite(value) and name not in self._warned_nonfinite:
@@ -270,9 +272,8 @@ class MetricsLogger:
 
     def text(self, name: str, text: str, step: int) -> None:
         """A text entry at ``step`` (TensorBoard's Text tab), e.g. a warning sign."""
-        if self._writer is not None:
-            self._writer.add_text(name, text, global_step=int(step))
-            self._writer.flush()
+        if self._trackers is not None:
+            self._trackers.text(name, str(text), int(step))
 
     def close(self) -> None:
         if self._closed:
@@ -280,8 +281,8 @@ class MetricsLogger:
         self._closed = True
         if self._bar is not None:
             self._bar.close()
-        if self._writer is not None:
-            self._writer.close()
+        if self._trackers is not None:
+            self._trackers.finish()
         self._file.close()
 
     def __enter__(self) -> "MetricsLogger":

@@ -465,7 +465,8 @@ class GRPOTrainer:
         eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step
         history = StepTally()  # what the summary needs, not every row (constant memory per step)
         logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                                progress=cfg.logging.progress, start_step=self.step) if main else _SilentLogger())
+                                progress=cfg.logging.progress, start_step=self.step, report_to=cfg.logging.report_to,
+                                project=cfg.logging.project, config=cfg.to_dict()) if main else _SilentLogger())
         with logger:
             if eval_before and self.step == 0:
                 logger.log(0, eval_before)

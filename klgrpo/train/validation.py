@@ -181,6 +181,12 @@ _LOWER_BOUNDS = (
 )
 
 
+def active_trackers(cfg: "GRPOConfig") -> list:
+    """logging.report_to, without tensorboard when logging.tensorboard is false."""
+    names = cfg.logging.report_to
+    return [n for n in names if n != "tensorboard" or cfg.logging.tensorboard] if isinstance(names, list) else names
+
+
 def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
     """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
     import math
@@ -200,6 +206,9 @@ def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
     need(0 <= loss.eps_low < 1, f"loss.eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
                                 f"got {loss.eps_low!r}")
     need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
+    from klgrpo.train.trackers import check_report_to
+
+    check_report_to(active_trackers(cfg))
     need(not (k.warn_above > 0 and k.warn_below >= k.warn_above),
          f"kl.warn_below ({k.warn_below:g}) must be below kl.warn_above ({k.warn_above:g}); set either to 0 to turn it off")
     need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")

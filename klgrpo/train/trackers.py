@@ -1,0 +1,175 @@
+"""The experiment trackers a run reports to (``logging.report_to``), through accelerate's own tracker classes
+(``accelerate.tracking``): TensorBoard, Trackio, Weights & Biases, MLflow, Aim, Comet, ClearML, DVCLive, SwanLab.
+
+Every tracker gets the same metric names and steps as metrics.jsonl. Where each one writes:
+
+    tensorboard  <run>/tb (as before)
+    trackio      the Trackio project ``logging.project``, run named after the run folder; local store in
+                 $TRACKIO_DIR (default ~/.cache/huggingface/trackio), ``trackio show`` opens it
+    wandb        the W&B project ``logging.project``, files under <run>/wandb; WANDB_MODE=offline writes there
+                 only (``wandb sync`` uploads later)
+    mlflow       the MLflow experiment ``logging.project`` at $MLFLOW_TRACKING_URI (e.g. file:./mlruns)
+    others       their own defaults (their environment variables), project / run named as above
+
+A resumed run continues the same tracker run (the ids are kept in <run>/trackers.json) and logs each step once:
+TensorBoard drops what an interrupted session wrote after the checkpoint (purge_step), and the other trackers,
+which cannot drop logged points, are not sent a step again that an interrupted session already sent them (they
+keep that session's value for it; metrics.jsonl and TensorBoard hold the resumed run's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from klgrpo.errors import ConfigError
+
+#: logging.report_to names -> the package each needs (import name, and the pip name of klgrpo's extra or the package).
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow",
+                    "aim": "aim", "comet_ml": "comet_ml", "clearml": "clearml", "dvclive": "dvclive",
+                    "swanlab": "swanlab"}
+#: klgrpo's optional extras that install a tracker (pip install "klgrpo[NAME]").
+TRACKER_EXTRAS = ("trackio", "wandb", "mlflow")
+STATE_FILE = "trackers.json"
+TB_DIR = "tb"
+
+
+def check_report_to(names: list, field: str = "logging.report_to") -> None:
+    """Unknown names and trackers whose package is missing: one line each, with the install command."""
+    if not isinstance(names, list):
+        raise ConfigError(f"{field} must be a list of tracker names, e.g. [tensorboard, wandb]; got {names!r}")
+    for name in names:
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"{field}: unknown tracker {name!r}; choose from {', '.join(TRACKER_PACKAGES)} "
+                              f"([] for metrics.jsonl only)")
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise ConfigError(f"{field} names {name}, which this accelerate version has no tracker for: "
+                              f"pip install -U accelerate")
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            install = f'pip install "klgrpo[{name}]"' if name in TRACKER_EXTRAS else f"pip install {name}"
+            raise ConfigError(f"{field} names {name} but its package is not installed: {install}, or drop it "
+                              f"from {field}")
+
+
+def flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """The resolved config as dotted keys with scalar values (lists and dicts as JSON text): trackers' params."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key not in ("columns", "kwargs"):
+            out.update(flat_config(value, f"{prefix}{key}."))
+        elif isinstance(value, (bool, int, float, str)) or value is None:
+            out[f"{prefix}{key}"] = value
+        else:
+            out[f"{prefix}{key}"] = json.dumps(value, default=str)
+    return out
+
+
+class RunTrackers:
+    """The run's trackers. ``log(values, step)`` and ``text(name, text, step)`` go to each of them."""
+
+    def __init__(self, names: list[str], run_dir: Path, project: str, config: dict | None, start_step: int):
+        check_report_to(list(names))
+        from accelerate import PartialState
+
+        PartialState()  # accelerate's trackers log through its logging, which needs the state (a no-op once set)
+        self.run_dir = Path(run_dir)
+        self.state_path = self.run_dir / STATE_FILE
+        state = self._read_state() if start_step > 0 else {}
+        self.sent: dict[str, int] = {}   # the highest step each tracker got (kept in trackers.json)
+        self.floor: dict[str, int] = {}  # steps up to this one are not sent again (earlier sessions had them)
+        self.ids: dict[str, str] = {}
+        self.trackers = []
+        for name in dict.fromkeys(names):  # each once, in the order given
+            run_id = state.get(name, {}).get("id") or uuid.uuid4().hex[:16]
+            tracker = _make(name, self.run_dir, project, run_id, start_step)
+            tracker.main_process_only = False  # only rank 0 builds trackers
+            tracker.start()
+            # The config as the run's params (TensorBoard: config.yaml sits beside tb/). MLflow refuses a changed
+            # param, so a resume (which may change train.steps) keeps the first session's there.
+            if config and name != "tensorboard" and not (name == "mlflow" and start_step > 0):
+                tracker.store_init_configuration(flat_config(config))
+            self.trackers.append((name, tracker))
+            self.ids[name] = run_id
+            # A fresh run sends everything (step 0 too: the evaluation before training). A resumed one sends the
+            # steps after its checkpoint; TensorBoard purges the interrupted session's, the others skip them.
+            floor = start_step if start_step > 0 else -1
+            if name != "tensorboard":
+                floor = max(floor, int(state.get(name, {}).get("sent", -1)))
+            self.floor[name], self.sent[name] = floor, floor
+        self._write_state()
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for name, tracker in self.trackers:
+            if step > self.floor[name]:
+                tracker.log(dict(values), step=step)
+                self.sent[name] = max(self.sent[name], step)
+        self._write_state()
+
+    def text(self, name: str, text: str, step: int) -> None:
+        for tracker_name, tracker in self.trackers:
+            if step <= self.floor[tracker_name]:
+                continue
+            if tracker_name == "mlflow":  # MLflow's metrics are numbers only: the text is an artifact of the run
+                import mlflow
+
+                mlflow.log_text(text, f"{name}/step_{step}.txt")
+            else:
+                tracker.log({name: text}, step=step)
+
+    def finish(self) -> None:
+        for _, tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+    def _read_state(self) -> dict:
+        try:
+            data = json.loads(self.state_path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _write_state(self) -> None:
+        state = {name: {"id": self.ids[name], "sent": self.sent[name]} for name, _ in self.trackers}
+        tmp = self.state_path.with_name(STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_path)
+
+
+def _make(name: str, run_dir: Path, project: str, run_id: str, start_step: int):
+    from accelerate import tracking
+
+    run_name = run_dir.name
+    if name == "tensorboard":
+        # purge_step: TensorBoard drops what an interrupted session wrote at steps >= purge_step
+        return tracking.TensorBoardTracker(TB_DIR, str(run_dir), **({"purge_step": start_step + 1} if start_step
+                                                                      else {}))
+    if name == "wandb":
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        return tracking.WandBTracker(project, name=run_name, id=run_id, resume="allow", dir=str(run_dir))
+    if name == "trackio":
+        return tracking.TrackioTracker(project, name=f"{run_name}-{run_id[:8]}", resume="allow")
+    if name == "mlflow":
+        return tracking.MLflowTracker(experiment_name=project, run_name=run_name,
+                                      run_id=_mlflow_run_id(project, run_name, run_id))
+    cls = tracking.LOGGER_TYPE_TO_CLASS[name]
+    return cls(project)
+
+
+def _mlflow_run_id(project: str, run_name: str, key: str) -> str:
+    """The MLflow run of this run folder (tagged with its key): the one an earlier session started, else a new one."""
+    import mlflow
+
+    found = mlflow.search_runs(experiment_names=[project], filter_string=f"tags.klgrpo_run = '{key}'",
+                               output_format="list") if mlflow.get_experiment_by_name(project) else []
+    if found:
+        return found[0].info.run_id
+    mlflow.set_experiment(project)
+    run = mlflow.start_run(run_name=run_name, tags={"klgrpo_run": key})
+    mlflow.end_run()
+    return run.info.run_id
