@@ -1,4 +1,4 @@
-"""The ``klgrpo`` command: train | verify-kl | report | sweep.
+"""The ``klgrpo`` command: train | verify-kl | report | sweep | eval | kl.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
 shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "verify-kl": ("klgrpo.apps.verify_kl", "check every KL configuration's value and gradient against exact answers"),
     "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
+    "eval": ("klgrpo.apps.evaluate", "greedy accuracy of a checkpoint or model on the eval.sets of a config"),
 }
 
 

@@ -1,0 +1,111 @@
+"""``klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] [--group.field VALUE ...]``:
+the evaluation sets of a config (``eval.sets``) on any model folder, greedy, without training.
+
+The numbers are the ones training logs as ``eval/<name>`` for that checkpoint: the same sets, prompt templating,
+greedy decoding, length limit and reward (the trainer's ``evaluate_sets``). Without ``--config`` a checkpoint
+inside a run folder (``<run>/checkpoints/step_N``) uses the run's config.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from klgrpo.errors import ConfigError, KLGRPOError
+
+USAGE = """usage: klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] [--group.field VALUE ...]
+
+Greedy accuracy of a model folder (a checkpoint, a merged export, a hub name) on the eval.sets of a config,
+the same numbers `klgrpo train` logs as eval/<name> for that checkpoint.
+
+  CHECKPOINT_OR_MODEL  runs/<name>/checkpoints/step_N, a transformers model folder, or a hub name
+  --config FILE        the YAML whose eval.sets (and data.as_chat, system_prompt, eval.max_new_tokens, model.dtype
+                       and device) apply; default: the run's config.yaml when the model is a run's checkpoint
+  --set NAME           evaluate only this set (repeat for several); default: all of eval.sets
+  --json FILE          also write the results as JSON
+  --group.field VALUE  override a config field, as in klgrpo train (e.g. --eval.max_new_tokens 16)
+"""
+
+
+def main(argv: list[str]) -> int:
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0 if argv else 2
+    try:
+        results = run(argv)
+    except KLGRPOError as exc:
+        print(f"klgrpo eval: error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if results is not None else 1
+
+
+def parse(argv: list[str]):
+    """(model path, config, config source, set names, json path)."""
+    from klgrpo.apps.args import parse_args
+    from klgrpo.apps.models import checkpoint_run_config
+
+    model_path, rest = argv[0], list(argv[1:])
+    if model_path.startswith("--"):
+        raise ConfigError("klgrpo eval needs the model first: klgrpo eval CHECKPOINT_OR_MODEL --config FILE")
+    sets, json_path, config_file, train_args = [], None, None, []
+    i = 0
+    while i < len(rest):
+        arg, _, value = rest[i].partition("=")
+        if arg in ("--set", "--json", "--config"):
+            if not value:
+                if i + 1 >= len(rest):
+                    raise ConfigError(f"{arg} needs a value")
+                value, i = rest[i + 1], i + 1
+            if arg == "--set":
+                sets.append(value)
+            elif arg == "--json":
+                json_path = value
+            else:
+                config_file = value
+                train_args += ["--config", value]
+        else:
+            train_args.append(rest[i])
+        i += 1
+    if config_file:
+        cfg, _ = parse_args(train_args)
+        source = config_file
+    else:
+        base, source = checkpoint_run_config(model_path)
+        if base is None:
+            raise ConfigError(f"no config for {model_path}: pass --config FILE (its eval.sets are evaluated); a "
+                              f"checkpoint inside a run folder uses the run's config.yaml")
+        cfg, _ = parse_args(train_args, base=base)
+    if not cfg.eval.sets:
+        raise ConfigError(f"{source} has no eval.sets: add a list of {{name, source}} entries (klgrpo train --help, "
+                          f"group eval)")
+    names = [s["name"] for s in cfg.eval.sets]
+    unknown = [s for s in sets if s not in names]
+    if unknown:
+        raise ConfigError(f"--set {unknown[0]}: no such set in eval.sets of {source}; the sets are {', '.join(names)}")
+    return model_path, cfg, str(source), sets, json_path
+
+
+def run(argv: list[str], out=print) -> dict | None:
+    from klgrpo.apps.models import load_model_for_inference
+    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+
+    model_path, cfg, source, chosen, json_path = parse(argv)
+    if chosen:
+        cfg.eval.sets = [s for s in cfg.eval.sets if s["name"] in chosen]
+    sets = load_eval_sets(cfg)
+    model, tokenizer = load_model_for_inference(model_path, cfg.model, field="CHECKPOINT_OR_MODEL")
+    cfg.logging.progress = False
+    results = evaluate_sets(model, tokenizer, sets, cfg)
+    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    out(f"klgrpo eval {model_path}  (eval.sets of {source}; greedy, {max_new} new tokens)")
+    width = max(len(n) for n in sets)
+    out(f"  {'set':<{width}}  prompts  accuracy")
+    for name, s in sets.items():
+        out(f"  {name:<{width}}  {len(s['prompts']):>7}  {results[f'eval/{name}']:.4f}")
+    if json_path:
+        payload = {"model": model_path, "config": source, "max_new_tokens": max_new,
+                   "results": results, "prompts": {n: len(s["prompts"]) for n, s in sets.items()}}
+        Path(json_path).write_text(json.dumps(payload, indent=2))
+        out(f"  written to {json_path}")
+    return results
