@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
     "eval": ("klgrpo.apps.evaluate", "greedy accuracy of a checkpoint or model on the eval.sets of a config"),
+    "kl": ("klgrpo.apps.kl", "KL between two models on a prompt list (exact per token, with k1/k2/k3)"),
 }
 
 

@@ -24,8 +24,11 @@ def load_model_for_inference(path: str, model_cfg, field: str):
     """(model, tokenizer) of ``path`` in ``model.dtype`` on ``model.device``, in eval mode. ``model.gguf_file``
     applies only when ``path`` is ``model.name_or_path`` itself; ``model.tokenizer``, when set, replaces the
     folder's own tokenizer. A LoRA checkpoint (adapter_config.json) loads onto its base model through peft."""
+    from transformers.utils import logging as hf_logging
+
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
 
+    hf_logging.disable_progress_bar()  # a command's output is its table: no weight-loading bars
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     gguf = model_cfg.gguf_file if path == model_cfg.name_or_path else ""

@@ -1,0 +1,165 @@
+"""``klgrpo kl POLICY REFERENCE --prompts FILE [--samples N]``: the KL between two models on a list of prompts,
+without training.
+
+Completions are sampled from POLICY (N per prompt, as training samples them). At every completion token t the
+exact KL over the vocabulary between the two next-token distributions at that prefix is computed,
+
+    KL_t = sum_v pi(v | prefix_t) (log pi(v | prefix_t) - log ref(v | prefix_t))     (the trainer's kl.estimator full)
+
+and beside it the one-sample estimates of the sampled token y_t, with l_t = log pi(y_t) - log ref(y_t):
+k1 = l_t, k2 = l_t^2 / 2, k3 = exp(-l_t) + l_t - 1. Summed over a completion's tokens, KL_t gives an unbiased
+estimate of the sequence-level KL(pi || ref) on these prompts (chain rule), with no sampling noise inside a
+position; k1 and k3 are unbiased for it too, with the noise of one sampled token per position. The table shows
+each per token (mean over all completion tokens, percentiles, max) and per sequence (mean of the sums, their
+standard deviation, and the standard error of the mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from klgrpo.errors import ConfigError, KLGRPOError
+
+ESTIMATES = ("full", "k1", "k2", "k3")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="klgrpo kl",
+        description="KL(POLICY || REFERENCE) on a prompt list: exact over the vocabulary at every token of "
+                    "completions sampled from POLICY, with the k1/k2/k3 estimates and their spread.")
+    p.add_argument("policy", metavar="POLICY", help="model folder (a checkpoint, a merged export) or hub name")
+    p.add_argument("reference", metavar="REFERENCE", help="the model to compare with (e.g. the SFT model)")
+    p.add_argument("--prompts", required=True, metavar="FILE",
+                   help="prompts: a .jsonl/.csv/.parquet file or dataset (as data.source)")
+    p.add_argument("--prompt-column", default="prompt", help="column holding the prompt (default prompt)")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument("--samples", type=int, default=4, help="completions sampled per prompt (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="completion length limit (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; both models' distributions are taken at it (default 1)")
+    p.add_argument("--as-chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
+    p.add_argument("--system-prompt", default="", help="system message for --as-chat prompts")
+    p.add_argument("--batch-size", type=int, default=32, help="completions per forward (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    p.add_argument("--device", default="auto", help="device (default auto: cuda when present)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        report = measure(args)
+    except KLGRPOError as exc:
+        print(f"klgrpo kl: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"written to {args.json}")
+    return 0
+
+
+def measure(args) -> dict:
+    """Sample, then per-token exact KL and k1/k2/k3; returns the JSON-ready report (per_token, per_sequence)."""
+    from klgrpo.apps.models import load_model_for_inference
+    from klgrpo.core.data import load_prompts
+    from klgrpo.core.full_kl import completion_logprobs_and_full_kl
+    from klgrpo.core.reference import FrozenCopyReference
+    from klgrpo.core.rollout import SamplingParams, generate_groups
+    from klgrpo.train.config import ModelConfig
+
+    for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
+        if value < low:
+            raise ConfigError(f"{name} must be >= {low}, got {value}")
+    if not args.temperature > 0:
+        raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
+    model_cfg = ModelConfig(name_or_path=args.policy, dtype=args.dtype, device=args.device)
+    policy, tokenizer = load_model_for_inference(args.policy, model_cfg, field="POLICY")
+    ref_cfg = ModelConfig(name_or_path=args.reference, dtype=args.dtype, device=args.device)
+    ref_model, _ = load_model_for_inference(args.reference, ref_cfg, field="REFERENCE")
+    ref_model.to(next(policy.parameters()).device)
+    if policy.get_output_embeddings().weight.shape[0] != ref_model.get_output_embeddings().weight.shape[0]:
+        raise ConfigError(f"POLICY and REFERENCE have different vocabularies ({policy.get_output_embeddings().weight.shape[0]} "
+                          f"vs {ref_model.get_output_embeddings().weight.shape[0]} outputs): the KL needs one tokenizer")
+    data = load_prompts(args.prompts, prompt_column=args.prompt_column, limit=args.limit or None, field="--prompts")
+    reference = FrozenCopyReference(ref_model)
+    torch.manual_seed(args.seed)
+    params = SamplingParams(group_size=args.samples, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, system_prompt=args.system_prompt, as_chat=args.as_chat)
+    per_token = {name: [] for name in ESTIMATES}
+    per_sequence = {name: [] for name in ESTIMATES}
+    prompts_per_call = max(1, args.batch_size // args.samples)
+    for start in range(0, len(data.prompts), prompts_per_call):
+        rollout = generate_groups(policy, tokenizer, data.prompts[start:start + prompts_per_call], params)
+        values = _token_values(policy, reference, rollout, args.temperature, completion_logprobs_and_full_kl)
+        mask = rollout.completion_mask.bool()
+        for name, v in values.items():
+            per_token[name].append(v[mask])
+            per_sequence[name].append((v * mask).sum(-1))
+    tokens = torch.cat(per_token["full"]).numel()
+    report = {
+        "policy": args.policy, "reference": args.reference, "prompts_file": args.prompts,
+        "prompts": len(data.prompts), "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "seed": args.seed, "sequences": len(data.prompts) * args.samples,
+        "tokens": tokens,
+        "per_token": {n: _spread(torch.cat(per_token[n])) for n in ESTIMATES},
+        "per_sequence": {n: _mean_std_sem(torch.cat(per_sequence[n])) for n in ESTIMATES},
+    }
+    return report
+
+
+@torch.no_grad()
+def _token_values(policy, reference, rollout, temperature: float, full_kl_fn) -> dict[str, torch.Tensor]:
+    """{full, k1, k2, k3}: [B, T] float64 values at every completion position (masked by the caller)."""
+    from klgrpo.math.kl import kl_estimate
+
+    rows = slice(0, rollout.size)
+    ref_logp = reference.logprobs(rollout, temperature)
+    logp, _, full = full_kl_fn(policy, reference, rollout, temperature, rows, ref_logp)
+    logp, ref_logp = logp.double(), ref_logp.double()
+    out = {"full": full.double()}
+    for name in ("k1", "k2", "k3"):
+        out[name] = kl_estimate(logp, ref_logp, name, clamp=None)
+    return out
+
+
+def _spread(values: torch.Tensor) -> dict[str, float]:
+    from klgrpo.verify.from_run import quantile
+
+    if values.numel() == 0:
+        return {k: math.nan for k in ("mean", "p50", "p90", "p99", "max", "min")}
+    s = values.sort().values
+    return {"mean": float(values.mean()), "p50": quantile(s, 0.5), "p90": quantile(s, 0.9),
+            "p99": quantile(s, 0.99), "max": float(s[-1]), "min": float(s[0])}
+
+
+def _mean_std_sem(values: torch.Tensor) -> dict[str, float]:
+    n = values.numel()
+    std = float(values.std()) if n > 1 else math.nan
+    return {"mean": float(values.mean()), "std": std, "sem": std / math.sqrt(n) if n > 1 else math.nan}
+
+
+def format_report(r: dict) -> str:
+    head = (f"KL(policy || reference): {r['policy']} vs {r['reference']}\n"
+            f"{r['prompts']} prompts x {r['samples_per_prompt']} completions sampled from the policy (temperature "
+            f"{r['temperature']:g}, up to {r['max_new_tokens']} tokens, seed {r['seed']}): {r['tokens']} tokens\n"
+            f"full = exact over the vocabulary at each sampled prefix; k1/k2/k3 = one-sample estimates of the "
+            f"sampled token\n")
+    cols = f"{'':<5} {'per token':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'min':>10} {'max':>10}   " \
+           f"{'per sequence':>12} {'std':>10} {'sem':>10}"
+    lines = [head + cols, "-" * len(cols)]
+    for name in ESTIMATES:
+        t, s = r["per_token"][name], r["per_sequence"][name]
+        lines.append(f"{name:<5} {t['mean']:>10.5f} {t['p50']:>10.4g} {t['p90']:>10.4g} {t['p99']:>10.4g} "
+                     f"{t['min']:>10.4g} {t['max']:>10.4g}   {s['mean']:>12.5f} {s['std']:>10.4g} {s['sem']:>10.4g}")
+    return "\n".join(lines)
