@@ -24,11 +24,15 @@ from klgrpo.core.rewards import (
 # A batch every built-in can score (format's pattern comes from the kwargs).
 _BATCH = dict(prompts=["p1", "p2"], completions=["42", "<a>7</a>"], answer=["42", "#### 8"])
 _KWARGS = {"format": {"pattern": r"<a>.*</a>"}}
-_EXPECTED = {"exact_match": [1.0, 0.0], "numeric_match": [1.0, 0.0], "format": [0.0, 1.0]}
+_EXPECTED = {"exact_match": [1.0, 0.0], "numeric_match": [1.0, 0.0], "format": [0.0, 1.0],
+             "math_verify": [1.0, 0.0]}
 
 
 @pytest.mark.parametrize("name", BUILTIN_REWARDS.names())
 def test_every_builtin_loads_runs_and_ignores_extra_columns(name):
+    package = getattr(BUILTIN_REWARDS[name], "requires_package", (None,))[0]
+    if package:  # an optional extra's reward: skipped where its package is absent
+        pytest.importorskip(package)
     fn = load_reward_function(name)
     assert fn is BUILTIN_REWARDS[name]
     values = fn(**_BATCH, unused_column=[1, 2], **_KWARGS.get(name, {}))
@@ -388,3 +392,39 @@ def test_error_inside_a_reward_file_names_the_users_file_and_line(tmp_path):
     # json.loads raises deep inside the standard library; the line shown is the user's call of it (line 5)
     assert "'reward' raised JSONDecodeError" in message
     assert message.endswith(f"(at {path}:5 in parse)"), message
+
+
+# -------------------------------------------------------------------------------------------- math_verify
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("The answer is \\boxed{42}.", "42", 1.0),
+    ("so the probability is $0.5$", "\\frac{1}{2}", 1.0),                       # decimal vs fraction
+    ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),                            # unreduced fraction
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "$\\sqrt{2}/2$", 1.0),                  # equivalent forms
+    ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),                                     # expanded polynomial, no $
+    ("\\boxed{x^2+2x}", "x^2+2x+1", 0.0),
+    ("\\boxed{\\{2,1\\}}", "\\{1,2\\}", 1.0),                                # sets ignore order
+    ("\\boxed{(1, 2)}", "(1,2)", 1.0),
+    ("the total is \\boxed{72}", "Natalia sold 48/2 = 24 clips in May... #### 72", 1.0),   # GSM8K's answer
+    ("I think 41", "42", 0.0),
+    ("\\boxed{0.333}", "1/3", 0.0),                                             # a rounded value is not equal
+    ("no answer here", "42", 0.0),
+])
+def test_math_verify_reads_latex_answers_and_equivalent_forms(completion, answer, expected):
+    pytest.importorskip("math_verify")
+    fn = load_reward_function("math_verify")
+    assert fn(["p"], [completion], answer=[answer]) == [expected]
+
+
+def test_math_verify_needs_its_package_and_a_readable_answer(monkeypatch):
+    import importlib.util
+
+    from klgrpo.core.rewards import loading
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda n, *a: None if n == "math_verify" else real(n, *a))
+    with pytest.raises(RewardError, match=r"needs the math-verify package: pip install \"klgrpo\[math\]\""):
+        load_reward_function("math_verify")
+    monkeypatch.undo()
+    pytest.importorskip("math_verify")
+    with pytest.raises(ValueError, match="the answer at index 0 .* holds no expression"):
+        BUILTIN_REWARDS["math_verify"](["p"], ["\\boxed{1}"], answer=[""])

@@ -7,6 +7,8 @@ Built-ins take ``**_`` so that they ignore the columns they do not use.
     exact_match    1.0 if completion.strip() == str(answer).strip() else 0.0
     numeric_match  1.0 if the completion's number equals the answer's within a relative tolerance
     format         1.0 if re.search(pattern, completion, re.DOTALL) else 0.0 (pattern from the reward's kwargs)
+    math_verify    1.0 if Hugging Face's math-verify finds the completion's answer equal to the reference's
+                   (LaTeX, \boxed{}, fractions, equivalent expressions and sets); needs pip install "klgrpo[math]"
 """
 
 from __future__ import annotations
@@ -137,6 +139,31 @@ def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) 
     return [1.0 if regex.search(completion) else 0.0 for completion in completions]
 
 
+def math_verify_match(prompts: list, completions: list[str], answer: list, **_: Any) -> list[float]:
+    """1.0 where math-verify's ``verify(parse(answer), parse(completion))`` holds, else 0.0 (the check open-r1's
+    and TRL's accuracy rewards use).
+
+    ``parse`` extracts the final answer (the last \boxed{...}, a $...$ expression or a plain number) and
+    ``verify`` compares symbolically: 2/4 = \frac{1}{2} = 0.5, (x+1)^2 = x^2+2x+1, \{2,1\} = \{1,2\}. The
+    reference answer may be plain LaTeX without $ ("x^2+2x+1") or GSM8K's "... #### 42" (the text after the
+    last "####"). A completion with no parseable answer scores 0.0; a reference without one is an error."""
+    from math_verify import parse, verify
+
+    _check_column("answer", answer, completions)
+    rewards = []
+    for i, (completion, gold) in enumerate(zip(completions, answer)):
+        text = str(gold).rsplit("####", 1)[-1].strip() if gold is not None else ""
+        gold_parsed = parse(text) or parse(f"${text}$")
+        if not gold_parsed:
+            raise ValueError(f"the answer at index {i} ({gold!r}) holds no expression math-verify can read")
+        rewards.append(1.0 if verify(gold_parsed, parse(completion)) else 0.0)
+    return rewards
+
+
+#: The package a built-in needs beyond klgrpo's own dependencies (checked when the reward is loaded).
+math_verify_match.requires_package = ("math_verify", "klgrpo[math]")
+
 BUILTIN_REWARDS.register("exact_match", exact_match)
 BUILTIN_REWARDS.register("numeric_match", numeric_match)
 BUILTIN_REWARDS.register("format", format_match)
+BUILTIN_REWARDS.register("math_verify", math_verify_match)

@@ -29,7 +29,12 @@ def load_reward_function(name: str) -> Callable:
         raise RewardError(f"a reward function name must be a non-empty string, got {name!r}")
     name = name.strip()
     if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
+        fn = BUILTIN_REWARDS[name]
+        package, extra = getattr(fn, "requires_package", (None, None))
+        if package and importlib.util.find_spec(package) is None:
+            raise RewardError(f"the built-in reward {name!r} needs the {package.replace('_', '-')} package: "
+                              f"pip install \"{extra}\"")
+        return fn
     usage = (f"use a built-in ({', '.join(BUILTIN_REWARDS.names())}), 'module.path:function' or "
              f"'path/to/file.py:function'")
     fn = load_user_function(name, "reward function", RewardError, usage)
