@@ -200,6 +200,61 @@ def test_issue_loss_runs_unchanged_on_a_local_model(trainer64):
     torch.testing.assert_close(got, _grads(model), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("loss_fn, config, eps", [
+    ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, (0.2, 0.2)),
+    ("ppo", {"clip_low_threshold": 0.99, "clip_high_threshold": 1.005}, (0.01, 0.005)),  # clips some tokens
+    ("ppo_kl", {}, (0.2, 0.2)),
+    ("ppo_kl", {"kl_estimator": "k3", "kl_is_correction": "in_graph", "kl_coef": 0.3,
+                "clip_low_threshold": 0.99, "clip_high_threshold": 1.005}, (0.01, 0.005)),
+])
+def test_builtin_datum_losses_equal_the_trainers_objective(trainer64, loss_fn, config, eps):
+    """forward_backward(data, loss_fn=..., loss_fn_config=...) on the batch's datums: the trainer's own objective
+    (aggregation seq_mean_token_sum) times the number of datums, in value and gradient (float64). Off-policy: the
+    sampling log-probs are the current ones plus noise, so ratios differ from 1 and the clip acts."""
+    from klgrpo.core.forward import completion_logprobs
+    from klgrpo.custom import datums_from_batch, forward_backward
+
+    trainer, batch = trainer64
+    with torch.no_grad():
+        logp, _ = completion_logprobs(trainer.model, batch.rollout, 1.0)
+    gen = torch.Generator().manual_seed(3)
+    batch.old_logp = logp + 0.02 * torch.randn(logp.shape, generator=gen, dtype=logp.dtype)
+    cfg = trainer.cfg
+    cfg.loss.aggregation, (cfg.loss.eps_low, cfg.loss.eps_high) = "seq_mean_token_sum", eps
+    if loss_fn == "ppo":
+        trainer.controller.value = 0.0  # the trainer's objective without its KL term
+    else:
+        trainer.controller.value = config.get("kl_coef", 0.04)
+        cfg.kl.estimator = config.get("kl_estimator", "k3_st")
+        cfg.kl.is_correction = config.get("kl_is_correction", "detached")
+    builtin, sums = _accumulate(trainer, batch)
+    data = datums_from_batch(trainer.model, batch)
+    trainer.model.zero_grad(set_to_none=True)
+    loss, metrics = forward_backward(trainer.model, data, loss_fn=loss_fn, loss_fn_config=config)
+    n = batch.normalizer.num_sequences
+    assert float(loss) == pytest.approx(float(sums["loss"]) * n, rel=1e-10)
+    torch.testing.assert_close(_grads(trainer.model), builtin * n, rtol=1e-9, atol=1e-12)
+    clipped = float(sums["clip_low"] + sums["clip_high"]) / float(batch.loss_mask.sum())
+    assert float(metrics["clip_fraction"]) == pytest.approx(clipped, rel=1e-6)  # counts summed in float32
+    if eps[1] < 0.1:
+        assert clipped > 0  # the narrow range really clips: the clip branch is compared too
+    if loss_fn == "ppo_kl":
+        assert float(metrics["kl"]) > 0
+
+
+def test_builtin_loss_errors_name_the_fix(trainer64):
+    from klgrpo.custom import builtin_loss, forward_backward
+
+    with pytest.raises(ConfigError, match="unknown loss_fn 'dro'; the built-in losses are ppo, ppo_kl"):
+        builtin_loss("dro")
+    with pytest.raises(ConfigError, match="key 'kl_coef' is not a setting of loss_fn 'ppo'"):
+        builtin_loss("ppo", {"kl_coef": 0.1})
+    with pytest.raises(ConfigError, match="0 <= clip_low_threshold <= 1 <= clip_high_threshold"):
+        builtin_loss("ppo", {"clip_low_threshold": 1.2})
+    with pytest.raises(ConfigError, match="loss_fn_config configures a built-in"):
+        forward_backward(trainer64[0].model, [], lambda d, l: None, {"x": 1})
+
+
 def test_datums_name_what_is_wrong(trainer64):
     from klgrpo.custom import Datum, datums_from_batch, forward_backward_custom
 
