@@ -1,4 +1,4 @@
-"""The ``klgrpo`` command: train | verify-kl | report | sweep | eval | kl.
+"""The ``klgrpo`` command: train | verify-kl | report | sweep | eval | kl | sft.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
 shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
     "eval": ("klgrpo.apps.evaluate", "greedy accuracy of a checkpoint or model on the eval.sets of a config"),
     "kl": ("klgrpo.apps.kl", "KL between two models on a prompt list (exact per token, with k1/k2/k3)"),
+    "sft": ("klgrpo.apps.sft", "supervised fine-tuning on prompt/answer data with TRL's SFTTrainer"),
 }
 
 
