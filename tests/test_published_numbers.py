@@ -32,3 +32,22 @@ def test_custom_loss_cost_table_is_the_results_file():
     for shape, loss, *numbers in rows:
         label = loss.replace("ppo_kl", "`ppo_kl`").replace("2 passes", "2 passes (hosted route)")
         assert f"| {shape} | {label} | {' | '.join(numbers)} |" in docs, (shape, loss)
+
+
+def test_trl_method_tables_are_the_results_files():
+    """docs/trl.md's two seed tables, row by row, against docs/results/trl_adaptive_kl_seed{0,1}.md (the output of
+    examples/trl_adaptive_kl.py --seed S)."""
+    labels = {"baseline": "baseline", "clip": "clip (0.05)", "length_normalized": "length_normalized",
+              "dynamic": "dynamic (threshold 0.1)", "sigmoid": "sigmoid (target 0.05)",
+              "baseline_beta/10": "baseline_beta/10 (control)"}
+    docs = (ROOT / "docs" / "trl.md").read_text()
+    for seed in (0, 1):
+        results = (ROOT / "docs" / "results" / f"trl_adaptive_kl_seed{seed}.md").read_text()
+        assert f"python examples/trl_adaptive_kl.py --seed {seed}" in results
+        rows = re.findall(r"^\| (\S+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| +([\d.]+) -> +([\d.]+) +\|",
+                          results, flags=re.M)
+        assert len(rows) == 6
+        section = docs[docs.index(f"Seed {seed}:"):]
+        for name, raw, adapted, beta, reward, start, late in rows:
+            row = f"| {labels[name]} | {raw} | {adapted} | {beta} | {reward} | {start} -> {late} |"
+            assert row in section[:section.index("\n\n", section.index("|---"))], row
