@@ -51,3 +51,17 @@ def test_trl_method_tables_are_the_results_files():
         for name, raw, adapted, beta, reward, start, late in rows:
             row = f"| {labels[name]} | {raw} | {adapted} | {beta} | {reward} | {start} -> {late} |"
             assert row in section[:section.index("\n\n", section.index("|---"))], row
+
+
+def test_kl_guide_demo_table_is_the_kl_commands_json():
+    import json
+
+    guide = (ROOT / "docs" / "kl_guide.md").read_text()
+    for skill in ("addition", "subtraction"):
+        report = json.loads((ROOT / "docs" / "results" / f"demo_kl_sft_vs_trained_{skill}.json").read_text())
+        assert report["command"].startswith("klgrpo kl ")
+        for name in ("full", "k1", "k2", "k3"):
+            t, q = report["per_token"][name], report["per_sequence"][name]
+            row = (f"| {skill} | {name} | {t['mean']:.4f} | {t['p99']:.3g} | {t['max']:.3g} | "
+                   f"{q['mean']:.3f} ± {q['sem']:.3f} |")
+            assert row in guide, row
