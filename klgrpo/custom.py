@@ -78,8 +78,8 @@ def datums_from_batch(model, batch: StepBatch, temperature: float = 1.0) -> list
                         "kl.monitor: true)")
     rollout = batch.rollout
     old = batch.old_logp
-    if old is None:
-        old, _ = completion_logprobs(model, rollout, temperature)
+    if old is None:  # the model's own forward, as the datums' forward runs it: the first ratio is exactly 1
+        old, _ = completion_logprobs(model, rollout, temperature, fast_path=False)
     data = []
     for i in range(rollout.size):
         keep = batch.loss_mask[i].bool()

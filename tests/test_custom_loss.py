@@ -150,7 +150,7 @@ def test_issue_loss_runs_unchanged_on_a_local_model(trainer64):
     assert set(data[0].loss_fn_inputs) == {"target_tokens", "advantages", "logprobs", "ref_logprobs", "mask"}
     mask = batch.loss_mask.bool()
     with torch.no_grad():
-        logp_all, _ = completion_logprobs(model, batch.rollout, 1.0)
+        logp_all, _ = completion_logprobs(model, batch.rollout, 1.0, fast_path=False)
         for i, lp in enumerate(datum_logprobs(model, data)):
             torch.testing.assert_close(lp, logp_all[i][mask[i]], rtol=0, atol=1e-10)
 
@@ -160,7 +160,7 @@ def test_issue_loss_runs_unchanged_on_a_local_model(trainer64):
     got = _grads(model)
 
     model.zero_grad(set_to_none=True)
-    logp, _ = completion_logprobs(model, batch.rollout, 1.0)
+    logp, _ = completion_logprobs(model, batch.rollout, 1.0, fast_path=False)
     old = logp_all  # the batch had no update yet: the sampling log-probs are the model's now
     ratio = torch.exp(logp - old)
     adv = batch.advantages[:, None]

@@ -206,7 +206,8 @@ def test_biased_kl_choice_warns(tiny_model_dir, addition_file, tmp_path):
     ok = make_config(tiny_model_dir, addition_file, tmp_path / "w2",
                      kl={"estimator": "k3", "placement": "loss", "is_correction": "in_graph"})
     GRPOTrainer(ok, log=messages.append)
-    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model"]  # no warning
+    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model",
+                        "sampler: kv_loop (auto for cpu)"]  # no warning
 
 
 def test_yaml_then_cli_override_order(tmp_path):

@@ -21,6 +21,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DTYPE_NAMES = ("auto", *_DTYPES)
 
 
+
+def default_cache_root() -> Path:
+    """klgrpo's cache folder (the demo's SFT model, torch's compiled kernels): $KLGRPO_CACHE, else
+    $XDG_CACHE_HOME/klgrpo, else ~/.cache/klgrpo."""
+    if os.environ.get("KLGRPO_CACHE"):
+        return Path(os.environ["KLGRPO_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "klgrpo"
+    return Path.home() / ".cache" / "klgrpo"
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -190,9 +200,25 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, gguf_file
         raise ConfigError(f"cannot load a tokenizer from {name_or_path!r} ({field}): "
                           f"{first_line(exc, limit=None)}") from None
     tok.padding_side = "left"
+    if gguf_file:
+        _set_gguf_special_tokens(tok, Path(folder) / gguf_file if Path(folder).is_dir() else Path(folder))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _set_gguf_special_tokens(tok, path: Path) -> None:
+    """EOS, BOS and padding as the GGUF file's metadata names them: transformers' GGUF tokenizer conversion
+    has not always read them right (5.17 took the BOS id for EOS), and a wrong EOS never ends a completion."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    for key, attribute in (("eos", "eos_token"), ("bos", "bos_token"), ("padding", "pad_token")):
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None and field.data:
+            token_id = int(field.parts[field.data[0]][0])
+            if 0 <= token_id < len(tok):
+                setattr(tok, attribute, tok.convert_ids_to_tokens(token_id))
 
 
 def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype,

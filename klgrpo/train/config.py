@@ -20,7 +20,7 @@ import yaml
 
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
-from klgrpo.core.rollout import GENERATE_CACHES
+from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
@@ -82,9 +82,9 @@ class ModelConfig:
     device: str = _f("auto", "device: auto picks cuda when present, else cpu")
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
-    fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: sample with klgrpo's KV-cached loop and compute log-probs "
-                               "with each prompt run once per group (same numbers as transformers to float rounding, "
-                               "tested); false: transformers' generate and forward everywhere")
+    fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: compute log-probs with klgrpo's decoder, each prompt run "
+                               "once per group (same numbers as transformers to float rounding, tested), and let "
+                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -110,10 +110,12 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
-    generate_cache: str = _f("dynamic", "dynamic: sample with klgrpo's loop (model.fast_path) or generate's dynamic "
-                                        "cache; static: always transformers' generate with a static cache, compiled "
-                                        "on CUDA (faster on long GPU runs; log-probs keep model.fast_path)",
-                             Names(GENERATE_CACHES))
+    sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
+                              "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
+                              "compiled on CUDA); auto: generate_static on CUDA, else kv_loop where the model allows",
+                      Names((AUTO,), SAMPLERS))
+    generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
+                             Names(("", *LEGACY_GENERATE_CACHES)))
 
 
 @dataclass

@@ -44,6 +44,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
+from klgrpo.backends.samplers import choose_sampler
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
 from klgrpo.train.state_io import StateFileError, load_state, save_state
 from klgrpo.train.validation import validate_replay
@@ -278,7 +279,9 @@ def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: 
         torch.manual_seed(int(cfg.train.seed) + 7919)
         params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],
                                 temperature=r.temperature, system_prompt=cfg.data.system_prompt,
-                                as_chat=meta["as_chat"])
+                                as_chat=meta["as_chat"],
+                                sampler=choose_sampler(cfg.rollout.sampler, sampler, cfg.model.fast_path,
+                                                       cfg.rollout.generate_cache))
         parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], params)
                  for s in range(0, len(prompts), chunk)]
     input_ids, attention_mask, completion_mask, prompt_len = _merge(parts, tokenizer.pad_token_id)

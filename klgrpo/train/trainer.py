@@ -32,7 +32,8 @@ from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import KLObservation, build_controller
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from klgrpo.backends.hf import default_cache_root, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from klgrpo.backends.samplers import AUTO, choose_sampler, enable_compile_cache
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.math.full_kl import FULL_KL
@@ -80,7 +81,7 @@ class GRPOTrainer:
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.dist = Distributed()
-        self.engine = Engine(cfg.model.fast_path)  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
+        self.engine = Engine()  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
         self.engine.check(cfg)
         if cfg.rollout.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
@@ -124,6 +125,8 @@ class GRPOTrainer:
         if self.engine.kind != "single":
             self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
             self.engine.prepare_reference(self.reference)
+        self.loss_fast_path = cfg.model.fast_path and not self.engine.fast_path_outside_loss_only
+        self.rollout_sampler = self._choose_sampler()
         self.step = 0
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self._batch: StepBatch | None = None
@@ -146,7 +149,6 @@ class GRPOTrainer:
         model = model.to(self.device) if model is not None else load_causal_lm(
             cfg.model.name_or_path, cfg.model, self.device, dtype, gguf_file=cfg.model.gguf_file)
         _disable_dropout(model)
-        model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
         if cfg.model.lora.r > 0:
             from klgrpo.backends.lora import apply_lora
 
@@ -155,6 +157,19 @@ class GRPOTrainer:
             model.gradient_checkpointing_enable()
         model.train()
         return tokenizer, model
+
+    def _choose_sampler(self) -> str:
+        """rollout.sampler resolved for this device and model, said once; compiled samplers keep their kernels in
+        klgrpo's cache folder, so the next run on this machine starts in seconds."""
+        name = choose_sampler(self.cfg.rollout.sampler, self.model, self.cfg.model.fast_path,
+                              self.cfg.rollout.generate_cache)
+        how = "auto for " + self.device.type if self.cfg.rollout.sampler == AUTO else "rollout.sampler"
+        if self.device.type == "cuda" and name == "generate_static":
+            enable_compile_cache(default_cache_root() / "torch_compile")
+            how += "; compiles once per process, ~20 s the first time on this machine, seconds after that"
+        if self.dist.is_main:
+            self.log(f"sampler: {name} ({how})")
+        return name
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -166,17 +181,16 @@ class GRPOTrainer:
                                  fused=fused or None)
 
     def _build_reference(self):
-        ref_path = self.cfg.kl.reference
+        ref_path, fast_path = self.cfg.kl.reference, self.cfg.model.fast_path
         if self.cfg.model.lora.r > 0 and not ref_path:
             from klgrpo.core.reference import AdapterDisabledReference
 
-            return AdapterDisabledReference(self.model)
+            return AdapterDisabledReference(self.model, fast_path)
         if ref_path:
             dtype = next(self.model.parameters()).dtype
             ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype, field="kl.reference")
-            ref_model.klgrpo_fast_path = self.cfg.model.fast_path
-            return FrozenCopyReference(ref_model)
-        return FrozenCopyReference.copy_of(self.model)
+            return FrozenCopyReference(ref_model, fast_path)
+        return FrozenCopyReference.copy_of(self.model, fast_path)
 
     def _kl_term(self) -> KLTerm:
         k = self.cfg.kl
@@ -198,7 +212,7 @@ class GRPOTrainer:
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat, compiled=cfg.train.compile,
-                generate_cache=cfg.rollout.generate_cache))
+                sampler=self.rollout_sampler))
         with _timed(timings, "time/reward"):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -228,7 +242,8 @@ class GRPOTrainer:
     def _rollout_logprobs(self, rollout) -> torch.Tensor:
         """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
         with torch.no_grad():
-            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl)[0]
+            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl,
+                                                  fast_path=self.loss_fast_path)[0]
                               for sl in self._micro_slices(rollout.size)])
 
     def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
@@ -267,7 +282,7 @@ class GRPOTrainer:
                 self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
         else:
             logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                with_entropy=True)
+                                                with_entropy=True, fast_path=self.loss_fast_path)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
         with torch.set_grad_enabled(self.loss_fn is None):
             out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,

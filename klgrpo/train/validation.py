@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
 from klgrpo.errors import ConfigError
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
@@ -73,6 +74,9 @@ def validate_config(cfg: "GRPOConfig") -> list[str]:
     need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    if r.generate_cache:
+        warnings.append(f"rollout.generate_cache is deprecated: use rollout.sampler "
+                        f"{LEGACY_GENERATE_CACHES[r.generate_cache]} (it means the same)")
     need(r.temperature > 0, "rollout.temperature must be > 0 (use a small value such as 0.1 for near-greedy)")
     need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     need(t.steps >= 1, "train.steps must be >= 1")
