@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import time
 from pathlib import Path
 
 import pytest
@@ -89,9 +88,7 @@ def test_print_config_never_builds_the_demo(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(demo_assets, "run_sft", no_sft)
     monkeypatch.setattr(demo_assets, "prepare_demo_assets", no_sft)
-    t0 = time.perf_counter()
     assert train_app.main(["--print-config", "--kl.coef", "0.1"]) == 0
-    assert time.perf_counter() - t0 < 5
     printed = yaml.safe_load(capsys.readouterr().out)
     planned = demo_assets.planned_demo_assets(seed=0)
     assert printed["model"]["name_or_path"] == str(planned.model_dir)
