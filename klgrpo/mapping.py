@@ -64,6 +64,25 @@ class Mapped:
         return GRPOConfig.from_dict(self.nested(), origin="the mapped config")
 
 
+#: The kl.* keys each controller and shaping reads; the others are dropped from a mapped config (klgrpo's
+#: defaults stand in for them and nothing reads them).
+_CONTROLLER_KEYS = {"fixed": (), "adaptive": ("kl.target", "kl.horizon"), "step": ("kl.target",),
+                    "dual": ("kl.target", "kl.beta_min"),
+                    "dynamic": ("kl.decay", "kl.reward_threshold", "kl.beta_min", "kl.schedule_steps")}
+_SHAPING_KEYS = {"clip": ("kl.clip_threshold",), "sigmoid": ("kl.shaping_target",)}
+_OPTIONAL_KL_KEYS = ("kl.target", "kl.horizon", "kl.decay", "kl.reward_threshold", "kl.beta_min",
+                     "kl.schedule_steps", "kl.clip_threshold", "kl.shaping_target")
+
+
+def drop_unread_kl_keys(config: dict[str, Any]) -> None:
+    """Remove the kl.* settings that neither the configured controller nor the shaping reads."""
+    keep = set(_CONTROLLER_KEYS.get(config.get("kl.controller", "fixed"), _OPTIONAL_KL_KEYS))
+    keep |= set(_SHAPING_KEYS.get(config.get("kl.shaping", "none"), ()))
+    for key in _OPTIONAL_KL_KEYS:
+        if key not in keep:
+            config.pop(key, None)
+
+
 def render_table(rows: tuple[FieldMapping, ...], source: str) -> str:
     """The rows as a markdown table (the docs hold exactly this text)."""
     lines = [f"| {source} field | default | klgrpo key | rule |", "|---|---|---|---|"]

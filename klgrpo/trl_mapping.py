@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping as MappingType
 
-from klgrpo.mapping import FieldMapping, Mapped
+from klgrpo.mapping import FieldMapping, Mapped, drop_unread_kl_keys
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP
 
 TRL_VERSION = "1.16"
@@ -120,6 +120,7 @@ def map_trl(fields: MappingType[str, Any]) -> Mapped:
     _map_kl(v, out)
     _map_policy(v, out)
     _map_rest(v, out)
+    drop_unread_kl_keys(out.config)
     return out
 
 
