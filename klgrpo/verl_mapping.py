@@ -195,6 +195,9 @@ def _estimator(name: str, key: str, out: Mapped) -> tuple[str, str] | None:
     if name not in ESTIMATORS:
         out.unmapped[key] = f"{name!r} is not a verl KL type; choose one of: {', '.join(ESTIMATORS)}"
         return None
+    if name.endswith("+") and ESTIMATORS[name][0] == "k3_st":
+        out.unmapped[key] = (f"{name!r}: verl caps the value at 10, klgrpo's k3_st does not (the gradient is k2's "
+                             "in both; equal while k3 <= 10)")
     return ESTIMATORS[name]
 
 
