@@ -204,7 +204,8 @@ def _estimator(name: str, key: str, out: Mapped) -> tuple[str, str] | None:
 def _part(estimator: tuple[str, str], coef: float, placement: str) -> dict[str, Any]:
     name, shaping = estimator
     part = {"coef": float(coef), "estimator": name, "placement": placement, "is_correction": "none",
-            "reward_mode": "sequence_score", "shaping": "none", "clip_threshold": LOW_VAR_KL_CAP}
+            "reward_mode": "sequence_score" if placement == "reward" else "reward_to_go", "shaping": "none",
+            "clip_threshold": LOW_VAR_KL_CAP}
     if placement == "loss":  # klgrpo shapes the loss term only; verl clamps the reward value too (noted)
         part["shaping"] = shaping
     return part
@@ -232,7 +233,7 @@ def _map_kl(v: dict, out: Mapped) -> None:
     both = (len(parts) == 2 and parts[0]["estimator"] == parts[1]["estimator"] and parts[0]["coef"] ==
             parts[1]["coef"] and parts[0]["shaping"] == "none" and controller == "fixed")
     if both:
-        parts = [{**parts[0], "placement": "both"}]
+        parts = [{**parts[0], "placement": "both", "reward_mode": "sequence_score"}]
     elif len(parts) == 2:
         out.extra_kl.append(parts.pop())
         out.unmapped[ALGORITHM + "use_kl_in_reward"] = (
