@@ -121,6 +121,8 @@ def map_openrlhf(values: dict[str, Any], origin: str = "command line") -> Mapped
             close = difflib.get_close_matches(name, sorted(OPENRLHF_DEFAULTS), n=1)
             hint = f"; did you mean --{close[0]}?" if close else ""
             raise ConfigError(f"{origin}: unknown OpenRLHF flag --{name}{hint}")
+        elif name in OTHER_OBJECTIVE_FLAGS or name.startswith(("reward.", "algo.")):
+            out.unmapped[name] = "not read by the mapping: check that it does not change the objective"
         else:
             out.ignored.append(name)
     v = {**OPENRLHF_DEFAULTS, **typed}

@@ -116,6 +116,23 @@ def check_keys(values: dict[str, Any], origin: str) -> list[str]:
     return ignored
 
 
+#: Keys of the objective's groups that change speed, memory, I/O or logging only.
+SPEED_ONLY = tuple(ACTOR + name for name in (
+    "fsdp_config", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu", "ulysses_sequence_parallel_size", "use_remove_padding", "use_torch_compile",
+    "use_fused_kernels", "entropy_checkpointing", "entropy_from_logits_with_chunking", "checkpoint", "profiler",
+    "strategy", "_target_", "calculate_entropy", "data_loader_seed", "shuffle", "megatron", "nccl_timeout"))
+
+
+def _not_read(keys: list[str], out: Mapped) -> None:
+    """Keys of the actor and algorithm groups outside the table may change the objective: named, not ignored."""
+    for key in keys:
+        if key.startswith((ACTOR, ALGORITHM)) and not key.startswith(SPEED_ONLY):
+            out.unmapped[key] = "not read by the mapping: check that it does not change the objective"
+        else:
+            out.ignored.append(key)
+
+
 def _check_type(key: str, value: Any, origin: str) -> None:
     if value is None and key in (ACTOR + "clip_ratio_low", ACTOR + "clip_ratio_high"):
         return  # null: clip_ratio
@@ -128,12 +145,13 @@ def _check_type(key: str, value: Any, origin: str) -> None:
 
 def map_verl(values: dict[str, Any], origin: str = "config") -> Mapped:
     """verl dotted keys -> klgrpo keys; absent keys take verl's defaults."""
-    ignored = check_keys(values, origin)
+    unread = check_keys(values, origin)
     for key in values:
         if key in VERL_DEFAULTS:
             _check_type(key, values[key], origin)
     v = {**VERL_DEFAULTS, **values}
-    out = Mapped(ignored=ignored)
+    out = Mapped()
+    _not_read(unread, out)
     _map_policy(v, out)
     _map_advantages(v, out)
     _map_kl(v, out)

@@ -178,3 +178,21 @@ def test_stdin(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump({"beta": 0.04})))
     assert main(["-"]) == 0
     assert capsys.readouterr().out.startswith("<stdin>: TRL 1.16 GRPOConfig")
+
+
+def test_fields_outside_the_tables_are_named_or_ignored(tmp_path):
+    """A key of the objective's groups that the table does not read is named (it may change the objective); a
+    speed, memory or logging key is listed as ignored."""
+    src = tmp_path / "verl.txt"
+    src.write_text("algorithm.adv_estimator=grpo\nactor_rollout_ref.actor.tau_pos=2.0\n"
+                   "actor_rollout_ref.actor.fsdp_config.param_offload=true\ntrainer.total_epochs=3\n")
+    out = tmp_path / "r.json"
+    assert main([str(src), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["unmapped"]["actor_rollout_ref.actor.tau_pos"].startswith("not read by the mapping")
+    assert report["ignored"] == ["actor_rollout_ref.actor.fsdp_config.param_offload", "trainer.total_epochs"]
+    trl_src = tmp_path / "trl.yaml"
+    trl_src.write_text("beta: 0.04\nbf16: true\nrepetition_penalty: 1.1\n")
+    assert main([str(trl_src), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ignored"] == ["bf16"] and "repetition_penalty" in report["unmapped"]
