@@ -174,6 +174,11 @@ def _sequence_level(v: dict, policy: str, out: Mapped) -> None:
             "weight is per token (set use_bias_correction_kl false, or kl_importance_weight to accept klgrpo's)"),
         "top_entropy_quantile": (v["top_entropy_quantile"] < 1.0,
                                  "TRL's entropy mask is per token; klgrpo's gspo takes per-sequence factors only"),
+        "vllm_importance_sampling_mode": (
+            v["use_vllm"] and v["vllm_importance_sampling_correction"]
+            and str(v["vllm_importance_sampling_mode"]).startswith("token"),
+            "a token-level vLLM ratio is per token; klgrpo's gspo takes per-sequence factors only (use a "
+            "sequence_* mode)"),
     }
     for name, (bad, reason) in why.items():
         if bad:

@@ -437,3 +437,19 @@ def test_trl_command_line_parser_takes_the_new_fields_and_their_choices(tmp_path
             args.resolved_kl_importance_weight) == ("clip", 0.5, "adaptive", "k3_st", "detached")
     with pytest.raises(SystemExit):  # argparse's own one-line "invalid choice" message
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--kl_adaptation_method", "soft"])
+
+
+def test_sequence_level_refuses_only_what_gspo_lacks():
+    """importance_sampling_level 'sequence' is klgrpo's gspo; per-token factors TRL multiplies into a sequence
+    loss have no counterpart there, per-sequence ones do."""
+    from klgrpo.trl_mapping import map_trl
+
+    base = {"importance_sampling_level": "sequence", "use_bias_correction_kl": False, "beta": 0.1}
+    assert not map_trl(base).unmapped and map_trl(base).config["loss.policy_loss"] == "gspo"
+    token_vllm = map_trl({**base, "use_vllm": True, "vllm_importance_sampling_mode": "token_mask"})
+    assert "vllm_importance_sampling_mode" not in token_vllm.source_runtime
+    assert "per token" in token_vllm.unmapped["vllm_importance_sampling_mode"]
+    sequence_vllm = map_trl({**base, "use_vllm": True, "vllm_importance_sampling_mode": "sequence_mask"})
+    assert set(sequence_vllm.unmapped) == sequence_vllm.source_runtime == {"use_vllm"}  # kept by TRL's trainer
+    opted_in = map_trl({**base, "use_bias_correction_kl": True, "kl_importance_weight": "in_graph"})
+    assert not opted_in.unmapped  # the user accepts klgrpo's per-token KL weight
