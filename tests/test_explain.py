@@ -93,7 +93,8 @@ def test_write_gives_a_klgrpo_config_that_explains_the_same(tmp_path, capsys):
 def test_verl_overrides_one_per_line(tmp_path):
     src = tmp_path / "overrides.txt"
     src.write_text("algorithm.adv_estimator=grpo\nactor_rollout_ref.actor.use_kl_loss=true\n"
-                   "actor_rollout_ref.actor.kl_loss_type=low_var_kl\nactor_rollout_ref.actor.ppo_mini_batch_size=1024\n")
+                   "actor_rollout_ref.actor.kl_loss_type=low_var_kl\n"
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=1024\n")
     out = tmp_path / "r.json"
     assert main([str(src), "--json", str(out)]) == 0
     report = json.loads(out.read_text())

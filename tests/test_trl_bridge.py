@@ -1,7 +1,8 @@
 """klgrpo.trl: TRL's GRPOTrainer with klgrpo's objective and controllers.
 
 Equivalence with stock TRL (float64, 1e-10) for every TRL loss_type and option klgrpo's math has (delta, GSPO's
-sequence-level ratio, cispo, luspo), the refusal of the others with the reason, each adaptation method on hand-computed values, short real runs, metrics and checkpoint resume.
+sequence-level ratio, cispo, luspo), the refusal of the others with the reason, each adaptation method on
+hand-computed values, short real runs, metrics and checkpoint resume.
 """
 
 from __future__ import annotations
