@@ -1,4 +1,4 @@
-"""The ``klgrpo`` command: train | verify-kl | report | sweep.
+"""The ``klgrpo`` command: train | verify-kl | explain | report | sweep.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
 shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
@@ -12,6 +12,8 @@ from importlib import import_module
 SUBCOMMANDS = {
     "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
     "verify-kl": ("klgrpo.apps.verify_kl", "check every KL configuration's value and gradient against exact answers"),
+    "explain": ("klgrpo.apps.explain", "say which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, "
+                                       "and the klgrpo config that reproduces it"),
     "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
 }

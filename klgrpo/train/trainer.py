@@ -29,7 +29,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.kl_control import KLObservation, build_controller
+from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
 from klgrpo.backends.hf import default_cache_root, load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
@@ -45,23 +45,11 @@ from klgrpo.core.batch import StepBatch
 from klgrpo.train.step_metrics import step_metrics
 from klgrpo.train.timing import phase_timer as _timed
 from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
+from klgrpo.train.kl_settings import build_kl_controller
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
 from klgrpo.train.state_io import to_device
 from klgrpo.train.tally import StepTally
-
-
-def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
-    k = cfg.kl
-    by_name = {
-        "fixed": {},
-        "adaptive": {"target": k.target, "horizon": k.horizon},
-        "step": {"target": k.target},
-        "dual": {"target": k.target, "lr": k.dual_lr, "beta_min": k.beta_min, "beta_max": k.beta_max},
-        "dynamic": {"reward_threshold": k.reward_threshold, "decay": k.decay, "beta_min": k.beta_min,
-                    "schedule_steps": k.schedule_steps},
-    }
-    return {**by_name[k.controller], "kl_measure": k.kl_measure}
 
 
 class GRPOTrainer:
@@ -109,7 +97,7 @@ class GRPOTrainer:
             self.train_forward = torch.compile(self.model)
             if isinstance(self.reference, FrozenCopyReference):
                 self.reference.compile()
-        self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **_controller_params(cfg))
+        self.controller = build_kl_controller(cfg.kl)
         self.optimizer = self._build_optimizer()
         self.scheduler = _make_scheduler(self.optimizer, cfg)
         self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,

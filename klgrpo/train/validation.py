@@ -197,8 +197,8 @@ def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
                  + (f" ({meaning})" if meaning else ""))
     o, loss, k = cfg.optim, cfg.loss, cfg.kl
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-    need(0 <= loss.eps_low < 1, f"loss.eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
-                                f"got {loss.eps_low!r}")
+    need(0 <= loss.eps_low <= 1, f"loss.eps_low must be in [0, 1] (the ratio's lower clip is 1 - eps_low; 1: "
+                                 f"no lower clip, as TRL's cispo), got {loss.eps_low!r}")
     need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
     need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
     need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")

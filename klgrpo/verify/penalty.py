@@ -75,6 +75,9 @@ def penalty_objective(
     dual_clip: float | None = None,
     eps: float = WIDE_CLIP,
     full_kl_BT: Tensor | None = None,
+    shaping: str = "none",
+    clip_threshold: float = 1.0,
+    shaping_target: float = 0.1,
 ) -> Tensor:
     """sum_b weights_b * (penalty surrogate of sequence b), computed by the trainer's ``grpo_objective``.
 
@@ -82,6 +85,7 @@ def penalty_objective(
     the exact expectation, or 1/N for N drawn samples. The aggregation counts are those of one expected
     sequence: G = 1, sum_i n_i = E_q[n] (so ``token_mean`` is the large-batch limit), L_max = T.
     ``full_kl_BT``: the exact per-position KL (math.full_kl) that estimator "full" puts in the loss.
+    ``shaping``, ``clip_threshold``, ``shaping_target``: the KL term's shaping (math/kl_shaping.py), as KLTerm.
     """
     if placement not in PLACEMENTS:
         raise KeyError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
@@ -97,7 +101,8 @@ def penalty_objective(
     )
     old_logp_BT = logp_BT.detach() if sampling == "on_policy" else mu_logp_BT
     kl = KLTerm(coef=1.0, estimator=estimator, placement=placement, is_correction=_IS_CORRECTION[sampling],
-                clamp=clamp, reward_mode=reward_mode)
+                clamp=clamp, reward_mode=reward_mode, shaping=shaping, clip_threshold=clip_threshold,
+                shaping_target=shaping_target)
     advantages_B = torch.zeros_like(weights_B)  # task advantages 0: only the penalty is left
     if kl.in_reward and reward_mode == "sequence_score":
         advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
