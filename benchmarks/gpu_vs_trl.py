@@ -270,14 +270,21 @@ def parent(args) -> int:
         rows.append(summarise(label, results[label]))
         print(f"{label}: {time.perf_counter() - t0:.0f} s in all; mean {rows[-1]['mean']:.3f} s/step, first step "
               f"{rows[-1]['first']:.1f} s", flush=True)
+        for key in ("generate", "reference", "update"):  # per step, so a slow batch shows where its time went
+            print(f"  {key:9s} " + " ".join(f"{p[key]:.2f}" for p in results[label]["phases"]), flush=True)
+        print("  step      " + " ".join(f"{x:.2f}" for x in results[label]["steps"]), flush=True)
+        write_json(args, lengths, rows, results)  # after every trainer: a run cut short keeps what it measured
     print()
     print_table(rows, "TRL static cache" if any(r["variant"] == "TRL static cache" for r in rows) else "TRL default")
+    print(f"\nwrote {args.json}")
+    return 0 if rows else 1
+
+
+def write_json(args, lengths, rows, results) -> None:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "prompt_lengths": lengths, "rows": rows, "raw": results},
-                              indent=1))
-    print(f"\nwrote {out}")
-    return 0 if rows else 1
+    out.write_text(json.dumps({"machine": machine(), "steps": args.steps, "prompt_lengths": lengths, "rows": rows,
+                               "raw": results}, indent=1))
 
 
 def machine() -> dict:

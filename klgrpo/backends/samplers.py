@@ -82,18 +82,29 @@ class KVLoopSampler:
                            params.top_k, pad_id, eos_ids, params.group_size, params.compiled)
 
 
+#: generate_static left-pads the prompts to a multiple of this many positions. transformers sizes a static cache
+#: to the batch's prompt length + max_new_tokens and compiles its decoding step for each size (its compile
+#: config is not dynamic, and torch stops recompiling after a few sizes and runs the rest eagerly), so prompts
+#: of many lengths would compile again and again; in buckets of 64, prompts of 42-102 tokens take two sizes.
+STATIC_PROMPT_BUCKET = 64
+
+
 class GenerateSampler:
     """transformers' ``generate`` (do_sample) on the prompts repeated G times; ``cache`` is its
-    cache_implementation (None: the dynamic cache)."""
+    cache_implementation (None: the dynamic cache); ``bucket``: left-pad the prompts to a multiple of it."""
 
-    def __init__(self, cache: str | None = None):
-        self.cache = cache
+    def __init__(self, cache: str | None = None, bucket: int = 0):
+        self.cache, self.bucket = cache, bucket
 
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
         return True
 
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
-        g = params.group_size
+        g, width = params.group_size, prompt_ids.shape[1]
+        if self.bucket and width % self.bucket:  # left padding changes no logit: the mask hides it
+            extra = self.bucket - width % self.bucket
+            prompt_ids = torch.nn.functional.pad(prompt_ids, (extra, 0), value=pad_id)
+            prompt_mask = torch.nn.functional.pad(prompt_mask, (extra, 0), value=0)
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0), attention_mask=prompt_mask.repeat_interleave(g, 0),
             do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
@@ -104,7 +115,7 @@ class GenerateSampler:
 
 SAMPLERS.register("kv_loop", KVLoopSampler())
 SAMPLERS.register("generate", GenerateSampler())
-SAMPLERS.register("generate_static", GenerateSampler("static"))
+SAMPLERS.register("generate_static", GenerateSampler("static", bucket=STATIC_PROMPT_BUCKET))
 
 
 def auto_sampler(model, fast_path: bool = True) -> str:
