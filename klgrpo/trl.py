@@ -48,7 +48,7 @@ from klgrpo.math.aggregation import Normalizer  # noqa: E402
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS  # noqa: E402
 from klgrpo.math.kl_control import CONTROLLERS, KLController, build_controller  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
-from klgrpo.math.objective import KLTerm, grpo_objective  # noqa: E402
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
 
 #: The method names of the original adaptive-KL GRPOConfig: klgrpo's shapings plus the dynamic schedule.
@@ -251,7 +251,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             advantages_B=advantages * self._policy_token_weight(inputs, logps, old_logps, entropies, mask,
                                                                 advantages),
             mask_BT=mask, kl=self._kl_term(beta), aggregation=self.args.aggregation,
-            normalizer=self._normalizer(inputs, mask, mode), eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+            normalizer=self._normalizer(inputs, mask, mode),
+            policy=PolicyTerm(eps_low=self.epsilon_low, eps_high=self.epsilon_high),
         )
         loss = out.loss
         if self.aux_loss_enabled:
@@ -259,8 +260,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_step_metrics(mode, out.sums, logps, old_logps, advantages, entropies, mask, beta)
-        if mode == "train" and "raw_kl" in out.sums:
-            self._update_controller(out.sums["raw_kl"], mask)
+        if mode == "train" and out.sums.raw_kl is not None:
+            self._update_controller(out.sums.raw_kl, mask)
         return loss
 
     def _policy_logps(self, model, inputs):
@@ -322,10 +323,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics = self._metrics[mode]
         tokens = mask.sum()
         metrics["adaptive_kl/current_beta"].append(beta)
-        if "raw_kl" in sums:
-            raw = self._global_mean(sums["raw_kl"], tokens)
+        if sums.raw_kl is not None:
+            raw = self._global_mean(sums.raw_kl, tokens)
             metrics["adaptive_kl/raw_kl"].append(raw)
-            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums["adapted_kl"], tokens))
+            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums.adapted_kl, tokens))
             metrics["kl"].append(raw)  # TRL's name: the mean per-token estimator value
         metrics["entropy"].append(self._global_mean((entropies * mask).sum(), tokens))
         ratio = torch.exp(logps.detach() - old_logps)

@@ -14,7 +14,7 @@ import torch
 from klgrpo.core.loss_api import LossInput, as_typed, load_loss_function, signature_of
 from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.policy_loss import POLICY_LOSSES
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
@@ -65,14 +65,15 @@ def test_typed_loss_that_rebuilds_the_builtin_objective_gives_its_gradient(train
 
     def rebuilt(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             KLTerm(coef=inp.beta, estimator=kl.estimator), inp.aggregation, inp.normalizer)
+                             kl=KLTerm(coef=inp.beta, estimator=kl.estimator), aggregation=inp.aggregation,
+                             normalizer=inp.normalizer)
         return out.loss, {}
 
     builtin, sums_builtin = _accumulate(trainer, batch)
     custom, sums_custom = _accumulate(trainer, batch, rebuilt)
     assert builtin.abs().max() > 0
     torch.testing.assert_close(custom, builtin, rtol=1e-12, atol=1e-15)
-    assert float(sums_custom["loss"]) == pytest.approx(float(sums_builtin["loss"]), rel=1e-12)
+    assert float(sums_custom.loss) == pytest.approx(float(sums_builtin.loss), rel=1e-12)
 
 
 def test_normalised_custom_loss_is_micro_batch_invariant(trainer64):
@@ -266,8 +267,9 @@ def test_builtin_kl_term_is_proven_under_every_policy_loss(policy_loss):
 
     def objective(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"), inp.aggregation,
-                             inp.normalizer, policy_loss=policy_loss)
+                             kl=KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"),
+                             policy=PolicyTerm(name=policy_loss), aggregation=inp.aggregation,
+                             normalizer=inp.normalizer)
         return out.loss, {}
 
     scaled = scaled_loss(objective)[0]

@@ -155,13 +155,13 @@ def _poison(trainer, monkeypatch, at_steps, what):
     real = trainer.accumulate_gradients
 
     def poisoned(batch, keep_logp=False):
-        sums, maxes, ent, logp = real(batch, keep_logp)
+        sums, logp = real(batch, keep_logp)
         if trainer.step + 1 in at_steps:
             if what == "loss":
-                sums["loss"] = sums["loss"] * float("nan")
+                sums.loss = sums.loss * float("nan")
             else:  # a finite loss with an infinite gradient
                 next(p for p in trainer.model.parameters() if p.grad is not None).grad[0] = float("inf")
-        return sums, maxes, ent, logp
+        return sums, logp
 
     monkeypatch.setattr(trainer, "accumulate_gradients", poisoned)
 

@@ -87,9 +87,10 @@ def test_micro_batch_invariance(tiny_model_dir, addition_file, tmp_path, aggrega
         with torch.no_grad():  # move the policy off the reference so the KL terms are non-zero
             for p in trainer.model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
-        s, _, _, _ = trainer.accumulate_gradients(batch)
+        s = trainer.accumulate_gradients(batch)[0]
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None]))
-        sums.append({k: torch.as_tensor(v).double() for k, v in s.items()})  # token_kl is [2, B, T]
+        sums.append({"loss": s.loss.double(), "entropy": s.entropy.double(), "token_kl": s.token_kl.double(),
+                     **{k: v.double() for k, v in s.objective.present().items()}})  # token_kl is [2, B, T]
     assert grads[0].abs().max() > 0
     for g, s in zip(grads[1:], sums[1:]):
         torch.testing.assert_close(g, grads[0], rtol=1e-10, atol=1e-12)

@@ -43,10 +43,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 from klgrpo.math.registry import Registry
 
 IS_CORRECTIONS = ("in_graph", "detached", "none")
+
+#: ``loss.policy_loss`` name -> surrogate ``fn(logp_BT, old_logp_BT, advantages, mask_BT, eps_low, eps_high,
+#: **guards) -> SurrogateOut``; the guards (delta, dual_clip) reach only a surrogate that takes them (ppo_clip).
+#: Registration order is the order the config lists them in; ppo_clip, the default, first.
+POLICY_LOSSES: Registry = Registry("policy loss")
 
 
 @dataclass
@@ -88,6 +92,13 @@ def clipped_surrogate(
     return _pessimistic_clip(ratio, ratio, advantages.to(ratio.dtype), eps_low, eps_high, delta, dual_clip)
 
 
+@POLICY_LOSSES.register("ppo_clip")
+def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor, eps_low: float = 0.2,
+              eps_high: float = 0.2, *, delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
+    """The registry's form of :func:`clipped_surrogate` (the mask is not needed per token)."""
+    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
+
+
 def _pessimistic_clip(ratio: Tensor, token_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
                       delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
     """-min(rho A, clip(rho) A) with the optional delta cap and dual clip; ``token_ratio`` is what the
@@ -103,6 +114,7 @@ def _pessimistic_clip(ratio: Tensor, token_ratio: Tensor, advantages: Tensor, ep
     return SurrogateOut(loss_BT=loss, ratio_BT=token_ratio, clipped_low_BT=low, clipped_high_BT=high)
 
 
+@POLICY_LOSSES.register("gspo")
 def gspo_surrogate(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -123,6 +135,7 @@ def gspo_surrogate(
     return _pessimistic_clip(ratio, torch.exp(log_token_ratio), advantages.to(ratio.dtype), eps_low, eps_high)
 
 
+@POLICY_LOSSES.register("cispo")
 def cispo_surrogate(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -140,17 +153,6 @@ def cispo_surrogate(
     with torch.no_grad():
         low, high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
     return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
-
-
-def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor, eps_low: float = 0.2,
-              eps_high: float = 0.2, *, delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
-    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
-
-
-#: ``loss.policy_loss`` name -> surrogate; the names are POLICY_LOSS_NAMES (the config's choices).
-POLICY_LOSSES: Registry = Registry("policy loss")
-for _name, _fn in zip(POLICY_LOSS_NAMES, (_ppo_clip, gspo_surrogate, cispo_surrogate), strict=True):
-    POLICY_LOSSES.register(_name, _fn)
 
 
 def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) -> Tensor:

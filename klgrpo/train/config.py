@@ -28,8 +28,7 @@ from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
-from klgrpo.math.policy_loss import IS_CORRECTIONS
-from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
+from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -193,7 +192,7 @@ class LossConfig:
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
     policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
                                       "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
-                          POLICY_LOSS_NAMES)
+                          Names(POLICY_LOSSES))
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
 

@@ -41,26 +41,15 @@ from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
 from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.core.batch import StepBatch
-from klgrpo.train.step_metrics import step_metrics
+from klgrpo.train import metric_names as names
+from klgrpo.train.step_metrics import StepSums, step_metrics
 from klgrpo.train.timing import phase_timer as _timed
 from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
 from klgrpo.train.state_io import to_device
 from klgrpo.train.tally import StepTally
-
-
-def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
-    k = cfg.kl
-    by_name = {
-        "fixed": {},
-        "adaptive": {"target": k.target, "horizon": k.horizon},
-        "step": {"target": k.target},
-        "dual": {"target": k.target, "lr": k.dual_lr, "beta_min": k.beta_min, "beta_max": k.beta_max},
-        "dynamic": {"reward_threshold": k.reward_threshold, "decay": k.decay, "beta_min": k.beta_min,
-                    "schedule_steps": k.schedule_steps},
-    }
-    return {**by_name[k.controller], "kl_measure": k.kl_measure}
+from klgrpo.train.terms import controller_params, kl_term, policy_term
 
 
 class GRPOTrainer:
@@ -108,7 +97,7 @@ class GRPOTrainer:
             self.train_forward = torch.compile(self.model)
             if isinstance(self.reference, FrozenCopyReference):
                 self.reference.compile()
-        self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **_controller_params(cfg))
+        self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **controller_params(cfg.kl))
         self.optimizer = self._build_optimizer()
         self.scheduler = _make_scheduler(self.optimizer, cfg)
         self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
@@ -179,10 +168,7 @@ class GRPOTrainer:
         return FrozenCopyReference.copy_of(self.model)
 
     def _kl_term(self) -> KLTerm:
-        k = self.cfg.kl
-        return KLTerm(coef=self.controller.value, estimator=k.estimator, placement=k.placement,
-                      is_correction=k.is_correction, shaping=k.shaping, clip_threshold=k.clip_threshold,
-                      shaping_target=k.shaping_target, clamp=k.log_ratio_clamp or None, reward_mode=k.reward_mode)
+        return kl_term(self.cfg.kl, self.controller.value)
 
     def _micro_slices(self, n: int):
         size = self.cfg.train.micro_batch_size or n
@@ -193,13 +179,13 @@ class GRPOTrainer:
         indices = self.sampler.next_indices()  # the same global indices on every rank
         rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
         prompts = [r["prompt"] for r in rows]
-        with _timed(timings, "time/generate"), self.engine.full_weights(self.model):
+        with _timed(timings, names.TIME_GENERATE), self.engine.full_weights(self.model):
             rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat, compiled=cfg.train.compile,
                 generate_cache=cfg.rollout.generate_cache))
-        with _timed(timings, "time/reward"):
+        with _timed(timings, names.TIME_REWARD):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
@@ -208,7 +194,7 @@ class GRPOTrainer:
         if cfg.rollout.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
         ref_logp = old_logp = None
-        with _timed(timings, "time/reference"):
+        with _timed(timings, names.TIME_REFERENCE):
             if self.reference is not None:
                 ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
         scores, kl = rewards, self._kl_term()
@@ -231,30 +217,28 @@ class GRPOTrainer:
             return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl)[0]
                               for sl in self._micro_slices(rollout.size)])
 
-    def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
+    def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False) -> tuple[StepSums, torch.Tensor | None]:
         """Forward/backward over micro-batches; the loss is normalised globally, so .grad is the full-batch
-        gradient whatever the micro-batch size. Returns (metric sums, maxima, entropy sum, logp or None)."""
+        gradient whatever the micro-batch size. Returns (this rank's sums for the metrics, logp or None)."""
         kl = self._kl_term()
-        sums: dict[str, torch.Tensor] = {}
-        maxes: dict[str, torch.Tensor] = {}
+        objective, loss_sum, custom_sums = None, torch.zeros((), device=self.device), {}
         entropy_sum = torch.zeros((), device=self.device)
         kept, token_kl = [], []
         for sl in self._micro_slices(batch.rollout.size):
             loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
             self.engine.backward(loss)
-            for k, v in [*out.sums.items(), *((f"custom/{k}", v) for k, v in custom.items())]:
-                sums[k] = sums.get(k, 0.0) + v.detach()
-            for k, v in out.maxes.items():
-                maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
-            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
+            objective = out.sums if objective is None else objective + out.sums
+            for k, v in custom.items():
+                custom_sums[k] = custom_sums.get(k, 0.0) + v.detach()
+            loss_sum = loss_sum + loss.detach()
             entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
             if out.token_kl is not None:  # per-token values for the KL percentiles
                 token_kl.append(out.token_kl)
             if keep_logp:
                 kept.append(logp.detach())
-        if token_kl:
-            sums["token_kl"] = torch.cat(token_kl, 1)  # [2, B, T], the micro-batches joined along the batch
-        return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)
+        sums = StepSums(loss=loss_sum, entropy=entropy_sum, objective=objective, custom=custom_sums,
+                        token_kl=torch.cat(token_kl, 1) if token_kl else None)  # [2, B, T], micro-batches joined
+        return sums, (torch.cat(kept) if keep_logp else None)
 
     def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
         """(loss to backpropagate, ObjectiveOut, logp, entropy, custom metrics) of rows ``sl``. With a custom loss
@@ -270,10 +254,9 @@ class GRPOTrainer:
                                                 with_entropy=True)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
         with torch.set_grad_enabled(self.loss_fn is None):
-            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
-                                 cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
-                                 policy_loss=cfg.loss.policy_loss, delta=cfg.loss.delta or None,
-                                 dual_clip=cfg.loss.dual_clip or None, full_kl_BT=full_kl)
+            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
+                                 policy=policy_term(cfg.loss), kl=kl, aggregation=cfg.loss.aggregation,
+                                 normalizer=batch.normalizer, full_kl_BT=full_kl)
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
         loss, custom = call_loss(self.loss_fn, LossInput(
@@ -291,14 +274,14 @@ class GRPOTrainer:
         # the same batch reuse them instead of paying a separate no-grad forward.
         keep_old = batch.old_logp is None and cfg.train.num_iterations > 1
         self.optimizer.zero_grad(set_to_none=True)
-        with _timed(timings, "time/update"):
-            sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump or keep_old)
+        with _timed(timings, names.TIME_UPDATE):
+            sums, logp = self.accumulate_gradients(batch, keep_logp=dump or keep_old)
             if keep_old:
                 batch.old_logp = logp
-            replay_metrics = (self._replay_gradients(sums["loss"]) if self.replay is not None else {})
+            replay_metrics = (self._replay_gradients(sums.loss) if self.replay is not None else {})
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             # A non-finite loss or gradient norm never reaches the weights: the step is skipped and counted.
-            loss_sum = self.dist.sum(sums["loss"]) if self.dist.enabled else sums["loss"]  # ranks decide alike
+            loss_sum = self.dist.sum(sums.loss) if self.dist.enabled else sums.loss  # ranks decide alike
             grad_norm, applied = self.engine.step(self.model, self.optimizer, max_norm,
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
@@ -307,21 +290,21 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         if dump:
             self._dump_kl(logp, batch)
-        metrics, observation = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta,
-                                            self.scheduler.get_last_lr()[0], timings, self.dist, self.device)
+        metrics, observation = step_metrics(batch, sums, grad_norm, beta, self.scheduler.get_last_lr()[0], timings,
+                                            self.dist, self.device)
         metrics.update(replay_metrics)
-        metrics.update(self._custom_metrics(sums, batch))
-        metrics["train/skipped_steps"] = self.guard.skipped_total
+        metrics.update(self._custom_metrics(sums.custom, batch))
+        metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
         return metrics, observation
 
-    def _custom_metrics(self, sums: dict, batch: StepBatch) -> dict[str, float]:
+    def _custom_metrics(self, custom: dict[str, torch.Tensor], batch: StepBatch) -> dict[str, float]:
         """The custom loss's metrics, averaged over the step's micro-batches (on every rank)."""
-        names = sorted(k for k in sums if k.startswith("custom/"))
-        if not names:
+        keys = sorted(custom)
+        if not keys:
             return {}
-        total = self.dist.sum(torch.stack([sums[k].to(self.device, torch.float32) for k in names]))
+        total = self.dist.sum(torch.stack([custom[k].to(self.device, torch.float32) for k in keys]))
         count = len(self._micro_slices(batch.rollout.size)) * self.dist.world_size
-        return {k: v / count for k, v in zip(names, total.tolist())}
+        return {names.custom(k): v / count for k, v in zip(keys, total.tolist())}
 
     def _replay_gradients(self, main_loss) -> dict[str, float]:
         if self.engine.kind == "single":
@@ -366,7 +349,7 @@ class GRPOTrainer:
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
             self.reference.sync(self.model, self.cfg.kl.sync_alpha)
         self._step_start = None
-        metrics["time/step"] = time.perf_counter() - t0
+        metrics[names.TIME_STEP] = time.perf_counter() - t0
         return metrics
 
     def _rollback_partial_step(self) -> None:
@@ -504,13 +487,13 @@ class GRPOTrainer:
         return {
             "steps": self.step,
             "wall_seconds": round(wall, 2),
-            "seconds_per_step": history.mean("time/step", digits=4),
+            "seconds_per_step": history.mean(names.TIME_STEP, digits=4),
             "eval_before": {k.removeprefix("eval/"): v for k, v in eval_before.items()},
             "eval_after": {k.removeprefix("eval/"): v for k, v in eval_after.items()},
-            "final_kl": last.get("adaptive_kl/raw_kl"),
-            "final_replay_kl": last.get("kl/replay"),
+            "final_kl": last.get(names.RAW_KL),
+            "final_replay_kl": last.get(names.KL_REPLAY),
             "final_beta": self.controller.value,
-            "final_reward": last.get("train/reward"),
+            "final_reward": last.get(names.REWARD),
             "kl_estimator": self.cfg.kl.estimator,
             "kl_placement": self.cfg.kl.placement,
             "stopped_early": self._stop_reason or None,
