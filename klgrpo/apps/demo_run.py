@@ -19,6 +19,7 @@ import json
 import time
 
 from klgrpo.train.config import GRPOConfig
+from klgrpo.train.metric_names import KL_REPLAY
 from klgrpo.train.metrics import SUMMARY_FILE
 from klgrpo.train.run_folder import timestamped_run_dir
 
@@ -99,7 +100,7 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     summary.update({
         "accuracy_before": before.get(TRAINED), "accuracy_after": after.get(TRAINED),
         "retention_before": before.get(HELD_OUT), "retention_after": after.get(HELD_OUT),
-        "replay_coef": cfg.kl.replay.coef, "final_replay_kl": _last(trainer.run_dir, "kl/replay"),
+        "replay_coef": cfg.kl.replay.coef, "final_replay_kl": _last(trainer.run_dir, KL_REPLAY),
         "sft": assets.sft_stats, "sft_from_cache": assets.from_cache,
         "total_wall_seconds": round(time.perf_counter() - t0, 2),
     })

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
+from klgrpo.train.metric_names import KL_REPLAY
 
 IDENTITY_FILE = "sweep_cell.json"
 LOG_FILE = "sweep.log"
@@ -337,7 +338,7 @@ def _final_replay_kl(run: Run) -> float | None:
     try:
         from klgrpo.train.metrics import read_metrics
 
-        values = [r["kl/replay"] for r in read_metrics(run.run_dir) if "kl/replay" in r]
+        values = [r[KL_REPLAY] for r in read_metrics(run.run_dir) if KL_REPLAY in r]
     except (OSError, KLGRPOError):
         return None
     return values[-1] if values else None

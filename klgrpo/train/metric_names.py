@@ -51,24 +51,25 @@ TIME_REPLAY = "time/replay"
 TIME_UPDATE = "time/update"
 TIME_STEP = "time/step"
 
-REWARD_FUNCTION = "rewards/<function>"
-EVAL_SET = "eval/<name>"
-CUSTOM = "custom/<name>"
+REWARD_PREFIX, EVAL_PREFIX, CUSTOM_PREFIX = "rewards/", "eval/", "custom/"
+REWARD_FUNCTION = REWARD_PREFIX + "<function>"
+EVAL_SET = EVAL_PREFIX + "<name>"
+CUSTOM = CUSTOM_PREFIX + "<name>"
 
 
 def reward_function(name: str) -> str:
     """The metric of one reward function: rewards/<function>."""
-    return f"rewards/{name}"
+    return REWARD_PREFIX + name
 
 
 def eval_set(name: str) -> str:
     """The metric of one evaluation set: eval/<name>."""
-    return f"eval/{name}"
+    return EVAL_PREFIX + name
 
 
 def custom(name: str) -> str:
     """A metric a custom loss returns: custom/<name>."""
-    return f"custom/{name}"
+    return CUSTOM_PREFIX + name
 
 
 #: The per-token KL percentiles logged each step (p50 / p90 / p99 of l and of k3 over the loss-mask tokens).

@@ -46,6 +46,7 @@ from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
 from klgrpo.train.state_io import StateFileError, load_state, save_state
+from klgrpo.train import metric_names as m
 from klgrpo.train.validation import validate_replay
 
 CACHE_STEM = "replay_cache"
@@ -197,10 +198,10 @@ class ReplayAnchor:
         if main_loss is not None:
             values.append(replay_share(self.coef * kl, torch.as_tensor(main_loss, device=kl.device)))
         floats = torch.stack([v.float().reshape(()) for v in values]).cpu().tolist()
-        out = {"kl/replay": floats[0], "train/replay_penalty": floats[1]}
+        out = {m.KL_REPLAY: floats[0], m.REPLAY_PENALTY: floats[1]}
         if main_loss is not None:
-            out["train/replay_share"] = floats[2]
-        out["time/replay"] = time.perf_counter() - t0
+            out[m.REPLAY_SHARE] = floats[2]
+        out[m.TIME_REPLAY] = time.perf_counter() - t0
         return out
 
     # --------------------------------------------------------------------------------------- checkpoint
