@@ -259,9 +259,11 @@ class GRPOTrainer:
                                  normalizer=batch.normalizer, full_kl_BT=full_kl)
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
+        rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
         loss, custom = call_loss(self.loss_fn, LossInput(
             logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
-            cfg.loss.aggregation, batch.rollout.completion_ids[sl]))
+            cfg.loss.aggregation, rollout.completion_ids[sl], rollout.input_ids[sl, prompt],
+            rollout.attention_mask[sl, prompt]))
         return loss, out, logp, entropy, custom
 
     def _update(self, batch: StepBatch) -> tuple[dict[str, float], KLObservation]:
