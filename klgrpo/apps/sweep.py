@@ -323,12 +323,12 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
 
 # --------------------------------------------------------------------------------------------- the table
 def skill_names(summary: dict) -> tuple[str | None, list[str]]:
-    """(trained set, retention sets) of a run: the demo's names when present, else first / the others."""
-    from klgrpo.apps.demo_run import HELD_OUT, TRAINED
-
+    """(trained set, retention sets) of a run: as its summary names them (the demo's "trained_set" and
+    "retention_sets"), else the first evaluation set and the others."""
     names = list(summary.get("eval_after") or summary.get("eval_before") or {})
-    if TRAINED in names and HELD_OUT in names:
-        return TRAINED, [HELD_OUT] + [n for n in names if n not in (TRAINED, HELD_OUT)]
+    trained, retention = summary.get("trained_set"), summary.get("retention_sets") or []
+    if trained in names and all(n in names for n in retention):
+        return trained, retention + [n for n in names if n != trained and n not in retention]
     return (names[0] if names else None), names[1:]
 
 

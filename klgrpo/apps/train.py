@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from klgrpo.apps.args import USAGE, parse_args
+from klgrpo.apps.args import USAGE, read_argv
 from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import config_help
@@ -21,14 +21,14 @@ def main(argv: list[str]) -> int:
         return 0
     run_dir, fresh = None, False
     try:
-        cfg, opts = parse_args(argv)
+        command = read_argv(argv)  # once: the demo resolves its own config from the same CommandLine
+        cfg, opts = command.config(), command.options()
         fresh = not opts["resume"]
         if not cfg.model.name_or_path:
             from klgrpo.apps.demo_run import run_demo
 
             _early_checks_of_demo(cfg, opts)
-            return run_demo(argv, resume=opts["resume"], print_config=opts["print_config"],
-                            overwrite=opts["overwrite"])
+            return run_demo(command)
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0

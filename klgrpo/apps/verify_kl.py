@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"Monte Carlo samples per check (default {DEFAULT_SAMPLES}; 0 skips Monte Carlo)")
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
     p.add_argument("--from-run", metavar="RUN_DIR",
-                   help="instead of the checks, print k1/k2/k3 statistics of RUN_DIR/kl_dumps/step_*.pt")
+                   help="instead of the checks, print k1/k2/k3 statistics of RUN_DIR/kl_dumps/step_*.safetensors")
     p.add_argument("--loss", metavar="FILE.py:FUNCTION",
                    help="instead of the checks, verify the KL part of your loss ('file.py:function' or "
                         "'module:function'); exit 0 when accepted, 1 when not")
@@ -69,7 +69,7 @@ def _custom_loss(args) -> int:
     from klgrpo.core.loss_api import load_loss_function
     from klgrpo.errors import KLGRPOError
     from klgrpo.verify.custom_loss import format_custom_report, verify_custom_loss
-    from klgrpo.verify.report import torch_threads
+    from klgrpo.core.threads import torch_threads
 
     try:
         fn = load_loss_function(args.loss, what="--loss")

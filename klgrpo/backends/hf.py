@@ -7,14 +7,11 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from klgrpo.errors import ConfigError, first_line
-
-if TYPE_CHECKING:
-    from klgrpo.train.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: model.dtype's values: "auto" (bfloat16 on a GPU that supports it, else float32) or a name above.
@@ -195,7 +192,13 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, gguf_file
     return tok
 
 
-def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype,
+class LoadSettings(Protocol):
+    """What loading a model reads from its settings (a ModelConfig, or anything with the field)."""
+
+    trust_remote_code: bool
+
+
+def load_causal_lm(name_or_path: str, cfg: LoadSettings, device: torch.device, dtype: torch.dtype,
                    gguf_file: str = "", field: str = "model.name_or_path"):
     """The model at ``name_or_path`` in ``dtype`` on ``device``; a GGUF file (``gguf_file``, or a .gguf path) is
     dequantized to ``dtype`` and loads as the plain transformers model it describes."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from klgrpo.backends.hf import forget_gguf_origin, gguf_kwargs, split_gguf
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from klgrpo.train.config import LoraConfig
@@ -61,7 +61,7 @@ def apply_lora(model, cfg: "LoraConfig"):
     try:
         wrapped = peft.get_peft_model(model, peft_cfg)
     except ValueError as exc:
-        raise ConfigError(f"model.lora.target_modules={targets}: {str(exc).splitlines()[0]}; use module names "
+        raise ConfigError(f"model.lora.target_modules={targets}: {first_line(exc, limit=None)}; use module names "
                           f"of this model (e.g. q_proj, v_proj) or ['all-linear']") from None
     base = getattr(model, "name_or_path", "") or ""
     if base and Path(base).is_dir():
@@ -142,7 +142,7 @@ def export_merged(checkpoint_dir, out_dir, base_model: str | None = None) -> Pat
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **gguf_kwargs(folder, gguf_file))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the base model {base!r} to merge into: {str(exc).splitlines()[0]}; "
+        raise ConfigError(f"cannot load the base model {base!r} to merge into: {first_line(exc, limit=None)}; "
                           f"pass base_model=") from None
     if gguf_file:
         forget_gguf_origin(model)

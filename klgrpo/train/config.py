@@ -29,6 +29,7 @@ from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
+from klgrpo.train.validation import validate_config
 
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
@@ -316,8 +317,6 @@ class GRPOConfig:
 
     def validate(self) -> list[str]:
         """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones."""
-        from klgrpo.train.validation import validate_config
-
         return validate_config(self)
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.core.data import PromptSampler, load_prompts
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, warn
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
@@ -143,9 +143,9 @@ class ReplayAnchor:
         if r.estimator != "full":
             target = ESTIMATORS[r.estimator].gradient_target("loss", "off_policy_in_graph", level="token")
             if target != "reverse":
-                log(f"warning: kl.replay.estimator={r.estimator} on reference samples (importance weight in the "
-                    f"graph) has an expected gradient that follows {target!r}, not the reverse KL; use 'full', "
-                    f"k1 or k3")
+                warn(f"kl.replay.estimator={r.estimator} on reference samples (importance weight in the "
+                     f"graph) has an expected gradient that follows {target!r}, not the reverse KL; use 'full', "
+                     f"k1 or k3")
         return cls(cache, coef=r.coef, estimator=r.estimator, batch_size=r.batch_size, seed=cfg.train.seed,
                    micro_batch_size=cfg.train.micro_batch_size, log_ratio_clamp=cfg.kl.log_ratio_clamp,
                    reference=reference)

@@ -16,7 +16,7 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -25,7 +25,7 @@ from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, warn
 from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
@@ -64,7 +64,7 @@ class GRPOTrainer:
         self.log = log
         self.warnings = config.validate()
         for w in self.warnings:
-            log(f"warning: {w}")
+            warn(w)
         cfg = config
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
@@ -422,17 +422,19 @@ class GRPOTrainer:
             self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
         return over
 
-    def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+    def train(self, resume: str | None = None, overwrite: bool = False,
+              summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
         """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
-        ("latest" or a checkpoint folder) continues one (run_folder.py)."""
+        ("latest" or a checkpoint folder) continues one (run_folder.py). ``summary_extras(summary)`` returns
+        fields to add to the summary before summary.json is written (the demo's)."""
         lock = open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log) if self.dist.is_main else None
         try:
-            return self._train(resume)
+            return self._train(resume, summary_extras)
         finally:
             if lock is not None:
                 lock.release()
 
-    def _train(self, resume: str | None) -> dict[str, Any]:
+    def _train(self, resume: str | None, summary_extras=None) -> dict[str, Any]:
         cfg, main = self.cfg, self.dist.is_main
         if resume:
             self.resume(resume)
@@ -473,6 +475,8 @@ class GRPOTrainer:
             export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
                           base_model=_base_model_path(cfg.model) or None)
         summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
+        if main and summary_extras is not None:
+            summary.update(summary_extras(summary))
         if main:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             if cfg.logging.plots:
