@@ -204,20 +204,23 @@ def load_causal_lm(name_or_path: str, cfg: LoadSettings, device: torch.device, d
     dequantized to ``dtype`` and loads as the plain transformers model it describes."""
     folder, gguf_file = split_gguf(name_or_path, gguf_file)
     check_local_model_path(folder, field)
-    access = hub_access(folder, field)
-    extra = gguf_kwargs(folder, gguf_file)
+    model = pretrained_causal_lm(folder, gguf_file, f"cannot load a causal LM from {name_or_path!r} ({field})",
+                                 dtype=dtype, trust_remote_code=cfg.trust_remote_code, **hub_access(folder, field))
+    return model.to(device)
+
+
+def pretrained_causal_lm(folder: str, gguf_file: str, failure: str, fix: str = "", **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(folder, **kwargs)``, a GGUF file dequantized to a plain model; a
+    load error becomes one ConfigError line, "<failure>: <the library's first line><fix>"."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access, **extra
-        )
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs, **gguf_kwargs(folder, gguf_file))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a causal LM from {name_or_path!r} ({field}): "
-                          f"{first_line(exc, limit=None)}") from None
+        raise ConfigError(f"{failure}: {first_line(exc, limit=None)}{fix}") from None
     if gguf_file:
         forget_gguf_origin(model)
-    return model.to(device)
+    return model
 
 
 def forget_gguf_origin(model) -> None:
