@@ -75,12 +75,8 @@ def _constant(row_sums_B: Tensor, lengths_B: Tensor, norm: Normalizer) -> Tensor
     return row_sums_B.sum() / (norm.num_sequences * norm.max_len)
 
 
-def aggregate(
-    values_BT: Tensor,
-    mask_BT: Tensor,
-    mode: str = "token_mean",
-    normalizer: Normalizer | None = None,
-) -> Tensor:
+def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str = "token_mean",
+              normalizer: Normalizer | None = None) -> Tensor:
     """Reduce per-token ``values_BT`` to a scalar with ``mode`` (module docstring).
 
     ``normalizer`` carries the global counts of the whole optimizer-step batch; by default the counts of

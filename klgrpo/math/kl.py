@@ -164,10 +164,8 @@ def k1(l: Tensor, clamp: float | None = None) -> Tensor:
 
 
 @estimator("k2", value_unbiased=False, nonnegative=True, uses_clamp=False,
-           gradients=_table(
-               token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
-               sequence={},
-           ),
+           gradients=_table(token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
+                            sequence={}),
            score_factor=_k2_factor,
            summary="half squared log-ratio; biased value; per-token reverse-KL gradient as a loss")
 def k2(l: Tensor, clamp: float | None = None) -> Tensor:
@@ -214,10 +212,8 @@ def k1_st(l: Tensor, clamp: float | None = None) -> Tensor:
 
 
 @estimator("k3_st", value_unbiased=True, nonnegative=True, uses_clamp=True,
-           gradients=_table(
-               token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
-               sequence={},
-           ),
+           gradients=_table(token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
+                            sequence={}),
            score_factor=_k2_factor, summary="value of k3, gradient of k2 (straight-through, verl's k3+)")
 def k3_st(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
     """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL.
@@ -227,13 +223,8 @@ def k3_st(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
     return _straight_through(k3(l, clamp), k2(l))
 
 
-def kl_estimate(
-    logp: Tensor,
-    ref_logp: Tensor,
-    estimator: str = "k3",
-    *,
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
-) -> Tensor:
+def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", *,
+                clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
     """Per-token KL(pi || pi_ref) estimate, same shape as ``logp``.
 
     logp = log pi(y_t), ref_logp = log pi_ref(y_t) for tokens y_t sampled from pi. Gradients flow
@@ -245,12 +236,8 @@ def kl_estimate(
     return est.fn(log_ratio(logp, ref_logp), clamp)
 
 
-def clamp_fraction(
-    logp: Tensor,
-    ref_logp: Tensor,
-    mask: Tensor | None = None,
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
-) -> Tensor:
+def clamp_fraction(logp: Tensor, ref_logp: Tensor, mask: Tensor | None = None,
+                   clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
     """Fraction of (masked) tokens whose |log-ratio| exceeds ``clamp`` (the ``kl/clamp_frac`` metric)."""
     if clamp is None:
         return torch.zeros((), device=logp.device)
