@@ -198,16 +198,21 @@ def test_train_cli_missing_data_file(tiny_model_dir, tmp_path, capsys):
 
 
 def test_biased_kl_choice_warns(tiny_model_dir, addition_file, tmp_path):
-    messages = []
+    import warnings
+
+    from klgrpo.errors import KLGRPOWarning
+
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "w",
                       kl={"estimator": "k3", "placement": "loss", "is_correction": "detached"})
-    GRPOTrainer(cfg, log=messages.append)
-    assert any("FORWARD KL" in m for m in messages)
-    messages.clear()
+    with pytest.warns(KLGRPOWarning, match="FORWARD KL"):
+        GRPOTrainer(cfg, log=quiet)
+    messages = []
     ok = make_config(tiny_model_dir, addition_file, tmp_path / "w2",
                      kl={"estimator": "k3", "placement": "loss", "is_correction": "in_graph"})
-    GRPOTrainer(ok, log=messages.append)
-    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model"]  # no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KLGRPOWarning)  # no warning
+        GRPOTrainer(ok, log=messages.append)
+    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model"]
 
 
 def test_yaml_then_cli_override_order(tmp_path):

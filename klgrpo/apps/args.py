@@ -37,15 +37,11 @@ class CommandLine:
     overwrite: bool = False
 
     def config(self, base: GRPOConfig | None = None) -> GRPOConfig:
-        """``base`` (default: GRPOConfig()) < --config YAML < overrides."""
-        cfg = base or GRPOConfig()
-        if self.config_file:
-            cfg = cfg.merge_yaml(self.config_file)
-        elif self.resume and base is None:
-            cfg = _run_config(self.resume, self.overrides.get("train.output_dir")) or cfg
-        if self.overrides:
-            cfg = cfg.override(self.overrides)
-        return cfg
+        """``base`` (default: GRPOConfig()) < --config YAML < overrides. Without --config and ``base``, --resume
+        reads the config.yaml of the run it continues."""
+        yaml_file = self.config_file or (_run_config(self.resume, self.overrides.get("train.output_dir"))
+                                         if self.resume and base is None else None)
+        return (base or GRPOConfig()).layered(yaml_file, self.overrides)
 
     def options(self) -> dict:
         return {"resume": self.resume, "print_config": self.print_config, "overwrite": self.overwrite}
@@ -87,7 +83,7 @@ def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOCon
     return command.config(base), command.options()
 
 
-def _run_config(resume: str, output_dir: str | None) -> GRPOConfig | None:
+def _run_config(resume: str, output_dir: str | None) -> str | None:
     """--resume without --config: the config.yaml of the run being resumed (its folder, or the run that holds
     the checkpoint folder named); None when there is none (the resume then reports what is missing)."""
     from pathlib import Path
@@ -101,4 +97,4 @@ def _run_config(resume: str, output_dir: str | None) -> GRPOConfig | None:
     else:
         home = Path(resume).parent.parent
     path = home / "config.yaml"
-    return GRPOConfig().merge_yaml(path) if path.is_file() else None
+    return str(path) if path.is_file() else None

@@ -46,18 +46,21 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
     }, origin="demo defaults")
 
 
-def demo_args(argv: list[str] | CommandLine, assets, seed: int) -> tuple[GRPOConfig, str]:
+def demo_args(argv: list[str] | CommandLine, assets, seed: int,
+              user: GRPOConfig | None = None) -> tuple[GRPOConfig, str]:
     """The demo's config with the user's arguments laid over it, and a note when a default was adapted.
 
-    The demo's beta is adaptive, which needs a starting kl.coef > 0: with ``--kl.coef 0`` and no controller of
-    the user's own, the demo switches to the fixed controller (no KL penalty), as ``klgrpo sweep`` does."""
+    The demo's beta is adaptive, which needs a starting kl.coef > 0: with ``--kl.coef 0`` and no adaptive
+    controller of the user's own, the demo starts from the fixed controller (no KL penalty), as ``klgrpo sweep``
+    does. ``user`` is the user's arguments over klgrpo's defaults (what they chose), when already resolved."""
     command = _command(argv)
-    cfg = command.config(base=demo_config(assets, seed))
-    if cfg.kl.coef == 0 and cfg.kl.controller == "adaptive":
-        as_fixed = command.config(base=demo_config(assets, seed).override({"kl.controller": "fixed"}))
-        if as_fixed.kl.controller == "fixed":  # the adaptive controller is the demo's default, not the user's choice
-            return as_fixed, ("kl.coef 0: kl.controller fixed (the demo's adaptive beta needs a starting "
-                              "kl.coef > 0); no KL penalty, the KL is still logged")
+    user = user or command.config()
+    coef_off = user.kl.coef == 0 and user.kl.controller != "adaptive"  # the defaults' controller is fixed
+    base = demo_config(assets, seed)
+    cfg = command.config(base=base.override({"kl.controller": "fixed"}) if coef_off else base)
+    if coef_off and cfg.kl.controller == "fixed":
+        return cfg, ("kl.coef 0: kl.controller fixed (the demo's adaptive beta needs a starting kl.coef > 0); "
+                     "no KL penalty, the KL is still logged")
     return cfg, ""
 
 
@@ -69,20 +72,21 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
     command = _command(argv)
     if isinstance(argv, CommandLine):
         resume, print_config, overwrite = command.resume, command.print_config, command.overwrite
-    seed = command.config().train.seed
+    user = command.config()  # the user's arguments over klgrpo's defaults: the seed, and what the user chose
+    seed = user.train.seed
     if not print_config:  # before the imports of torch and transformers, which take seconds
         print("klgrpo demo: a tiny Llama-style model learns arithmetic on the CPU; no download.", flush=True)
     from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
 
     if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
-        cfg, _ = demo_args(command, planned_demo_assets(seed=seed), seed)
+        cfg, _ = demo_args(command, planned_demo_assets(seed=seed), seed, user)
         print(cfg.to_yaml())
         return 0
     from klgrpo.train.trainer import GRPOTrainer
 
     print("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
     assets = prepare_demo_assets(seed=seed, log=lambda m: print(f"      {m}"))
-    cfg, note = demo_args(command, assets, seed)
+    cfg, note = demo_args(command, assets, seed, user)
     if note:
         print(f"      {note}")
     print(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "

@@ -296,6 +296,11 @@ class GRPOConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def layered(self, yaml_file: str | Path | None = None, dotted: dict[str, Any] | None = None) -> "GRPOConfig":
+        """This config < the YAML file (when given) < the dotted overrides (when given): the command line's order."""
+        cfg = self.merge_yaml(yaml_file) if yaml_file else self
+        return cfg.override(dotted) if dotted else cfg
+
     def override(self, dotted: dict[str, Any], origin: str = "command line") -> "GRPOConfig":
         """Return a copy with ``{"kl.coef": 0.02, ...}`` applied (values are YAML-parsed strings or objects)."""
         data = self.to_dict()
