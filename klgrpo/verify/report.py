@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from klgrpo.core.threads import torch_threads  # noqa: F401  (re-exported: the tests import it here)
+from klgrpo.core.threads import torch_threads
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.verify import categorical, full_kl, montecarlo, optimum, sequence_toy
 from klgrpo.verify.first_epoch import first_epoch_rows
