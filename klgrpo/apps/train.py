@@ -63,10 +63,10 @@ def main(argv: list[str]) -> int:
 def _early_checks(cfg, opts):
     """What can be refused before a model is built: config values, the run folder, the reward functions."""
     from klgrpo.train.run_folder import check_run_folder
-    from klgrpo.train.trainer import _run_dir
+    from klgrpo.train.building import run_dir_for
 
     cfg.validate()  # errors only here; the trainer prints the warnings
-    run_dir = _run_dir(cfg)
+    run_dir = run_dir_for(cfg)
     check_run_folder(run_dir, cfg, opts["resume"], opts["overwrite"])
     _check_rewards(cfg)
     return run_dir

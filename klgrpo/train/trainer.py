@@ -4,24 +4,24 @@
             --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
 
 A "step" is one optimizer update (TRL's convention): a batch of prompts_per_step x group_size completions
-is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between.
+is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between. What the trainer is
+built from (policy, reference, optimizer) is in train/building.py, the run around the steps (lock, evaluation,
+logging, stop rules, checkpoints, summary) in train/loop.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import random
-import signal
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from klgrpo.train.building import (build_optimizer, build_reference, load_policy, make_scheduler, run_dir_for,
+                                   seed_everything)
 from klgrpo.train.checkpoint import rng_state, save_checkpoint, set_rng_state
-from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
+from klgrpo.train.config import GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
@@ -31,8 +31,7 @@ from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import KLObservation, build_controller
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
-from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from klgrpo.backends.hf import resolve_device
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.math.full_kl import FULL_KL
@@ -44,11 +43,10 @@ from klgrpo.core.batch import StepBatch
 from klgrpo.train import metric_names as names
 from klgrpo.train.step_metrics import StepSums, step_metrics
 from klgrpo.train.timing import phase_timer as _timed
-from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
+from klgrpo.train.guard import NonFiniteGuard
+from klgrpo.train.loop import run_training
 from klgrpo.train.resume import load_resumable_checkpoint
-from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
 from klgrpo.train.state_io import to_device
-from klgrpo.train.tally import StepTally
 from klgrpo.train.terms import controller_params, kl_term, policy_term
 
 
@@ -74,11 +72,12 @@ class GRPOTrainer:
         if cfg.rollout.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                               f"{self.dist.world_size} processes, so every prompt's group stays on one process")
-        _seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
+        seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
         self.device = resolve_device(cfg.model.device)
         if self.dist.device is not None and cfg.model.device == "auto":
             self.device = self.dist.device
-        self.tokenizer, self.model = self._load_policy(model, tokenizer)
+        self.tokenizer, self.model = load_policy(cfg, self.device, log if self.dist.is_main else None, model,
+                                                 tokenizer)
         self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
@@ -89,7 +88,7 @@ class GRPOTrainer:
                                 or cfg.kl.replay.coef > 0)
         if self.needs_reference and self.dist.is_main:
             log("building the reference model")
-        self.reference = self._build_reference() if self.needs_reference else None
+        self.reference = build_reference(cfg, self.model, self.device) if self.needs_reference else None
         # What the loss's forward runs: the policy, or with train.compile its compiled wrapper (same weights);
         # sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
@@ -98,11 +97,11 @@ class GRPOTrainer:
             if isinstance(self.reference, FrozenCopyReference):
                 self.reference.compile()
         self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **controller_params(cfg.kl))
-        self.optimizer = self._build_optimizer()
-        self.scheduler = _make_scheduler(self.optimizer, cfg)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
         self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
                                      shuffle=cfg.data.shuffle)
-        self.run_dir = Path(self.dist.gather_objects(str(_run_dir(cfg)))[0])  # rank 0's name (it has a timestamp)
+        self.run_dir = Path(self.dist.gather_objects(str(run_dir_for(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.replay = None
         # One process: rank 0 alone adds the anchor's gradient. Under an engine every rank computes the same anchor
         # loss (a sharded model needs every rank in its forward) and its gradient is taken once.
@@ -120,53 +119,6 @@ class GRPOTrainer:
         self._eval_before: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _load_policy(self, model=None, tokenizer=None):
-        """(tokenizer, policy): given or loaded (folder, hub name or GGUF file), dropout off, LoRA-wrapped and
-        gradient-checkpointed as configured, in train mode."""
-        cfg = self.cfg
-        dtype = resolve_dtype(cfg.model.dtype, self.device)
-        if model is None and self.dist.is_main:
-            self.log(f"loading {cfg.model.name_or_path} ({dtype}, {self.device})")
-        own_tokenizer = bool(cfg.model.tokenizer)
-        tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
-                                                cfg.model.trust_remote_code,
-                                                gguf_file="" if own_tokenizer else cfg.model.gguf_file,
-                                                field="model.tokenizer" if own_tokenizer else "model.name_or_path")
-        model = model.to(self.device) if model is not None else load_causal_lm(
-            cfg.model.name_or_path, cfg.model, self.device, dtype, gguf_file=cfg.model.gguf_file)
-        _disable_dropout(model)
-        model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
-        if cfg.model.lora.r > 0:
-            from klgrpo.backends.lora import apply_lora
-
-            model = apply_lora(model, cfg.model.lora)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.train()
-        return tokenizer, model
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        o = self.cfg.optim
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        # One fused kernel over all parameters instead of a loop of small ops per tensor (0.45 ms of a 38 ms step
-        # for the demo-size model on the CPU); its rounding differs from the loop's by at most an ulp or so.
-        fused = self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in trainable)
-        return torch.optim.AdamW(trainable, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                                 fused=fused or None)
-
-    def _build_reference(self):
-        ref_path = self.cfg.kl.reference
-        if self.cfg.model.lora.r > 0 and not ref_path:
-            from klgrpo.core.reference import AdapterDisabledReference
-
-            return AdapterDisabledReference(self.model)
-        if ref_path:
-            dtype = next(self.model.parameters()).dtype
-            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype, field="kl.reference")
-            ref_model.klgrpo_fast_path = self.cfg.model.fast_path
-            return FrozenCopyReference(ref_model)
-        return FrozenCopyReference.copy_of(self.model)
-
     def _kl_term(self) -> KLTerm:
         return kl_term(self.cfg.kl, self.controller.value)
 
@@ -404,179 +356,14 @@ class GRPOTrainer:
         if len(rng_by_rank) == self.dist.world_size:
             set_rng_state(rng_by_rank[self.dist.rank])
         else:  # another world size: resumes correctly but not bit-identically
-            _seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
+            seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
         self._eval_before = state.get("eval_before") or {}
         self.step = int(state["step"])
         self.log(f"resumed from {ckpt} at step {self.step}")
-
-    def _should_stop(self, metrics: dict[str, float], start: float) -> bool:
-        """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
-        cfg = self.cfg
-        if self.guard.exhausted:
-            self._stop_reason = self.guard.stop_message(self.step)
-            return True
-        over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
-        if self.dist.enabled:
-            over = bool(self.dist.max(torch.tensor(float(over and self.dist.is_main), device=self.device)).item())
-        if over:
-            self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
-        return over
 
     def train(self, resume: str | None = None, overwrite: bool = False,
               summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
         """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
         ("latest" or a checkpoint folder) continues one (run_folder.py). ``summary_extras(summary)`` returns
-        fields to add to the summary before summary.json is written (the demo's)."""
-        lock = open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log) if self.dist.is_main else None
-        try:
-            return self._train(resume, summary_extras)
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _train(self, resume: str | None, summary_extras=None) -> dict[str, Any]:
-        cfg, main = self.cfg, self.dist.is_main
-        if resume:
-            self.resume(resume)
-        start = time.perf_counter()
-        # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
-        evaluate = bool(self.eval_sets) and (main or self.engine.shards_parameters)
-        if evaluate and self.step == 0:
-            self._eval_before = self.evaluate()
-        eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step
-        history = StepTally()  # what the summary needs, not every row (constant memory per step)
-        logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                                progress=cfg.logging.progress, start_step=self.step) if main else _SilentLogger())
-        with logger:
-            if eval_before and self.step == 0:
-                logger.log(0, eval_before)
-            with sigterm_as_interrupt(), _save_on_interrupt(self, logger):
-                while self.step < cfg.train.steps:
-                    metrics = self.train_step()
-                    if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
-                        metrics.update(self.evaluate())
-                    logger.log(self.step, metrics)
-                    history.append(metrics)
-                    stop = self._should_stop(metrics, start)
-                    if cfg.train.save_every and self.step % cfg.train.save_every == 0 and not stop:
-                        self.save()
-                    if stop:
-                        break
-            if self._stop_reason:
-                logger.message(f"stopped at step {self.step}: {self._stop_reason}")
-            eval_after = self.evaluate() if evaluate else {}
-            if eval_after:
-                logger.log(self.step, eval_after)
-        if not (self.run_dir / "checkpoints" / f"step_{self.step}").exists():
-            self.save()
-        if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
-            from klgrpo.backends.lora import export_merged
-
-            export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
-                          base_model=_base_model_path(cfg.model) or None)
-        summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
-        if main and summary_extras is not None:
-            summary.update(summary_extras(summary))
-        if main:
-            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-            if cfg.logging.plots:
-                from klgrpo.train.report import make_plots
-
-                make_plots(self.run_dir)
-        self.dist.barrier()
-        if self.guard.exhausted:
-            raise NonFiniteError(self.guard.stop_message(self.step))
-        return summary
-
-    def _summary(self, history, eval_before, eval_after, wall) -> dict[str, Any]:
-        last = history.last
-        return {
-            "steps": self.step,
-            "wall_seconds": round(wall, 2),
-            "seconds_per_step": history.mean(names.TIME_STEP, digits=4),
-            "eval_before": {k.removeprefix(names.EVAL_PREFIX): v for k, v in eval_before.items()},
-            "eval_after": {k.removeprefix(names.EVAL_PREFIX): v for k, v in eval_after.items()},
-            "final_kl": last.get(names.RAW_KL),
-            "final_replay_kl": last.get(names.KL_REPLAY),
-            "final_beta": self.controller.value,
-            "final_reward": last.get(names.REWARD),
-            "kl_estimator": self.cfg.kl.estimator,
-            "kl_placement": self.cfg.kl.placement,
-            "stopped_early": self._stop_reason or None,
-            "world_size": self.dist.world_size,
-            "run_dir": str(self.run_dir),
-        }
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _base_model_path(model_cfg) -> str:
-    """model.name_or_path, with model.gguf_file joined on (the spelling export_merged loads a GGUF base from)."""
-    if model_cfg.gguf_file:
-        return str(Path(model_cfg.name_or_path) / model_cfg.gguf_file)
-    return model_cfg.name_or_path
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
-
-
-def _disable_dropout(model) -> None:
-    """Dropout off, so the log-probs of the rollout policy equal the old log-probs of the first update."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-
-
-def _make_scheduler(optimizer, cfg: GRPOConfig):
-    from transformers import get_scheduler
-
-    name = LR_SCHEDULES[cfg.optim.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
-                         num_training_steps=cfg.train.steps)
-
-
-def _run_dir(cfg: GRPOConfig) -> Path:
-    if cfg.train.output_dir:
-        return Path(cfg.train.output_dir)
-    return Path("runs") / cfg.train.run_name if cfg.train.run_name else timestamped_run_dir()
-
-
-class _SilentLogger:
-    """The metrics sink of ranks other than 0."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def log(self, step, metrics):
-        pass
-
-    def message(self, text):
-        pass
-
-
-@contextmanager
-def _save_on_interrupt(trainer: GRPOTrainer, logger):
-    """Ctrl-C: write a checkpoint of the last completed step, then stop (exit code 130 from the CLI)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        # A second Ctrl-C (or a SIGTERM) must not cut the save short.
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            trainer._rollback_partial_step()
-            path = trainer.save()
-            logger.message(f"interrupted: saved {path}; continue with --resume latest")
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        raise
+        fields to add to the summary before summary.json is written (the demo's). The loop: train/loop.py."""
+        return run_training(self, resume, overwrite, summary_extras)
