@@ -204,8 +204,9 @@ def load_causal_lm(name_or_path: str, cfg: LoadSettings, device: torch.device, d
     dequantized to ``dtype`` and loads as the plain transformers model it describes."""
     folder, gguf_file = split_gguf(name_or_path, gguf_file)
     check_local_model_path(folder, field)
+    access = hub_access(folder, field)  # a hub name offline or unreachable: refused here, before any download
     model = pretrained_causal_lm(folder, gguf_file, f"cannot load a causal LM from {name_or_path!r} ({field})",
-                                 dtype=dtype, trust_remote_code=cfg.trust_remote_code, **hub_access(folder, field))
+                                 dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access)
     return model.to(device)
 
 
