@@ -24,14 +24,15 @@ from klgrpo.train.run_folder import timestamped_run_dir
 TRAINED, HELD_OUT = "addition", "subtraction"
 
 
-def demo_config(assets, seed: int = 0) -> GRPOConfig:
-    """Demo defaults (settings measured on the CPU, docs/retention.md), before any user override."""
+def demo_config(assets, seed: int = 0, controller: str = "adaptive") -> GRPOConfig:
+    """Demo defaults (settings measured on the CPU, docs/retention.md), before any user override; ``controller``
+    "fixed" when the user turned the KL penalty off (demo_args)."""
     return GRPOConfig.from_dict({
         "model": {"name_or_path": str(assets.model_dir), "dtype": "float32", "device": "cpu"},
         "data": {"source": str(assets.train_file)},
         "rollout": {"group_size": 8, "prompts_per_step": 32, "max_new_tokens": 4, "temperature": 1.0},
         "rewards": {"functions": [{"name": "exact_match"}]},
-        "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": "adaptive",
+        "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": controller,
                "target": 0.1, "horizon": 10000,
                # The retention guard: exact KL on 64 subtraction prompts x 2 reference completions, 32 a step.
                "replay": {"coef": 1.0, "source": str(assets.replay_file), "estimator": "full", "num_prompts": 64,
@@ -56,8 +57,8 @@ def demo_args(argv: list[str] | CommandLine, assets, seed: int,
     command = _command(argv)
     user = user or command.config()
     coef_off = user.kl.coef == 0 and user.kl.controller != "adaptive"  # the defaults' controller is fixed
-    base = demo_config(assets, seed)
-    cfg = command.config(base=base.override({"kl.controller": "fixed"}) if coef_off else base)
+    base = demo_config(assets, seed, controller="fixed" if coef_off else "adaptive")
+    cfg = base.layered(command.config_file, command.overrides)  # the demo's defaults < --config < overrides
     if coef_off and cfg.kl.controller == "fixed":
         return cfg, ("kl.coef 0: kl.controller fixed (the demo's adaptive beta needs a starting kl.coef > 0); "
                      "no KL penalty, the KL is still logged")
