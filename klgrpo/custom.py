@@ -26,7 +26,7 @@ from torch import Tensor
 
 from klgrpo.core.batch import StepBatch
 from klgrpo.core.forward import completion_logprobs
-from klgrpo.core.loss_api import Datum, LossInput
+from klgrpo.core.loss_api import Datum, LossInput, build_datums
 from klgrpo.errors import DataError
 from klgrpo.math.logprobs import token_logprobs
 
@@ -68,7 +68,8 @@ def forward_backward_custom(model, data: list[Datum], loss_fn: Callable, tempera
 
 @torch.no_grad()
 def datums_from_batch(model, batch: StepBatch, temperature: float = 1.0) -> list[Datum]:
-    """One datum per completion of ``batch`` with tokens in the loss (rows masked out entirely are skipped).
+    """One datum per completion of ``batch`` with tokens in the loss (klgrpo.core.loss_api.build_datums: rows
+    masked out entirely are skipped; the trainer's datum route builds the same datums).
 
     ``logprobs`` are the batch's sampling-policy log-probs (``batch.old_logp``; when the batch has not been
     trained on yet, ``model``'s log-probs now, which are the sampling policy's), ``ref_logprobs`` the reference's
@@ -80,23 +81,8 @@ def datums_from_batch(model, batch: StepBatch, temperature: float = 1.0) -> list
     old = batch.old_logp
     if old is None:  # the model's own forward, as the datums' forward runs it: the first ratio is exactly 1
         old, _ = completion_logprobs(model, rollout, temperature, fast_path=False)
-    data = []
-    for i in range(rollout.size):
-        keep = batch.loss_mask[i].bool()
-        n = int(keep.sum())
-        if n == 0:
-            continue
-        prompt = rollout.input_ids[i, : rollout.prompt_len][rollout.attention_mask[i, : rollout.prompt_len].bool()]
-        completion = rollout.completion_ids[i][keep]
-        data.append(Datum(
-            model_input=torch.cat([prompt, completion]).cpu(),
-            loss_fn_inputs={
-                "target_tokens": completion.cpu(),
-                "advantages": batch.advantages[i].expand(n).cpu(),
-                "logprobs": old[i][keep].cpu(),
-                "ref_logprobs": batch.ref_logp[i][keep].cpu(),
-                "mask": torch.ones(n, dtype=old.dtype),
-            }))
+    data, _ = build_datums(rollout.completion_ids, batch.loss_mask, batch.advantages, old, batch.ref_logp,
+                           rollout.input_ids[:, : rollout.prompt_len], rollout.attention_mask[:, : rollout.prompt_len])
     return data
 
 

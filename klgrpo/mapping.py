@@ -15,7 +15,7 @@ from torch import Tensor
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.objective import ObjectiveOut, grpo_objective
 from klgrpo.train.config import GRPOConfig
-from klgrpo.train.kl_settings import kl_term
+from klgrpo.train.terms import kl_term, policy_term
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,5 @@ def mapped_objective(cfg: GRPOConfig, beta: float, logp_BT: Tensor, old_logp_BT:
                      advantages: Tensor, mask_BT: Tensor, normalizer: Normalizer) -> ObjectiveOut:
     """klgrpo's objective of one micro-batch under the mapped ``cfg`` at beta ``beta``: the one place the TRL
     bridge and the exactness tests of ``klgrpo explain`` call it."""
-    loss = cfg.loss
-    return grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages, mask_BT, kl_term(cfg.kl, beta),
-                          loss.aggregation, normalizer, loss.eps_low, loss.eps_high, loss.policy_loss,
-                          delta=loss.delta or None, dual_clip=loss.dual_clip or None)
+    return grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages, mask_BT, kl=kl_term(cfg.kl, beta),
+                          policy=policy_term(cfg.loss), aggregation=cfg.loss.aggregation, normalizer=normalizer)

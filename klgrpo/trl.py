@@ -52,7 +52,7 @@ from klgrpo.math.kl_control import CONTROLLERS, KLController  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
 from klgrpo.train.config import GRPOConfig as KlgrpoConfig  # noqa: E402
-from klgrpo.train.kl_settings import build_kl_controller as build_controller_from_config  # noqa: E402
+from klgrpo.train.terms import build_kl_controller as build_controller_from_config  # noqa: E402
 from klgrpo.trl_mapping import (  # noqa: E402
     ADAPTIVE_KL_DEFAULTS, ADAPTIVE_KL_FIELDS, LOSS_TYPES, TRL_DEFAULTS, map_trl, resolved_controller,
     resolved_is_correction,
@@ -223,8 +223,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_step_metrics(mode, out.sums, logps, old_logps, advantages, entropies, mask, beta)
-        if mode == "train" and "raw_kl" in out.sums:
-            self._update_controller(out.sums["raw_kl"], mask)
+        if mode == "train" and out.sums.raw_kl is not None:
+            self._update_controller(out.sums.raw_kl, mask)
         return loss
 
     def _policy_logps(self, model, inputs):
@@ -279,10 +279,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics = self._metrics[mode]
         tokens = mask.sum()
         metrics["adaptive_kl/current_beta"].append(beta)
-        if "raw_kl" in sums:
-            raw = self._global_mean(sums["raw_kl"], tokens)
+        if sums.raw_kl is not None:
+            raw = self._global_mean(sums.raw_kl, tokens)
             metrics["adaptive_kl/raw_kl"].append(raw)
-            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums["adapted_kl"], tokens))
+            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums.adapted_kl, tokens))
             metrics["kl"].append(raw)  # TRL's name: the mean per-token estimator value
         metrics["entropy"].append(self._global_mean((entropies * mask).sum(), tokens))
         ratio = torch.exp(logps.detach() - old_logps)

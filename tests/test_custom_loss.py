@@ -14,7 +14,7 @@ import torch
 from klgrpo.core.loss_api import LossInput, as_typed, load_loss_function, signature_of
 from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.policy_loss import POLICY_LOSSES
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
@@ -65,14 +65,15 @@ def test_typed_loss_that_rebuilds_the_builtin_objective_gives_its_gradient(train
 
     def rebuilt(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             KLTerm(coef=inp.beta, estimator=kl.estimator), inp.aggregation, inp.normalizer)
+                             kl=KLTerm(coef=inp.beta, estimator=kl.estimator), aggregation=inp.aggregation,
+                             normalizer=inp.normalizer)
         return out.loss, {}
 
     builtin, sums_builtin = _accumulate(trainer, batch)
     custom, sums_custom = _accumulate(trainer, batch, rebuilt)
     assert builtin.abs().max() > 0
     torch.testing.assert_close(custom, builtin, rtol=1e-12, atol=1e-15)
-    assert float(sums_custom["loss"]) == pytest.approx(float(sums_builtin["loss"]), rel=1e-12)
+    assert float(sums_custom.loss) == pytest.approx(float(sums_builtin.loss), rel=1e-12)
 
 
 def test_normalised_custom_loss_is_micro_batch_invariant(trainer64):
@@ -183,6 +184,52 @@ def test_datums_name_what_is_wrong(trainer64):
         datums_from_batch(trainer.model, batch)
 
 
+def _prompt_weighted_loss(data, logprobs_list):
+    """A datum loss that reads every part of a datum: the prompt's length (from model_input), the targets, the
+    sampling and reference log-probs; per-datum means, so an empty datum would make the loss NaN."""
+    total = torch.zeros((), dtype=torch.float64)
+    for datum, logprobs in zip(data, logprobs_list):
+        inputs = datum.loss_fn_inputs
+        prompt_len = len(datum.model_input) - len(inputs["target_tokens"])
+        ratio = torch.exp(logprobs - inputs["logprobs"])
+        total = total - prompt_len * (ratio * inputs["advantages"]).mean() \
+            + 0.01 * (logprobs - inputs["ref_logprobs"]).mean()
+    return total, {"datums": float(len(data))}
+
+
+def test_one_datum_loss_gives_the_same_loss_and_gradient_on_both_routes(trainer64):
+    """The trainer's datum route (loss.function -> as_typed) and klgrpo.custom's (datums_from_batch +
+    forward_backward_custom) build the same datums, prompt included, and both skip the rows with no loss token."""
+    from klgrpo.core.loss_api import datums_from_input
+    from klgrpo.custom import datums_from_batch, forward_backward_custom
+
+    trainer, batch = trainer64
+    empty = [1, 6]
+    batch.loss_mask[empty] = False  # e.g. rollout.mask_truncated: whole rows out of the loss
+    n_rows = batch.rollout.size - len(empty)
+
+    grads_trainer, sums = _accumulate(trainer, batch, as_typed(_prompt_weighted_loss))
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    data = datums_from_batch(model, batch)
+    loss, metrics = forward_backward_custom(model, data, _prompt_weighted_loss)
+    grads_custom = _grads(model)
+
+    assert len(data) == n_rows and metrics == {"datums": float(n_rows)}
+    assert float(sums.custom["datums"]) == n_rows
+    assert math.isfinite(float(loss.detach())) and abs(float(loss.detach())) > 1e-3
+    assert float(sums.loss) == pytest.approx(float(loss.detach()), rel=1e-10)
+    torch.testing.assert_close(grads_trainer, grads_custom, rtol=1e-9, atol=1e-12)
+    # the datums themselves: the same prompt + completion on both routes
+    rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
+    typed_data, _ = datums_from_input(LossInput(
+        batch.ref_logp, batch.ref_logp, batch.ref_logp, batch.advantages, batch.loss_mask, 0.0, batch.normalizer,
+        tokens=rollout.completion_ids, prompt_ids=rollout.input_ids[:, prompt],
+        prompt_mask=rollout.attention_mask[:, prompt]))
+    assert [d.model_input.tolist() for d in typed_data] == [d.model_input.tolist() for d in data]
+    assert all(len(d.model_input) > len(d.loss_fn_inputs["target_tokens"]) for d in data)
+
+
 # -------------------------------------------------------------------------------------- verify-kl --loss
 def _rows(report):
     return {(r.level, r.sampling): r for r in report.rows}
@@ -266,8 +313,9 @@ def test_builtin_kl_term_is_proven_under_every_policy_loss(policy_loss):
 
     def objective(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"), inp.aggregation,
-                             inp.normalizer, policy_loss=policy_loss)
+                             kl=KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"),
+                             policy=PolicyTerm(name=policy_loss), aggregation=inp.aggregation,
+                             normalizer=inp.normalizer)
         return out.loss, {}
 
     scaled = scaled_loss(objective)[0]

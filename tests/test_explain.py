@@ -160,7 +160,7 @@ def test_trl_defaults_are_trl_1_16s():
 def test_the_bridge_and_the_trainer_build_one_controller(tmp_path):
     from klgrpo.math.kl_control import DUAL_BETA_FLOOR
     from klgrpo.train.config import GRPOConfig as KlgrpoConfig
-    from klgrpo.train.kl_settings import build_kl_controller
+    from klgrpo.train.terms import build_kl_controller
     from klgrpo.trl import GRPOConfig, build_kl_controller as bridge_controller
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], beta=0.1, kl_controller="dual",

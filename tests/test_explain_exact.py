@@ -324,7 +324,7 @@ def test_unsloth_fields_map_as_the_bridge_maps_them(fields, tmp_path):
     bridge_args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fields)
     assert mapped.klgrpo_config().kl == klgrpo_config(bridge_args).kl
     assert mapped.klgrpo_config().loss == klgrpo_config(bridge_args).loss
-    from klgrpo.train.kl_settings import build_kl_controller as from_config
+    from klgrpo.train.terms import build_kl_controller as from_config
 
     assert from_config(mapped.klgrpo_config().kl).state_dict() == build_kl_controller(bridge_args).state_dict()
     # the loss: both routes run mapped_objective on the same klgrpo config, checked above; one value by hand

@@ -168,7 +168,7 @@ def _run_readme_line(command: str, run_yaml: Path, workdir: Path) -> int:
         if "--help" in rest or "--print-config" in rest:
             return cli.main(argv[1:])
         if any("/examples/" in a for a in rest):  # GPU and network: parse and validate only
-            cfg, _ = train_app.parse_args(rest)
+            cfg = train_app.read_argv(rest).config()
             return 0 if cfg.validate() is not None else 1
         steps = 2 if "--resume" in rest else 1
         budget = TINY_BUDGET if not {"--config", "--resume"} & set(rest) else TINY_BUDGET[:6]  # resume: same config

@@ -86,7 +86,7 @@ def test_unknown_name_is_refused_with_the_field_and_the_valid_names():
 
 def test_a_newly_registered_estimator_is_accepted_without_touching_the_config():
     ESTIMATORS.register("k2_copy", Estimator(name="k2_copy", fn=k2, value_unbiased=False, nonnegative=True,
-                                             uses_clamp=False, gradients={}))
+                                             uses_clamp=False, gradients={}, score_factor=lambda l: l))
     try:
         cfg, _ = parse_args(["--kl.estimator", "k2_copy", "--kl.replay.estimator", "k2_copy"])
         assert (cfg.kl.estimator, cfg.kl.replay.estimator) == ("k2_copy", "k2_copy")

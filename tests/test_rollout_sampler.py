@@ -265,7 +265,10 @@ def test_trainer_samples_with_the_configured_generate_sampler(tiny_model_dir, ad
                                                               rollout, cache, deprecated):
     """rollout.sampler reaches the rollout: the trainer's batches go through generate (never the loop) with
     transformers' static or dynamic cache, says which sampler it took, and training runs."""
+    import warnings
+
     from klgrpo.backends.kv_decoder import KVSampler
+    from klgrpo.errors import KLGRPOWarning
     from klgrpo.train.trainer import GRPOTrainer
     from tests.helpers.configs import make_config
 
@@ -277,13 +280,15 @@ def test_trainer_samples_with_the_configured_generate_sampler(tiny_model_dir, ad
 
     monkeypatch.setattr(KVSampler, "sample", lambda *a, **k: pytest.fail("the loop must not sample"))
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", rollout=rollout)
-    trainer = GRPOTrainer(cfg, log=lines.append)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KLGRPOWarning)
+        trainer = GRPOTrainer(cfg, log=lines.append)
     monkeypatch.setattr(trainer.model, "generate", lambda *a, **k: spy_generate(trainer.model, *a, **k))
     summary = trainer.train()
     assert summary["steps"] == 2 and calls == [cache, cache]
     name = "generate_static" if cache else "generate"
     assert any(line.startswith(f"sampler: {name} ") for line in lines)
-    assert any("rollout.generate_cache is deprecated" in line for line in lines) == deprecated
+    assert any("rollout.generate_cache is deprecated" in str(w.message) for w in caught) == deprecated
 
 
 def test_auto_takes_the_loop_on_the_cpu_and_static_generate_on_cuda():

@@ -7,7 +7,10 @@ shows the training config's fields and ``klgrpo verify-kl --help`` the verifier'
 from __future__ import annotations
 
 import sys
+import warnings
 from importlib import import_module
+
+from klgrpo.errors import KLGRPOWarning
 
 SUBCOMMANDS = {
     "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
@@ -41,11 +44,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klgrpo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = import_module(SUBCOMMANDS[name][0])
+    _print_klgrpo_warnings_as_lines()
     try:
         return int(module.main(rest) or 0)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         sys.stderr.close()
         return 0
+
+
+def _print_klgrpo_warnings_as_lines() -> None:
+    """A KLGRPOWarning prints as one "warning: ..." line on stderr (not Python's file:line form); other
+    warnings keep theirs."""
+    default = warnings.showwarning
+    if getattr(default, "prints_klgrpo_warnings", False):  # installed by an earlier call in this process
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, KLGRPOWarning):
+            print(f"warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show.prints_klgrpo_warnings = True
+    warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import yaml
 from klgrpo.errors import ConfigError
 from klgrpo.mapping import Mapped
 from klgrpo.train.config import GRPOConfig
-from klgrpo.train.kl_settings import controller_params
+from klgrpo.train.terms import controller_params
 
 FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
 from klgrpo.errors import ConfigError
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
 
-if TYPE_CHECKING:
-    from klgrpo.train.config import GRPOConfig
+#: What these checks read: a klgrpo.train.config.GRPOConfig. Not imported: config.py imports this module
+#: (GRPOConfig.validate), and the import runs one way.
+GRPOConfig = Any
 
 
 def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int) -> str:
@@ -30,7 +31,7 @@ def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int
     return f"off_policy_{is_correction}"
 
 
-def kl_gradient_target(cfg: "GRPOConfig") -> str:
+def kl_gradient_target(cfg: GRPOConfig) -> str:
     """What the expected KL gradient of this configuration follows, per token (ESTIMATORS' declarations)."""
     sampling = kl_gradient_sampling(cfg.kl.placement, cfg.kl.is_correction, cfg.train.num_iterations)
     if cfg.kl.estimator == FULL_KL:
@@ -43,7 +44,7 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate_replay(cfg: "GRPOConfig") -> None:
+def validate_replay(cfg: GRPOConfig) -> None:
     """The kl.replay settings of an active anchor (kl.replay.coef > 0); the one place that checks them.
     kl.replay.estimator is refused, like every named choice, when the config is built."""
     r = cfg.kl.replay
@@ -56,7 +57,7 @@ def validate_replay(cfg: "GRPOConfig") -> None:
     _need(r.temperature > 0, "kl.replay.temperature must be > 0")
 
 
-def validate_full_kl(cfg: "GRPOConfig") -> None:
+def validate_full_kl(cfg: GRPOConfig) -> None:
     """kl.estimator full: the exact KL over the vocabulary, a loss term of the built-in objective only."""
     _need(cfg.kl.placement == "loss", f"kl.estimator=full is the exact KL over the vocabulary and enters the loss "
                                       f"only: set kl.placement loss (not {cfg.kl.placement}), or pick a "
@@ -65,7 +66,7 @@ def validate_full_kl(cfg: "GRPOConfig") -> None:
                                  "use a per-token estimator with your own loss")
 
 
-def validate_config(cfg: "GRPOConfig") -> list[str]:
+def validate_config(cfg: GRPOConfig) -> list[str]:
     warnings: list[str] = []
 
     need = _need
@@ -181,7 +182,7 @@ _LOWER_BOUNDS = (
 )
 
 
-def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
+def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
     """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
     import math
 

@@ -40,7 +40,7 @@ from torch import Tensor
 from klgrpo.math.advantages import kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS
-from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective, reward_kl
 
 #: eps_low = eps_high for the surrogate: the clip never binds, so the PPO loss is the plain ratio-weighted
 #: policy gradient whose expectation the oracle computes.
@@ -106,8 +106,9 @@ def penalty_objective(
     advantages_B = torch.zeros_like(weights_B)  # task advantages 0: only the penalty is left
     if kl.in_reward and reward_mode == "sequence_score":
         advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
-    out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl, aggregation, norm, eps, eps,
-                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B, metrics=False,
+    out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl=kl,
+                         policy=PolicyTerm(eps_low=eps, eps_high=eps, delta=delta, dual_clip=dual_clip),
+                         aggregation=aggregation, normalizer=norm, row_weights_B=weights_B, metrics=False,
                          full_kl_BT=full_kl_BT)
     return out.loss
 

@@ -94,6 +94,7 @@ def _check_column(name: str, values: Any, completions: list) -> None:
         raise ValueError(f"column {name!r} must hold one value per completion ({len(completions)}), got {got}")
 
 
+@BUILTIN_REWARDS.register("exact_match")
 def exact_match(prompts: list, completions: list[str], answer: list, **_: Any) -> list[float]:
     """1.0 where the stripped completion equals the stripped ``str(answer)``, else 0.0."""
     _check_column("answer", answer, completions)
@@ -105,6 +106,7 @@ def exact_match(prompts: list, completions: list[str], answer: list, **_: Any) -
     return rewards
 
 
+@BUILTIN_REWARDS.register("numeric_match")
 def numeric_match(prompts: list, completions: list[str], answer: list, rel_tol: float = DEFAULT_REL_TOL,
                   **_: Any) -> list[float]:
     """1.0 where the completion's number equals the answer's, |pred - gold| <= rel_tol * max(|pred|, |gold|).
@@ -126,6 +128,7 @@ def numeric_match(prompts: list, completions: list[str], answer: list, rel_tol: 
     return rewards
 
 
+@BUILTIN_REWARDS.register("format")
 def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) -> list[float]:
     """1.0 where ``re.search(pattern, completion, re.DOTALL)`` finds a match, else 0.0."""
     if not isinstance(pattern, str):
@@ -135,8 +138,3 @@ def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) 
     except re.error as e:
         raise ValueError(f"pattern {pattern!r} is not a valid regular expression ({e})") from None
     return [1.0 if regex.search(completion) else 0.0 for completion in completions]
-
-
-BUILTIN_REWARDS.register("exact_match", exact_match)
-BUILTIN_REWARDS.register("numeric_match", numeric_match)
-BUILTIN_REWARDS.register("format", format_match)
