@@ -11,7 +11,7 @@
 (d) klgrpo's decoder against transformers' generate(cache_implementation="static"): greedy tokens equal
     (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each; bf16 and float32;
 (e) the rollout as the trainer runs it (klgrpo.core.rollout.generate_groups, bf16, sampling at temperature 1):
-    klgrpo's loop (model.fast_path) against transformers' generate with rollout.generate_cache dynamic and static;
+    klgrpo's loop (rollout.sampler kv_loop) against transformers' generate and generate_static;
     seconds per batch after one warm-up call (the static cache's compilation is reported apart).
 
 No network and no GGUF package are assumed there, and the 98 MB SmolLM2 GGUF file does not travel: (b)-(d) use
@@ -176,9 +176,8 @@ def _logp_and_grads(model, batch, weights, fast: bool):
     from klgrpo.core.forward import completion_logprobs
 
     model.train()
-    model.klgrpo_fast_path = fast
     model.zero_grad(set_to_none=True)
-    logp, _ = completion_logprobs(model, batch, temperature=1.0)
+    logp, _ = completion_logprobs(model, batch, temperature=1.0, fast_path=fast)
     (logp.float() * weights).sum().backward()
     grads = {k: p.grad.float().clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -252,10 +251,9 @@ def part_samplers(args, model_dir: Path) -> dict:
     n, g, new = (2, 2, 4) if args.tiny else (8, 8, 64)
     prompts = [f"What is {i} + {2 * i + 1}?" for i in range(n)]
     out = {"batch": f"{n} prompts x {g}, {new} new tokens, temperature 1, bf16", "calls_timed": 3}
-    for label, fast, cache in (("klgrpo_loop", True, "dynamic"), ("generate_dynamic", False, "dynamic"),
-                               ("generate_static", False, "static")):
-        model.klgrpo_fast_path = fast
-        params = SamplingParams(group_size=g, max_new_tokens=new, as_chat=True, generate_cache=cache)
+    for label, sampler in (("klgrpo_loop", "kv_loop"), ("generate_dynamic", "generate"),
+                           ("generate_static", "generate_static")):
+        params = SamplingParams(group_size=g, max_new_tokens=new, as_chat=True, sampler=sampler)
         sync(args.device)
         t0 = time.perf_counter()
         generate_groups(model, tok, prompts, params)  # warm-up (the static cache compiles here)

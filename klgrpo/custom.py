@@ -37,11 +37,11 @@ from torch import Tensor
 
 from klgrpo.core.batch import StepBatch
 from klgrpo.core.forward import completion_logprobs
-from klgrpo.core.loss_api import Datum, LossInput
+from klgrpo.core.loss_api import Datum, LossInput, build_datums
 from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 
 __all__ = ["BUILTIN_LOSSES", "Datum", "LossInput", "builtin_loss", "datum_logprobs", "datums_from_batch",
            "forward_backward", "forward_backward_custom"]
@@ -115,13 +115,14 @@ def builtin_loss(loss_fn: str, loss_fn_config: dict | None = None) -> Callable:
         advantages = _padded([_field(d, "advantages", i) for i, d in enumerate(data)], logp)[0]
         ref = _padded([_field(d, "ref_logprobs", i) for i, d in enumerate(data)], logp)[0] if with_kl else None
         mask = mask & (_padded([_field(d, "mask", i).float() for i, d in enumerate(data)])[0] > 0)
-        out = grpo_objective(logp, old.detach(), ref, advantages, mask, kl, "seq_mean_token_sum",
-                             Normalizer(num_sequences=1.0, num_tokens=mask.sum(), max_len=float(mask.shape[1])),
-                             1.0 - low, high - 1.0)
+        out = grpo_objective(logp, old.detach(), ref, advantages, mask, kl=kl,
+                             policy=PolicyTerm(eps_low=1.0 - low, eps_high=high - 1.0), aggregation="seq_mean_token_sum",
+                             normalizer=Normalizer(num_sequences=1.0, num_tokens=mask.sum(),
+                                                   max_len=float(mask.shape[1])))
         tokens = mask.sum().clamp(min=1)
-        metrics = {"clip_fraction": (out.sums["clip_low"] + out.sums["clip_high"]) / tokens}
+        metrics = {"clip_fraction": (out.sums.clip_low + out.sums.clip_high) / tokens}
         if with_kl:
-            metrics["kl"] = out.sums["raw_kl"] / tokens
+            metrics["kl"] = out.sums.raw_kl / tokens
         return out.loss, metrics
 
     loss.__name__ = loss_fn
@@ -160,7 +161,8 @@ def _padded(rows: list[Tensor], like: Tensor | None = None) -> tuple[Tensor, Ten
 
 @torch.no_grad()
 def datums_from_batch(model, batch: StepBatch, temperature: float = 1.0) -> list[Datum]:
-    """One datum per completion of ``batch`` with tokens in the loss (rows masked out entirely are skipped).
+    """One datum per completion of ``batch`` with tokens in the loss (klgrpo.core.loss_api.build_datums: rows
+    masked out entirely are skipped; the trainer's datum route builds the same datums).
 
     ``logprobs`` are the batch's sampling-policy log-probs (``batch.old_logp``; when the batch has not been
     trained on yet, ``model``'s log-probs now, which are the sampling policy's), ``ref_logprobs`` the reference's
@@ -170,25 +172,10 @@ def datums_from_batch(model, batch: StepBatch, temperature: float = 1.0) -> list
                         "kl.monitor: true)")
     rollout = batch.rollout
     old = batch.old_logp
-    if old is None:
-        old, _ = completion_logprobs(model, rollout, temperature)
-    data = []
-    for i in range(rollout.size):
-        keep = batch.loss_mask[i].bool()
-        n = int(keep.sum())
-        if n == 0:
-            continue
-        prompt = rollout.input_ids[i, : rollout.prompt_len][rollout.attention_mask[i, : rollout.prompt_len].bool()]
-        completion = rollout.completion_ids[i][keep]
-        data.append(Datum(
-            model_input=torch.cat([prompt, completion]).cpu(),
-            loss_fn_inputs={
-                "target_tokens": completion.cpu(),
-                "advantages": batch.advantages[i].expand(n).cpu(),
-                "logprobs": old[i][keep].cpu(),
-                "ref_logprobs": batch.ref_logp[i][keep].cpu(),
-                "mask": torch.ones(n, dtype=old.dtype),
-            }))
+    if old is None:  # the model's own forward, as the datums' forward runs it: the first ratio is exactly 1
+        old, _ = completion_logprobs(model, rollout, temperature, fast_path=False)
+    data, _ = build_datums(rollout.completion_ids, batch.loss_mask, batch.advantages, old, batch.ref_logp,
+                           rollout.input_ids[:, : rollout.prompt_len], rollout.attention_mask[:, : rollout.prompt_len])
     return data
 
 

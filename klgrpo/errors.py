@@ -1,11 +1,14 @@
-"""User-facing errors.
+"""User-facing errors and warnings.
 
 Every error that a user's input can cause (a config field, a data file, a reward function) is a
 ``KLGRPOError``; the CLI prints its message as one line and exits without a traceback. Anything else
-that escapes is a bug in klgrpo and keeps its traceback.
+that escapes is a bug in klgrpo and keeps its traceback. A legal but questionable choice is a
+``KLGRPOWarning`` through Python's ``warnings`` (:func:`warn`), never a printed line.
 """
 
 from __future__ import annotations
+
+import warnings
 
 
 class KLGRPOError(Exception):
@@ -38,4 +41,15 @@ def first_line(exc: BaseException, limit: int | None = 200) -> str:
     return (lines[0] if lines else type(exc).__name__)[:limit]
 
 
-__all__ = ["KLGRPOError", "ConfigError", "DataError", "RewardError", "first_line"]
+class KLGRPOWarning(UserWarning):
+    """A legal but questionable setting, or a problem klgrpo worked around: raised through Python's ``warnings``
+    (filter or record it like any warning; ``klgrpo`` commands print it as one ``warning: ...`` line)."""
+
+
+def warn(message: str) -> None:
+    """Issue ``message`` as a KLGRPOWarning, attributed to the caller's caller (the code that chose the setting
+    or triggered the problem)."""
+    warnings.warn(message, KLGRPOWarning, stacklevel=3)
+
+
+__all__ = ["KLGRPOError", "ConfigError", "DataError", "RewardError", "KLGRPOWarning", "first_line", "warn"]

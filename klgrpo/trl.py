@@ -8,8 +8,9 @@ does and hands TRL's tensors to :func:`klgrpo.math.objective.grpo_objective`, th
 trainer and ``klgrpo verify-kl`` use; beta comes from a klgrpo controller updated once per optimizer step.
 Generation (vLLM included), data, rewards, accelerate / DeepSpeed / FSDP, logging and checkpoints stay TRL's.
 With the defaults (kl_adaptation_method "none", estimator k3, the importance weight TRL's
-``use_bias_correction_kl`` selects) loss and gradient equal stock TRL's for loss_type grpo, bnpo, dr_grpo, dapo.
-docs/trl.md has the details.
+``use_bias_correction_kl`` selects) loss and gradient equal stock TRL's for loss_type grpo, bnpo, dr_grpo, dapo,
+luspo and cispo, with delta and importance_sampling_level "sequence" (GSPO); klgrpo.trl_mapping holds the one
+table from TRL's and the adaptive-KL fields to klgrpo's config. docs/trl.md has the details.
 """
 
 from __future__ import annotations
@@ -44,31 +45,21 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from klgrpo.errors import ConfigError  # noqa: E402
+from klgrpo.mapping import mapped_objective  # noqa: E402
 from klgrpo.math.aggregation import Normalizer  # noqa: E402
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS  # noqa: E402
-from klgrpo.math.kl_control import CONTROLLERS, KLController, build_controller  # noqa: E402
+from klgrpo.math.kl import ESTIMATORS  # noqa: E402
+from klgrpo.math.kl_control import CONTROLLERS, KLController  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
-from klgrpo.math.objective import KLTerm, grpo_objective  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
+from klgrpo.train.config import GRPOConfig as KlgrpoConfig  # noqa: E402
+from klgrpo.train.terms import build_kl_controller as build_controller_from_config  # noqa: E402
+from klgrpo.trl_mapping import (  # noqa: E402
+    ADAPTIVE_KL_DEFAULTS, ADAPTIVE_KL_FIELDS, LOSS_TYPES, TRL_DEFAULTS, map_trl, resolved_controller,
+    resolved_is_correction,
+)
 
 #: The method names of the original adaptive-KL GRPOConfig: klgrpo's shapings plus the dynamic schedule.
 KL_ADAPTATION_METHODS = (*SHAPINGS.names(), "dynamic")
-
-#: TRL loss_type -> klgrpo aggregation (klgrpo.math.aggregation). The normaliser carries the difference
-#: between bnpo (tokens of the micro-batch) and dapo (tokens of the accumulation window, all processes).
-LOSS_TYPE_AGGREGATION = {
-    "grpo": "seq_mean_token_mean",
-    "bnpo": "token_mean",
-    "dr_grpo": "constant",
-    "dapo": "token_mean",
-}
-#: TRL loss types whose policy term klgrpo's objective does not have, with the reason.
-UNSUPPORTED_LOSS_TYPES = {
-    "luspo": "it needs sequence-level importance ratios; klgrpo's clipped surrogate is per token",
-    "cispo": "its policy term (clipped-weight REINFORCE) is not the PPO-clipped surrogate of klgrpo's objective",
-    "sapo": "its soft sigmoid gate replaces the PPO clip of klgrpo's objective",
-    "vespo": "its Gamma-weighted sequence loss is not the PPO-clipped surrogate of klgrpo's objective",
-}
 CONTROLLER_FILE = "klgrpo_kl_controller.json"
 
 
@@ -80,35 +71,35 @@ def _help(text: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
 class GRPOConfig(trl.GRPOConfig):
     """TRL's GRPOConfig plus the adaptive-KL fields; every TRL field keeps its meaning and default."""
 
-    kl_adaptation_method: str = field(default="none", metadata=_help(
+    kl_adaptation_method: str = field(default=ADAPTIVE_KL_DEFAULTS["kl_adaptation_method"], metadata=_help(
         "How the KL penalty adapts: 'none' (TRL's behaviour), 'clip' (per-token KL = min(KL, kl_clip_threshold)), "
         "'sigmoid' (per-token KL = sigmoid(KL - kl_target) * KL), 'length_normalized' (per-token KL divided by "
         "the completion's length), 'dynamic' (beta *= dynamic_beta_decay while the mean reward exceeds "
         "reward_threshold; beta = beta_min after beta_schedule_steps steps).", KL_ADAPTATION_METHODS))
-    kl_clip_threshold: float = field(default=1.0, metadata=_help(
+    kl_clip_threshold: float = field(default=ADAPTIVE_KL_DEFAULTS["kl_clip_threshold"], metadata=_help(
         "clip: upper bound on the per-token KL; tokens above it get no KL gradient."))
-    kl_target: float = field(default=0.1, metadata=_help(
+    kl_target: float = field(default=ADAPTIVE_KL_DEFAULTS["kl_target"], metadata=_help(
         "sigmoid: the KL level where the gate is 1/2; also the target KL of the adaptive, step and dual "
         "controllers (mean per-token KL)."))
-    dynamic_beta_decay: float = field(default=0.9, metadata=_help(
+    dynamic_beta_decay: float = field(default=ADAPTIVE_KL_DEFAULTS["dynamic_beta_decay"], metadata=_help(
         "dynamic: multiply beta by this after each step whose mean reward exceeds reward_threshold."))
-    reward_threshold: float = field(default=0.8, metadata=_help(
+    reward_threshold: float = field(default=ADAPTIVE_KL_DEFAULTS["reward_threshold"], metadata=_help(
         "dynamic: the mean reward above which beta decays."))
-    beta_min: float = field(default=0.0, metadata=_help(
+    beta_min: float = field(default=ADAPTIVE_KL_DEFAULTS["beta_min"], metadata=_help(
         "dynamic and dual: lower bound on beta (dynamic sets beta to it after beta_schedule_steps steps)."))
-    beta_schedule_steps: int = field(default=1000, metadata=_help(
+    beta_schedule_steps: int = field(default=ADAPTIVE_KL_DEFAULTS["beta_schedule_steps"], metadata=_help(
         "dynamic: after this many optimizer steps beta = beta_min (0: never)."))
-    kl_estimator: str = field(default="k3", metadata=_help(
+    kl_estimator: str = field(default=ADAPTIVE_KL_DEFAULTS["kl_estimator"], metadata=_help(
         "Per-token KL estimator (klgrpo verify-kl proves what each one's gradient does): 'k3' (TRL's), 'k1', "
         "'k2', 'k1_st', 'k3_st' (value of k3, reverse-KL gradient of k2).", tuple(ESTIMATORS.names())))
-    kl_importance_weight: str | None = field(default=None, metadata=_help(
+    kl_importance_weight: str | None = field(default=ADAPTIVE_KL_DEFAULTS["kl_importance_weight"], metadata=_help(
         "Importance weight w = pi/pi_old on the KL term: 'in_graph' (w keeps its gradient), 'detached', 'none'. "
         "Unset: 'in_graph' when use_bias_correction_kl is true (TRL's default), else 'none'.", IS_CORRECTIONS))
-    kl_controller: str | None = field(default=None, metadata=_help(
+    kl_controller: str | None = field(default=ADAPTIVE_KL_DEFAULTS["kl_controller"], metadata=_help(
         "How beta evolves: 'fixed', 'adaptive' (Ziegler et al.: target kl_target, horizon kl_horizon), 'step', "
         "'dual' (target kl_target), 'dynamic'. Unset: 'dynamic' when kl_adaptation_method is 'dynamic', else "
         "'fixed'.", tuple(CONTROLLERS.names())))
-    kl_horizon: float = field(default=10000.0, metadata=_help(
+    kl_horizon: float = field(default=ADAPTIVE_KL_DEFAULTS["kl_horizon"], metadata=_help(
         "adaptive controller: horizon in samples (Ziegler et al. used ~10000)."))
 
     def __post_init__(self):
@@ -116,25 +107,16 @@ class GRPOConfig(trl.GRPOConfig):
         validate_kl_fields(self)
 
     @property
-    def kl_shaping(self) -> str:
-        """The klgrpo shaping of this method ('dynamic' changes beta, not the per-token KL)."""
-        return "none" if self.kl_adaptation_method == "dynamic" else self.kl_adaptation_method
-
-    @property
     def resolved_kl_controller(self) -> str:
-        if self.kl_controller is not None:
-            return self.kl_controller
-        return "dynamic" if self.kl_adaptation_method == "dynamic" else "fixed"
+        return resolved_controller(self._field_values())
 
     @property
     def resolved_kl_importance_weight(self) -> str:
-        if self.kl_importance_weight is not None:
-            return self.kl_importance_weight
-        return "in_graph" if self.use_bias_correction_kl else "none"
+        return resolved_is_correction(self._field_values())
 
-    @property
-    def aggregation(self) -> str:
-        return LOSS_TYPE_AGGREGATION[self.loss_type]
+    def _field_values(self) -> dict[str, Any]:
+        names = [*TRL_DEFAULTS, *ADAPTIVE_KL_DEFAULTS]
+        return {name: getattr(self, name) for name in names}
 
 
 def _check_choice(name: str, value: Any, choices) -> None:
@@ -153,30 +135,27 @@ def validate_kl_fields(args: GRPOConfig) -> None:
     if args.kl_adaptation_method == "dynamic" and args.resolved_kl_controller != "dynamic":
         raise ConfigError(f"GRPOConfig.kl_adaptation_method='dynamic' is the 'dynamic' controller; drop "
                           f"kl_controller={args.kl_controller!r} or pick another kl_adaptation_method")
-    if args.loss_type in UNSUPPORTED_LOSS_TYPES:
-        raise ConfigError(f"GRPOConfig.loss_type={args.loss_type!r} is not supported by klgrpo.trl: "
-                          f"{UNSUPPORTED_LOSS_TYPES[args.loss_type]}; use one of: {', '.join(LOSS_TYPE_AGGREGATION)}")
-    _check_choice("loss_type", args.loss_type, tuple(LOSS_TYPE_AGGREGATION))
-    unsupported = {
-        "importance_sampling_level": (args.importance_sampling_level != "token", "'token'"),
-        "delta": (args.delta is not None, "None (klgrpo's objective has no two-sided clip)"),
-        "entropy_coef": (args.entropy_coef != 0.0 or args.use_adaptive_entropy,
-                         "0.0 with use_adaptive_entropy=False (no entropy bonus in klgrpo's objective)"),
-    }
-    for name, (bad, fix) in unsupported.items():
-        if bad:
-            raise ConfigError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported by klgrpo.trl; "
-                              f"set it to {fix}")
     if args.beta == 0.0 and (args.kl_adaptation_method != "none" or args.resolved_kl_controller != "fixed"):
         raise ConfigError(f"GRPOConfig.kl_adaptation_method={args.kl_adaptation_method!r} with kl_controller="
                           f"{args.resolved_kl_controller!r} needs beta > 0 (TRL loads no reference model at beta=0)")
-    build_kl_controller(args)  # the controller's own checks (target > 0, ...)
+    build_kl_controller(args)  # the mapping's refusals, then the controller's own checks (target > 0, ...)
     target = kl_gradient_target(args)
     if args.beta != 0.0 and target in ("neither", "zero"):
         warnings.warn(f"GRPOConfig: kl_estimator={args.kl_estimator!r} with kl_importance_weight="
                       f"{args.resolved_kl_importance_weight!r} has an expected KL gradient of '{target}' (see "
                       f"`klgrpo verify-kl`); 'k3' with 'in_graph' or 'k3_st' with 'detached' follow the reverse KL",
                       stacklevel=3)
+
+
+def klgrpo_config(args: GRPOConfig) -> KlgrpoConfig:
+    """The klgrpo config of these fields (klgrpo.trl_mapping); ConfigError for a field whose objective klgrpo's
+    math lacks. TRL's own trainer keeps the fields it applies around the loss (entropy and off-policy masks,
+    vLLM's importance ratio, steps_per_generation)."""
+    mapped = map_trl(args._field_values())
+    for name, why in mapped.unmapped.items():
+        if name not in mapped.source_runtime:
+            raise ConfigError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported by klgrpo.trl: {why}")
+    return mapped.klgrpo_config()
 
 
 def kl_gradient_target(args: GRPOConfig) -> str:
@@ -188,21 +167,9 @@ def kl_gradient_target(args: GRPOConfig) -> str:
     return ESTIMATORS[args.kl_estimator].gradient_target("loss", sampling)
 
 
-def controller_params(args: GRPOConfig) -> dict[str, Any]:
-    """The constructor arguments of the resolved controller, from the config's fields."""
-    return {
-        "fixed": {},
-        "adaptive": {"target": args.kl_target, "horizon": args.kl_horizon},
-        "step": {"target": args.kl_target},
-        "dual": {"target": args.kl_target, "beta_min": max(args.beta_min, 1e-12)},
-        "dynamic": {"reward_threshold": args.reward_threshold, "decay": args.dynamic_beta_decay,
-                    "beta_min": args.beta_min, "schedule_steps": args.beta_schedule_steps},
-    }[args.resolved_kl_controller]
-
-
 def build_kl_controller(args: GRPOConfig) -> KLController:
     try:
-        return build_controller(args.resolved_kl_controller, args.beta, **controller_params(args))
+        return build_controller_from_config(klgrpo_config(args).kl)
     except ValueError as err:
         raise ConfigError(f"GRPOConfig: kl_controller={args.resolved_kl_controller!r}: {err}") from None
 
@@ -222,6 +189,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ConfigError("klgrpo.trl.GRPOTrainer needs args from klgrpo.trl.GRPOConfig, not "
                               f"{type(args).__module__}.{type(args).__name__}")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self.klgrpo_config = klgrpo_config(args)
         self.kl_controller = build_kl_controller(args)
         self._kl_window: torch.Tensor | None = None  # [raw KL sum, tokens, sequences] of this optimizer step
         self._last_reward: float | None = None
@@ -246,21 +214,17 @@ class GRPOTrainer(trl.GRPOTrainer):
         old_logps = logps.detach() if old_logps is None else old_logps
         ref_logps = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         beta = self.kl_controller.value
-        out = grpo_objective(
-            logp_BT=logps, old_logp_BT=old_logps, ref_logp_BT=ref_logps,
-            advantages_B=advantages * self._policy_token_weight(inputs, logps, old_logps, entropies, mask,
-                                                                advantages),
-            mask_BT=mask, kl=self._kl_term(beta), aggregation=self.args.aggregation,
-            normalizer=self._normalizer(inputs, mask, mode), eps_low=self.epsilon_low, eps_high=self.epsilon_high,
-        )
+        weight = self._policy_token_weight(inputs, logps, old_logps, entropies, mask, advantages)
+        out = mapped_objective(self.klgrpo_config, beta, logps, old_logps, ref_logps, advantages * weight, mask,
+                               self._normalizer(inputs, mask, mode))
         loss = out.loss
         if self.aux_loss_enabled:
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         self._log_step_metrics(mode, out.sums, logps, old_logps, advantages, entropies, mask, beta)
-        if mode == "train" and "raw_kl" in out.sums:
-            self._update_controller(out.sums["raw_kl"], mask)
+        if mode == "train" and out.sums.raw_kl is not None:
+            self._update_controller(out.sums.raw_kl, mask)
         return loss
 
     def _policy_logps(self, model, inputs):
@@ -294,17 +258,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             weight = weight * inputs["importance_sampling_ratio"]
         return weight
 
-    def _kl_term(self, beta: float) -> KLTerm:
-        args = self.args
-        return KLTerm(coef=beta, estimator=args.kl_estimator, placement="loss",
-                      is_correction=args.resolved_kl_importance_weight, shaping=args.kl_shaping,
-                      clip_threshold=args.kl_clip_threshold, shaping_target=args.kl_target,
-                      clamp=DEFAULT_LOG_RATIO_CLAMP)
-
     def _normalizer(self, inputs, mask, mode: str) -> Normalizer:
         """The global counts that make klgrpo's aggregation equal TRL's normalisation of this loss_type."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        if self.loss_type == "dapo":  # tokens of the whole accumulation window on all processes, per process
+        if self.loss_type in ("dapo", "cispo"):  # the accumulation window's tokens on all processes, per process
             tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 tokens = tokens * accumulation / self.args.steps_per_generation
@@ -322,10 +279,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics = self._metrics[mode]
         tokens = mask.sum()
         metrics["adaptive_kl/current_beta"].append(beta)
-        if "raw_kl" in sums:
-            raw = self._global_mean(sums["raw_kl"], tokens)
+        if sums.raw_kl is not None:
+            raw = self._global_mean(sums.raw_kl, tokens)
             metrics["adaptive_kl/raw_kl"].append(raw)
-            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums["adapted_kl"], tokens))
+            metrics["adaptive_kl/adapted_kl"].append(self._global_mean(sums.adapted_kl, tokens))
             metrics["kl"].append(raw)  # TRL's name: the mean per-token estimator value
         metrics["entropy"].append(self._global_mean((entropies * mask).sum(), tokens))
         ratio = torch.exp(logps.detach() - old_logps)
@@ -372,4 +329,4 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.kl_controller.load_state_dict(saved["state"])
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "KL_ADAPTATION_METHODS", "LOSS_TYPE_AGGREGATION", "SUPPORTED_TRL"]
+__all__ = ["ADAPTIVE_KL_FIELDS", "GRPOConfig", "GRPOTrainer", "KL_ADAPTATION_METHODS", "LOSS_TYPES", "SUPPORTED_TRL"]

@@ -13,6 +13,16 @@ import torch
 torch.set_num_threads(1)  # tests run beside other processes on 2 cores; one thread avoids oversubscription
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run where CUDA is and are skipped elsewhere."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer

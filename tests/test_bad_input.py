@@ -90,7 +90,7 @@ CASES = [
     ("temperature_inf", lambda c: c.base("--rollout.temperature", ".inf"), ["rollout.temperature is inf"]),
     ("top_k_negative", lambda c: c.base("--rollout.top_k", "-1"), ["rollout.top_k must be >= 0", "turns top-k off"]),
     ("warmup_negative", lambda c: c.base("--optim.warmup_steps", "-3"), ["optim.warmup_steps must be >= 0"]),
-    ("eps_low_above_one", lambda c: c.base("--loss.eps_low", "1.5"), ["loss.eps_low must be in [0, 1)"]),
+    ("eps_low_above_one", lambda c: c.base("--loss.eps_low", "1.5"), ["loss.eps_low must be in [0, 1]"]),
     ("coef_text", lambda c: c.base("--kl.coef", "abc"), ["kl.coef in command line must be float"]),
     ("field_typo", lambda c: c.base("--kl.coeff", "0.1"), ["'kl.coeff'", "did you mean kl.coef"]),
     ("bad_choice", lambda c: c.base("--kl.estimator", "k4"), ["kl.estimator", "choose one of"]),

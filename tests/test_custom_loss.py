@@ -14,7 +14,7 @@ import torch
 from klgrpo.core.loss_api import LossInput, as_typed, load_loss_function, signature_of
 from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.policy_loss import POLICY_LOSSES
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
@@ -65,14 +65,15 @@ def test_typed_loss_that_rebuilds_the_builtin_objective_gives_its_gradient(train
 
     def rebuilt(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             KLTerm(coef=inp.beta, estimator=kl.estimator), inp.aggregation, inp.normalizer)
+                             kl=KLTerm(coef=inp.beta, estimator=kl.estimator), aggregation=inp.aggregation,
+                             normalizer=inp.normalizer)
         return out.loss, {}
 
     builtin, sums_builtin = _accumulate(trainer, batch)
     custom, sums_custom = _accumulate(trainer, batch, rebuilt)
     assert builtin.abs().max() > 0
     torch.testing.assert_close(custom, builtin, rtol=1e-12, atol=1e-15)
-    assert float(sums_custom["loss"]) == pytest.approx(float(sums_builtin["loss"]), rel=1e-12)
+    assert float(sums_custom.loss) == pytest.approx(float(sums_builtin.loss), rel=1e-12)
 
 
 def test_normalised_custom_loss_is_micro_batch_invariant(trainer64):
@@ -139,10 +140,11 @@ def test_datum_loss_from_config_receives_the_controllers_beta(tiny_model_dir, ad
 
 
 def test_datum_loss_without_a_coefficient_is_named_in_a_warning(tiny_model_dir, addition_file, tmp_path):
-    lines = []
+    from klgrpo.errors import KLGRPOWarning
+
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run")
-    GRPOTrainer(cfg, loss_fn=lambda data, logprobs_list: (logprobs_list[0].sum(), {}), log=lines.append)
-    assert any("takes no KL-coefficient keyword" in line for line in lines)
+    with pytest.warns(KLGRPOWarning, match="takes no KL-coefficient keyword .*kl.coef and the controller's beta"):
+        GRPOTrainer(cfg, loss_fn=lambda data, logprobs_list: (logprobs_list[0].sum(), {}), log=quiet)
 
 
 def test_loss_function_errors_name_the_fix(tiny_model_dir, addition_file, tmp_path):
@@ -179,7 +181,7 @@ def test_issue_loss_runs_unchanged_on_a_local_model(trainer64):
     assert set(data[0].loss_fn_inputs) == {"target_tokens", "advantages", "logprobs", "ref_logprobs", "mask"}
     mask = batch.loss_mask.bool()
     with torch.no_grad():
-        logp_all, _ = completion_logprobs(model, batch.rollout, 1.0)
+        logp_all, _ = completion_logprobs(model, batch.rollout, 1.0, fast_path=False)
         for i, lp in enumerate(datum_logprobs(model, data)):
             torch.testing.assert_close(lp, logp_all[i][mask[i]], rtol=0, atol=1e-10)
 
@@ -189,7 +191,7 @@ def test_issue_loss_runs_unchanged_on_a_local_model(trainer64):
     got = _grads(model)
 
     model.zero_grad(set_to_none=True)
-    logp, _ = completion_logprobs(model, batch.rollout, 1.0)
+    logp, _ = completion_logprobs(model, batch.rollout, 1.0, fast_path=False)
     old = logp_all  # the batch had no update yet: the sampling log-probs are the model's now
     ratio = torch.exp(logp - old)
     adv = batch.advantages[:, None]
@@ -232,9 +234,9 @@ def test_builtin_datum_losses_equal_the_trainers_objective(trainer64, loss_fn, c
     trainer.model.zero_grad(set_to_none=True)
     loss, metrics = forward_backward(trainer.model, data, loss_fn=loss_fn, loss_fn_config=config)
     n = batch.normalizer.num_sequences
-    assert float(loss) == pytest.approx(float(sums["loss"]) * n, rel=1e-10)
+    assert float(loss) == pytest.approx(float(sums.loss) * n, rel=1e-10)
     torch.testing.assert_close(_grads(trainer.model), builtin * n, rtol=1e-9, atol=1e-12)
-    clipped = float(sums["clip_low"] + sums["clip_high"]) / float(batch.loss_mask.sum())
+    clipped = float(sums.objective.clip_low + sums.objective.clip_high) / float(batch.loss_mask.sum())
     assert float(metrics["clip_fraction"]) == pytest.approx(clipped, rel=1e-6)  # counts summed in float32
     if eps[1] < 0.1:
         assert clipped > 0  # the narrow range really clips: the clip branch is compared too
@@ -265,6 +267,52 @@ def test_datums_name_what_is_wrong(trainer64):
     batch.ref_logp = None
     with pytest.raises(DataError, match="no reference log-probs"):
         datums_from_batch(trainer.model, batch)
+
+
+def _prompt_weighted_loss(data, logprobs_list):
+    """A datum loss that reads every part of a datum: the prompt's length (from model_input), the targets, the
+    sampling and reference log-probs; per-datum means, so an empty datum would make the loss NaN."""
+    total = torch.zeros((), dtype=torch.float64)
+    for datum, logprobs in zip(data, logprobs_list):
+        inputs = datum.loss_fn_inputs
+        prompt_len = len(datum.model_input) - len(inputs["target_tokens"])
+        ratio = torch.exp(logprobs - inputs["logprobs"])
+        total = total - prompt_len * (ratio * inputs["advantages"]).mean() \
+            + 0.01 * (logprobs - inputs["ref_logprobs"]).mean()
+    return total, {"datums": float(len(data))}
+
+
+def test_one_datum_loss_gives_the_same_loss_and_gradient_on_both_routes(trainer64):
+    """The trainer's datum route (loss.function -> as_typed) and klgrpo.custom's (datums_from_batch +
+    forward_backward_custom) build the same datums, prompt included, and both skip the rows with no loss token."""
+    from klgrpo.core.loss_api import datums_from_input
+    from klgrpo.custom import datums_from_batch, forward_backward_custom
+
+    trainer, batch = trainer64
+    empty = [1, 6]
+    batch.loss_mask[empty] = False  # e.g. rollout.mask_truncated: whole rows out of the loss
+    n_rows = batch.rollout.size - len(empty)
+
+    grads_trainer, sums = _accumulate(trainer, batch, as_typed(_prompt_weighted_loss))
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    data = datums_from_batch(model, batch)
+    loss, metrics = forward_backward_custom(model, data, _prompt_weighted_loss)
+    grads_custom = _grads(model)
+
+    assert len(data) == n_rows and metrics == {"datums": float(n_rows)}
+    assert float(sums.custom["datums"]) == n_rows
+    assert math.isfinite(float(loss.detach())) and abs(float(loss.detach())) > 1e-3
+    assert float(sums.loss) == pytest.approx(float(loss.detach()), rel=1e-10)
+    torch.testing.assert_close(grads_trainer, grads_custom, rtol=1e-9, atol=1e-12)
+    # the datums themselves: the same prompt + completion on both routes
+    rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
+    typed_data, _ = datums_from_input(LossInput(
+        batch.ref_logp, batch.ref_logp, batch.ref_logp, batch.advantages, batch.loss_mask, 0.0, batch.normalizer,
+        tokens=rollout.completion_ids, prompt_ids=rollout.input_ids[:, prompt],
+        prompt_mask=rollout.attention_mask[:, prompt]))
+    assert [d.model_input.tolist() for d in typed_data] == [d.model_input.tolist() for d in data]
+    assert all(len(d.model_input) > len(d.loss_fn_inputs["target_tokens"]) for d in data)
 
 
 # -------------------------------------------------------------------------------------- verify-kl --loss
@@ -350,8 +398,9 @@ def test_builtin_kl_term_is_proven_under_every_policy_loss(policy_loss):
 
     def objective(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"), inp.aggregation,
-                             inp.normalizer, policy_loss=policy_loss)
+                             kl=KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"),
+                             policy=PolicyTerm(name=policy_loss), aggregation=inp.aggregation,
+                             normalizer=inp.normalizer)
         return out.loss, {}
 
     scaled = scaled_loss(objective)[0]

@@ -38,8 +38,9 @@ def accelerate_launch(config_file, args, timeout=240, attempts=2):
     """``accelerate launch --config_file CONFIG --num_processes 2`` on the CPU. A failure without a Python
     traceback (seen once in many runs here: gloo aborting while the loopback rendezvous was set up) is retried
     once on a fresh port; a Python error in our code fails at once."""
+    # The CPU even where a GPU is visible: two processes on one GPU is not what these tests compare.
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
     outputs = []
     for _ in range(attempts):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),

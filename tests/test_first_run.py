@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import time
 from pathlib import Path
 
 import pytest
@@ -89,9 +88,7 @@ def test_print_config_never_builds_the_demo(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(demo_assets, "run_sft", no_sft)
     monkeypatch.setattr(demo_assets, "prepare_demo_assets", no_sft)
-    t0 = time.perf_counter()
     assert train_app.main(["--print-config", "--kl.coef", "0.1"]) == 0
-    assert time.perf_counter() - t0 < 5
     printed = yaml.safe_load(capsys.readouterr().out)
     planned = demo_assets.planned_demo_assets(seed=0)
     assert printed["model"]["name_or_path"] == str(planned.model_dir)
@@ -197,7 +194,7 @@ def _run_readme_line(command: str, run_yaml: Path, workdir: Path) -> int:
         if "--help" in rest or "--print-config" in rest:
             return cli.main(argv[1:])
         if any("/examples/" in a for a in rest):  # GPU and network: parse and validate only
-            cfg, _ = train_app.parse_args(rest)
+            cfg = train_app.read_argv(rest).config()
             return 0 if cfg.validate() is not None else 1
         steps = 2 if "--resume" in rest else 1
         budget = TINY_BUDGET if not {"--config", "--resume"} & set(rest) else TINY_BUDGET[:6]  # resume: same config

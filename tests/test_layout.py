@@ -29,7 +29,9 @@ ALLOWED = {
 #: Importable from every room.
 SHARED = {"klgrpo", "klgrpo.errors"}
 #: Modules at the top of the package that belong to a room.
-TOP_LEVEL_ROOMS = {"klgrpo.trl": "integrations", "klgrpo.custom": "integrations", "klgrpo.__main__": "apps"}
+TOP_LEVEL_ROOMS = {"klgrpo.trl": "integrations", "klgrpo.custom": "integrations", "klgrpo.mapping": "integrations",
+                   "klgrpo.trl_mapping": "integrations", "klgrpo.verl_mapping": "integrations",
+                   "klgrpo.openrlhf_mapping": "integrations", "klgrpo.__main__": "apps"}
 
 
 def _module_name(path: Path) -> str:

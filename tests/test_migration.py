@@ -15,7 +15,7 @@ import torch
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import kl_estimate
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.kl_shaping import shape_kl
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.migration import migration_rows
@@ -85,8 +85,9 @@ def _klgrpo_loss(loss_type, beta, bias_correction, delta, logp, old, ref, adv, m
     leaf = logp.clone().requires_grad_(True)
     kl = KLTerm(coef=beta, estimator="k3", placement="loss", is_correction="in_graph" if bias_correction else "none")
     old_logp = leaf.detach() if old is None else old
-    out = grpo_objective(leaf, old_logp, ref if beta else None, adv, mask, kl, TRL_AGGREGATION[loss_type],
-                         Normalizer.of(mask, max_len=MAX_LEN), EPS_LOW, EPS_HIGH, delta=delta)
+    out = grpo_objective(leaf, old_logp, ref if beta else None, adv, mask, kl=kl,
+                         policy=PolicyTerm(eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=delta),
+                         aggregation=TRL_AGGREGATION[loss_type], normalizer=Normalizer.of(mask, max_len=MAX_LEN))
     (grad,) = torch.autograd.grad(out.loss, leaf)
     return out.loss.detach(), grad
 
@@ -138,8 +139,8 @@ def test_verl_dual_clip_table():
     logp = torch.log(torch.tensor([[0.5, 1.0, 2.0, 4.0]] * 2, dtype=F64))
     mask = torch.ones(2, 4)
     out = grpo_objective(logp, torch.zeros(2, 4, dtype=F64), None, torch.tensor([-1.0, 1.0], dtype=F64), mask,
-                         KLTerm(), "seq_mean_token_sum", Normalizer(1.0, 8.0, 4.0), EPS_LOW, EPS_HIGH,
-                         dual_clip=3.0)
+                         kl=KLTerm(), policy=PolicyTerm(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=3.0),
+                         aggregation="seq_mean_token_sum", normalizer=Normalizer(1.0, 8.0, 4.0))
     assert float(out.loss) == pytest.approx((0.8 + 1 + 2 + 3) + (-0.5 - 1 - 1.28 - 1.28), rel=1e-14)
 
 

@@ -21,7 +21,7 @@ from klgrpo.math.kl import ESTIMATORS, PLACEMENTS, Estimator, k2
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
-from klgrpo.core.rollout import GENERATE_CACHES
+from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.train.config import LR_SCHEDULES, GRPOConfig, all_field_paths
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
@@ -40,7 +40,8 @@ SOURCES = {
     "loss.aggregation": AGGREGATIONS,
     "loss.advantage_scale": ADVANTAGE_SCALES,
     "loss.policy_loss": POLICY_LOSSES,
-    "rollout.generate_cache": GENERATE_CACHES,
+    "rollout.sampler": (AUTO, *SAMPLERS),
+    "rollout.generate_cache": ("", *LEGACY_GENERATE_CACHES),
     "optim.schedule": LR_SCHEDULES,
 }
 
@@ -85,7 +86,7 @@ def test_unknown_name_is_refused_with_the_field_and_the_valid_names():
 
 def test_a_newly_registered_estimator_is_accepted_without_touching_the_config():
     ESTIMATORS.register("k2_copy", Estimator(name="k2_copy", fn=k2, value_unbiased=False, nonnegative=True,
-                                             uses_clamp=False, gradients={}))
+                                             uses_clamp=False, gradients={}, score_factor=lambda l: l))
     try:
         cfg, _ = parse_args(["--kl.estimator", "k2_copy", "--kl.replay.estimator", "k2_copy"])
         assert (cfg.kl.estimator, cfg.kl.replay.estimator) == ("k2_copy", "k2_copy")

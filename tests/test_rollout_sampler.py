@@ -13,7 +13,7 @@ import torch
 
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.backends.kv_decoder import KVSampler, filter_logits
-from klgrpo.core.rollout import GENERATE_CACHES, SamplingParams, generate_groups
+from klgrpo.core.rollout import SamplingParams, generate_groups
 
 V = 23
 
@@ -136,11 +136,11 @@ def test_same_seed_gives_generate_tokens(top_k, top_p, monkeypatch):
     model.config.vocab_size = V
     prompts = ["12+3=", "7-1=", "99+99="]  # different lengths: left padding
     runs = []
-    for fast in (True, False):
-        model.klgrpo_fast_path = fast  # model.fast_path
+    for sampler in ("kv_loop", "generate"):
         torch.manual_seed(42)
         runs.append(generate_groups(model, tok, prompts, SamplingParams(group_size=4, max_new_tokens=12,
-                                                                       temperature=0.9, top_p=top_p, top_k=top_k)))
+                                                                       temperature=0.9, top_p=top_p, top_k=top_k,
+                                                                       sampler=sampler)))
     fast, slow = runs
     assert fast.completion_ids.shape[1] > 1
     assert torch.equal(fast.completion_ids, slow.completion_ids)
@@ -152,18 +152,17 @@ def test_same_seed_gives_generate_tokens(top_k, top_p, monkeypatch):
 
 
 def test_static_cache_generate_gives_the_dynamic_cache_tokens():
-    """rollout.generate_cache static: transformers' generate with a preallocated cache samples the same tokens
+    """rollout.sampler generate_static: transformers' generate with a preallocated cache samples the same tokens
     from the same seed as with its dynamic cache (float64: the logits agree far below a sampling flip)."""
     tok = _tokenizer()
     torch.manual_seed(0)
     model = _randomise(_llama()).to(torch.float64)
     model.config.vocab_size = V
     runs = []
-    for cache in GENERATE_CACHES:
-        model.klgrpo_fast_path = cache == "static"  # static bypasses klgrpo's loop even with the fast path on
+    for sampler in ("generate", "generate_static"):
         torch.manual_seed(7)
         runs.append(generate_groups(model, tok, ["12+3=", "7-1=", "99+99="], SamplingParams(
-            group_size=3, max_new_tokens=10, temperature=0.9, generate_cache=cache)))
+            group_size=3, max_new_tokens=10, temperature=0.9, sampler=sampler)))
     dynamic, static = runs
     assert dynamic.completion_ids.shape[1] > 1
     assert torch.equal(dynamic.completion_ids, static.completion_ids)
@@ -237,14 +236,13 @@ def test_shared_prompt_logprobs_equal_transformers_forward(arch, rows):
 
     torch.manual_seed(0)
     model = _randomise(BUILDERS[arch]()).to(torch.float64)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     batch = _group_batch()
     weights = torch.randn(batch.completion_ids.shape, dtype=torch.float64)[rows if rows is not None else slice(None)]
     results = []
     for fast in (True, False):
-        base.klgrpo_fast_path = fast
         model.zero_grad()
-        logp, entropy = completion_logprobs(model, batch, temperature=0.8, rows=rows, with_entropy=True)
+        logp, entropy = completion_logprobs(model, batch, temperature=0.8, rows=rows, with_entropy=True,
+                                            fast_path=fast)
         (logp * weights * batch.completion_mask[rows if rows is not None else slice(None)]).sum().backward()
         grad = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
         results.append((logp.detach(), entropy, grad))
@@ -258,22 +256,68 @@ def test_shared_prompt_logprobs_equal_transformers_forward(arch, rows):
     assert g_ref.abs().max() > 1e-3  # the comparison is not between zeros
 
 
-def test_trainer_samples_with_the_static_cache_when_configured(tiny_model_dir, addition_file, tmp_path, monkeypatch):
-    """rollout.generate_cache static reaches the sampler: the trainer's rollouts go through generate (not the
-    loop) with cache_implementation="static", and training runs."""
-    from klgrpo.backends.kv_decoder import KVSampler
-    from klgrpo.train.trainer import GRPOTrainer
-    from tests.helpers.configs import make_config, quiet
+@pytest.mark.parametrize("rollout,cache,deprecated", [
+    ({"sampler": "generate_static"}, "static", False),
+    ({"generate_cache": "static"}, "static", True),   # the old setting, still honoured, with a note
+    ({"sampler": "generate"}, None, False),
+])
+def test_trainer_samples_with_the_configured_generate_sampler(tiny_model_dir, addition_file, tmp_path, monkeypatch,
+                                                              rollout, cache, deprecated):
+    """rollout.sampler reaches the rollout: the trainer's batches go through generate (never the loop) with
+    transformers' static or dynamic cache, says which sampler it took, and training runs."""
+    import warnings
 
-    calls = []
+    from klgrpo.backends.kv_decoder import KVSampler
+    from klgrpo.errors import KLGRPOWarning
+    from klgrpo.train.trainer import GRPOTrainer
+    from tests.helpers.configs import make_config
+
+    calls, lines = [], []
 
     def spy_generate(self, *args, **kwargs):
         calls.append(kwargs.get("cache_implementation"))
         return type(self).generate(self, *args, **kwargs)
 
     monkeypatch.setattr(KVSampler, "sample", lambda *a, **k: pytest.fail("the loop must not sample"))
-    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", rollout={"generate_cache": "static"})
-    trainer = GRPOTrainer(cfg, log=quiet)
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", rollout=rollout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", KLGRPOWarning)
+        trainer = GRPOTrainer(cfg, log=lines.append)
     monkeypatch.setattr(trainer.model, "generate", lambda *a, **k: spy_generate(trainer.model, *a, **k))
     summary = trainer.train()
-    assert summary["steps"] == 2 and calls == ["static", "static"]
+    assert summary["steps"] == 2 and calls == [cache, cache]
+    name = "generate_static" if cache else "generate"
+    assert any(line.startswith(f"sampler: {name} ") for line in lines)
+    assert any("rollout.generate_cache is deprecated" in str(w.message) for w in caught) == deprecated
+
+
+def test_auto_takes_the_loop_on_the_cpu_and_static_generate_on_cuda():
+    """rollout.sampler auto: klgrpo's loop for a Llama on the CPU, transformers' generate where the loop does not
+    reproduce the model or model.fast_path is off, the compiled static-cache generate on a CUDA device."""
+    from types import SimpleNamespace
+
+    from klgrpo.backends.samplers import auto_sampler, choose_sampler
+
+    llama = _llama()
+    assert auto_sampler(llama) == "kv_loop"
+    assert auto_sampler(llama, fast_path=False) == "generate"
+    llama.config.model_type = "gpt2"  # an architecture the loop does not reproduce
+    assert auto_sampler(llama) == "generate"
+    on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
+    assert auto_sampler(on_cuda) == "generate_static"
+    assert choose_sampler("auto", _llama(), legacy_generate_cache="static") == "generate_static"
+    assert choose_sampler("kv_loop", on_cuda) == "kv_loop"  # a named sampler is taken as named
+
+
+def test_the_loop_hands_over_to_generate_where_it_cannot_reproduce_the_call():
+    """A sliding window shorter than prompt + completion (or greedy decoding) is transformers' job."""
+    from klgrpo.backends.samplers import SAMPLERS, resolve_sampler
+
+    model = _llama()
+    params = SamplingParams(group_size=2, max_new_tokens=8, sampler="kv_loop")
+    assert resolve_sampler("kv_loop", model, 32, params) is SAMPLERS["kv_loop"]
+    greedy = SamplingParams(group_size=2, max_new_tokens=8, temperature=0.0)
+    assert resolve_sampler("kv_loop", model, 32, greedy) is SAMPLERS["generate"]
+    model.config.model_type = "mistral"
+    model.config.sliding_window = 16
+    assert resolve_sampler("kv_loop", model, 32, params) is SAMPLERS["generate"]

@@ -87,9 +87,10 @@ def test_micro_batch_invariance(tiny_model_dir, addition_file, tmp_path, aggrega
         with torch.no_grad():  # move the policy off the reference so the KL terms are non-zero
             for p in trainer.model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
-        s, _, _, _ = trainer.accumulate_gradients(batch)
+        s = trainer.accumulate_gradients(batch)[0]
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None]))
-        sums.append({k: torch.as_tensor(v).double() for k, v in s.items()})  # token_kl is [2, B, T]
+        sums.append({"loss": s.loss.double(), "entropy": s.entropy.double(), "token_kl": s.token_kl.double(),
+                     **{k: v.double() for k, v in s.objective.present().items()}})  # token_kl is [2, B, T]
     assert grads[0].abs().max() > 0
     for g, s in zip(grads[1:], sums[1:]):
         torch.testing.assert_close(g, grads[0], rtol=1e-10, atol=1e-12)
@@ -197,16 +198,22 @@ def test_train_cli_missing_data_file(tiny_model_dir, tmp_path, capsys):
 
 
 def test_biased_kl_choice_warns(tiny_model_dir, addition_file, tmp_path):
-    messages = []
+    import warnings
+
+    from klgrpo.errors import KLGRPOWarning
+
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "w",
                       kl={"estimator": "k3", "placement": "loss", "is_correction": "detached"})
-    GRPOTrainer(cfg, log=messages.append)
-    assert any("FORWARD KL" in m for m in messages)
-    messages.clear()
+    with pytest.warns(KLGRPOWarning, match="FORWARD KL"):
+        GRPOTrainer(cfg, log=quiet)
+    messages = []
     ok = make_config(tiny_model_dir, addition_file, tmp_path / "w2",
                      kl={"estimator": "k3", "placement": "loss", "is_correction": "in_graph"})
-    GRPOTrainer(ok, log=messages.append)
-    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model"]  # no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KLGRPOWarning)  # no warning
+        GRPOTrainer(ok, log=messages.append)
+    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model",
+                        "sampler: kv_loop (auto for cpu)"]
 
 
 def test_yaml_then_cli_override_order(tmp_path):

@@ -44,7 +44,7 @@ def test_trainer_kl_term_is_the_exact_kl_of_the_logits(tiny_model_dir, addition_
     batch = trainer.make_batch()
     batch.advantages = torch.zeros_like(batch.advantages)  # only the KL term is left in the loss
     trainer.model.zero_grad(set_to_none=True)
-    sums, _, _, _ = trainer.accumulate_gradients(batch)
+    sums = trainer.accumulate_gradients(batch)[0].objective
     got_grads = [p.grad.clone() for p in trainer.model.parameters()]
 
     trainer.model.zero_grad(set_to_none=True)
@@ -57,8 +57,8 @@ def test_trainer_kl_term_is_the_exact_kl_of_the_logits(tiny_model_dir, addition_
     want_loss.backward()
 
     assert float((kl_BT.detach() * mask).sum()) > 1e-4
-    torch.testing.assert_close(sums["raw_kl"].double(), (kl_BT * mask).sum(), rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(sums["loss_kl_penalty"].double(), want_loss.detach(), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(sums.raw_kl.double(), (kl_BT * mask).sum(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sums.loss_kl_penalty.double(), want_loss.detach(), rtol=1e-4, atol=1e-7)
     for got, p in zip(got_grads, trainer.model.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=1e-3, atol=1e-6)
 
@@ -97,7 +97,7 @@ def test_full_kl_with_lora_reads_the_adapter_disabled_reference(tiny_model_dir, 
     trainer.model.train()
     trainer._update(trainer.make_batch())  # one more update without a sync: the policy moves away
     batch = trainer.make_batch()
-    sums, _, _, _ = trainer.accumulate_gradients(batch)
+    sums = trainer.accumulate_gradients(batch)[0].objective
     with torch.no_grad():
         with trainer.reference.sampling_model() as model:
             ref_logits = _completion_logits(model, batch.rollout).double()
@@ -105,4 +105,4 @@ def test_full_kl_with_lora_reads_the_adapter_disabled_reference(tiny_model_dir, 
     mask = batch.loss_mask.to(torch.float64)
     want = (exact_kl(logits, ref_logits) * mask).sum()
     assert float(want) > 1e-6
-    torch.testing.assert_close(sums["raw_kl"].double(), want, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sums.raw_kl.double(), want, rtol=1e-4, atol=1e-6)

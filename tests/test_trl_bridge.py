@@ -1,7 +1,8 @@
 """klgrpo.trl: TRL's GRPOTrainer with klgrpo's objective and controllers.
 
-Equivalence with stock TRL (float64, 1e-10) for every TRL loss_type klgrpo has, the documented refusal of the
-others, each adaptation method on hand-computed values, short real runs, metrics and checkpoint resume.
+Equivalence with stock TRL (float64, 1e-10) for every TRL loss_type and option klgrpo's math has (delta, GSPO's
+sequence-level ratio, cispo, luspo), the refusal of the others with the reason, each adaptation method on
+hand-computed values, short real runs, metrics and checkpoint resume.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from klgrpo.errors import ConfigError  # noqa: E402
 from klgrpo.trl import (  # noqa: E402
-    CONTROLLER_FILE, KL_ADAPTATION_METHODS, LOSS_TYPE_AGGREGATION, GRPOConfig, GRPOTrainer,
+    CONTROLLER_FILE, KL_ADAPTATION_METHODS, LOSS_TYPES, GRPOConfig, GRPOTrainer,
 )
 from tests.helpers.trl_setup import addition_prompts, char_tokenizer, count_zeros, run_args, save_tiny_model  # noqa: E402
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
-UNSUPPORTED = sorted(set(TRL_LOSS_TYPES) - set(LOSS_TYPE_AGGREGATION))
+UNSUPPORTED = sorted(set(TRL_LOSS_TYPES) - set(LOSS_TYPES))
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,15 @@ def stock_and_bridge(model_dir, tmp_path, dtype, **fields):
 
 
 CASES = [  # (TRL fields, gradient accumulation steps)
-    *[({"loss_type": lt}, 1) for lt in LOSS_TYPE_AGGREGATION],
-    *[({"loss_type": lt, "use_bias_correction_kl": False}, 2) for lt in LOSS_TYPE_AGGREGATION],
+    *[({"loss_type": lt}, 1) for lt in LOSS_TYPES],
+    *[({"loss_type": lt, "use_bias_correction_kl": False}, 2) for lt in LOSS_TYPES],
+    ({"loss_type": "cispo", "epsilon_high": 5.0}, 1),   # TRL's recommended cap: weights above 1 pass unclipped
+    ({"loss_type": "cispo", "epsilon_high": 1.1, "steps_per_generation": 2, "gradient_accumulation_steps": 2}, 2),
+    ({"loss_type": "dapo", "delta": 1.5, "epsilon_high": 0.28}, 1),
+    ({"loss_type": "grpo", "delta": 1.3}, 2),
+    *[({"loss_type": lt, "importance_sampling_level": "sequence", "use_bias_correction_kl": False}, 1)
+      for lt in ("grpo", "dapo", "luspo", "dr_grpo")],
+    ({"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.0}, 1),
     ({"loss_type": "dapo", "steps_per_generation": 2, "gradient_accumulation_steps": 2}, 2),
     ({"loss_type": "grpo", "top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.05}, 1),
     ({"loss_type": "bnpo", "epsilon_high": 0.28, "vllm": True}, 1),
@@ -135,7 +143,7 @@ def test_every_trl_loss_type_is_either_mapped_or_refused():
     help_text = trl.GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
     for loss_type in TRL_LOSS_TYPES:
         assert f"'{loss_type}'" in help_text
-    assert set(LOSS_TYPE_AGGREGATION) | set(UNSUPPORTED) == set(TRL_LOSS_TYPES)
+    assert set(LOSS_TYPES) | set(UNSUPPORTED) == set(TRL_LOSS_TYPES)
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -145,7 +153,12 @@ def test_every_trl_loss_type_is_either_mapped_or_refused():
     ({"kl_importance_weight": "both"}, "kl_importance_weight='both' is not supported"),
     ({"kl_adaptation_method": "dynamic", "kl_controller": "adaptive"}, "is the 'dynamic' controller"),
     ({"kl_adaptation_method": "clip", "beta": 0.0}, "needs beta > 0"),
-    ({"delta": 2.0}, "delta=2.0 is not supported by klgrpo.trl"),
+    ({"importance_sampling_level": "sequence", "delta": 2.0, "use_bias_correction_kl": False},
+     "delta=2.0 is not supported by klgrpo.trl: klgrpo's gspo has no delta cap"),
+    ({"importance_sampling_level": "sequence"},
+     "use_bias_correction_kl=True is not supported by klgrpo.trl: at importance_sampling_level 'sequence' TRL"),
+    ({"importance_sampling_level": "sequence", "loss_type": "cispo", "use_bias_correction_kl": False},
+     "loss_type='cispo' is not supported by klgrpo.trl: klgrpo's cispo weights each token by its own ratio"),
     ({"entropy_coef": 0.01}, "entropy_coef=0.01 is not supported by klgrpo.trl"),
     ({"kl_controller": "adaptive", "kl_target": 0.0}, "kl_controller='adaptive': AdaptiveKLController needs"),
 ])
@@ -425,3 +438,19 @@ def test_trl_command_line_parser_takes_the_new_fields_and_their_choices(tmp_path
             args.resolved_kl_importance_weight) == ("clip", 0.5, "adaptive", "k3_st", "detached")
     with pytest.raises(SystemExit):  # argparse's own one-line "invalid choice" message
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--kl_adaptation_method", "soft"])
+
+
+def test_sequence_level_refuses_only_what_gspo_lacks():
+    """importance_sampling_level 'sequence' is klgrpo's gspo; per-token factors TRL multiplies into a sequence
+    loss have no counterpart there, per-sequence ones do."""
+    from klgrpo.trl_mapping import map_trl
+
+    base = {"importance_sampling_level": "sequence", "use_bias_correction_kl": False, "beta": 0.1}
+    assert not map_trl(base).unmapped and map_trl(base).config["loss.policy_loss"] == "gspo"
+    token_vllm = map_trl({**base, "use_vllm": True, "vllm_importance_sampling_mode": "token_mask"})
+    assert "vllm_importance_sampling_mode" not in token_vllm.source_runtime
+    assert "per token" in token_vllm.unmapped["vllm_importance_sampling_mode"]
+    sequence_vllm = map_trl({**base, "use_vllm": True, "vllm_importance_sampling_mode": "sequence_mask"})
+    assert set(sequence_vllm.unmapped) == sequence_vllm.source_runtime == {"use_vllm"}  # kept by TRL's trainer
+    opted_in = map_trl({**base, "use_bias_correction_kl": True, "kl_importance_weight": "in_graph"})
+    assert not opted_in.unmapped  # the user accepts klgrpo's per-token KL weight

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import GRPOConfig
 
@@ -22,8 +24,31 @@ Every field below can be set as --group.field VALUE (or --group.field=VALUE); VA
 """
 
 
-def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOConfig, dict]:
-    """Resolve ``base`` (default: GRPOConfig()) < --config YAML < overrides; also return the other options."""
+@dataclass(frozen=True)
+class CommandLine:
+    """``klgrpo train``'s arguments, read once: the YAML file, the dotted overrides and the options.
+
+    :meth:`config` lays them over any base config (the defaults, or the demo's), without reading argv again."""
+
+    config_file: str | None = None
+    overrides: dict = field(default_factory=dict)
+    resume: str | None = None
+    print_config: bool = False
+    overwrite: bool = False
+
+    def config(self, base: GRPOConfig | None = None) -> GRPOConfig:
+        """``base`` (default: GRPOConfig()) < --config YAML < overrides. Without --config and ``base``, --resume
+        reads the config.yaml of the run it continues."""
+        yaml_file = self.config_file or (_run_config(self.resume, self.overrides.get("train.output_dir"))
+                                         if self.resume and base is None else None)
+        return (base or GRPOConfig()).layered(yaml_file, self.overrides)
+
+    def options(self) -> dict:
+        return {"resume": self.resume, "print_config": self.print_config, "overwrite": self.overwrite}
+
+
+def read_argv(argv: list[str]) -> CommandLine:
+    """Split ``argv`` into the config file, the --group.field overrides and the options; nothing is resolved."""
     config_file, overrides, opts = None, {}, {"resume": None, "print_config": False, "overwrite": False}
     i = 0
     while i < len(argv):
@@ -49,17 +74,16 @@ def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOCon
             overrides["train.output_dir"] = value
         else:
             overrides[key] = value
-    cfg = base or GRPOConfig()
-    if config_file:
-        cfg = cfg.merge_yaml(config_file)
-    elif opts["resume"] and base is None:
-        cfg = _run_config(opts["resume"], overrides.get("train.output_dir")) or cfg
-    if overrides:
-        cfg = cfg.override(overrides)
-    return cfg, opts
+    return CommandLine(config_file=config_file, overrides=overrides, **opts)
 
 
-def _run_config(resume: str, output_dir: str | None) -> GRPOConfig | None:
+def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOConfig, dict]:
+    """Resolve ``base`` (default: GRPOConfig()) < --config YAML < overrides; also return the other options."""
+    command = read_argv(argv)
+    return command.config(base), command.options()
+
+
+def _run_config(resume: str, output_dir: str | None) -> str | None:
     """--resume without --config: the config.yaml of the run being resumed (its folder, or the run that holds
     the checkpoint folder named); None when there is none (the resume then reports what is missing)."""
     from pathlib import Path
@@ -73,4 +97,4 @@ def _run_config(resume: str, output_dir: str | None) -> GRPOConfig | None:
     else:
         home = Path(resume).parent.parent
     path = home / "config.yaml"
-    return GRPOConfig().merge_yaml(path) if path.is_file() else None
+    return str(path) if path.is_file() else None

@@ -1,4 +1,4 @@
-"""The ``klgrpo`` command: train | verify-kl | report | sweep | eval | kl | sft.
+"""The ``klgrpo`` command: train | verify-kl | explain | report | sweep | eval | kl | sft.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
 shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
@@ -7,11 +7,16 @@ shows the training config's fields and ``klgrpo verify-kl --help`` the verifier'
 from __future__ import annotations
 
 import sys
+import warnings
 from importlib import import_module
+
+from klgrpo.errors import KLGRPOWarning
 
 SUBCOMMANDS = {
     "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
     "verify-kl": ("klgrpo.apps.verify_kl", "check every KL configuration's value and gradient against exact answers"),
+    "explain": ("klgrpo.apps.explain", "say which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, "
+                                       "and the klgrpo config that reproduces it"),
     "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
     "eval": ("klgrpo.apps.evaluate", "greedy accuracy of a checkpoint or model on the eval.sets of a config"),
@@ -42,11 +47,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klgrpo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = import_module(SUBCOMMANDS[name][0])
+    _print_klgrpo_warnings_as_lines()
     try:
         return int(module.main(rest) or 0)
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         sys.stderr.close()
         return 0
+
+
+def _print_klgrpo_warnings_as_lines() -> None:
+    """A KLGRPOWarning prints as one "warning: ..." line on stderr (not Python's file:line form); other
+    warnings keep theirs."""
+    default = warnings.showwarning
+    if getattr(default, "prints_klgrpo_warnings", False):  # installed by an earlier call in this process
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, KLGRPOWarning):
+            print(f"warning: {message}", file=file or sys.stderr, flush=True)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show.prints_klgrpo_warnings = True
+    warnings.showwarning = show
 
 
 if __name__ == "__main__":

@@ -15,25 +15,25 @@ goes off with ``--kl.replay.coef 0``.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
+from klgrpo.apps.args import CommandLine, read_argv
 from klgrpo.train.config import GRPOConfig
-from klgrpo.train.metrics import SUMMARY_FILE
 from klgrpo.train.run_folder import timestamped_run_dir
 
 TRAINED, HELD_OUT = "addition", "subtraction"
 
 
-def demo_config(assets, seed: int = 0) -> GRPOConfig:
-    """Demo defaults (settings measured on the CPU, docs/retention.md), before any user override."""
+def demo_config(assets, seed: int = 0, controller: str = "adaptive") -> GRPOConfig:
+    """Demo defaults (settings measured on the CPU, docs/retention.md), before any user override; ``controller``
+    "fixed" when the user turned the KL penalty off (demo_args)."""
     return GRPOConfig.from_dict({
         "model": {"name_or_path": str(assets.model_dir), "dtype": "float32", "device": "cpu"},
         "data": {"source": str(assets.train_file)},
         "rollout": {"group_size": 8, "prompts_per_step": 32, "max_new_tokens": 4, "temperature": 1.0},
         "rewards": {"functions": [{"name": "exact_match"}]},
-        "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": "adaptive",
+        "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss", "controller": controller,
                "target": 0.1, "horizon": 10000,
                # The adaptive beta holds the KL near 0.15-0.2 here by design (+30 points on addition); the
                # "drifting" sign (KL above 0.2 and rising) would fire at steps 180 and 260 of the default run.
@@ -51,28 +51,34 @@ def demo_config(assets, seed: int = 0) -> GRPOConfig:
     }, origin="demo defaults")
 
 
-def demo_args(argv: list[str], assets, seed: int) -> tuple[GRPOConfig, str]:
+def demo_args(argv: list[str] | CommandLine, assets, seed: int,
+              user: GRPOConfig | None = None) -> tuple[GRPOConfig, str]:
     """The demo's config with the user's arguments laid over it, and a note when a default was adapted.
 
-    The demo's beta is adaptive, which needs a starting kl.coef > 0: with ``--kl.coef 0`` and no controller of
-    the user's own, the demo switches to the fixed controller (no KL penalty), as ``klgrpo sweep`` does."""
-    from klgrpo.apps.args import parse_args
-
-    cfg, _ = parse_args(argv, base=demo_config(assets, seed))
-    if cfg.kl.coef == 0 and cfg.kl.controller == "adaptive":
-        as_fixed, _ = parse_args(argv, base=demo_config(assets, seed).override({"kl.controller": "fixed"}))
-        if as_fixed.kl.controller == "fixed":  # the adaptive controller is the demo's default, not the user's choice
-            return as_fixed, ("kl.coef 0: kl.controller fixed (the demo's adaptive beta needs a starting "
-                              "kl.coef > 0); no KL penalty, the KL is still logged")
+    The demo's beta is adaptive, which needs a starting kl.coef > 0: with ``--kl.coef 0`` and no adaptive
+    controller of the user's own, the demo starts from the fixed controller (no KL penalty), as ``klgrpo sweep``
+    does. ``user`` is the user's arguments over klgrpo's defaults (what they chose), when already resolved."""
+    command = _command(argv)
+    user = user or command.config()
+    coef_off = user.kl.coef == 0 and user.kl.controller != "adaptive"  # the defaults' controller is fixed
+    base = demo_config(assets, seed, controller="fixed" if coef_off else "adaptive")
+    cfg = base.layered(command.config_file, command.overrides)  # the demo's defaults < --config < overrides
+    if coef_off and cfg.kl.controller == "fixed":
+        return cfg, ("kl.coef 0: kl.controller fixed (the demo's adaptive beta needs a starting kl.coef > 0); "
+                     "no KL penalty, the KL is still logged")
     return cfg, ""
 
 
-def run_demo(argv: list[str], resume: str | None = None, print_config: bool = False,
+def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_config: bool = False,
              overwrite: bool = False) -> int:
-    from klgrpo.apps.args import parse_args
-
+    """The demo with the user's arguments: ``argv`` as given, or already read (``klgrpo train`` reads it once and
+    hands over its CommandLine, whose options then replace ``resume``, ``print_config`` and ``overwrite``)."""
     t0 = time.perf_counter()
-    seed = parse_args(argv)[0].train.seed
+    command = _command(argv)
+    if isinstance(argv, CommandLine):
+        resume, print_config, overwrite = command.resume, command.print_config, command.overwrite
+    user = command.config()  # the user's arguments over klgrpo's defaults: the seed, and what the user chose
+    seed = user.train.seed
     # Under `accelerate launch` every process runs this: the banners and progress lines come from rank 0 only.
     say = print if os.environ.get("RANK", "0") == "0" else _silent
     if not print_config:  # before the imports of torch and transformers, which take seconds
@@ -80,14 +86,14 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
     from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
 
     if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
-        cfg, _ = demo_args(argv, planned_demo_assets(seed=seed), seed)
+        cfg, _ = demo_args(command, planned_demo_assets(seed=seed), seed, user)
         print(cfg.to_yaml())
         return 0
     from klgrpo.train.trainer import GRPOTrainer
 
     say("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
     assets = prepare_demo_assets(seed=seed, log=lambda m: say(f"      {m}"))
-    cfg, note = demo_args(argv, assets, seed)
+    cfg, note = demo_args(command, assets, seed, user)
     if note:
         say(f"      {note}")
     say(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
@@ -97,37 +103,30 @@ def run_demo(argv: list[str], resume: str | None = None, print_config: bool = Fa
         say(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
             f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
     trainer = GRPOTrainer(cfg, log=lambda m: say(f"      {m}"))
-    summary = trainer.train(resume=resume, overwrite=overwrite)
+
+    def demo_fields(summary: dict) -> dict:
+        """The demo's lines of summary.json, written with the trainer's (once, by rank 0)."""
+        before, after = summary["eval_before"], summary["eval_after"]
+        return {"trained_set": TRAINED, "retention_sets": [HELD_OUT],
+                "accuracy_before": before.get(TRAINED), "accuracy_after": after.get(TRAINED),
+                "retention_before": before.get(HELD_OUT), "retention_after": after.get(HELD_OUT),
+                "replay_coef": cfg.kl.replay.coef, "sft": assets.sft_stats, "sft_from_cache": assets.from_cache,
+                "total_wall_seconds": round(time.perf_counter() - t0, 2)}
+
+    summary = trainer.train(resume=resume, overwrite=overwrite, summary_extras=demo_fields)
     if not trainer.dist.is_main:  # under a launcher the summary is written and printed once, by rank 0
         return 0
     print("  3/3 greedy evaluation on held-out prompts, before and after")
-    before, after = summary["eval_before"], summary["eval_after"]
-    summary.update({
-        "accuracy_before": before.get(TRAINED), "accuracy_after": after.get(TRAINED),
-        "retention_before": before.get(HELD_OUT), "retention_after": after.get(HELD_OUT),
-        "replay_coef": cfg.kl.replay.coef, "final_replay_kl": _last(trainer.run_dir, "kl/replay"),
-        "sft": assets.sft_stats, "sft_from_cache": assets.from_cache,
-        "total_wall_seconds": round(time.perf_counter() - t0, 2),
-    })
-    run_dir = trainer.run_dir
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str))
-    _print_summary(summary, run_dir)
+    _print_summary(summary, trainer.run_dir)
     return 0
+
+
+def _command(argv: list[str] | CommandLine) -> CommandLine:
+    return argv if isinstance(argv, CommandLine) else read_argv(argv)
 
 
 def _silent(*_args, **_kwargs) -> None:
     pass
-
-
-def _last(run_dir, name: str):
-    """The last logged value of a metric (None when never logged)."""
-    from klgrpo.train.metrics import read_metrics
-
-    try:
-        values = [r[name] for r in read_metrics(run_dir) if name in r]
-    except FileNotFoundError:
-        return None
-    return values[-1] if values else None
 
 
 def _signed(points) -> str:

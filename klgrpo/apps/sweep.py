@@ -31,23 +31,21 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-
+from klgrpo.apps.sweep_table import (LOG_FILE, Cell, Run, _safe, aggregate, build_table,  # noqa: F401
+                                     skill_names, table_markdown, plot)
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
 
 IDENTITY_FILE = "sweep_cell.json"
-LOG_FILE = "sweep.log"
 PLOT_FILE = "accuracy_vs_retention.png"
 #: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter
 #: (no TensorBoard, plots or intermediate checkpoints), one torch thread (repeatable, and no OpenMP
@@ -78,28 +76,6 @@ model.name_or_path: the embedded demo). Re-running the same command skips finish
 
 class SweepError(KLGRPOError):
     """A bad sweep command line."""
-
-
-@dataclass
-class Cell:
-    """One grid point: the (key, value text) overrides in --grid order."""
-
-    overrides: tuple[tuple[str, str], ...]
-
-    @property
-    def name(self) -> str:
-        return ",".join(f"{k}={_safe(v)}" for k, v in self.overrides) or "base"
-
-
-@dataclass
-class Run:
-    cell: Cell
-    seed: int
-    run_dir: Path
-    status: str = "pending"        # finished | skipped (finished before) | failed
-    error: str = ""
-    summary: dict = field(default_factory=dict)
-    seconds: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -170,11 +146,6 @@ def parse_seeds(text: str) -> list[int]:
 
 def _overrides_in(extra: list[str]) -> set[str]:
     return {a[2:].partition("=")[0] for a in extra if a.startswith("--")}
-
-
-def _safe(value: str) -> str:
-    """A value as it appears in a folder name (path separators and spaces replaced)."""
-    return "".join("_" if c in "/\\ :*?\"<>|" else c for c in value)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -332,151 +303,6 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             list(pool.map(one, todo))
     return runs
-
-
-# --------------------------------------------------------------------------------------------- the table
-def skill_names(summary: dict) -> tuple[str | None, list[str]]:
-    """(trained set, retention sets) of a run: the demo's names when present, else first / the others."""
-    from klgrpo.apps.demo_run import HELD_OUT, TRAINED
-
-    names = list(summary.get("eval_after") or summary.get("eval_before") or {})
-    if TRAINED in names and HELD_OUT in names:
-        return TRAINED, [HELD_OUT] + [n for n in names if n not in (TRAINED, HELD_OUT)]
-    return (names[0] if names else None), names[1:]
-
-
-def _final_replay_kl(run: Run) -> float | None:
-    if run.summary.get("final_replay_kl") is not None:
-        return run.summary["final_replay_kl"]
-    try:
-        from klgrpo.train.metrics import read_metrics
-
-        values = [r["kl/replay"] for r in read_metrics(run.run_dir) if "kl/replay" in r]
-    except (OSError, KLGRPOError):
-        return None
-    return values[-1] if values else None
-
-
-def run_values(run: Run, trained: str | None, retention: list[str]) -> dict[str, float | None]:
-    """The table's numbers for one finished run (accuracies as fractions, changes in points)."""
-    s = run.summary
-    before, after = s.get("eval_before") or {}, s.get("eval_after") or {}
-    values: dict[str, float | None] = {}
-    for name in ([trained] if trained else []) + retention:
-        a, b = after.get(name), before.get(name)
-        values[f"{name}/after"] = a
-        values[f"{name}/change"] = None if a is None or b is None else 100.0 * (a - b)
-    values["final_kl"] = s.get("final_kl")
-    values["replay_kl"] = _final_replay_kl(run)
-    values["wall_seconds"] = s.get("total_wall_seconds", s.get("wall_seconds"))
-    values["steps"] = s.get("steps")
-    return values
-
-
-def aggregate(xs: list[float | None]) -> dict[str, Any] | None:
-    """mean, sample std (ddof 1; 0 for one value), min, max and n of the non-missing, finite values."""
-    vals = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
-    if not vals:
-        return None
-    n = len(vals)
-    mean = sum(vals) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
-    return {"mean": mean, "std": sd, "min": min(vals), "max": max(vals), "n": n}
-
-
-def build_table(runs: list[Run]) -> dict[str, Any]:
-    ok = [r for r in runs if r.status in ("finished", "skipped")]
-    trained, retention = skill_names(ok[0].summary) if ok else (None, [])
-    cells: dict[str, dict[str, Any]] = {}
-    for run in runs:
-        entry = cells.setdefault(run.cell.name, {"setting": run.cell.name, "overrides": dict(run.cell.overrides),
-                                                 "seeds": [], "failed": [], "runs": []})
-        record = {"seed": run.seed, "run_dir": str(run.run_dir), "status": run.status}
-        if run.status == "failed":
-            entry["failed"].append({"seed": run.seed, "error": run.error, "log": str(run.run_dir / LOG_FILE)})
-        else:
-            record["values"] = run_values(run, trained, retention)
-            if run.summary.get("stopped_early"):
-                record["stopped_early"] = run.summary["stopped_early"]
-            entry["seeds"].append(run.seed)
-        entry["runs"].append(record)
-    for entry in cells.values():
-        keys = {k for r in entry["runs"] for k in r.get("values", {})}
-        entry["stats"] = {k: aggregate([r["values"].get(k) for r in entry["runs"] if "values" in r])
-                          for k in sorted(keys)}
-    return {"trained": trained, "retention": retention, "cells": list(cells.values())}
-
-
-def _fmt(stat: dict | None, kind: str) -> str:
-    if stat is None:
-        return "n/a"
-    m, sd, n = stat["mean"], stat["std"], stat["n"]
-    if kind == "pct":
-        text, spread = f"{100 * m:.1f}%", f"{100 * sd:.1f}"
-    elif kind == "pts":
-        text, spread = f"{round(m, 1) + 0.0:+.1f}", f"{sd:.1f}"  # + 0.0: no "-0.0"
-    elif kind == "kl":
-        text, spread = f"{m:.4f}", f"{sd:.4f}"
-    elif kind == "range":
-        lo, hi = stat["min"], stat["max"]
-        return f"{lo:.0f}" if lo == hi else f"{lo:.0f}..{hi:.0f}"
-    else:
-        text, spread = f"{m:.0f}", f"{sd:.0f}"
-    return text if n < 2 else f"{text} ± {spread}"
-
-
-def table_markdown(table: dict[str, Any], header: list[str]) -> str:
-    trained, retention = table["trained"], table["retention"]
-    has_replay = any(c["stats"].get("replay_kl") for c in table["cells"])
-    cols = ["setting", "seeds"]
-    if trained:
-        cols += [f"{trained} after", f"{trained} change (pts)"]
-    for name in retention:
-        cols += [f"{name} after", f"{name} change (pts)"]
-    cols += ["final KL"] + (["replay KL"] if has_replay else []) + ["wall s", "steps"]
-    lines = [*header, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    notes = []
-    for c in table["cells"]:
-        st = c["stats"]
-        seeds = ",".join(map(str, c["seeds"])) or "-"
-        if c["failed"]:
-            seeds += f" (failed: {','.join(str(f['seed']) for f in c['failed'])})"
-            notes += [f"- {c['setting']} seed={f['seed']} failed: {f['error']} (log: {f['log']})" for f in c["failed"]]
-        row = [c["setting"], seeds]
-        for name in ([trained] if trained else []) + retention:
-            row += [_fmt(st.get(f"{name}/after"), "pct"), _fmt(st.get(f"{name}/change"), "pts")]
-        row += [_fmt(st.get("final_kl"), "kl")] + ([_fmt(st.get("replay_kl"), "kl")] if has_replay else [])
-        row += [_fmt(st.get("wall_seconds"), "s"), _fmt(st.get("steps"), "range")]
-        lines.append("| " + " | ".join(row) + " |")
-    if notes:
-        lines += ["", "Failed runs (rerun the same command to retry them):", *notes]
-    return "\n".join(lines) + "\n"
-
-
-def plot(table: dict[str, Any], path: Path) -> Path | None:
-    """Trained-skill change (y) against the first retention set's change (x), error bars = std over seeds."""
-    trained, retention = table["trained"], table["retention"]
-    if not trained or not retention:
-        return None
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 5), dpi=110)
-    ax = fig.add_subplot()
-    for c in table["cells"]:
-        x, y = c["stats"].get(f"{retention[0]}/change"), c["stats"].get(f"{trained}/change")
-        if x is None or y is None:
-            continue
-        ax.errorbar(x["mean"], y["mean"], xerr=x["std"], yerr=y["std"], fmt="o", capsize=3)
-        ax.annotate(c["setting"], (x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.margins(x=0.3, y=0.15)  # room for the labels
-    ax.axvline(0, color="grey", lw=0.8)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel(f"{retention[0]} change (points): retention, higher is better")
-    ax.set_ylabel(f"{trained} change (points): the trained skill")
-    ax.set_title("accuracy vs retention (mean ± std over seeds)")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
 
 
 # --------------------------------------------------------------------------------------------------- CLI

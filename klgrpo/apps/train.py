@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from klgrpo.apps.args import USAGE, parse_args
+from klgrpo.apps.args import USAGE, read_argv
 from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import config_help
@@ -21,14 +21,14 @@ def main(argv: list[str]) -> int:
         return 0
     run_dir, fresh = None, False
     try:
-        cfg, opts = parse_args(argv)
+        command = read_argv(argv)  # once: the demo resolves its own config from the same CommandLine
+        cfg, opts = command.config(), command.options()
         fresh = not opts["resume"]
         if not cfg.model.name_or_path:
             from klgrpo.apps.demo_run import run_demo
 
             _early_checks_of_demo(cfg, opts)
-            return run_demo(argv, resume=opts["resume"], print_config=opts["print_config"],
-                            overwrite=opts["overwrite"])
+            return run_demo(command)
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
@@ -63,10 +63,10 @@ def main(argv: list[str]) -> int:
 def _early_checks(cfg, opts):
     """What can be refused before a model is built: config values, the run folder, the reward functions."""
     from klgrpo.train.run_folder import check_run_folder
-    from klgrpo.train.trainer import _run_dir
+    from klgrpo.train.building import run_dir_for
 
     cfg.validate()  # errors only here; the trainer prints the warnings
-    run_dir = _run_dir(cfg)
+    run_dir = run_dir_for(cfg)
     check_run_folder(run_dir, cfg, opts["resume"], opts["overwrite"])
     _check_rewards(cfg)
     return run_dir

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"Monte Carlo samples per check (default {DEFAULT_SAMPLES}; 0 skips Monte Carlo)")
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
     p.add_argument("--from-run", metavar="RUN_DIR",
-                   help="instead of the checks, print k1/k2/k3 statistics of RUN_DIR/kl_dumps/step_*.pt")
+                   help="instead of the checks, print k1/k2/k3 statistics of RUN_DIR/kl_dumps/step_*.safetensors")
     p.add_argument("--loss", metavar="FILE.py:FUNCTION",
                    help="instead of the checks, verify the KL part of your loss ('file.py:function' or "
                         "'module:function'); exit 0 when accepted, 1 when not")
@@ -51,36 +51,47 @@ def _write_json(path: str, obj: dict) -> None:
     Path(path).write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _from_run(run_dir: str, json_path: str | None) -> int:
-    from klgrpo.verify.from_run import DumpError, analyse_run, format_stats
+def _or_error(work):
+    """work(), or None after printing a user error (a bad --loss, a run folder without dumps) as one line."""
+    from klgrpo.errors import KLGRPOError
 
     try:
-        stats = analyse_run(run_dir)
-    except DumpError as exc:
+        return work()
+    except KLGRPOError as exc:
         print(f"klgrpo verify-kl: {exc}", file=sys.stderr)
-        return 2
-    print(format_stats(stats))
+        return None
+
+
+def _show(text: str, json_path: str | None, payload) -> None:
+    print(text)
     if json_path:
-        _write_json(json_path, {"run_dir": str(run_dir), "dumps": [s.as_dict() for s in stats]})
+        _write_json(json_path, payload())
+
+
+def _from_run(run_dir: str, json_path: str | None) -> int:
+    from klgrpo.verify.from_run import analyse_run, format_stats
+
+    stats = _or_error(lambda: analyse_run(run_dir))
+    if stats is None:
+        return 2
+    _show(format_stats(stats), json_path, lambda: {"run_dir": str(run_dir), "dumps": [s.as_dict() for s in stats]})
     return 0
 
 
 def _custom_loss(args) -> int:
     from klgrpo.core.loss_api import load_loss_function
-    from klgrpo.errors import KLGRPOError
+    from klgrpo.core.threads import torch_threads
     from klgrpo.verify.custom_loss import format_custom_report, verify_custom_loss
-    from klgrpo.verify.report import torch_threads
 
-    try:
+    def verify():
         fn = load_loss_function(args.loss, what="--loss")
         with torch_threads(1):
-            report = verify_custom_loss(fn, args.loss, args.signature, args.coef_arg)
-    except KLGRPOError as exc:
-        print(f"klgrpo verify-kl: {exc}", file=sys.stderr)
+            return verify_custom_loss(fn, args.loss, args.signature, args.coef_arg)
+
+    report = _or_error(verify)
+    if report is None:
         return 2
-    print(format_custom_report(report))
-    if args.json:
-        _write_json(args.json, report.as_dict())
+    _show(format_custom_report(report), args.json, report.as_dict)
     return 0 if report.accepted_on_policy else 1
 
 

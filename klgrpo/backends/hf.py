@@ -7,19 +7,26 @@ import os
 import socket
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from klgrpo.errors import ConfigError, first_line
 
-if TYPE_CHECKING:
-    from klgrpo.train.config import ModelConfig
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: model.dtype's values: "auto" (bfloat16 on a GPU that supports it, else float32) or a name above.
 DTYPE_NAMES = ("auto", *_DTYPES)
 
+
+
+def default_cache_root() -> Path:
+    """klgrpo's cache folder (the demo's SFT model, torch's compiled kernels): $KLGRPO_CACHE, else
+    $XDG_CACHE_HOME/klgrpo, else ~/.cache/klgrpo."""
+    if os.environ.get("KLGRPO_CACHE"):
+        return Path(os.environ["KLGRPO_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "klgrpo"
+    return Path.home() / ".cache" / "klgrpo"
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -190,31 +197,57 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, gguf_file
         raise ConfigError(f"cannot load a tokenizer from {name_or_path!r} ({field}): "
                           f"{first_line(exc, limit=None)}") from None
     tok.padding_side = "left"
+    if gguf_file:
+        _set_gguf_special_tokens(tok, Path(folder) / gguf_file if Path(folder).is_dir() else Path(folder))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, dtype: torch.dtype,
+def _set_gguf_special_tokens(tok, path: Path) -> None:
+    """EOS, BOS and padding as the GGUF file's metadata names them: transformers' GGUF tokenizer conversion
+    has not always read them right (5.17 took the BOS id for EOS), and a wrong EOS never ends a completion."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    for key, attribute in (("eos", "eos_token"), ("bos", "bos_token"), ("padding", "pad_token")):
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None and field.data:
+            token_id = int(field.parts[field.data[0]][0])
+            if 0 <= token_id < len(tok):
+                setattr(tok, attribute, tok.convert_ids_to_tokens(token_id))
+
+
+class LoadSettings(Protocol):
+    """What loading a model reads from its settings (a ModelConfig, or anything with the field)."""
+
+    trust_remote_code: bool
+
+
+def load_causal_lm(name_or_path: str, cfg: LoadSettings, device: torch.device, dtype: torch.dtype,
                    gguf_file: str = "", field: str = "model.name_or_path"):
     """The model at ``name_or_path`` in ``dtype`` on ``device``; a GGUF file (``gguf_file``, or a .gguf path) is
     dequantized to ``dtype`` and loads as the plain transformers model it describes."""
     folder, gguf_file = split_gguf(name_or_path, gguf_file)
     check_local_model_path(folder, field)
-    access = hub_access(folder, field)
-    extra = gguf_kwargs(folder, gguf_file)
+    access = hub_access(folder, field)  # a hub name offline or unreachable: refused here, before any download
+    model = pretrained_causal_lm(folder, gguf_file, f"cannot load a causal LM from {name_or_path!r} ({field})",
+                                 dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access)
+    return model.to(device)
+
+
+def pretrained_causal_lm(folder: str, gguf_file: str, failure: str, fix: str = "", **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(folder, **kwargs)``, a GGUF file dequantized to a plain model; a
+    load error becomes one ConfigError line, "<failure>: <the library's first line><fix>"."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access, **extra
-        )
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs, **gguf_kwargs(folder, gguf_file))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a causal LM from {name_or_path!r} ({field}): "
-                          f"{first_line(exc, limit=None)}") from None
+        raise ConfigError(f"{failure}: {first_line(exc, limit=None)}{fix}") from None
     if gguf_file:
         forget_gguf_origin(model)
-    return model.to(device)
+    return model
 
 
 def forget_gguf_origin(model) -> None:

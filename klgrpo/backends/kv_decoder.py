@@ -4,8 +4,7 @@ It runs the model's own modules (embeddings, norms, projections, MLP, rotary emb
 KV cache, with only the attention and the cache written here, so that sampling (``KVSampler.sample``) avoids
 ``generate``'s per-step machinery and the log-prob forward (``teacher_forced_logits``) runs each prompt once per
 group. ``KVSampler.supports`` refuses anything it does not reproduce exactly (other architectures, rope types
-that depend on the sequence length, a sliding window that matters, ``model.fast_path: false``); callers then use
-transformers. tests/test_rollout_sampler.py checks logits, gradients and sampled tokens against transformers.
+that depend on the sequence length, a sliding window that matters); callers then use transformers. tests/test_rollout_sampler.py checks logits, gradients and sampled tokens against transformers.
 """
 
 from __future__ import annotations
@@ -90,8 +89,14 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, start
         end = start + s
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=scale,
-                                           enable_gqa=h != k.shape[1])
+        k_all, v_all, gqa = keys[:, :, :end], values[:, :, :end], h != k.shape[1]
+        if gqa and q.is_cuda:
+            # CUDA's fused SDPA kernels refuse enable_gqa together with a mask and fall back to the math kernel,
+            # which materialises the [B, H, S, L] scores in float32 and runs far slower on a GQA model:
+            # each query head gets its K/V head copied instead, as transformers' repeat_kv does.
+            k_all, v_all, gqa = k_all.repeat_interleave(h // k.shape[1], 1), v_all.repeat_interleave(
+                h // k.shape[1], 1), False
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(b, s, h * d)
     keys.index_copy_(2, start, k)
     values.index_copy_(2, start, v)
@@ -198,8 +203,6 @@ class KVSampler:
     def supports(model, total_len: int):
         """(base model, decoder) when the loop reproduces ``model``'s forward over ``total_len`` positions."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if not getattr(base, "klgrpo_fast_path", True):  # model.fast_path: false
-            return None
         cfg = getattr(base, "config", None)
         decoder = getattr(base, "model", None)
         if getattr(cfg, "model_type", None) not in _SUPPORTED_MODEL_TYPES or not hasattr(base, "lm_head"):

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from klgrpo.backends.hf import forget_gguf_origin, gguf_kwargs, split_gguf
-from klgrpo.errors import ConfigError
+from klgrpo.backends.hf import gguf_kwargs, pretrained_causal_lm, split_gguf
+from klgrpo.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from klgrpo.train.config import LoraConfig
@@ -61,7 +61,7 @@ def apply_lora(model, cfg: "LoraConfig"):
     try:
         wrapped = peft.get_peft_model(model, peft_cfg)
     except ValueError as exc:
-        raise ConfigError(f"model.lora.target_modules={targets}: {str(exc).splitlines()[0]}; use module names "
+        raise ConfigError(f"model.lora.target_modules={targets}: {first_line(exc, limit=None)}; use module names "
                           f"of this model (e.g. q_proj, v_proj) or ['all-linear']") from None
     base = getattr(model, "name_or_path", "") or ""
     if base and Path(base).is_dir():
@@ -127,7 +127,7 @@ def export_merged(checkpoint_dir, out_dir, base_model: str | None = None) -> Pat
     ``out_dir``, loadable with ``AutoModelForCausalLM.from_pretrained(out_dir)``. The base is ``base_model``
     or the adapter_config.json's ``base_model_name_or_path``; the tokenizer is the checkpoint's if it has one."""
     peft = _peft()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     ckpt, out = Path(checkpoint_dir), Path(out_dir)
     config_file = ckpt / "adapter_config.json"
@@ -139,13 +139,8 @@ def export_merged(checkpoint_dir, out_dir, base_model: str | None = None) -> Pat
         raise ConfigError(f"{config_file} does not name its base model; pass base_model= (the folder or hub "
                           f"name the adapter was trained on)")
     folder, gguf_file = split_gguf(base)  # a GGUF base: a .gguf path or package:NAME/FILE
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", **gguf_kwargs(folder, gguf_file))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the base model {base!r} to merge into: {str(exc).splitlines()[0]}; "
-                          f"pass base_model=") from None
-    if gguf_file:
-        forget_gguf_origin(model)
+    model = pretrained_causal_lm(folder, gguf_file, f"cannot load the base model {base!r} to merge into",
+                                 "; pass base_model=", dtype="auto")
     merged = peft.PeftModel.from_pretrained(model, str(ckpt)).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)

@@ -29,19 +29,21 @@ def completion_logprobs(
     temperature: float,
     rows: slice | Tensor | None = None,
     with_entropy: bool = False,
+    fast_path: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t | prefix) for the completion tokens of ``batch`` (optionally a subset of rows), [b, T].
 
     One forward over prompt + completion; logits at positions P-1 .. P+T-2 predict the T completion tokens.
-    For the architectures klgrpo's sampling loop reproduces, that forward is the loop's layer code run with each
-    distinct prompt once (``KVSampler.teacher_forced_logits``); else the model's own forward.
+    With ``fast_path`` (model.fast_path), for the architectures klgrpo's decoder reproduces
+    (``teacher_forcing_model``), that forward is the decoder's layer code run with each distinct prompt once
+    (``KVSampler.teacher_forced_logits``); else the model's own forward.
     """
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
     completion_ids = batch.completion_ids
     if rows is not None:
         input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
     t = completion_ids.shape[1]
-    base = _teacher_forcing_model(model, input_ids.shape[1])
+    base = teacher_forcing_model(model, input_ids.shape[1]) if fast_path else None
     if base is not None:
         p = input_ids.shape[1] - t
         prompts, masks, g = _distinct_prompts(input_ids[:, :p], attention_mask[:, :p], batch.group_size)
@@ -57,11 +59,12 @@ def completion_logprobs(
     return token_logprobs(logits, completion_ids, temperature), None
 
 
-def _teacher_forcing_model(model, total_len: int):
-    """The model whose layers the sampling loop's code runs for ``completion_logprobs`` (the wrapped one when
-    ``model`` is torch.compile's wrapper), or None where the model's own forward must run: an architecture the
-    loop does not reproduce, gradient checkpointing (the loop keeps every activation) or attention dropout while
-    training (the loop has none)."""
+def teacher_forcing_model(model, total_len: int):
+    """The log-prob fast path's capability check: the model whose layers klgrpo's decoder runs for
+    ``completion_logprobs`` (the wrapped one when ``model`` is torch.compile's wrapper), or None where the model's
+    own forward must run: an architecture the decoder does not reproduce, a wrapper that hides the model (DDP,
+    DeepSpeed), gradient checkpointing (the decoder keeps every activation) or attention dropout while training
+    (the decoder has none)."""
     base = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
     if base.training and getattr(getattr(base, "config", None), "attention_dropout", 0.0):
         return None

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from torch import Tensor
 
+from klgrpo.errors import DataError, first_line
+
 DUMP_DIR = "kl_dumps"
 DUMP_GLOB = "step_*.safetensors"
 _KEYS = ("logp", "ref_logp", "mask")
 
 
-class DumpError(Exception):
+class DumpError(DataError):
     """A missing folder, a missing dump or a malformed dump; the message is one sentence with the remedy."""
 
 
@@ -37,7 +39,7 @@ def load_dump(path: Path) -> dict:
             dump = {k: f.get_tensor(k) for k in f.keys()}
             dump["step"] = int((f.metadata() or {}).get("step", -1))
     except Exception as exc:  # a truncated or foreign file: say which one
-        raise DumpError(f"cannot read KL dump {str(path)!r}: {exc}".splitlines()[0]) from None
+        raise DumpError(f"cannot read KL dump {str(path)!r}: {first_line(exc, limit=None)}") from None
     if any(k not in dump for k in _KEYS):
         raise DumpError(f"KL dump {str(path)!r} must hold the tensors {', '.join(_KEYS)}")
     shapes = {tuple(dump[k].shape) for k in _KEYS}

@@ -6,11 +6,13 @@ Typed (the trainer's):   loss_fn(inp: LossInput) -> (loss, metrics)
     gradient does not depend on the micro-batch size.
 
 Datum (hosted training APIs'):   loss_fn(data: list[Datum], logprobs_list: list[Tensor]) -> (loss, metrics)
-    ``data[i].loss_fn_inputs`` holds per-token tensors of completion i ("target_tokens", "advantages",
-    "logprobs" = the sampling policy's, "ref_logprobs", "mask"), ``logprobs_list[i]`` the current policy's
-    log-probs of the same tokens, with gradient. :func:`as_typed` runs such a function on a LossInput; the
-    trainer also passes the step's beta as the function's KL-coefficient keyword (``kl_coef=``, ``beta=``, ...:
-    :data:`COEFFICIENT_NAMES`) when it has one.
+    ``data[i].model_input`` is completion i's whole sequence (prompt + completion token ids), the loss is on
+    its last n tokens: ``data[i].loss_fn_inputs`` holds per-token tensors over them ("target_tokens",
+    "advantages", "logprobs" = the sampling policy's, "ref_logprobs", "mask"), ``logprobs_list[i]`` the current
+    policy's log-probs of the same tokens, with gradient. Rows with no token in the loss give no datum.
+    :func:`as_typed` runs such a function on a LossInput; :func:`build_datums` is the one builder, used by it
+    and by klgrpo.custom.datums_from_batch. The trainer also passes the step's beta as the function's
+    KL-coefficient keyword (``kl_coef=``, ``beta=``, ...: :data:`COEFFICIENT_NAMES`) when it has one.
 
 ``metrics`` is a dict of name -> number (float or 0-d tensor); the trainer logs each as ``custom/<name>``,
 averaged over the micro-batches of the step.
@@ -48,6 +50,8 @@ class LossInput:
     normalizer: Normalizer        # the step's global counts (sequences, tokens, L_max)
     aggregation: str = "token_mean"  # loss.aggregation
     tokens: Tensor | None = None  # [B, T] completion token ids
+    prompt_ids: Tensor | None = None   # [B, P] prompt token ids, left-padded (None: no prompt, e.g. the verifier)
+    prompt_mask: Tensor | None = None  # [B, P] 1 on prompt tokens, 0 on padding
 
     def aggregate(self, values_BT: Tensor) -> Tensor:
         """Masked reduction of per-token values to this micro-batch's share of the step's scalar."""
@@ -90,25 +94,40 @@ def signature_of(fn: Callable, name: str = "") -> str:
                       f"write fn(inp: LossInput) or fn(data, logprobs_list) (docs/custom_loss.md)")
 
 
-def datums_from_input(inp: LossInput) -> tuple[list[Datum], list[Tensor]]:
-    """The micro-batch as datums (only the masked tokens of each row) and each row's policy log-probs."""
-    data, logprobs_list = [], []
-    tokens = inp.tokens if inp.tokens is not None else torch.zeros_like(inp.mask, dtype=torch.long)
-    for i in range(inp.mask.shape[0]):
-        keep = inp.mask[i].bool()
+def build_datums(completion_ids_BT: Tensor, mask_BT: Tensor, advantages_B: Tensor, old_logp_BT: Tensor,
+                 ref_logp_BT: Tensor | None = None, prompt_ids_BP: Tensor | None = None,
+                 prompt_mask_BP: Tensor | None = None) -> tuple[list[Datum], list[int]]:
+    """One Datum per row with tokens in the loss, and the rows they come from (a row with an empty mask gives
+    none: there is nothing to train on). ``model_input`` is the row's prompt (padding removed) followed by its
+    loss tokens; without ``prompt_ids_BP`` it is the loss tokens alone."""
+    data, rows = [], []
+    for i in range(mask_BT.shape[0]):
+        keep = mask_BT[i].bool()
         n = int(keep.sum())
-        fields = {"target_tokens": tokens[i, keep], "advantages": inp.advantages[i].expand(n),
-                  "logprobs": inp.old_logp[i, keep].detach(), "mask": torch.ones(n, dtype=inp.logp.dtype)}
-        if inp.ref_logp is not None:
-            fields["ref_logprobs"] = inp.ref_logp[i, keep].detach()
-        data.append(Datum(model_input=tokens[i, keep], loss_fn_inputs=fields))
-        logprobs_list.append(inp.logp[i, keep])
-    return data, logprobs_list
+        if n == 0:
+            continue
+        completion = completion_ids_BT[i, keep]
+        prompt = (prompt_ids_BP[i][prompt_mask_BP[i].bool()] if prompt_ids_BP is not None
+                  else completion.new_zeros(0))
+        fields = {"target_tokens": completion, "advantages": advantages_B[i].expand(n),
+                  "logprobs": old_logp_BT[i, keep].detach(), "mask": torch.ones(n, dtype=old_logp_BT.dtype)}
+        if ref_logp_BT is not None:
+            fields["ref_logprobs"] = ref_logp_BT[i, keep].detach()
+        data.append(Datum(model_input=torch.cat([prompt.to(completion.device), completion]), loss_fn_inputs=fields))
+        rows.append(i)
+    return data, rows
+
+
+def datums_from_input(inp: LossInput) -> tuple[list[Datum], list[Tensor]]:
+    """The micro-batch as datums (:func:`build_datums`) and each datum's current log-probs, with gradient."""
+    tokens = inp.tokens if inp.tokens is not None else torch.zeros_like(inp.mask, dtype=torch.long)
+    data, rows = build_datums(tokens, inp.mask, inp.advantages, inp.old_logp, inp.ref_logp, inp.prompt_ids,
+                              inp.prompt_mask)
+    return data, [inp.logp[i, inp.mask[i].bool()] for i in rows]
 
 
 def as_typed(fn: Callable) -> Callable[[LossInput], tuple]:
-    """A typed loss that runs the datum-signature ``fn`` on the micro-batch's rows (the masked tokens of each
-    row; ``model_input`` holds the completion tokens, the typed input has no prompt)."""
+    """A typed loss that runs the datum-signature ``fn`` on the micro-batch's datums (:func:`datums_from_input`)."""
     def typed(inp: LossInput):
         return fn(*datums_from_input(inp))
     typed.__name__ = getattr(fn, "__name__", "loss")

@@ -51,10 +51,12 @@ def _micro_slices(n: int, size: int):
 
 
 class FrozenCopyReference:
-    """A separate frozen model: a deep copy of the policy at start, or weights loaded from elsewhere."""
+    """A separate frozen model: a deep copy of the policy at start, or weights loaded from elsewhere.
+    ``fast_path``: its log-probs through klgrpo's decoder where it reproduces the model (model.fast_path)."""
 
-    def __init__(self, model):
+    def __init__(self, model, fast_path: bool = True):
         self.model = model
+        self.fast_path = fast_path
         self.model.eval()
         self.model.requires_grad_(False)
         self.synced = False  # once synced, checkpoints must carry the reference's own weights
@@ -65,14 +67,15 @@ class FrozenCopyReference:
         self.forward_model = torch.compile(self.model)
 
     @classmethod
-    def copy_of(cls, policy) -> "FrozenCopyReference":
-        return cls(copy.deepcopy(policy))
+    def copy_of(cls, policy, fast_path: bool = True) -> "FrozenCopyReference":
+        return cls(copy.deepcopy(policy), fast_path)
 
     def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor:
         # inference_mode skips autograd's version counting and view tracking, which no_grad keeps; the result
         # is copied out of it as a normal tensor, which the loss may save for its backward.
         with torch.inference_mode():
-            parts = [completion_logprobs(self.forward_model, batch, temperature, rows=sl)[0]
+            parts = [completion_logprobs(self.forward_model, batch, temperature, rows=sl,
+                                         fast_path=self.fast_path)[0]
                      for sl in _micro_slices(batch.size, micro_batch_size)]
             out = torch.cat(parts, dim=0)
         return out.clone()
@@ -114,9 +117,10 @@ class AdapterDisabledReference:
     ``"reference"`` beside the trainable one; from then on the reference forward switches to it and back.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, fast_path: bool = True):
         require_peft_model(model, "AdapterDisabledReference")
         self.model = model
+        self.fast_path = fast_path
         self.policy_adapter = model.active_adapter
         self.synced = False  # once synced, the reference adapter exists and goes into checkpoints
 
@@ -138,7 +142,8 @@ class AdapterDisabledReference:
     def logprobs(self, batch: "RolloutBatch", temperature: float, micro_batch_size: int = 0) -> Tensor:
         size = micro_batch_size or batch.size
         with self.sampling_model() as model:
-            parts = [completion_logprobs(model, batch, temperature, rows=slice(s, min(s + size, batch.size)))[0]
+            parts = [completion_logprobs(model, batch, temperature, rows=slice(s, min(s + size, batch.size)),
+                                         fast_path=self.fast_path)[0]
                      for s in range(0, batch.size, size)]
         return torch.cat(parts, dim=0)
 

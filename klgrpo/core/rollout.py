@@ -1,12 +1,8 @@
 """Group sampling: G completions per prompt, masks and truncation flags.
 
-Sampling runs klgrpo's own KV-cached loop (``KVSampler``) when the model is a supported decoder (Llama,
-Mistral, Qwen2, Qwen3; LoRA-wrapped or not), else transformers ``generate``. The loop draws each token from
-softmax(logits / temperature) after the top-k and top-p filters, as ``generate`` with do_sample=True does,
-without its per-step machinery (logits processors, stopping criteria, cache objects, mask builders), which
-dominates the time of small models (0.6x of ``generate``'s time for the demo-size model on the CPU,
-docs/benchmarks.md). It reads nothing else from ``model.generation_config`` (no repetition penalty, no
-suppressed tokens), so the samples come from the very distribution whose log-probs the loss uses.
+``generate_groups`` encodes the prompts, hands them to a sampler (klgrpo/backends/samplers.py: klgrpo's KV-cached
+loop, transformers' generate with a dynamic or a static cache; ``SamplingParams.sampler`` names it, "auto" picks
+the fastest for the device), and turns its completion ids into the padded batch with masks through the first EOS.
 """
 
 from __future__ import annotations
@@ -16,39 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.backends.kv_decoder import KVSampler
+from klgrpo.backends.samplers import SamplingParams, resolve_sampler
 
-
-#: transformers ``generate``'s KV cache when klgrpo samples through it (``rollout.generate_cache``).
-GENERATE_CACHES = ("dynamic", "static")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How ``generate_groups`` samples: the rollout settings of one call, by name.
-
-    group_size      G, completions per prompt
-    max_new_tokens  completion length limit; a row without EOS by then is truncated
-    temperature     sample from softmax(logits / temperature); > 0
-    top_p, top_k    nucleus and top-k filters (1.0 and 0: off)
-    system_prompt   system message prepended to chat prompts
-    as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
-    compiled        run the KV-cached loop's steps through torch.compile where the model allows it
-    generate_cache  "dynamic": klgrpo's KV-cached loop where it reproduces the model (model.fast_path on), else
-                    transformers' generate with its dynamic cache; "static": always transformers' generate with a
-                    preallocated cache, which transformers compiles on CUDA (seconds once, then several times
-                    faster than the loop there); the training log-probs keep model.fast_path either way
-    """
-
-    group_size: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    system_prompt: str = ""
-    as_chat: bool = False
-    compiled: bool = False
-    generate_cache: str = "dynamic"
+__all__ = ["RolloutBatch", "SamplingParams", "completion_mask_from_ids", "encode_prompts", "eos_token_ids",
+           "generate_groups"]
 
 
 @dataclass
@@ -123,10 +90,8 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tupl
 
 @torch.no_grad()
 def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
-    """Sample ``params.group_size`` completions for each prompt; returns the padded batch with its masks.
-
-    The KV-cached loop (klgrpo.backends.kv_decoder) runs for the architectures it reproduces unless
-    model.fast_path is off; else transformers ``generate``."""
+    """Sample ``params.group_size`` completions for each prompt with ``params.sampler``; returns the padded batch
+    with its masks."""
     p = params
     texts = encode_prompts(tokenizer, prompts, p.system_prompt, p.as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
@@ -136,21 +101,11 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     prompt_mask = unique_mask.repeat_interleave(p.group_size, dim=0)
     prompt_len = prompt_ids.shape[1]
     eos_ids = eos_token_ids(model, tokenizer)
+    sampler = resolve_sampler(p.sampler, model, prompt_len + p.max_new_tokens, p)
     was_training = model.training
     model.eval()
     try:
-        loop = (KVSampler.for_model(model, prompt_len + p.max_new_tokens)
-                if p.temperature > 0 and p.generate_cache != "static" else None)
-        if loop is not None:  # the loop runs each distinct prompt once, then its G copies share the cache
-            completion_ids = loop.sample(unique_ids, unique_mask, p.max_new_tokens, p.temperature, p.top_p, p.top_k,
-                                         tokenizer.pad_token_id, eos_ids, p.group_size, p.compiled)
-        else:
-            out = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=p.temperature,
-                top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=eos_ids, **({"cache_implementation": "static"} if p.generate_cache == "static" else {}),
-            )
-            completion_ids = out[:, prompt_len:]
+        completion_ids = sampler.sample(model, unique_ids, unique_mask, p, tokenizer.pad_token_id, eos_ids)
     finally:
         model.train(was_training)
     if completion_ids.shape[1] == 0:  # every row stopped at once: keep one (masked) column
@@ -175,5 +130,3 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         completions=completions,
     )
 
-
-# ------------------------------------------------------------------------------------- the KV-cached loop

@@ -14,11 +14,12 @@ the GLOBAL counts, sums to exactly the full-batch loss and gradient (gradient ac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+from klgrpo.math.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -49,26 +50,39 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, m, dim) / (m.sum() if dim is None else m.sum(dim=dim)).clamp(min=1.0)
 
 
-def aggregate(
-    values_BT: Tensor,
-    mask_BT: Tensor,
-    mode: str = "token_mean",
-    normalizer: Normalizer | None = None,
-) -> Tensor:
+#: ``loss.aggregation`` name -> ``fn(row_sums_B, lengths_B, normalizer) -> scalar``: how the per-row sums of the
+#: masked per-token values (and the rows' lengths n_i) become the loss, with the step's global counts.
+AGGREGATIONS: Registry[Callable[[Tensor, Tensor, Normalizer], Tensor]] = Registry("aggregation")
+
+
+@AGGREGATIONS.register("token_mean")
+def _token_mean(row_sums_B: Tensor, lengths_B: Tensor, norm: Normalizer) -> Tensor:
+    return row_sums_B.sum() / torch.as_tensor(norm.num_tokens, dtype=row_sums_B.dtype).clamp(min=1.0)
+
+
+@AGGREGATIONS.register("seq_mean_token_mean")
+def _seq_mean_token_mean(row_sums_B: Tensor, lengths_B: Tensor, norm: Normalizer) -> Tensor:
+    return (row_sums_B / lengths_B.clamp(min=1.0)).sum() / norm.num_sequences
+
+
+@AGGREGATIONS.register("seq_mean_token_sum")
+def _seq_mean_token_sum(row_sums_B: Tensor, lengths_B: Tensor, norm: Normalizer) -> Tensor:
+    return row_sums_B.sum() / norm.num_sequences
+
+
+@AGGREGATIONS.register("constant")
+def _constant(row_sums_B: Tensor, lengths_B: Tensor, norm: Normalizer) -> Tensor:
+    return row_sums_B.sum() / (norm.num_sequences * norm.max_len)
+
+
+def aggregate(values_BT: Tensor, mask_BT: Tensor, mode: str = "token_mean",
+              normalizer: Normalizer | None = None) -> Tensor:
     """Reduce per-token ``values_BT`` to a scalar with ``mode`` (module docstring).
 
     ``normalizer`` carries the global counts of the whole optimizer-step batch; by default the counts of
     this batch. Rows with n_i = 0 contribute nothing (seq_mean_token_mean divides by max(n_i, 1)).
     """
+    reduce = AGGREGATIONS[mode]
     norm = normalizer or Normalizer.of(mask_BT)
     m = mask_BT.to(values_BT.dtype)
-    row_sums_B = (values_BT * m).sum(dim=-1)
-    if mode == "token_mean":
-        return row_sums_B.sum() / torch.as_tensor(norm.num_tokens, dtype=values_BT.dtype).clamp(min=1.0)
-    if mode == "seq_mean_token_mean":
-        return (row_sums_B / m.sum(dim=-1).clamp(min=1.0)).sum() / norm.num_sequences
-    if mode == "seq_mean_token_sum":
-        return row_sums_B.sum() / norm.num_sequences
-    if mode == "constant":
-        return row_sums_B.sum() / (norm.num_sequences * norm.max_len)
-    raise KeyError(f"unknown aggregation {mode!r}; choose one of: {', '.join(AGGREGATIONS)}")
+    return reduce((values_BT * m).sum(dim=-1), m.sum(dim=-1), norm)

@@ -60,49 +60,6 @@ def log_ratio(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return logp - ref_logp
 
 
-def _clamped(l: Tensor, clamp: float | None) -> Tensor:
-    return l if clamp is None else l.clamp(-clamp, clamp)
-
-
-def k1(l: Tensor, clamp: float | None = None) -> Tensor:
-    """k1 = l. Unbiased for KL(pi||ref); either sign; grad = s (zero in expectation)."""
-    return l
-
-
-def k2(l: Tensor, clamp: float | None = None) -> Tensor:
-    """k2 = l^2 / 2. Biased, >= 0; grad = l s, whose expectation is grad KL(pi||ref)."""
-    return 0.5 * l * l
-
-
-def k3(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
-    """k3 = exp(-l) + l - 1 = (r - 1) - log r. Unbiased for KL(pi||ref), >= 0.
-
-    grad = (1 - r) s, whose expectation is grad KL(ref||pi): the FORWARD KL. l is clamped to
-    [-clamp, clamp] first so exp(-l) stays finite (``clamp=None`` disables the guard).
-    """
-    lc = _clamped(l, clamp)
-    # expm1 keeps precision near l = 0, where k3 ~ l^2/2 is tiny.
-    return torch.expm1(-lc) + lc
-
-
-def _straight_through(value: Tensor, grad_source: Tensor) -> Tensor:
-    """Forward value of ``value``, gradient of ``grad_source``."""
-    return value.detach() + (grad_source - grad_source.detach())
-
-
-def k1_st(l: Tensor, clamp: float | None = None) -> Tensor:
-    """Value of k1 (= l), gradient of k2 (= l s): an unbiased value with the reverse-KL gradient."""
-    return _straight_through(k1(l), k2(l))
-
-
-def k3_st(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
-    """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL.
-
-    Beyond the clamp the value is clamped but this function's gradient is still l (that of the unclamped k2);
-    the objective zeroes the KL gradient of such tokens (objective.kl_penalty_terms)."""
-    return _straight_through(k3(l, clamp), k2(l))
-
-
 @dataclass(frozen=True)
 class Estimator:
     """A per-token KL estimator and what it promises.
@@ -113,6 +70,9 @@ class Estimator:
     reward: reward-to-go with gamma 1, no length normalisation) and compares with the gradient of the
     sequence-level KL. Off-policy sequences use per-token importance weights, which cannot correct
     the prefix distribution, so no off-policy sequence row follows either KL exactly.
+
+    ``score_factor`` is f with grad k(y) = f(l) s, derived BY HAND from the formula (docs/kl_math.md,
+    "Gradients"), never from ``fn``: klgrpo.verify.categorical checks ``fn``'s autograd against it per outcome.
     """
 
     name: str
@@ -121,6 +81,7 @@ class Estimator:
     nonnegative: bool
     uses_clamp: bool
     gradients: dict[tuple[str, str, str], str] = field(repr=False)
+    score_factor: Callable[[Tensor], Tensor] = field(repr=False)
     summary: str = ""
 
     def gradient_target(self, placement: str, sampling: str = "on_policy", level: str = "token") -> str:
@@ -155,67 +116,115 @@ def _table(token: dict[tuple[str, str], str], sequence: dict[tuple[str, str], st
 ESTIMATORS: Registry[Estimator] = Registry("KL estimator")
 
 
+def estimator(name: str, *, value_unbiased: bool, nonnegative: bool, uses_clamp: bool, gradients: dict,
+              score_factor: Callable[[Tensor], Tensor], summary: str) -> Callable:
+    """Register the decorated ``fn(l, clamp) -> Tensor`` in ESTIMATORS as ``name``, with what it promises."""
+
+    def add(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        ESTIMATORS.register(name, Estimator(name=name, fn=fn, value_unbiased=value_unbiased, nonnegative=nonnegative,
+                                            uses_clamp=uses_clamp, gradients=gradients, score_factor=score_factor,
+                                            summary=summary))
+        return fn
+
+    return add
+
+
+# Per-sample gradient factors f (grad k = f(l) s), derived by hand: grad k1 = s, grad k2 = l s,
+# grad k3 = (1 - r) s with r = exp(-l); a straight-through "<base>_st" has the gradient of k2.
+def _k2_factor(l: Tensor) -> Tensor:
+    return l
+
+
+def _k3_factor(l: Tensor) -> Tensor:
+    return 1.0 - torch.exp(-l)
+
+
 def _reward_rows(target: str) -> dict:
     return {("reward", "on_policy"): target}
 
 
-ESTIMATORS.register("k1", Estimator(
-    name="k1", fn=k1, value_unbiased=True, nonnegative=False, uses_clamp=False,
-    gradients=_table(
-        token={("loss", "on_policy"): "zero", ("loss", "off_policy_detached"): "zero",
-               ("loss", "off_policy_in_graph"): "reverse", **_reward_rows("reverse"),
-               ("both", "on_policy"): "reverse"},
-        sequence={("loss", "on_policy"): "zero", ("loss", "off_policy_detached"): "zero",
-                  ("reward", "on_policy"): "reverse", ("both", "on_policy"): "reverse"},
-        first_epoch_both={"detached": "reverse"},   # 0 (k1 loss, sg(w)) + E[l s] (reward)
-    ),
-    summary="log-ratio; unbiased value, high variance; as a loss its gradient is pure noise",
-))
-ESTIMATORS.register("k2", Estimator(
-    name="k2", fn=k2, value_unbiased=False, nonnegative=True, uses_clamp=False,
-    gradients=_table(
-        token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
-        sequence={},
-    ),
-    summary="half squared log-ratio; biased value; per-token reverse-KL gradient as a loss",
-))
-ESTIMATORS.register("k3", Estimator(
-    name="k3", fn=k3, value_unbiased=True, nonnegative=True, uses_clamp=True,
-    gradients=_table(
-        token={("loss", "on_policy"): "forward", ("loss", "off_policy_detached"): "forward",
-               ("loss", "off_policy_in_graph"): "reverse",
-               ("both", "on_policy"): "reverse"},
-        sequence={("both", "on_policy"): "reverse"},
-        first_epoch_both={"detached": "reverse"},   # E[(1 - r) s] (loss, sg(w)) + E[k3 s] (reward) = E[l s]
-    ),
-    summary="exp(-l)+l-1 (TRL/GRPO's formula); unbiased low-variance value; FORWARD-KL gradient as a loss",
-))
-ESTIMATORS.register("k1_st", Estimator(
-    name="k1_st", fn=k1_st, value_unbiased=True, nonnegative=False, uses_clamp=False,
-    gradients=_table(
-        token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse",
-               **_reward_rows("reverse")},
-        sequence={("reward", "on_policy"): "reverse"},
-    ),
-    summary="value of k1, gradient of k2 (straight-through)",
-))
-ESTIMATORS.register("k3_st", Estimator(
-    name="k3_st", fn=k3_st, value_unbiased=True, nonnegative=True, uses_clamp=True,
-    gradients=_table(
-        token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
-        sequence={},
-    ),
-    summary="value of k3, gradient of k2 (straight-through, verl's k3+)",
-))
+def _clamped(l: Tensor, clamp: float | None) -> Tensor:
+    return l if clamp is None else l.clamp(-clamp, clamp)
 
 
-def kl_estimate(
-    logp: Tensor,
-    ref_logp: Tensor,
-    estimator: str = "k3",
-    *,
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
-) -> Tensor:
+@estimator("k1", value_unbiased=True, nonnegative=False, uses_clamp=False,
+           gradients=_table(
+               token={("loss", "on_policy"): "zero", ("loss", "off_policy_detached"): "zero",
+                      ("loss", "off_policy_in_graph"): "reverse", **_reward_rows("reverse"),
+                      ("both", "on_policy"): "reverse"},
+               sequence={("loss", "on_policy"): "zero", ("loss", "off_policy_detached"): "zero",
+                         ("reward", "on_policy"): "reverse", ("both", "on_policy"): "reverse"},
+               first_epoch_both={"detached": "reverse"},   # 0 (k1 loss, sg(w)) + E[l s] (reward)
+           ),
+           score_factor=torch.ones_like,
+           summary="log-ratio; unbiased value, high variance; as a loss its gradient is pure noise")
+def k1(l: Tensor, clamp: float | None = None) -> Tensor:
+    """k1 = l. Unbiased for KL(pi||ref); either sign; grad = s (zero in expectation)."""
+    return l
+
+
+@estimator("k2", value_unbiased=False, nonnegative=True, uses_clamp=False,
+           gradients=_table(token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
+                            sequence={}),
+           score_factor=_k2_factor,
+           summary="half squared log-ratio; biased value; per-token reverse-KL gradient as a loss")
+def k2(l: Tensor, clamp: float | None = None) -> Tensor:
+    """k2 = l^2 / 2. Biased, >= 0; grad = l s, whose expectation is grad KL(pi||ref)."""
+    return 0.5 * l * l
+
+
+@estimator("k3", value_unbiased=True, nonnegative=True, uses_clamp=True,
+           gradients=_table(
+               token={("loss", "on_policy"): "forward", ("loss", "off_policy_detached"): "forward",
+                      ("loss", "off_policy_in_graph"): "reverse",
+                      ("both", "on_policy"): "reverse"},
+               sequence={("both", "on_policy"): "reverse"},
+               first_epoch_both={"detached": "reverse"},   # E[(1 - r) s] (loss, sg(w)) + E[k3 s] (reward) = E[l s]
+           ),
+           score_factor=_k3_factor,
+           summary="exp(-l)+l-1 (TRL/GRPO's formula); unbiased low-variance value; FORWARD-KL gradient as a loss")
+def k3(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
+    """k3 = exp(-l) + l - 1 = (r - 1) - log r. Unbiased for KL(pi||ref), >= 0.
+
+    grad = (1 - r) s, whose expectation is grad KL(ref||pi): the FORWARD KL. l is clamped to
+    [-clamp, clamp] first so exp(-l) stays finite (``clamp=None`` disables the guard).
+    """
+    lc = _clamped(l, clamp)
+    # expm1 keeps precision near l = 0, where k3 ~ l^2/2 is tiny.
+    return torch.expm1(-lc) + lc
+
+
+def _straight_through(value: Tensor, grad_source: Tensor) -> Tensor:
+    """Forward value of ``value``, gradient of ``grad_source``."""
+    return value.detach() + (grad_source - grad_source.detach())
+
+
+@estimator("k1_st", value_unbiased=True, nonnegative=False, uses_clamp=False,
+           gradients=_table(
+               token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse",
+                      **_reward_rows("reverse")},
+               sequence={("reward", "on_policy"): "reverse"},
+           ),
+           score_factor=_k2_factor, summary="value of k1, gradient of k2 (straight-through)")
+def k1_st(l: Tensor, clamp: float | None = None) -> Tensor:
+    """Value of k1 (= l), gradient of k2 (= l s): an unbiased value with the reverse-KL gradient."""
+    return _straight_through(k1(l), k2(l))
+
+
+@estimator("k3_st", value_unbiased=True, nonnegative=True, uses_clamp=True,
+           gradients=_table(token={("loss", "on_policy"): "reverse", ("loss", "off_policy_detached"): "reverse"},
+                            sequence={}),
+           score_factor=_k2_factor, summary="value of k3, gradient of k2 (straight-through, verl's k3+)")
+def k3_st(l: Tensor, clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
+    """Value of k3, gradient of k2 (verl's ``k3+``): logs the low-variance k3, follows the reverse KL.
+
+    Beyond the clamp the value is clamped but this function's gradient is still l (that of the unclamped k2);
+    the objective zeroes the KL gradient of such tokens (objective.kl_penalty_terms)."""
+    return _straight_through(k3(l, clamp), k2(l))
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3", *,
+                clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
     """Per-token KL(pi || pi_ref) estimate, same shape as ``logp``.
 
     logp = log pi(y_t), ref_logp = log pi_ref(y_t) for tokens y_t sampled from pi. Gradients flow
@@ -227,12 +236,8 @@ def kl_estimate(
     return est.fn(log_ratio(logp, ref_logp), clamp)
 
 
-def clamp_fraction(
-    logp: Tensor,
-    ref_logp: Tensor,
-    mask: Tensor | None = None,
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
-) -> Tensor:
+def clamp_fraction(logp: Tensor, ref_logp: Tensor, mask: Tensor | None = None,
+                   clamp: float | None = DEFAULT_LOG_RATIO_CLAMP) -> Tensor:
     """Fraction of (masked) tokens whose |log-ratio| exceeds ``clamp`` (the ``kl/clamp_frac`` metric)."""
     if clamp is None:
         return torch.zeros((), device=logp.device)

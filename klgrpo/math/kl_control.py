@@ -48,6 +48,10 @@ class KLObservation:
         return self.token_mean if measure == "token_mean" else self.sequence_sum
 
 
+#: ``kl.controller`` name -> controller class, constructed as ``cls(init_coef, **params)``.
+CONTROLLERS: Registry[type["KLController"]] = Registry("KL controller")
+
+
 class KLController:
     """Base: holds beta and the number of updates; subclasses implement ``_next``."""
 
@@ -80,10 +84,12 @@ class KLController:
         self.kl_measure = state.get("kl_measure", self.kl_measure)
 
 
+@CONTROLLERS.register("fixed")
 class FixedKLController(KLController):
     """beta never changes."""
 
 
+@CONTROLLERS.register("adaptive")
 class AdaptiveKLController(KLController):
     """Ziegler et al. (2019), proportional and multiplicative.
 
@@ -105,8 +111,9 @@ class AdaptiveKLController(KLController):
         return self.value * (1.0 + error * n_steps / self.horizon)
 
 
+@CONTROLLERS.register("step")
 class StepKLController(KLController):
-    """The seed tutorial's band rule: KL > high * target -> beta * up; KL < low * target -> beta * down."""
+    """A band rule: KL > high * target -> beta * up; KL < low * target -> beta * down."""
 
     def __init__(self, init_coef: float, target: float, up: float = 1.5, down: float = 0.75,
                  high: float = 1.5, low: float = 0.5, kl_measure: str = "token_mean"):
@@ -128,6 +135,7 @@ class StepKLController(KLController):
 DUAL_BETA_FLOOR = 1e-12
 
 
+@CONTROLLERS.register("dual")
 class DualAscentKLController(KLController):
     """Dual ascent on a KL budget eps: log beta <- log beta + lr * (KL - eps) / eps, beta in [beta_min, beta_max].
 
@@ -149,8 +157,9 @@ class DualAscentKLController(KLController):
         return min(max(math.exp(log_beta), self.beta_min), self.beta_max)
 
 
+@CONTROLLERS.register("dynamic")
 class DynamicScheduleKLController(KLController):
-    """The seed "adaptive KL" schedule: decay beta while the mean reward beats a threshold, then a floor.
+    """A reward-driven schedule: decay beta while the mean reward beats a threshold, then a floor.
 
     After each update: if reward > reward_threshold, beta <- max(beta * decay, beta_min); once
     ``schedule_steps`` updates have happened (when > 0), beta = beta_min.
@@ -168,14 +177,6 @@ class DynamicScheduleKLController(KLController):
         if reward is not None and reward > self.reward_threshold:
             return max(self.value * self.decay, self.beta_min)
         return self.value
-
-
-CONTROLLERS: Registry[type[KLController]] = Registry("KL controller")
-CONTROLLERS.register("fixed", FixedKLController)
-CONTROLLERS.register("adaptive", AdaptiveKLController)
-CONTROLLERS.register("step", StepKLController)
-CONTROLLERS.register("dual", DualAscentKLController)
-CONTROLLERS.register("dynamic", DynamicScheduleKLController)
 
 
 def build_controller(name: str, init_coef: float, **params: Any) -> KLController:

@@ -1,4 +1,4 @@
-"""Shaping the KL value before beta multiplies it (the seed "adaptive KL" options).
+"""Shaping the KL value before beta multiplies it (`kl.shaping`; docs/kl_math.md).
 
 Each function takes the per-token KL ``kl_BT`` (float, in the autograd graph when it is a loss term) and
 the completion mask, and returns the adapted per-token tensor; the raw tensor is the input itself, so a
@@ -23,30 +23,28 @@ from klgrpo.math.registry import Registry
 SHAPINGS: Registry[Callable[..., Tensor]] = Registry("KL shaping")
 
 
+@SHAPINGS.register("none")
 def shape_none(kl_BT: Tensor, mask_BT: Tensor, **_: float) -> Tensor:
     return kl_BT
 
 
+@SHAPINGS.register("clip")
 def shape_clip(kl_BT: Tensor, mask_BT: Tensor, *, kl_clip_threshold: float = 1.0, **_: float) -> Tensor:
     """min(kl, threshold) per token. Tokens above the threshold contribute no gradient (count them)."""
     return torch.clamp(kl_BT, max=kl_clip_threshold)
 
 
+@SHAPINGS.register("sigmoid")
 def shape_sigmoid(kl_BT: Tensor, mask_BT: Tensor, *, kl_target: float = 0.1, **_: float) -> Tensor:
     """sigmoid(kl - target) * kl per token: a soft gate, about kl/2 near the target, ~kl far above it."""
     return torch.sigmoid(kl_BT - kl_target) * kl_BT
 
 
+@SHAPINGS.register("length_normalized")
 def shape_length_normalized(kl_BT: Tensor, mask_BT: Tensor, **_: float) -> Tensor:
     """kl / n_i for every token of row i, so the row's sum is its sequence KL divided by its length."""
     lengths_B1 = mask_BT.to(kl_BT.dtype).sum(dim=-1, keepdim=True).clamp(min=1.0)
     return kl_BT / lengths_B1
-
-
-SHAPINGS.register("none", shape_none)
-SHAPINGS.register("clip", shape_clip)
-SHAPINGS.register("sigmoid", shape_sigmoid)
-SHAPINGS.register("length_normalized", shape_length_normalized)
 
 
 def shape_kl(kl_BT: Tensor, mask_BT: Tensor, shaping: str = "none", **params: float) -> Tensor:

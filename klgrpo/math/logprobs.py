@@ -124,12 +124,8 @@ def _logsumexp_and_entropy_(x: Tensor) -> tuple[Tensor, Tensor]:
     return log_total + m.squeeze(-1), (log_total - weighted / total).float()
 
 
-def token_logprobs(
-    logits_BTV: Tensor,
-    targets_BT: Tensor,
-    temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> Tensor:
+def token_logprobs(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 1.0,
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
     """log softmax(logits / temperature)[target] per position [B, T]; differentiable in the logits.
 
     Accumulates in float32 (float64 for float64 logits) whatever the logits' dtype (bf16 included).
@@ -139,12 +135,8 @@ def token_logprobs(
     return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), False)
 
 
-def token_logprobs_and_entropy(
-    logits_BTV: Tensor,
-    targets_BT: Tensor,
-    temperature: float = 1.0,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-) -> tuple[Tensor, Tensor]:
+def token_logprobs_and_entropy(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 1.0,
+                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
     """(token_logprobs(...), token_entropy(...)) from one pass over the logits: each block is upcast once
     instead of twice. The log-probs are differentiable as in ``token_logprobs``; the entropy is a metric
     (float32, no gradient)."""

@@ -22,7 +22,7 @@ micro-batches and divides once per step by global counts; nothing here syncs wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -63,6 +63,25 @@ class KLTerm:
         if self.reward_mode not in KL_REWARD_MODES:
             raise KeyError(f"unknown kl reward_mode {self.reward_mode!r}; choose one of: {', '.join(KL_REWARD_MODES)}")
         return self.in_reward and self.reward_mode == "reward_to_go"
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    """The policy (surrogate) part of the loss: which registered surrogate and its clip settings.
+
+    ``name`` is a POLICY_LOSSES name; ``delta`` (TRL's two-sided clip) and ``dual_clip`` (verl's clip_ratio_c)
+    guard ppo_clip only, None: off (policy_loss.clipped_surrogate)."""
+
+    name: str = "ppo_clip"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta: float | None = None
+    dual_clip: float | None = None
+
+    def surrogate(self, logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor):
+        guards = {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
+        return POLICY_LOSSES[self.name](logp_BT, old_logp_BT, advantages, mask_BT, self.eps_low, self.eps_high,
+                                        **guards)
 
 
 @dataclass
@@ -116,11 +135,53 @@ def kl_penalty_terms(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor, 
 
 
 @dataclass
+class ObjectiveSums:
+    """Detached sums of one micro-batch for the step metrics (train/step_metrics.py turns them into means).
+
+    Token counts and per-token values are summed over the loss-mask tokens; ``policy_loss``, ``policy_abs``
+    and ``loss_kl_penalty`` are aggregated like the loss (their micro-batch sum is the step's value).
+    The KL fields are None without a reference, ``loss_kl_penalty`` / ``reward_kl_penalty`` None when the KL
+    does not enter there, ``shaping_clip`` None unless kl.shaping is clip. ``k3_max`` is a maximum, not a sum.
+    Micro-batches combine with ``+``."""
+
+    policy_loss: Tensor                      # the surrogate, aggregated as the loss
+    policy_abs: Tensor                       # |surrogate| per token, aggregated as the loss (kl/loss_share)
+    clip_low: Tensor                         # tokens where the lower clip bound was active
+    clip_high: Tensor                        # tokens where the upper clip bound was active
+    reward_kl_penalty: Tensor | None = None  # beta * sum of the reward KL over tokens
+    loss_kl_penalty: Tensor | None = None    # beta * KL loss term, aggregated as the loss
+    raw_kl: Tensor | None = None             # sum of the configured estimator's k over tokens (before shaping)
+    adapted_kl: Tensor | None = None         # sum of the shaped k
+    k1: Tensor | None = None                 # sums of the monitors k1 = l, k2, k3 of the same log-ratio
+    k2: Tensor | None = None
+    k3: Tensor | None = None
+    clamped: Tensor | None = None            # tokens with |l| > kl.clamp
+    shaping_clip: Tensor | None = None       # tokens where the clip shaping fires
+    k3_max: Tensor | None = None             # max over tokens of k3
+    negated_raw_kl_max: Tensor | None = None  # max over tokens of -k (the configured estimator's): kl/min
+
+    MAXIMA = ("k3_max", "negated_raw_kl_max")
+
+    def __add__(self, other: "ObjectiveSums") -> "ObjectiveSums":
+        combined = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a is None or b is None:
+                combined[f.name] = a if b is None else b
+            else:
+                combined[f.name] = torch.maximum(a, b) if f.name in self.MAXIMA else a + b
+        return ObjectiveSums(**combined)
+
+    def present(self) -> dict[str, Tensor]:
+        """The fields that hold a value, by name (the step metrics reduce them across processes)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class ObjectiveOut:
-    loss: Tensor                # scalar, this micro-batch's share of the step loss
-    sums: dict[str, Tensor]     # detached sums over masked tokens / sequences, for metrics
-    maxes: dict[str, Tensor]    # detached maxima, for metrics
-    token_kl: Tensor | None = None  # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
+    loss: Tensor                      # scalar, this micro-batch's share of the step loss
+    sums: ObjectiveSums | None        # detached sums for the metrics; None with metrics=False
+    token_kl: Tensor | None = None    # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
 
 
 def grpo_objective(
@@ -129,48 +190,35 @@ def grpo_objective(
     ref_logp_BT: Tensor | None,
     advantages_B: Tensor,
     mask_BT: Tensor,
+    *,
     kl: KLTerm,
+    policy: PolicyTerm = PolicyTerm(),
     aggregation: str,
     normalizer: Normalizer,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    policy_loss: str = "ppo_clip",
-    *,
-    delta: float | None = None,
-    dual_clip: float | None = None,
+    full_kl_BT: Tensor | None = None,
     row_weights_B: Tensor | None = None,
     metrics: bool = True,
-    full_kl_BT: Tensor | None = None,
 ) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
-    ``delta`` / ``dual_clip``: TRL's two-sided and verl's dual ratio clip (policy_loss.clipped_surrogate; None:
-    off). ``row_weights_B`` multiplies each sequence's per-token loss before the aggregation (None: 1); the exact
-    oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration.
-    ``metrics=False`` leaves ``sums`` and ``maxes`` empty (callers that need only the loss). ``full_kl_BT``:
-    the exact per-position KL of math.full_kl, required by (and only read for) ``kl.estimator`` "full", which
-    enters the loss only."""
+    ``policy`` picks the surrogate and its clip, ``kl`` how the KL enters (beta included), ``aggregation``
+    (an AGGREGATIONS name) and ``normalizer`` how per-token terms become the loss. ``full_kl_BT``: the exact
+    per-position KL of math.full_kl, required by (and only read for) ``kl.estimator`` "full", which enters the
+    loss only. ``row_weights_B`` multiplies each sequence's per-token loss before the aggregation (None: 1);
+    the exact oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration.
+    ``metrics=False`` leaves ``sums`` None (callers that need only the loss)."""
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
-    sums: dict[str, Tensor] = {}
-    maxes: dict[str, Tensor] = {}
-    token_kl = None
+    token_kl = reward_kl_penalty = loss_kl_penalty = kl_sums = None
     advantages = advantages_B
     if ref_logp_BT is not None and kl.in_reward and kl.coef > 0:
         reward_kl_BT = reward_kl(old_logp_BT, ref_logp_BT, kl)
         if kl.reward_to_go:  # sequence_score: already in advantages_B
             advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef)
-        if metrics:
-            sums["reward_kl_penalty"] = kl.coef * (reward_kl_BT * mask).sum()
-    guards = {name: value for name, value in (("delta", delta), ("dual_clip", dual_clip)) if value is not None}
-    pg = POLICY_LOSSES[policy_loss](logp_BT, old_logp_BT, advantages, mask, eps_low, eps_high, **guards)
+        reward_kl_penalty = kl.coef * (reward_kl_BT.detach() * mask).sum()
+    pg = policy.surrogate(logp_BT, old_logp_BT, advantages, mask)
     per_token = pg.loss_BT
-    if metrics:
-        sums["policy_loss"] = aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer)
-        sums["clip_low"] = (pg.clipped_low_BT.float() * mask).sum()
-        sums["clip_high"] = (pg.clipped_high_BT.float() * mask).sum()
-        sums["policy_abs"] = aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer)  # kl/loss_share
 
     if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
@@ -178,30 +226,35 @@ def grpo_objective(
         if kl.in_loss and kl.coef > 0:
             per_token = per_token + kl.coef * penalty.loss_term_BT
             if metrics:
-                sums["loss_kl_penalty"] = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation,
-                                                              normalizer)
+                loss_kl_penalty = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation, normalizer)
         if metrics:
-            token_kl = _record_kl_monitors(sums, maxes, penalty, mask, kl)
+            kl_sums, token_kl = _kl_monitors(penalty, mask, kl)
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
-    return ObjectiveOut(loss=loss, sums=sums if metrics else {}, maxes=maxes, token_kl=token_kl)
+    if not metrics:
+        return ObjectiveOut(loss=loss, sums=None)
+    sums = ObjectiveSums(
+        policy_loss=aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer),
+        policy_abs=aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer),
+        clip_low=(pg.clipped_low_BT.float() * mask).sum(), clip_high=(pg.clipped_high_BT.float() * mask).sum(),
+        reward_kl_penalty=reward_kl_penalty, loss_kl_penalty=loss_kl_penalty, **(kl_sums or {}))
+    return ObjectiveOut(loss=loss, sums=sums, token_kl=token_kl)
 
 
 @torch.no_grad()
-def _record_kl_monitors(sums: dict[str, Tensor], maxes: dict[str, Tensor], penalty: KLPenalty, mask: Tensor,
-                        kl: KLTerm) -> Tensor:
-    """raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio: masked and summed at once. Returns the
-    masked per-token l and k3, stacked [2, B, T], for the step's percentiles (train/step_metrics.py)."""
+def _kl_monitors(penalty: KLPenalty, mask: Tensor, kl: KLTerm) -> tuple[dict[str, Tensor], Tensor]:
+    """The KL fields of ObjectiveSums: raw, adapted and the monitors k1 (= l), k2, k3 of the same log-ratio,
+    masked and summed at once; and the masked per-token l and k3, stacked [2, B, T], for the step's
+    percentiles (train/step_metrics.py)."""
     ratio_BT = penalty.log_ratio_BT.detach()
     monitors = [ESTIMATORS[name].fn(ratio_BT, kl.clamp) for name in ("k2", "k3")]
     masked = torch.stack([penalty.raw_BT.detach(), penalty.adapted_BT.detach(), ratio_BT, *monitors]) * mask
-    for name, value in zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()):
-        sums[name] = value
-    maxes["k3"] = masked[4].max()  # the heavy-tailed estimator's spikes
+    sums = dict(zip(("raw_kl", "adapted_kl", "k1", "k2", "k3"), masked.sum(dim=(1, 2)).unbind()))
+    sums["k3_max"] = masked[4].max()  # the heavy-tailed estimator's spikes
     # kl/min: the smallest per-token KL the loss uses (negative for k1; for k2, k3 a negative value is a bug)
-    maxes["negated_raw_kl"] = torch.where(mask > 0, -penalty.raw_BT.detach(), float("-inf")).max()
-    sums["clamp"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
+    sums["negated_raw_kl_max"] = torch.where(mask > 0, -penalty.raw_BT.detach(), float("-inf")).max()
+    sums["clamped"] = ((ratio_BT.abs() > kl.clamp).float() * mask).sum() if kl.clamp else torch.zeros(())
     if kl.shaping == "clip":
         sums["shaping_clip"] = clip_fraction(penalty.raw_BT, mask, kl.clip_threshold) * mask.sum()
-    return torch.stack((masked[2], masked[4]))
+    return sums, torch.stack((masked[2], masked[4]))

@@ -43,10 +43,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
 from klgrpo.math.registry import Registry
 
 IS_CORRECTIONS = ("in_graph", "detached", "none")
+
+#: ``loss.policy_loss`` name -> surrogate ``fn(logp_BT, old_logp_BT, advantages, mask_BT, eps_low, eps_high,
+#: **guards) -> SurrogateOut``; the guards (delta, dual_clip) reach only a surrogate that takes them (ppo_clip).
+#: Registration order is the order the config lists them in; ppo_clip, the default, first.
+POLICY_LOSSES: Registry = Registry("policy loss")
 
 
 @dataclass
@@ -70,22 +74,26 @@ def _ratio(logp_BT: Tensor, old_logp_BT: Tensor) -> Tensor:
     return torch.exp(logp_BT.to(dtype) - old_logp_BT.to(dtype).detach())
 
 
-def clipped_surrogate(
-    logp_BT: Tensor,
-    old_logp_BT: Tensor,
-    advantages: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    *,
-    delta: float | None = None,
-    dual_clip: float | None = None,
-) -> SurrogateOut:
+def _per_token(advantages: Tensor) -> Tensor:
+    """Advantages [B] broadcast over the tokens as [B, 1]; per-token advantages [B, T] as they are."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
+def clipped_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, eps_low: float = 0.2,
+                      eps_high: float = 0.2, *, delta: float | None = None,
+                      dual_clip: float | None = None) -> SurrogateOut:
     """Per-token PPO loss; ``advantages`` is [B] (broadcast over tokens) or [B, T]. ``ratio_BT`` is the
     uncapped rho (``delta`` caps only the surrogate's unclipped branch)."""
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
     ratio = _ratio(logp_BT, old_logp_BT)
-    return _pessimistic_clip(ratio, ratio, advantages.to(ratio.dtype), eps_low, eps_high, delta, dual_clip)
+    return _pessimistic_clip(ratio, ratio, _per_token(advantages).to(ratio.dtype), eps_low, eps_high, delta,
+                             dual_clip)
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor, eps_low: float = 0.2,
+              eps_high: float = 0.2, *, delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
+    """The registry's form of :func:`clipped_surrogate` (the mask is not needed per token)."""
+    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
 
 
 def _pessimistic_clip(ratio: Tensor, token_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
@@ -103,54 +111,30 @@ def _pessimistic_clip(ratio: Tensor, token_ratio: Tensor, advantages: Tensor, ep
     return SurrogateOut(loss_BT=loss, ratio_BT=token_ratio, clipped_low_BT=low, clipped_high_BT=high)
 
 
-def gspo_surrogate(
-    logp_BT: Tensor,
-    old_logp_BT: Tensor,
-    advantages: Tensor,
-    mask_BT: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-) -> SurrogateOut:
+@POLICY_LOSSES.register("gspo")
+def gspo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
+                   eps_low: float = 0.2, eps_high: float = 0.2) -> SurrogateOut:
     """GSPO-token (module docstring): the PPO clip applied to the sequence ratio s_i, broadcast over tokens."""
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
     dtype = torch.promote_types(_compute_dtype(logp_BT), _compute_dtype(old_logp_BT))
     log_token_ratio = logp_BT.to(dtype) - old_logp_BT.to(dtype).detach()
     mask = mask_BT.to(dtype)
     seq_log_ratio_B1 = (log_token_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
     # value s_i, gradient s_i * grad log pi(y_t): exp(sg(log s_i) + log pi - sg(log pi))
     ratio = torch.exp(seq_log_ratio_B1.detach() + log_token_ratio - log_token_ratio.detach())
-    return _pessimistic_clip(ratio, torch.exp(log_token_ratio), advantages.to(ratio.dtype), eps_low, eps_high)
+    return _pessimistic_clip(ratio, torch.exp(log_token_ratio), _per_token(advantages).to(ratio.dtype), eps_low,
+                             eps_high)
 
 
-def cispo_surrogate(
-    logp_BT: Tensor,
-    old_logp_BT: Tensor,
-    advantages: Tensor,
-    mask_BT: Tensor,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-) -> SurrogateOut:
+@POLICY_LOSSES.register("cispo")
+def cispo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
+                    eps_low: float = 0.2, eps_high: float = 0.2) -> SurrogateOut:
     """CISPO (module docstring): -sg(clip(rho)) A log pi per token."""
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
     ratio = _ratio(logp_BT, old_logp_BT)
     weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
-    loss = -weight * advantages.to(ratio.dtype) * logp_BT.to(ratio.dtype)
+    loss = -weight * _per_token(advantages).to(ratio.dtype) * logp_BT.to(ratio.dtype)
     with torch.no_grad():
         low, high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
     return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
-
-
-def _ppo_clip(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor, eps_low: float = 0.2,
-              eps_high: float = 0.2, *, delta: float | None = None, dual_clip: float | None = None) -> SurrogateOut:
-    return clipped_surrogate(logp_BT, old_logp_BT, advantages, eps_low, eps_high, delta=delta, dual_clip=dual_clip)
-
-
-#: ``loss.policy_loss`` name -> surrogate; the names are POLICY_LOSS_NAMES (the config's choices).
-POLICY_LOSSES: Registry = Registry("policy loss")
-for _name, _fn in zip(POLICY_LOSS_NAMES, (_ppo_clip, gspo_surrogate, cispo_surrogate), strict=True):
-    POLICY_LOSSES.register(_name, _fn)
 
 
 def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) -> Tensor:

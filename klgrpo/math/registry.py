@@ -1,8 +1,17 @@
-"""A tiny name -> object registry that refuses duplicates and lists the valid names on a miss."""
+"""A tiny name -> object registry that refuses duplicates and lists the valid names on a miss.
+
+Every extension point of the math (policy losses, KL estimators, shapings, aggregations, controllers) is one
+registry, filled where the implementation is written::
+
+    @POLICY_LOSSES.register("gspo")
+    def gspo_surrogate(...): ...
+
+The config offers the registered names as a field's choices, so the name is written once, above the code.
+"""
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -18,7 +27,17 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
 
-    def register(self, name: str, item: T) -> T:
+    @overload
+    def register(self, name: str) -> Callable[[T], T]: ...
+
+    @overload
+    def register(self, name: str, item: T) -> T: ...
+
+    def register(self, name, item=None):
+        """Register ``item`` under ``name``; without ``item``, a decorator that registers what it decorates
+        (and returns it unchanged)."""
+        if item is None:
+            return lambda decorated: self.register(name, decorated)
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = item

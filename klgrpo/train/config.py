@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import yaml
 
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
-from klgrpo.core.rollout import GENERATE_CACHES
+from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
@@ -28,35 +27,15 @@ from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
-from klgrpo.math.policy_loss import IS_CORRECTIONS
-from klgrpo.math.policy_loss_names import POLICY_LOSS_NAMES
+from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
+from klgrpo.train.config_fields import Names, coerce
+from klgrpo.train.config_fields import setting as _f  # short: every field below is declared with it
+from klgrpo.train.validation import validate_config
 
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 #: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
 REPLAY_FULL_KL = "full"
-
-
-class Names:
-    """The valid values of a field, read from their sources (tuples or registries) each time they are checked,
-    so a name registered after this module was imported (a new estimator, controller, shaping) is accepted."""
-
-    def __init__(self, *sources: Any):
-        self.sources = sources
-
-    def __iter__(self):
-        for source in self.sources:
-            yield from source
-
-    def __contains__(self, value: object) -> bool:
-        return any(value in source for source in self.sources)
-
-
-def _f(default: Any, help: str, choices: Any = None) -> Any:
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -82,9 +61,9 @@ class ModelConfig:
     device: str = _f("auto", "device: auto picks cuda when present, else cpu")
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
-    fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: sample with klgrpo's KV-cached loop and compute log-probs "
-                               "with each prompt run once per group (same numbers as transformers to float rounding, "
-                               "tested); false: transformers' generate and forward everywhere")
+    fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: compute log-probs with klgrpo's decoder, each prompt run "
+                               "once per group (same numbers as transformers to float rounding, tested), and let "
+                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -110,10 +89,12 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
-    generate_cache: str = _f("dynamic", "dynamic: sample with klgrpo's loop (model.fast_path) or generate's dynamic "
-                                        "cache; static: always transformers' generate with a static cache, compiled "
-                                        "on CUDA (faster on long GPU runs; log-probs keep model.fast_path)",
-                             Names(GENERATE_CACHES))
+    sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
+                              "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
+                              "compiled on CUDA); auto: generate_static on CUDA, else kv_loop where the model allows",
+                      Names((AUTO,), SAMPLERS))
+    generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
+                             Names(("", *LEGACY_GENERATE_CACHES)))
 
 
 @dataclass
@@ -199,7 +180,7 @@ class LossConfig:
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
     policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
                                       "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
-                          POLICY_LOSS_NAMES)
+                          Names(POLICY_LOSSES))
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
 
@@ -307,6 +288,11 @@ class GRPOConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def layered(self, yaml_file: str | Path | None = None, dotted: dict[str, Any] | None = None) -> "GRPOConfig":
+        """This config < the YAML file (when given) < the dotted overrides (when given): the command line's order."""
+        cfg = self.merge_yaml(yaml_file) if yaml_file else self
+        return cfg.override(dotted) if dotted else cfg
+
     def override(self, dotted: dict[str, Any], origin: str = "command line") -> "GRPOConfig":
         """Return a copy with ``{"kl.coef": 0.02, ...}`` applied (values are YAML-parsed strings or objects)."""
         data = self.to_dict()
@@ -329,8 +315,6 @@ class GRPOConfig:
     def validate(self, dataset_given: bool = False) -> list[str]:
         """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones
         (``dataset_given``: the prompts come from Python, data.source may be empty)."""
-        from klgrpo.train.validation import validate_config
-
         return validate_config(self, dataset_given)
 
 
@@ -380,58 +364,6 @@ def _unknown(key: str, origin: str) -> str:
     return f"unknown config field {key!r} in {origin}{hint}"
 
 
-def _coerce(value: Any, typ: Any, path: str, origin: str) -> Any:
-    origin_type = typing.get_origin(typ)
-    if origin_type in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        return None if value is None else _coerce(value, args[0], path, origin)
-    bad = ConfigError(f"{path} in {origin} must be {getattr(typ, '__name__', typ)}, got {value!r}")
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise bad
-        return int(value)
-    if typ is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string: accept scientific notation
-            value = _float_text(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if typ is str:
-        if value is None:
-            return ""
-        if isinstance(value, (dict, list)):
-            raise bad
-        return str(value)
-    if typ is list:
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise bad
-        return value
-    if typ is dict:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise bad
-        return value
-    return value
-
-
-def _float_text(text: str) -> float | str:
-    """``"1e-4"``, ``"5E-6"``, ``"+2.5e3"``, ``".inf"`` -> float; anything else stays text (and is refused)."""
-    cleaned = text.strip().replace("_", "")
-    if cleaned.lower() in (".inf", "+.inf", "-.inf", ".nan"):
-        cleaned = cleaned.replace(".", "")
-    try:
-        return float(cleaned)
-    except ValueError:
-        return text
-
-
 def _build(cls: type, data: dict, prefix: str, origin: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} in {origin} must be a mapping")
@@ -448,7 +380,7 @@ def _build(cls: type, data: dict, prefix: str, origin: str):
         if dataclasses.is_dataclass(typ):
             kwargs[f.name] = _build(typ, data[f.name] or {}, path + ".", origin)
         else:
-            value = _coerce(data[f.name], typ, path, origin)
+            value = coerce(data[f.name], typ, path, origin)
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ConfigError(f"{path} in {origin} is {value!r}; choose one of: {', '.join(choices)}")

@@ -47,10 +47,9 @@ def launched_by_accelerate() -> bool:
 class Engine:
     """Which engine runs (``kind``: single, ddp, fsdp2, deepspeed) and the calls that differ between them."""
 
-    def __init__(self, fast_path: bool = True):
+    def __init__(self):
         self.accelerator = None
         self.kind = "single"
-        self.fast_path = fast_path
         self._ds_engine = None
         if launched_by_accelerate():
             self._start_accelerator()
@@ -98,8 +97,9 @@ class Engine:
     @property
     def fast_path_outside_loss_only(self) -> bool:
         """The loss forward must go through the engine's module (its hooks gather shards or reduce gradients), so
-        klgrpo's fast path, which reads the weights directly, is off there and back on in ``full_weights``.
-        (DDP's wrapper hides the model's attributes, so its forward is the wrapper's anyway.)"""
+        klgrpo's log-prob fast path, which reads the weights directly, is off for it (and for a sharded reference);
+        sampling runs inside ``full_weights``. (DDP's wrapper hides the model, so the capability check
+        ``teacher_forcing_model`` already refuses it.)"""
         return self.shards_parameters or self.kind == "deepspeed"
 
     def check(self, cfg) -> None:
@@ -132,8 +132,6 @@ class Engine:
         sampling, evaluation and checkpoints: FSDP2 shards it in place, DDP and DeepSpeed wrap it."""
         if self.kind == "single":
             return model, optimizer
-        if self.fast_path_outside_loss_only:
-            _set_fast_path(model, False)
         wrapped, optimizer = self.accelerator.prepare(model, optimizer)
         if self.kind == "deepspeed":
             self._ds_engine = wrapped
@@ -147,7 +145,7 @@ class Engine:
         if not self.shards_parameters or not isinstance(reference, FrozenCopyReference):
             return
         model = reference.model
-        _set_fast_path(model, False)
+        reference.fast_path = False  # its forward must run the sharded module's hooks
         if self.kind == "fsdp2":
             from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -210,7 +208,7 @@ class Engine:
         """Every rank enters: inside, ``model`` holds its full weights as ordinary tensors and its forward runs
         no collective, so ranks may sample prompts of different lengths for different numbers of steps (and
         rank 0 alone may evaluate). FSDP2: each FSDP unit unsharded, with resharding after forward off; ZeRO-3:
-        parameters gathered with DeepSpeed's partitioning hooks removed. klgrpo's fast path is back on inside."""
+        parameters gathered with DeepSpeed's partitioning hooks removed, so klgrpo's KV loop may sample."""
         if self.kind == "fsdp2":
             context = _fsdp2_unsharded(model)
         elif self.zero_stage == 3:
@@ -218,14 +216,7 @@ class Engine:
         else:
             context = nullcontext()
         with context:
-            if not self.fast_path_outside_loss_only:
-                yield model
-                return
-            _set_fast_path(model, self.fast_path)
-            try:
-                yield model
-            finally:
-                _set_fast_path(model, False)
+            yield model
 
     # ------------------------------------------------------------------------------------- checkpoints
     def full_state_dict(self, model) -> dict[str, Tensor] | None:
@@ -300,12 +291,6 @@ def _load_sharded_adapter(model, ckpt: Path) -> None:
                           f"base model); resume with the model.lora settings the checkpoint was trained with")
     set_model_state_dict(model, {name: saved[key] for name, key in live.items()},
                          options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def _set_fast_path(model, on: bool) -> None:
-    """model.fast_path for this module (read from the base model under a LoRA wrapper)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.klgrpo_fast_path = on
 
 
 def _full(value):

@@ -14,6 +14,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from klgrpo.core.rewards.builtins import exact_match
 from klgrpo.core.rollout import encode_prompts, eos_token_ids
+from klgrpo.train.metric_names import eval_set
 
 #: reward_fn(prompts, completions, answer=answers) -> one score per completion (klgrpo.core.rewards' signature).
 RewardFn = Callable[..., Sequence[float]]
@@ -127,6 +128,6 @@ def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, flo
     for name, s in bar:
         bar.set_postfix_str(f"{name} ({len(s['prompts'])} prompts)")
         texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
-        results[f"eval/{name}"] = greedy_accuracy(model, tokenizer, texts, s["answers"], max_new,
+        results[eval_set(name)] = greedy_accuracy(model, tokenizer, texts, s["answers"], max_new,
                                                   cfg.eval.batch_size, s["reward_fn"])
     return results

@@ -1,7 +1,7 @@
-"""Metric names and their sinks: metrics.jsonl, TensorBoard (tb/), and a progress bar.
+"""The metrics' sinks: metrics.jsonl, TensorBoard (tb/), and a progress bar.
 
-``GLOSSARY`` is the one list of every name the trainer logs, each with its formula; docs/metrics.md is the
-same list for users. ``MetricsLogger`` writes one row per ``log`` call:
+The names and their glossary live in klgrpo/train/metric_names.py (``GLOSSARY``, re-exported here);
+docs/metrics.md is the same list for users. ``MetricsLogger`` writes one row per ``log`` call:
 
     run_dir/metrics.jsonl   {"step": N, "wall_time": seconds since the run started, "<name>": value, ...}
     run_dir/tb/             TensorBoard scalars under the same names
@@ -28,109 +28,24 @@ from typing import Any, Iterable, Mapping
 from tqdm.auto import tqdm
 
 from klgrpo.errors import KLGRPOError
+from klgrpo.train import metric_names as names
+from klgrpo.train.metric_names import GLOSSARY  # noqa: F401  (re-exported: the glossary's public home)
 from klgrpo.train.trackers import TB_DIR
 
 METRICS_FILE = "metrics.jsonl"
 #: The run summary the trainer writes at the end (read by `klgrpo report`, the demo and the sweep).
 SUMMARY_FILE = "summary.json"
 
-#: Every metric name the trainer logs -> its formula or meaning, in one line. "Per token" means over the
-#: step's completion tokens (the completion mask, EOS included), pooled over all B*G completions.
-#: l = log pi(y_t) - log pi_ref(y_t) is the per-token log-ratio of the sampled token (docs/kl_math.md).
-#: Names with <...> are patterns: one metric per reward function or evaluation set.
-GLOSSARY: dict[str, str] = {
-    # train
-    "train/loss": "the GRPO loss of the step: policy loss + beta * KL loss term, aggregated per loss.aggregation "
-                  "with the global normaliser (summed over micro-batches it equals the full-batch loss); the replay "
-                  "anchor's term is logged apart as train/replay_penalty",
-    "train/policy_loss": "clipped surrogate -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), "
-                         "rho_t = pi(y_t) / pi_old(y_t), aggregated as the loss",
-    "train/kl_penalty": "beta times the KL that entered the objective: the shaped, importance-corrected loss "
-                        "term aggregated as the loss, plus (KL in the reward) beta * mean over completions of "
-                        "the summed per-token KL",
-    "train/reward": "mean over the step's B*G completions of the total reward (weighted sum of the reward functions)",
-    "train/reward_std": "mean over the B prompts of the std of the G total rewards within each group "
-                        "(ddof as the advantages); 0 means no group had a learning signal",
-    "rewards/<function>": "mean over the step's completions of one reward function's unweighted value",
-    "train/advantage_abs": "mean over completions of |A_i|, the group-normalised advantage "
-                           "(before any KL-in-reward term)",
-    "train/replay_penalty": "replay coefficient times the replay KL term that entered the loss "
-                            "(KL to the reference on replay prompts, the retention guard); absent when off",
-    # adaptive_kl
-    "adaptive_kl/raw_kl": "mean per token of the configured estimator's KL value, before shaping",
-    "adaptive_kl/adapted_kl": "mean per token of the KL value after shaping (none/clip/sigmoid/length_normalized)",
-    "adaptive_kl/current_beta": "the beta that multiplied the KL in this step; the controller updates it "
-                                "after the step, so the next row shows the new value",
-    # kl diagnostics
-    "kl/k1": "mean per token of k1 = l (unbiased for KL(pi||ref), either sign)",
-    "kl/k2": "mean per token of k2 = l^2 / 2 (biased, >= 0), on the same tokens as kl/k1",
-    "kl/k3": "mean per token of k3 = exp(-l) + l - 1 (unbiased, >= 0), on the same tokens as kl/k1",
-    "kl/max": "max over the step's completion tokens of k3, with |l| clamped at the k3 guard (default 20): "
-              "the spikes of the heavy-tailed estimator",
-    "kl/min": "min over the step's loss-mask tokens of the configured estimator's per-token KL value (the one "
-              "adaptive_kl/raw_kl averages): negative for k1 (a token the policy makes less likely than the "
-              "reference); for k2, k3, k3_st and full a negative value means a bug",
-    "logp/policy_mean": "mean per loss-mask token of log pi(y_t), the policy's log-prob of the sampled token "
-                        "(at the sampling temperature, with the weights of the update)",
-    "logp/reference_mean": "mean per loss-mask token of log pi_ref(y_t) on the same tokens: "
-                           "logp/policy_mean - logp/reference_mean = kl/k1",
-    "kl/clamp_frac": "fraction of completion tokens whose |l| exceeded the k3 guard (clamped; no KL gradient there)",
-    "kl/shaping_clip_frac": "fraction of completion tokens whose KL exceeded kl_clip_threshold under the clip "
-                            "shaping (zero KL gradient there); 0 for other shapings",
-    "kl/sequence_sum": "mean over completions of sum_t l_t (summed k1): the sequence KL estimate, "
-                       "Ziegler's controller input",
-    "kl/log_ratio_p50": "median over the step's loss-mask tokens of l (linear interpolation, as torch.quantile); "
-                        "kl/log_ratio_p90 and kl/log_ratio_p99 the 90th and 99th percentiles",
-    "kl/log_ratio_p90": "90th percentile over the step's loss-mask tokens of l",
-    "kl/log_ratio_p99": "99th percentile over the step's loss-mask tokens of l: where a few tokens run off",
-    "kl/k3_p50": "median over the step's loss-mask tokens of k3 = exp(-l) + l - 1 (|l| clamped at the k3 guard)",
-    "kl/k3_p90": "90th percentile over the step's loss-mask tokens of k3",
-    "kl/k3_p99": "99th percentile over the step's loss-mask tokens of k3: with kl/max, the heavy tail of the KL",
-    "kl/loss_share": "|beta * KL loss term| / (P + |beta * KL loss term|), in [0, 1], P = the per-token |policy "
-                     "loss| aggregated as the loss: how much of the loss's magnitude the KL is; logged when the KL "
-                     "is in the loss with beta > 0",
-    "train/replay_share": "|train/replay_penalty| / (|train/loss| + |train/replay_penalty|), in [0, 1] (0 when "
-                          "both are 0): the anchor's share of the objective's magnitude",
-    "kl/replay": "mean per token of the configured estimator's KL value on the replay prompts' completions",
-    # completions
-    "completions/mean_length": "mean over the step's completions of the completion length in tokens (EOS included)",
-    "completions/max_length": "longest completion of the step, in tokens",
-    "completions/clipped_ratio": "fraction of completions cut at max_new_tokens without an EOS",
-    # clipping
-    "clip_ratio": "fraction of completion tokens where the PPO clip was active: clip_ratio/low + clip_ratio/high",
-    "clip_ratio/low": "fraction of completion tokens with A < 0 and rho_t < 1 - eps_low",
-    "clip_ratio/high": "fraction of completion tokens with A > 0 and rho_t > 1 + eps_high",
-    # optimisation
-    "entropy": "mean per token of the policy's next-token entropy -sum_v pi(v) log pi(v) (nats, at the "
-               "sampling temperature)",
-    "grad_norm": "global L2 norm of the gradient over the trainable parameters, before clipping",
-    "lr": "learning rate of this optimizer step",
-    "train/skipped_steps": "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "
-                           "optimizer, scheduler and KL controller did not move on them); the run stops after "
-                           "train.max_skipped_steps in a row",
-    # timing
-    "time/generate": "wall seconds spent sampling the step's completions",
-    "time/reward": "wall seconds spent in the reward functions",
-    "time/reference": "wall seconds spent computing the reference log-probs",
-    "time/replay": "wall seconds of the replay anchor's forward/backward",
-    "time/update": "wall seconds of the policy forward/backward passes and optimizer step(s)",
-    "time/step": "wall seconds of the whole step, from sampling to logging",
-    # eval
-    "eval/<name>": "greedy accuracy (fraction correct, 0..1) on the named evaluation or retention set, "
-                   "logged at evaluation steps only",
-}
-
 #: Progress-bar labels for the summary keys; other keys show their last path component.
 SHORT_LABELS = {
-    "train/reward": "reward",
-    "adaptive_kl/raw_kl": "kl",
-    "adaptive_kl/current_beta": "beta",
-    "completions/mean_length": "len",
-    "time/step": "s/step",
+    names.REWARD: "reward",
+    names.RAW_KL: "kl",
+    names.BETA: "beta",
+    names.MEAN_LENGTH: "len",
+    names.TIME_STEP: "s/step",
 }
 
-DEFAULT_SUMMARY_KEYS = ("train/reward", "adaptive_kl/raw_kl", "adaptive_kl/current_beta",
-                        "completions/mean_length", "time/step")
+DEFAULT_SUMMARY_KEYS = tuple(SHORT_LABELS)
 
 _RESERVED = ("step", "wall_time")
 _NONFINITE_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -210,13 +125,13 @@ class MetricsLogger:
         self._file = self.path.open("a", encoding="utf-8")
 
         # The trackers (accelerate's): report_to, or TensorBoard alone; logging.tensorboard false drops TensorBoard.
-        names = [n for n in (report_to if report_to is not None else ["tensorboard"])
-                 if n != "tensorboard" or tensorboard]
+        wanted = [n for n in (report_to if report_to is not None else ["tensorboard"])
+                  if n != "tensorboard" or tensorboard]
         self._trackers = None
-        if names:
+        if wanted:
             from klgrpo.train.trackers import RunTrackers
 
-            self._trackers = RunTrackers(names, self.run_dir, project, config, start_step)
+            self._trackers = RunTrackers(wanted, self.run_dir, project, config, start_step)
 
         self._bar = None
         if progress:
@@ -271,7 +186,7 @@ class MetricsLogger:
         tqdm.write(str(text))
 
     def text(self, name: str, text: str, step: int) -> None:
-        """A text entry at ``step`` (TensorBoard's Text tab), e.g. a warning sign."""
+        """A text entry at ``step`` for the trackers (TensorBoard's Text tab), e.g. a warning sign."""
         if self._trackers is not None:
             self._trackers.text(name, str(text), int(step))
 

@@ -40,12 +40,14 @@ import torch
 from torch import Tensor
 
 from klgrpo.core.data import PromptSampler, load_prompts
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, warn
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
+from klgrpo.backends.samplers import choose_sampler
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
 from klgrpo.train.state_io import StateFileError, load_state, save_state
+from klgrpo.train import metric_names as m
 from klgrpo.train.validation import validate_replay
 
 CACHE_STEM = "replay_cache"
@@ -142,9 +144,9 @@ class ReplayAnchor:
         if r.estimator != "full":
             target = ESTIMATORS[r.estimator].gradient_target("loss", "off_policy_in_graph", level="token")
             if target != "reverse":
-                log(f"warning: kl.replay.estimator={r.estimator} on reference samples (importance weight in the "
-                    f"graph) has an expected gradient that follows {target!r}, not the reverse KL; use 'full', "
-                    f"k1 or k3")
+                warn(f"kl.replay.estimator={r.estimator} on reference samples (importance weight in the "
+                     f"graph) has an expected gradient that follows {target!r}, not the reverse KL; use 'full', "
+                     f"k1 or k3")
         return cls(cache, coef=r.coef, estimator=r.estimator, batch_size=r.batch_size, seed=cfg.train.seed,
                    micro_batch_size=cfg.train.micro_batch_size, log_ratio_clamp=cfg.kl.log_ratio_clamp,
                    reference=reference)
@@ -197,10 +199,10 @@ class ReplayAnchor:
         if main_loss is not None:
             values.append(replay_share(self.coef * kl, torch.as_tensor(main_loss, device=kl.device)))
         floats = torch.stack([v.float().reshape(()) for v in values]).cpu().tolist()
-        out = {"kl/replay": floats[0], "train/replay_penalty": floats[1]}
+        out = {m.KL_REPLAY: floats[0], m.REPLAY_PENALTY: floats[1]}
         if main_loss is not None:
-            out["train/replay_share"] = floats[2]
-        out["time/replay"] = time.perf_counter() - t0
+            out[m.REPLAY_SHARE] = floats[2]
+        out[m.TIME_REPLAY] = time.perf_counter() - t0
         return out
 
     # --------------------------------------------------------------------------------------- checkpoint
@@ -278,7 +280,9 @@ def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: 
         torch.manual_seed(int(cfg.train.seed) + 7919)
         params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],
                                 temperature=r.temperature, system_prompt=cfg.data.system_prompt,
-                                as_chat=meta["as_chat"])
+                                as_chat=meta["as_chat"],
+                                sampler=choose_sampler(cfg.rollout.sampler, sampler, cfg.model.fast_path,
+                                                       cfg.rollout.generate_cache))
         parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], params)
                  for s in range(0, len(prompts), chunk)]
     input_ids, attention_mask, completion_mask, prompt_len = _merge(parts, tokenizer.pad_token_id)

@@ -18,16 +18,17 @@ import os
 from pathlib import Path
 
 from klgrpo.train.metrics import SUMMARY_FILE, read_metrics
+from klgrpo.train import metric_names as m
 
 PLOTS_DIR = "plots"
 
 #: The rows of the summary table, in order (eval/<name> keys follow them); absent keys are left out.
 TABLE_KEYS = (
-    "train/reward", "train/reward_std", "train/loss", "train/policy_loss", "train/kl_penalty",
-    "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
-    "kl/k1", "kl/k2", "kl/k3", "kl/max", "kl/clamp_frac", "kl/sequence_sum", "kl/replay",
-    "completions/mean_length", "completions/clipped_ratio", "clip_ratio", "entropy", "grad_norm",
-    "time/step",
+    m.REWARD, m.REWARD_STD, m.LOSS, m.POLICY_LOSS, m.KL_PENALTY,
+    m.RAW_KL, m.ADAPTED_KL, m.BETA,
+    m.KL_K1, m.KL_K2, m.KL_K3, m.KL_MAX, m.KL_CLAMP_FRAC, m.KL_SEQUENCE_SUM, m.KL_REPLAY,
+    m.MEAN_LENGTH, m.TRUNCATED_RATIO, m.CLIP_RATIO, m.ENTROPY, m.GRAD_NORM,
+    m.TIME_STEP,
 )
 
 Series = tuple[list[int], list[float]]
@@ -107,15 +108,15 @@ def _new_figure(nrows: int = 1):
 
 
 def _reward_plot(rows, keys, kl_target=None):
-    evals = sorted(k for k in keys if k.startswith("eval/"))
-    per_function = sorted(k for k in keys if k.startswith("rewards/"))
-    if "train/reward" not in keys and not evals:
+    evals = sorted(k for k in keys if k.startswith(m.EVAL_PREFIX))
+    per_function = sorted(k for k in keys if k.startswith(m.REWARD_PREFIX))
+    if m.REWARD not in keys and not evals:
         return None
-    panels = ("train/reward" in keys) + bool(evals)
+    panels = (m.REWARD in keys) + bool(evals)
     fig, axes = _new_figure(panels)
-    if "train/reward" in keys:
+    if m.REWARD in keys:
         ax = axes[0]
-        _plot_line(ax, _series(rows, "train/reward"), "train/reward", smooth=True)
+        _plot_line(ax, _series(rows, m.REWARD), m.REWARD, smooth=True)
         if len(per_function) > 1:
             for k in per_function:
                 _plot_line(ax, _series(rows, k), k, smooth=True, linestyle="--")
@@ -132,17 +133,17 @@ def _reward_plot(rows, keys, kl_target=None):
 #: k3_st), so no curve may hide another: raw is a wide translucent band, adapted a thin dashed line on it, and
 #: the monitors get a panel of their own with a line style each.
 _KL_STYLES = {
-    "adaptive_kl/raw_kl": {"linewidth": 6, "alpha": 0.35, "zorder": 2},
-    "adaptive_kl/adapted_kl": {"linewidth": 1.5, "linestyle": "--", "zorder": 3},
-    "kl/k1": {"linewidth": 5, "alpha": 0.35, "zorder": 2},
-    "kl/k2": {"linewidth": 2, "linestyle": "--", "zorder": 3},
-    "kl/k3": {"linewidth": 1.5, "linestyle": ":", "zorder": 4},
+    m.RAW_KL: {"linewidth": 6, "alpha": 0.35, "zorder": 2},
+    m.ADAPTED_KL: {"linewidth": 1.5, "linestyle": "--", "zorder": 3},
+    m.KL_K1: {"linewidth": 5, "alpha": 0.35, "zorder": 2},
+    m.KL_K2: {"linewidth": 2, "linestyle": "--", "zorder": 3},
+    m.KL_K3: {"linewidth": 1.5, "linestyle": ":", "zorder": 4},
 }
 
 
 def _kl_plot(rows, keys, kl_target=None):
-    panels = [[k for k in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl") if k in keys],
-              [k for k in ("kl/k1", "kl/k2", "kl/k3") if k in keys]]
+    panels = [[k for k in (m.RAW_KL, m.ADAPTED_KL) if k in keys],
+              [k for k in (m.KL_K1, m.KL_K2, m.KL_K3) if k in keys]]
     panels = [p for p in panels if p]
     if not panels:
         return None
@@ -151,7 +152,7 @@ def _kl_plot(rows, keys, kl_target=None):
         for k in names:
             _plot_line(ax, _series(rows, k), k, smooth=True, **_KL_STYLES[k])
         ax.axhline(0.0, color="grey", linewidth=0.8)
-        monitors = names[0].startswith("kl/")
+        monitors = names[0] in (m.KL_K1, m.KL_K2, m.KL_K3)
         if kl_target is not None and not monitors:  # the controller steers adaptive_kl/raw_kl
             ax.axhline(kl_target, color="black", linestyle="--", linewidth=1.0,
                        label=f"controller target {kl_target:g}")
@@ -161,27 +162,27 @@ def _kl_plot(rows, keys, kl_target=None):
 
 
 def _beta_plot(rows, keys, kl_target=None):
-    if "adaptive_kl/current_beta" not in keys:
+    if m.BETA not in keys:
         return None
     fig, (ax,) = _new_figure()
-    _plot_line(ax, _series(rows, "adaptive_kl/current_beta"), "adaptive_kl/current_beta")
+    _plot_line(ax, _series(rows, m.BETA), m.BETA)
     _finish(ax, "KL coefficient beta", "beta")
     return fig
 
 
 def _length_plot(rows, keys, kl_target=None):
-    has_len = "completions/mean_length" in keys
-    has_clip = "completions/clipped_ratio" in keys
+    has_len = m.MEAN_LENGTH in keys
+    has_clip = m.TRUNCATED_RATIO in keys
     if not (has_len or has_clip):
         return None
     fig, axes = _new_figure(has_len + has_clip)
     if has_len:
-        _plot_line(axes[0], _series(rows, "completions/mean_length"), "completions/mean_length", smooth=True)
-        if "completions/max_length" in keys:
-            _plot_line(axes[0], _series(rows, "completions/max_length"), "completions/max_length", linestyle="--")
+        _plot_line(axes[0], _series(rows, m.MEAN_LENGTH), m.MEAN_LENGTH, smooth=True)
+        if m.MAX_LENGTH in keys:
+            _plot_line(axes[0], _series(rows, m.MAX_LENGTH), m.MAX_LENGTH, linestyle="--")
         _finish(axes[0], "Completion length", "tokens")
     if has_clip:
-        _plot_line(axes[-1], _series(rows, "completions/clipped_ratio"), "completions/clipped_ratio", smooth=True)
+        _plot_line(axes[-1], _series(rows, m.TRUNCATED_RATIO), m.TRUNCATED_RATIO, smooth=True)
         axes[-1].set_ylim(-0.02, 1.02)
         _finish(axes[-1], "Completions cut at max_new_tokens", "fraction")
     return fig
@@ -238,7 +239,7 @@ def summary_table(run_dir: str | os.PathLike) -> str:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     keys = _keys(rows)
-    chosen = [k for k in TABLE_KEYS if k in keys] + sorted(k for k in keys if k.startswith("eval/"))
+    chosen = [k for k in TABLE_KEYS if k in keys] + sorted(k for k in keys if k.startswith(m.EVAL_PREFIX))
     header = ("metric", "n", "first", "last", "min", "max", "last10%")
     table = [header]
     notes = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from klgrpo.errors import ConfigError, KLGRPOError, first_line
+from klgrpo.errors import ConfigError, KLGRPOError, first_line, warn
 from klgrpo.train.checkpoint import load_trainer_state, resume_candidates
 
 
@@ -31,10 +31,10 @@ def load_resumable_checkpoint(trainer, resume: str) -> tuple[Path, dict[str, Any
         except KLGRPOError as exc:
             failures.append(str(exc))
             if len(candidates) > 1:
-                trainer.log(f"warning: checkpoint {ckpt.name} cannot be loaded: {exc}")
+                warn(f"checkpoint {ckpt.name} cannot be loaded: {exc}")
             continue
         if failures:
-            trainer.log(f"warning: resuming from {ckpt} instead (the newest checkpoint that loads)")
+            warn(f"resuming from {ckpt} instead (the newest checkpoint that loads)")
         return ckpt, state
     if len(candidates) == 1:
         raise CheckpointLoadError(f"cannot resume: {failures[0]}; pass --resume an intact checkpoint folder")

@@ -32,7 +32,7 @@ from typing import Callable
 
 import yaml
 
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, warn
 from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
@@ -191,7 +191,7 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
         log(f"removed {len(removed)} incomplete checkpoint folder(s) left by an interrupted save or prune: "
             f"{', '.join(p.name for p in removed)}")
     for w in warnings:
-        log(f"warning: {w}")
+        warn(w)
     config = run_dir / CONFIG_FILE
     text = cfg.to_yaml()
     if not resume or not config.exists():

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from klgrpo.train.distributed import Distributed
-from klgrpo.math.kl_control import KLObservation
 from klgrpo.core.batch import StepBatch
+from klgrpo.math.kl_control import KLObservation
+from klgrpo.math.objective import ObjectiveSums
+from klgrpo.train import metric_names as m
+from klgrpo.train.distributed import Distributed
+from klgrpo.train.metric_names import PERCENTILE_NAMES, PERCENTILES  # noqa: F401  (re-exported)
 
 
-def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor, grad_norm, beta: float, lr: float,
-                 timings: dict[str, float], dist: Distributed, device) -> tuple[dict[str, float], KLObservation]:
+@dataclass
+class StepSums:
+    """What one rank's micro-batches of an update add up to (trainer.accumulate_gradients)."""
+
+    loss: Tensor                                 # the backpropagated loss, summed over micro-batches
+    entropy: Tensor                              # per-token entropy summed over the completion tokens
+    objective: ObjectiveSums                     # the built-in objective's sums (it runs beside a custom loss too)
+    custom: dict[str, Tensor] = field(default_factory=dict)  # a custom loss's metrics, summed over micro-batches
+    token_kl: Tensor | None = None               # [2, B, T]: l and k3 per token, for the percentiles
+    logp_policy: Tensor | None = None            # the policy's log-probs summed over the loss-mask tokens
+
+
+def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: float, timings: dict[str, float],
+                 dist: Distributed, device) -> tuple[dict[str, float], KLObservation]:
     """Reduce this rank's sums across ranks, then one host sync turns every metric into a float.
 
     Returns the metrics by name and the KL controller's observation (the same numbers, typed).
@@ -23,71 +39,71 @@ def step_metrics(batch: StepBatch, sums: dict, maxes: dict, entropy_sum: Tensor,
     """
     rollout, g = batch.rollout, batch.rollout.group_size
     lengths = rollout.completion_mask.sum(-1).float()
-    local = dict(sums)
-    token_kl = local.pop("token_kl", None)
-    quantiles = (kl_percentiles(token_kl, batch.loss_mask, int(batch.normalizer.max_len), dist)
-                 if token_kl is not None else torch.zeros(0, device=device))
-    local.update({
-        "entropy": entropy_sum, "completion_tokens": lengths.sum(), "truncated": rollout.truncated.float().sum(),
-        "reward": batch.rewards.sum(), "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
-        "advantage_abs": batch.advantages.abs().sum(),
-    })
-    if batch.ref_logp is not None:  # logp/reference_mean; the policy's sum comes with the micro-batches' sums
-        local["logp_reference"] = (batch.ref_logp.float() * batch.loss_mask).sum()
-    for name, values in batch.reward_columns.items():
-        local[f"rewards/{name}"] = values.to(device).float().sum()
-    local_max = dict(maxes, length=lengths.max())
-    keys, max_keys = sorted(local), sorted(local_max)
-    total = dist.sum(torch.stack([torch.as_tensor(local[k], dtype=torch.float32, device=device)
-                                       .reshape(()) for k in keys]))
-    peak = dist.max(torch.stack([local_max[k].float().reshape(()) for k in max_keys]))
+    quantiles = (kl_percentiles(sums.token_kl, batch.loss_mask, int(batch.normalizer.max_len), dist)
+                 if sums.token_kl is not None else torch.zeros(0, device=device))
+    objective = sums.objective.present()
+    peaks = {"length": lengths.max(), **{k: objective.pop(k) for k in ObjectiveSums.MAXIMA if k in objective}}
+    step = {"loss": sums.loss, "entropy": sums.entropy, "completion_tokens": lengths.sum(),
+            "truncated": rollout.truncated.float().sum(), "reward": batch.rewards.sum(),
+            "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
+            "advantage_abs": batch.advantages.abs().sum()}
+    if sums.logp_policy is not None:
+        step["logp_policy"] = sums.logp_policy
+    if batch.ref_logp is not None:  # logp/reference_mean
+        step["logp_reference"] = (batch.ref_logp.float() * batch.loss_mask).sum()
+    rewards = {name: values.to(device).float().sum() for name, values in batch.reward_columns.items()}
+    summed = [*objective.values(), *step.values(), *rewards.values()]
+    total = dist.sum(torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                                  for v in summed]))
+    peak = dist.max(torch.stack([v.float().reshape(()) for v in peaks.values()]))
     floats = torch.cat([total, peak, quantiles.to(total.device, torch.float32)]).tolist()  # the one host sync
-    values = dict(zip(keys, floats))
-    values.update({f"max/{k}": v for k, v in zip(max_keys, floats[len(keys):])})
-    percentiles = dict(zip(PERCENTILE_NAMES, floats[len(keys) + len(max_keys):]))
+    floats_iter = iter(floats)
+    obj_f = ObjectiveSums(**{k: next(floats_iter) for k in objective})
+    st = {k: next(floats_iter) for k in step}
+    reward_f = {k: next(floats_iter) for k in rewards}
+    peak_f = {k: next(floats_iter) for k in peaks}
+    obj_f.k3_max, obj_f.negated_raw_kl_max = peak_f.get("k3_max"), peak_f.get("negated_raw_kl_max")
+    percentiles = dict(zip(PERCENTILE_NAMES, floats_iter))
     n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
     n_tok_safe = max(n_tok, 1.0)
     metrics = {
-        "train/loss": values["loss"], "train/policy_loss": values["policy_loss"],
-        "train/reward": values["reward"] / n_seq, "train/reward_std": values["reward_group_std"] / (n_seq / g),
-        "train/advantage_abs": values["advantage_abs"] / n_seq,
-        "completions/mean_length": values["completion_tokens"] / n_seq, "completions/max_length": values["max/length"],
-        "completions/clipped_ratio": values["truncated"] / n_seq,
-        "clip_ratio/low": values["clip_low"] / n_tok_safe, "clip_ratio/high": values["clip_high"] / n_tok_safe,
-        "clip_ratio": (values["clip_low"] + values["clip_high"]) / n_tok_safe,
-        "entropy": values["entropy"] / max(values["completion_tokens"], 1.0), "grad_norm": float(grad_norm),
+        m.LOSS: st["loss"], m.POLICY_LOSS: obj_f.policy_loss,
+        m.REWARD: st["reward"] / n_seq, m.REWARD_STD: st["reward_group_std"] / (n_seq / g),
+        m.ADVANTAGE_ABS: st["advantage_abs"] / n_seq,
+        m.MEAN_LENGTH: st["completion_tokens"] / n_seq, m.MAX_LENGTH: peak_f["length"],
+        m.TRUNCATED_RATIO: st["truncated"] / n_seq,
+        m.CLIP_RATIO_LOW: obj_f.clip_low / n_tok_safe, m.CLIP_RATIO_HIGH: obj_f.clip_high / n_tok_safe,
+        m.CLIP_RATIO: (obj_f.clip_low + obj_f.clip_high) / n_tok_safe,
+        m.ENTROPY: st["entropy"] / max(st["completion_tokens"], 1.0), m.GRAD_NORM: float(grad_norm),
     }
-    metrics.update({k: v / n_seq for k, v in values.items() if k.startswith("rewards/")})
-    if "logp_policy" in values:
-        metrics["logp/policy_mean"] = values["logp_policy"] / n_tok_safe
-    if batch.ref_logp is not None:
+    metrics.update({m.reward_function(name): v / n_seq for name, v in reward_f.items()})
+    if "logp_policy" in st:
+        metrics[m.LOGP_POLICY_MEAN] = st["logp_policy"] / n_tok_safe
+    has_kl = batch.ref_logp is not None
+    if has_kl:
         metrics.update({
-            "train/kl_penalty": values.get("loss_kl_penalty", 0.0) + values.get("reward_kl_penalty", 0.0) / n_seq,
-            "adaptive_kl/raw_kl": values["raw_kl"] / n_tok_safe,
-            "adaptive_kl/adapted_kl": values["adapted_kl"] / n_tok_safe,
-            "kl/k1": values["k1"] / n_tok_safe, "kl/k2": values["k2"] / n_tok_safe, "kl/k3": values["k3"] / n_tok_safe,
-            "kl/max": values["max/k3"], "kl/clamp_frac": values["clamp"] / n_tok_safe,
-            "kl/min": -values["max/negated_raw_kl"] if math.isfinite(values["max/negated_raw_kl"]) else 0.0,
-            "logp/reference_mean": values["logp_reference"] / n_tok_safe,
-            "kl/sequence_sum": values["k1"] / n_seq,
+            m.KL_PENALTY: (obj_f.loss_kl_penalty or 0.0) + (obj_f.reward_kl_penalty or 0.0) / n_seq,
+            m.RAW_KL: obj_f.raw_kl / n_tok_safe, m.ADAPTED_KL: obj_f.adapted_kl / n_tok_safe,
+            m.KL_K1: obj_f.k1 / n_tok_safe, m.KL_K2: obj_f.k2 / n_tok_safe, m.KL_K3: obj_f.k3 / n_tok_safe,
+            m.KL_MAX: obj_f.k3_max, m.KL_CLAMP_FRAC: obj_f.clamped / n_tok_safe,
+            m.KL_MIN: (-obj_f.negated_raw_kl_max if obj_f.negated_raw_kl_max is not None
+                       and math.isfinite(obj_f.negated_raw_kl_max) else 0.0),
+            m.LOGP_REFERENCE_MEAN: st["logp_reference"] / n_tok_safe,
+            m.KL_SEQUENCE_SUM: obj_f.k1 / n_seq,
         })
         metrics.update(percentiles)
-        if "loss_kl_penalty" in values:
-            metrics["kl/loss_share"] = loss_share(values["loss_kl_penalty"], values["policy_abs"])
-        if "shaping_clip" in values:
-            metrics["kl/shaping_clip_frac"] = values["shaping_clip"] / n_tok_safe
-    metrics["adaptive_kl/current_beta"] = beta
-    metrics["lr"] = lr
+        if obj_f.loss_kl_penalty is not None:
+            metrics[m.KL_LOSS_SHARE] = loss_share(obj_f.loss_kl_penalty, obj_f.policy_abs)
+        if obj_f.shaping_clip is not None:
+            metrics[m.KL_SHAPING_CLIP_FRAC] = obj_f.shaping_clip / n_tok_safe
+    metrics[m.BETA] = beta
+    metrics[m.LR] = lr
     metrics.update(timings)
-    observation = KLObservation(token_mean=values.get("raw_kl", 0.0) / n_tok_safe,
-                                sequence_sum=values.get("k1", 0.0) / n_seq, n_sequences=rollout.size,
-                                reward=values["reward"] / n_seq)
+    # Without a reference the controller sees no KL (0): beta stays where the controller's rule puts it.
+    observation = KLObservation(token_mean=obj_f.raw_kl / n_tok_safe if has_kl else 0.0,
+                                sequence_sum=obj_f.k1 / n_seq if has_kl else 0.0, n_sequences=rollout.size,
+                                reward=st["reward"] / n_seq)
     return metrics, observation
-
-
-#: The per-token KL percentiles logged each step (p50 / p90 / p99 of l and of k3 over the loss-mask tokens).
-PERCENTILES = (0.5, 0.9, 0.99)
-PERCENTILE_NAMES = tuple(f"kl/{what}_p{round(100 * q)}" for what in ("log_ratio", "k3") for q in PERCENTILES)
 
 
 def masked_quantiles(values_KNT: Tensor, mask_NT: Tensor, qs: tuple[float, ...]) -> Tensor:

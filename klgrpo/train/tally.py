@@ -6,6 +6,8 @@ the summary reads only the last row and the mean step time.
 
 from __future__ import annotations
 
+from klgrpo.train.metric_names import TIME_STEP
+
 
 class StepTally:
     """``add(row)`` per step; ``last`` is the latest row, ``mean(name)`` the mean of a metric over the steps."""
@@ -17,7 +19,7 @@ class StepTally:
 
     def append(self, row: dict[str, float]) -> None:
         self.last = dict(row)
-        for name in ("time/step",):
+        for name in (TIME_STEP,):
             if name in row:
                 self._sums[name] = self._sums.get(name, 0.0) + float(row[name])
                 self._counts[name] = self._counts.get(name, 0) + 1

@@ -4,35 +4,35 @@
             --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
 
 A "step" is one optimizer update (TRL's convention): a batch of prompts_per_step x group_size completions
-is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between.
+is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between. What the trainer is
+built from (policy, reference, optimizer) is in train/building.py, the run around the steps (lock, evaluation,
+logging, stop rules, checkpoints, summary) in train/loop.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import random
-import signal
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from klgrpo.train.building import (build_optimizer, build_reference, load_policy, make_scheduler, run_dir_for,
+                                   seed_everything)
 from klgrpo.train.checkpoint import rng_state, save_checkpoint, set_rng_state
-from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
+from klgrpo.train.config import GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, warn
 from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.kl_control import KLObservation, build_controller
+from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
-from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+from klgrpo.backends.hf import default_cache_root, resolve_device
+from klgrpo.backends.samplers import AUTO, choose_sampler, enable_compile_cache
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.math.full_kl import FULL_KL
@@ -41,27 +41,15 @@ from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
 from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.core.batch import StepBatch
-from klgrpo.train.step_metrics import step_metrics
+from klgrpo.train import metric_names as names
+from klgrpo.train.step_metrics import StepSums, step_metrics
 from klgrpo.train.timing import phase_timer as _timed
-from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
+from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.kl_watch import KLWatch
+from klgrpo.train.loop import run_training
 from klgrpo.train.resume import load_resumable_checkpoint
-from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
 from klgrpo.train.state_io import to_device
-from klgrpo.train.tally import StepTally
-
-
-def _controller_params(cfg: GRPOConfig) -> dict[str, Any]:
-    k = cfg.kl
-    by_name = {
-        "fixed": {},
-        "adaptive": {"target": k.target, "horizon": k.horizon},
-        "step": {"target": k.target},
-        "dual": {"target": k.target, "lr": k.dual_lr, "beta_min": k.beta_min, "beta_max": k.beta_max},
-        "dynamic": {"reward_threshold": k.reward_threshold, "decay": k.decay, "beta_min": k.beta_min,
-                    "schedule_steps": k.schedule_steps},
-    }
-    return {**by_name[k.controller], "kl_measure": k.kl_measure}
+from klgrpo.train.terms import build_kl_controller, kl_term, policy_term
 
 
 class GRPOTrainer:
@@ -76,33 +64,34 @@ class GRPOTrainer:
         self.log = log
         self.warnings = config.validate(dataset_given=train_dataset is not None)
         for w in self.warnings:
-            log(f"warning: {w}")
+            warn(w)
         cfg = config
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.dist = Distributed()
-        self.engine = Engine(cfg.model.fast_path)  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
+        self.engine = Engine()  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
         self.engine.check(cfg)
         if cfg.rollout.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                               f"{self.dist.world_size} processes, so every prompt's group stays on one process")
-        _seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
+        seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
         self.device = resolve_device(cfg.model.device)
         if self.dist.device is not None and cfg.model.device == "auto":
             self.device = self.dist.device
-        self.tokenizer, self.model = self._load_policy(model, tokenizer)
+        self.tokenizer, self.model = load_policy(cfg, self.device, log if self.dist.is_main else None, model,
+                                                 tokenizer)
         self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
         self.loss_fn = resolve_loss_function(  # None: the built-in objective
-            cfg.loss.function, loss_fn, warn=(lambda w: log(f"warning: {w}")) if self.dist.is_main else None)
+            cfg.loss.function, loss_fn, warn=warn if self.dist.is_main else None)
         self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
         self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
                                 or cfg.kl.replay.coef > 0)
         if self.needs_reference and self.dist.is_main:
             log("building the reference model")
-        self.reference = self._build_reference() if self.needs_reference else None
+        self.reference = build_reference(cfg, self.model, self.device) if self.needs_reference else None
         # What the loss's forward runs: the policy, or with train.compile its compiled wrapper (same weights);
         # sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
@@ -110,12 +99,12 @@ class GRPOTrainer:
             self.train_forward = torch.compile(self.model)
             if isinstance(self.reference, FrozenCopyReference):
                 self.reference.compile()
-        self.controller = build_controller(cfg.kl.controller, cfg.kl.coef, **_controller_params(cfg))
-        self.optimizer = self._build_optimizer()
-        self.scheduler = _make_scheduler(self.optimizer, cfg)
+        self.controller = build_kl_controller(cfg.kl)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
         self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
                                      shuffle=cfg.data.shuffle)
-        self.run_dir = Path(self.dist.gather_objects(str(_run_dir(cfg)))[0])  # rank 0's name (it has a timestamp)
+        self.run_dir = Path(self.dist.gather_objects(str(run_dir_for(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.replay = None
         # One process: rank 0 alone adds the anchor's gradient. Under an engine every rank computes the same anchor
         # loss (a sharded model needs every rank in its forward) and its gradient is taken once.
@@ -126,6 +115,8 @@ class GRPOTrainer:
         if self.engine.kind != "single":
             self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
             self.engine.prepare_reference(self.reference)
+        self.loss_fast_path = cfg.model.fast_path and not self.engine.fast_path_outside_loss_only
+        self.rollout_sampler = self._choose_sampler()
         self.step = 0
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
@@ -134,58 +125,21 @@ class GRPOTrainer:
         self._eval_before: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _load_policy(self, model=None, tokenizer=None):
-        """(tokenizer, policy): given or loaded (folder, hub name or GGUF file), dropout off, LoRA-wrapped and
-        gradient-checkpointed as configured, in train mode."""
-        cfg = self.cfg
-        dtype = resolve_dtype(cfg.model.dtype, self.device)
-        if model is None and self.dist.is_main:
-            self.log(f"loading {cfg.model.name_or_path} ({dtype}, {self.device})")
-        own_tokenizer = bool(cfg.model.tokenizer)
-        tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
-                                                cfg.model.trust_remote_code,
-                                                gguf_file="" if own_tokenizer else cfg.model.gguf_file,
-                                                field="model.tokenizer" if own_tokenizer else "model.name_or_path")
-        model = model.to(self.device) if model is not None else load_causal_lm(
-            cfg.model.name_or_path, cfg.model, self.device, dtype, gguf_file=cfg.model.gguf_file)
-        _disable_dropout(model)
-        model.klgrpo_fast_path = cfg.model.fast_path  # read by the sampling loop and completion_logprobs
-        if cfg.model.lora.r > 0:
-            from klgrpo.backends.lora import apply_lora
-
-            model = apply_lora(model, cfg.model.lora)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        model.train()
-        return tokenizer, model
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        o = self.cfg.optim
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        # One fused kernel over all parameters instead of a loop of small ops per tensor (0.45 ms of a 38 ms step
-        # for the demo-size model on the CPU); its rounding differs from the loop's by at most an ulp or so.
-        fused = self.device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in trainable)
-        return torch.optim.AdamW(trainable, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-                                 fused=fused or None)
-
-    def _build_reference(self):
-        ref_path = self.cfg.kl.reference
-        if self.cfg.model.lora.r > 0 and not ref_path:
-            from klgrpo.core.reference import AdapterDisabledReference
-
-            return AdapterDisabledReference(self.model)
-        if ref_path:
-            dtype = next(self.model.parameters()).dtype
-            ref_model = load_causal_lm(ref_path, self.cfg.model, self.device, dtype, field="kl.reference")
-            ref_model.klgrpo_fast_path = self.cfg.model.fast_path
-            return FrozenCopyReference(ref_model)
-        return FrozenCopyReference.copy_of(self.model)
+    def _choose_sampler(self) -> str:
+        """rollout.sampler resolved for this device and model, said once; compiled samplers keep their kernels in
+        klgrpo's cache folder, so the next run on this machine starts in seconds."""
+        name = choose_sampler(self.cfg.rollout.sampler, self.model, self.cfg.model.fast_path,
+                              self.cfg.rollout.generate_cache)
+        how = "auto for " + self.device.type if self.cfg.rollout.sampler == AUTO else "rollout.sampler"
+        if self.device.type == "cuda" and name == "generate_static":
+            enable_compile_cache(default_cache_root() / "torch_compile")
+            how += "; compiles once per process, ~20 s the first time on this machine, seconds after that"
+        if self.dist.is_main:
+            self.log(f"sampler: {name} ({how})")
+        return name
 
     def _kl_term(self) -> KLTerm:
-        k = self.cfg.kl
-        return KLTerm(coef=self.controller.value, estimator=k.estimator, placement=k.placement,
-                      is_correction=k.is_correction, shaping=k.shaping, clip_threshold=k.clip_threshold,
-                      shaping_target=k.shaping_target, clamp=k.log_ratio_clamp or None, reward_mode=k.reward_mode)
+        return kl_term(self.cfg.kl, self.controller.value)
 
     def _micro_slices(self, n: int):
         size = self.cfg.train.micro_batch_size or n
@@ -196,13 +150,13 @@ class GRPOTrainer:
         indices = self.sampler.next_indices()  # the same global indices on every rank
         rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
         prompts = [r["prompt"] for r in rows]
-        with _timed(timings, "time/generate"), self.engine.full_weights(self.model):
+        with _timed(timings, names.TIME_GENERATE), self.engine.full_weights(self.model):
             rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat, compiled=cfg.train.compile,
-                generate_cache=cfg.rollout.generate_cache))
-        with _timed(timings, "time/reward"):
+                sampler=self.rollout_sampler))
+        with _timed(timings, names.TIME_REWARD):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
@@ -211,7 +165,7 @@ class GRPOTrainer:
         if cfg.rollout.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
         ref_logp = old_logp = None
-        with _timed(timings, "time/reference"):
+        with _timed(timings, names.TIME_REFERENCE):
             if self.reference is not None:
                 ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
         scores, kl = rewards, self._kl_term()
@@ -231,34 +185,34 @@ class GRPOTrainer:
     def _rollout_logprobs(self, rollout) -> torch.Tensor:
         """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
         with torch.no_grad():
-            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl)[0]
+            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl,
+                                                  fast_path=self.loss_fast_path)[0]
                               for sl in self._micro_slices(rollout.size)])
 
-    def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False):
+    def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False) -> tuple[StepSums, torch.Tensor | None]:
         """Forward/backward over micro-batches; the loss is normalised globally, so .grad is the full-batch
-        gradient whatever the micro-batch size. Returns (metric sums, maxima, entropy sum, logp or None)."""
+        gradient whatever the micro-batch size. Returns (this rank's sums for the metrics, logp or None)."""
         kl = self._kl_term()
-        sums: dict[str, torch.Tensor] = {}
-        maxes: dict[str, torch.Tensor] = {}
+        objective, loss_sum, custom_sums = None, torch.zeros((), device=self.device), {}
         entropy_sum = torch.zeros((), device=self.device)
+        logp_sum = torch.zeros((), device=self.device)  # logp/policy_mean
         kept, token_kl = [], []
         for sl in self._micro_slices(batch.rollout.size):
             loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
             self.engine.backward(loss)
-            for k, v in [*out.sums.items(), *((f"custom/{k}", v) for k, v in custom.items())]:
-                sums[k] = sums.get(k, 0.0) + v.detach()
-            for k, v in out.maxes.items():
-                maxes[k] = torch.maximum(maxes[k], v) if k in maxes else v
-            sums["loss"] = sums.get("loss", 0.0) + loss.detach()
-            sums["logp_policy"] = sums.get("logp_policy", 0.0) + (logp.detach() * batch.loss_mask[sl]).sum()
+            objective = out.sums if objective is None else objective + out.sums
+            for k, v in custom.items():
+                custom_sums[k] = custom_sums.get(k, 0.0) + v.detach()
+            loss_sum = loss_sum + loss.detach()
+            logp_sum = logp_sum + (logp.detach() * batch.loss_mask[sl]).sum()
             entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
             if out.token_kl is not None:  # per-token values for the KL percentiles
                 token_kl.append(out.token_kl)
             if keep_logp:
                 kept.append(logp.detach())
-        if token_kl:
-            sums["token_kl"] = torch.cat(token_kl, 1)  # [2, B, T], the micro-batches joined along the batch
-        return sums, maxes, entropy_sum, (torch.cat(kept) if keep_logp else None)
+        sums = StepSums(loss=loss_sum, entropy=entropy_sum, objective=objective, custom=custom_sums,
+                        logp_policy=logp_sum, token_kl=torch.cat(token_kl, 1) if token_kl else None)  # [2, B, T], micro-batches joined
+        return sums, (torch.cat(kept) if keep_logp else None)
 
     def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
         """(loss to backpropagate, ObjectiveOut, logp, entropy, custom metrics) of rows ``sl``. With a custom loss
@@ -271,18 +225,19 @@ class GRPOTrainer:
                 self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
         else:
             logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                with_entropy=True)
+                                                with_entropy=True, fast_path=self.loss_fast_path)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
         with torch.set_grad_enabled(self.loss_fn is None):
-            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl,
-                                 cfg.loss.aggregation, batch.normalizer, cfg.loss.eps_low, cfg.loss.eps_high,
-                                 policy_loss=cfg.loss.policy_loss, delta=cfg.loss.delta or None,
-                                 dual_clip=cfg.loss.dual_clip or None, full_kl_BT=full_kl)
+            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
+                                 policy=policy_term(cfg.loss), kl=kl, aggregation=cfg.loss.aggregation,
+                                 normalizer=batch.normalizer, full_kl_BT=full_kl)
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
+        rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
         loss, custom = call_loss(self.loss_fn, LossInput(
             logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
-            cfg.loss.aggregation, batch.rollout.completion_ids[sl]))
+            cfg.loss.aggregation, rollout.completion_ids[sl], rollout.input_ids[sl, prompt],
+            rollout.attention_mask[sl, prompt]))
         return loss, out, logp, entropy, custom
 
     def _update(self, batch: StepBatch) -> tuple[dict[str, float], KLObservation]:
@@ -295,14 +250,14 @@ class GRPOTrainer:
         # the same batch reuse them instead of paying a separate no-grad forward.
         keep_old = batch.old_logp is None and cfg.train.num_iterations > 1
         self.optimizer.zero_grad(set_to_none=True)
-        with _timed(timings, "time/update"):
-            sums, maxes, entropy_sum, logp = self.accumulate_gradients(batch, keep_logp=dump or keep_old)
+        with _timed(timings, names.TIME_UPDATE):
+            sums, logp = self.accumulate_gradients(batch, keep_logp=dump or keep_old)
             if keep_old:
                 batch.old_logp = logp
-            replay_metrics = (self._replay_gradients(sums["loss"]) if self.replay is not None else {})
+            replay_metrics = (self._replay_gradients(sums.loss) if self.replay is not None else {})
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             # A non-finite loss or gradient norm never reaches the weights: the step is skipped and counted.
-            loss_sum = self.dist.sum(sums["loss"]) if self.dist.enabled else sums["loss"]  # ranks decide alike
+            loss_sum = self.dist.sum(sums.loss) if self.dist.enabled else sums.loss  # ranks decide alike
             grad_norm, applied = self.engine.step(self.model, self.optimizer, max_norm,
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
@@ -311,21 +266,21 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         if dump:
             self._dump_kl(logp, batch)
-        metrics, observation = step_metrics(batch, sums, maxes, entropy_sum, grad_norm, beta,
-                                            self.scheduler.get_last_lr()[0], timings, self.dist, self.device)
+        metrics, observation = step_metrics(batch, sums, grad_norm, beta, self.scheduler.get_last_lr()[0], timings,
+                                            self.dist, self.device)
         metrics.update(replay_metrics)
-        metrics.update(self._custom_metrics(sums, batch))
-        metrics["train/skipped_steps"] = self.guard.skipped_total
+        metrics.update(self._custom_metrics(sums.custom, batch))
+        metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
         return metrics, observation
 
-    def _custom_metrics(self, sums: dict, batch: StepBatch) -> dict[str, float]:
+    def _custom_metrics(self, custom: dict[str, torch.Tensor], batch: StepBatch) -> dict[str, float]:
         """The custom loss's metrics, averaged over the step's micro-batches (on every rank)."""
-        names = sorted(k for k in sums if k.startswith("custom/"))
-        if not names:
+        keys = sorted(custom)
+        if not keys:
             return {}
-        total = self.dist.sum(torch.stack([sums[k].to(self.device, torch.float32) for k in names]))
+        total = self.dist.sum(torch.stack([custom[k].to(self.device, torch.float32) for k in keys]))
         count = len(self._micro_slices(batch.rollout.size)) * self.dist.world_size
-        return {k: v / count for k, v in zip(names, total.tolist())}
+        return {names.custom(k): v / count for k, v in zip(keys, total.tolist())}
 
     def _replay_gradients(self, main_loss) -> dict[str, float]:
         if self.engine.kind == "single":
@@ -370,7 +325,7 @@ class GRPOTrainer:
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
             self.reference.sync(self.model, self.cfg.kl.sync_alpha)
         self._step_start = None
-        metrics["time/step"] = time.perf_counter() - t0
+        metrics[names.TIME_STEP] = time.perf_counter() - t0
         return metrics
 
     def _rollback_partial_step(self) -> None:
@@ -425,182 +380,14 @@ class GRPOTrainer:
         if len(rng_by_rank) == self.dist.world_size:
             set_rng_state(rng_by_rank[self.dist.rank])
         else:  # another world size: resumes correctly but not bit-identically
-            _seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
+            seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
         self._eval_before = state.get("eval_before") or {}
         self.step = int(state["step"])
         self.log(f"resumed from {ckpt} at step {self.step}")
 
-    def _should_stop(self, metrics: dict[str, float], start: float) -> bool:
-        """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
-        cfg = self.cfg
-        if self.guard.exhausted:
-            self._stop_reason = self.guard.stop_message(self.step)
-            return True
-        over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
-        if self.dist.enabled:
-            over = bool(self.dist.max(torch.tensor(float(over and self.dist.is_main), device=self.device)).item())
-        if over:
-            self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
-        return over
-
-    def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
+    def train(self, resume: str | None = None, overwrite: bool = False,
+              summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
         """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
-        ("latest" or a checkpoint folder) continues one (run_folder.py)."""
-        lock = open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log) if self.dist.is_main else None
-        try:
-            return self._train(resume)
-        finally:
-            if lock is not None:
-                lock.release()
-
-    def _train(self, resume: str | None) -> dict[str, Any]:
-        cfg, main = self.cfg, self.dist.is_main
-        if resume:
-            self.resume(resume)
-        start = time.perf_counter()
-        # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
-        evaluate = bool(self.eval_sets) and (main or self.engine.shards_parameters)
-        if evaluate and self.step == 0:
-            self._eval_before = self.evaluate()
-        eval_before = self._eval_before  # a resumed run keeps the numbers measured before its first step
-        history = StepTally()  # what the summary needs, not every row (constant memory per step)
-        logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                                progress=cfg.logging.progress, start_step=self.step, report_to=cfg.logging.report_to,
-                                project=cfg.logging.project, config=cfg.to_dict()) if main else _SilentLogger())
-        with logger:
-            if eval_before and self.step == 0:
-                logger.log(0, eval_before)
-            with sigterm_as_interrupt(), _save_on_interrupt(self, logger):
-                while self.step < cfg.train.steps:
-                    metrics = self.train_step()
-                    if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
-                        metrics.update(self.evaluate())
-                    logger.log(self.step, metrics)
-                    for line in self.kl_watch.observe(self.step, metrics.get("adaptive_kl/raw_kl")):
-                        logger.message(line)
-                        logger.text("warnings/kl", line, self.step)
-                    history.append(metrics)
-                    stop = self._should_stop(metrics, start)
-                    if cfg.train.save_every and self.step % cfg.train.save_every == 0 and not stop:
-                        self.save()
-                    if stop:
-                        break
-            if self._stop_reason:
-                logger.message(f"stopped at step {self.step}: {self._stop_reason}")
-            eval_after = self.evaluate() if evaluate else {}
-            if eval_after:
-                logger.log(self.step, eval_after)
-        if not (self.run_dir / "checkpoints" / f"step_{self.step}").exists():
-            self.save()
-        if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
-            from klgrpo.backends.lora import export_merged
-
-            export_merged(self.run_dir / "checkpoints" / f"step_{self.step}", self.run_dir / "merged",
-                          base_model=_base_model_path(cfg.model) or None)
-        summary = self._summary(history, eval_before, eval_after, time.perf_counter() - start)
-        if main:
-            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-            if cfg.logging.plots:
-                from klgrpo.train.report import make_plots
-
-                make_plots(self.run_dir)
-        self.dist.barrier()
-        if self.guard.exhausted:
-            raise NonFiniteError(self.guard.stop_message(self.step))
-        return summary
-
-    def _summary(self, history, eval_before, eval_after, wall) -> dict[str, Any]:
-        last = history.last
-        return {
-            "steps": self.step,
-            "wall_seconds": round(wall, 2),
-            "seconds_per_step": history.mean("time/step", digits=4),
-            "eval_before": {k.removeprefix("eval/"): v for k, v in eval_before.items()},
-            "eval_after": {k.removeprefix("eval/"): v for k, v in eval_after.items()},
-            "final_kl": last.get("adaptive_kl/raw_kl"),
-            "final_replay_kl": last.get("kl/replay"),
-            "final_beta": self.controller.value,
-            "final_reward": last.get("train/reward"),
-            "kl_estimator": self.cfg.kl.estimator,
-            "kl_placement": self.cfg.kl.placement,
-            "stopped_early": self._stop_reason or None,
-            "world_size": self.dist.world_size,
-            "run_dir": str(self.run_dir),
-        }
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _base_model_path(model_cfg) -> str:
-    """model.name_or_path, with model.gguf_file joined on (the spelling export_merged loads a GGUF base from)."""
-    if model_cfg.gguf_file:
-        return str(Path(model_cfg.name_or_path) / model_cfg.gguf_file)
-    return model_cfg.name_or_path
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:
-        pass
-
-
-def _disable_dropout(model) -> None:
-    """Dropout off, so the log-probs of the rollout policy equal the old log-probs of the first update."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-
-
-def _make_scheduler(optimizer, cfg: GRPOConfig):
-    from transformers import get_scheduler
-
-    name = LR_SCHEDULES[cfg.optim.schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps,
-                         num_training_steps=cfg.train.steps)
-
-
-def _run_dir(cfg: GRPOConfig) -> Path:
-    if cfg.train.output_dir:
-        return Path(cfg.train.output_dir)
-    return Path("runs") / cfg.train.run_name if cfg.train.run_name else timestamped_run_dir()
-
-
-class _SilentLogger:
-    """The metrics sink of ranks other than 0."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def log(self, step, metrics):
-        pass
-
-    def message(self, text):
-        pass
-
-    def text(self, name, text, step):
-        pass
-
-
-@contextmanager
-def _save_on_interrupt(trainer: GRPOTrainer, logger):
-    """Ctrl-C: write a checkpoint of the last completed step, then stop (exit code 130 from the CLI)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        # A second Ctrl-C (or a SIGTERM) must not cut the save short.
-        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            trainer._rollback_partial_step()
-            path = trainer.save()
-            logger.message(f"interrupted: saved {path}; continue with --resume latest")
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        raise
+        ("latest" or a checkpoint folder) continues one (run_folder.py). ``summary_extras(summary)`` returns
+        fields to add to the summary before summary.json is written (the demo's). The loop: train/loop.py."""
+        return run_training(self, resume, overwrite, summary_extras)

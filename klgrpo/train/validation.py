@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
 from klgrpo.errors import ConfigError
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
 
-if TYPE_CHECKING:
-    from klgrpo.train.config import GRPOConfig
+#: What these checks read: a klgrpo.train.config.GRPOConfig. Not imported: config.py imports this module
+#: (GRPOConfig.validate), and the import runs one way.
+GRPOConfig = Any
 
 
 def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int) -> str:
@@ -29,7 +31,7 @@ def kl_gradient_sampling(placement: str, is_correction: str, num_iterations: int
     return f"off_policy_{is_correction}"
 
 
-def kl_gradient_target(cfg: "GRPOConfig") -> str:
+def kl_gradient_target(cfg: GRPOConfig) -> str:
     """What the expected KL gradient of this configuration follows, per token (ESTIMATORS' declarations)."""
     sampling = kl_gradient_sampling(cfg.kl.placement, cfg.kl.is_correction, cfg.train.num_iterations)
     if cfg.kl.estimator == FULL_KL:
@@ -42,7 +44,7 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate_replay(cfg: "GRPOConfig") -> None:
+def validate_replay(cfg: GRPOConfig) -> None:
     """The kl.replay settings of an active anchor (kl.replay.coef > 0); the one place that checks them.
     kl.replay.estimator is refused, like every named choice, when the config is built."""
     r = cfg.kl.replay
@@ -55,7 +57,7 @@ def validate_replay(cfg: "GRPOConfig") -> None:
     _need(r.temperature > 0, "kl.replay.temperature must be > 0")
 
 
-def validate_full_kl(cfg: "GRPOConfig") -> None:
+def validate_full_kl(cfg: GRPOConfig) -> None:
     """kl.estimator full: the exact KL over the vocabulary, a loss term of the built-in objective only."""
     _need(cfg.kl.placement == "loss", f"kl.estimator=full is the exact KL over the vocabulary and enters the loss "
                                       f"only: set kl.placement loss (not {cfg.kl.placement}), or pick a "
@@ -64,7 +66,7 @@ def validate_full_kl(cfg: "GRPOConfig") -> None:
                                  "use a per-token estimator with your own loss")
 
 
-def validate_config(cfg: "GRPOConfig", dataset_given: bool = False) -> list[str]:
+def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     """``dataset_given``: the prompts come from Python (GRPOTrainer's train_dataset), data.source may be empty."""
     warnings: list[str] = []
 
@@ -74,6 +76,9 @@ def validate_config(cfg: "GRPOConfig", dataset_given: bool = False) -> list[str]
     need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    if r.generate_cache:
+        warnings.append(f"rollout.generate_cache is deprecated: use rollout.sampler "
+                        f"{LEGACY_GENERATE_CACHES[r.generate_cache]} (it means the same)")
     need(r.temperature > 0, "rollout.temperature must be > 0 (use a small value such as 0.1 for near-greedy)")
     need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     need(t.steps >= 1, "train.steps must be >= 1")
@@ -181,13 +186,13 @@ _LOWER_BOUNDS = (
 )
 
 
-def active_trackers(cfg: "GRPOConfig") -> list:
+def active_trackers(cfg: GRPOConfig) -> list:
     """logging.report_to, without tensorboard when logging.tensorboard is false."""
     names = cfg.logging.report_to
     return [n for n in names if n != "tensorboard" or cfg.logging.tensorboard] if isinstance(names, list) else names
 
 
-def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
+def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
     """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
     import math
 
@@ -203,8 +208,8 @@ def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
                  + (f" ({meaning})" if meaning else ""))
     o, loss, k = cfg.optim, cfg.loss, cfg.kl
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-    need(0 <= loss.eps_low < 1, f"loss.eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
-                                f"got {loss.eps_low!r}")
+    need(0 <= loss.eps_low <= 1, f"loss.eps_low must be in [0, 1] (the ratio's lower clip is 1 - eps_low; 1: "
+                                 f"no lower clip, as TRL's cispo), got {loss.eps_low!r}")
     need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
     from klgrpo.train.trackers import check_report_to
 

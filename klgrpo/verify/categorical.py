@@ -4,7 +4,7 @@ K = 6 outcomes with random float64 logits for pi (the parameters theta), pi_ref 
 of the off-policy rows). Every expectation is a sum over the K outcomes, so nothing is sampled:
 
     E_pi[k(y)]                    vs exact KL(pi || ref) = sum_y pi(y) (log pi(y) - log ref(y))
-    grad k(y) per outcome         vs f(l_y) s_y, s_y = grad log pi(y) = e_y - pi   (f: SCORE_FACTORS)
+    grad k(y) per outcome         vs f(l_y) s_y, s_y = grad log pi(y) = e_y - pi   (f: the registered score_factor)
     E_q[grad L(y)]                = autograd of sum_y q(y).detach() L(y), L built by penalty_objective
     grad KL(pi||ref), grad KL(ref||pi)   autograd of the exact sums (pi not detached)
 """
@@ -21,14 +21,6 @@ from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, exact_kl, kl_est
 from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
                                    penalty_objective)
 
-#: Per-sample gradient of each estimator as f(l) * s (docs/kl_math.md, "Gradients"): grad k1 = s, grad k2 = l s,
-#: grad k3 = (1 - r) s with r = exp(-l). Straight-through names "<base>_st" have the gradient of k2.
-SCORE_FACTORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": torch.ones_like,
-    "k2": lambda l: l,
-    "k3": lambda l: 1.0 - torch.exp(-l),
-}
-
 #: A biased estimator must miss KL by more than this fraction of KL ("clearly different").
 BIAS_MIN_REL = 1e-3
 #: An unbiased estimator must match KL to this absolute error (docs/kl_math.md: 1e-12).
@@ -40,13 +32,8 @@ def is_straight_through(name: str) -> bool:
 
 
 def score_factor(name: str) -> Callable[[Tensor], Tensor]:
-    """f with grad k(y) = f(l_y) s_y; KeyError for an estimator whose formula nobody wrote down yet."""
-    if name in SCORE_FACTORS:
-        return SCORE_FACTORS[name]
-    if is_straight_through(name):
-        return SCORE_FACTORS["k2"]
-    raise KeyError(f"no per-sample gradient formula for estimator {name!r}: add f(l) with grad k = f(l) s to "
-                   "klgrpo.verify.categorical.SCORE_FACTORS (derived by hand, not from the implementation)")
+    """f with grad k(y) = f(l_y) s_y, as the estimator's registration declares it (written by hand)."""
+    return ESTIMATORS[name].score_factor
 
 
 @dataclass(frozen=True)

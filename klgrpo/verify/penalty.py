@@ -40,7 +40,7 @@ from torch import Tensor
 from klgrpo.math.advantages import kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS
-from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective, reward_kl
 
 #: eps_low = eps_high for the surrogate: the clip never binds, so the PPO loss is the plain ratio-weighted
 #: policy gradient whose expectation the oracle computes.
@@ -75,6 +75,9 @@ def penalty_objective(
     dual_clip: float | None = None,
     eps: float = WIDE_CLIP,
     full_kl_BT: Tensor | None = None,
+    shaping: str = "none",
+    clip_threshold: float = 1.0,
+    shaping_target: float = 0.1,
 ) -> Tensor:
     """sum_b weights_b * (penalty surrogate of sequence b), computed by the trainer's ``grpo_objective``.
 
@@ -82,6 +85,7 @@ def penalty_objective(
     the exact expectation, or 1/N for N drawn samples. The aggregation counts are those of one expected
     sequence: G = 1, sum_i n_i = E_q[n] (so ``token_mean`` is the large-batch limit), L_max = T.
     ``full_kl_BT``: the exact per-position KL (math.full_kl) that estimator "full" puts in the loss.
+    ``shaping``, ``clip_threshold``, ``shaping_target``: the KL term's shaping (math/kl_shaping.py), as KLTerm.
     """
     if placement not in PLACEMENTS:
         raise KeyError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
@@ -97,12 +101,14 @@ def penalty_objective(
     )
     old_logp_BT = logp_BT.detach() if sampling == "on_policy" else mu_logp_BT
     kl = KLTerm(coef=1.0, estimator=estimator, placement=placement, is_correction=_IS_CORRECTION[sampling],
-                clamp=clamp, reward_mode=reward_mode)
+                clamp=clamp, reward_mode=reward_mode, shaping=shaping, clip_threshold=clip_threshold,
+                shaping_target=shaping_target)
     advantages_B = torch.zeros_like(weights_B)  # task advantages 0: only the penalty is left
     if kl.in_reward and reward_mode == "sequence_score":
         advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
-    out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl, aggregation, norm, eps, eps,
-                         delta=delta, dual_clip=dual_clip, row_weights_B=weights_B, metrics=False,
+    out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl=kl,
+                         policy=PolicyTerm(eps_low=eps, eps_high=eps, delta=delta, dual_clip=dual_clip),
+                         aggregation=aggregation, normalizer=norm, row_weights_B=weights_B, metrics=False,
                          full_kl_BT=full_kl_BT)
     return out.loss
 

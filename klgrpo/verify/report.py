@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from klgrpo.core.threads import torch_threads
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.verify import categorical, full_kl, montecarlo, optimum, sequence_toy
 from klgrpo.verify.first_epoch import first_epoch_rows
@@ -16,17 +14,6 @@ from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck
 
 #: The per-sample gradient formula must match autograd to this absolute error (float64).
 PER_SAMPLE_ATOL = 1e-12
-
-
-@contextlib.contextmanager
-def torch_threads(n: int = 1):
-    """The checks use tiny tensors: intra-op threads only add synchronisation (10-40x slower on a busy CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """KL estimators against exact answers (docs/kl_math.md), parametrised over the ESTIMATORS registry.
 
 A newly registered estimator is picked up by every test here: its value property, its per-sample gradient
-formula (which must be written down in klgrpo.verify.categorical.SCORE_FACTORS, or be a "<base>_st"
-straight-through variant) and its declared token-level gradient table for every placement x sampling.
+formula (the ``score_factor`` its registration declares, derived by hand) and its declared token-level
+gradient table for every placement x sampling.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def test_advantages_sum_to_zero_within_each_group(group_size, num_groups, data, 
 
 
 @SETTINGS
-@given(data=st.data(), mode=st.sampled_from(AGGREGATIONS), b=st.integers(1, 6), t=st.integers(1, 6),
+@given(data=st.data(), mode=st.sampled_from(AGGREGATIONS.names()), b=st.integers(1, 6), t=st.integers(1, 6),
        seed=st.integers(0, 2 ** 16))
 def test_aggregation_micro_batch_invariance(data, mode, b, t, seed):
     mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=t, max_size=t),

@@ -35,6 +35,7 @@ from klgrpo.apps.demo.model import build_tiny_model_for, quiet_progress_bars
 from klgrpo.apps.demo.sft import SFTSettings, run_sft
 from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, SPLIT_SEED, make_splits, write_jsonl
 from klgrpo.apps.demo.tokenizer import CHARACTERS, build_char_tokenizer
+from klgrpo.backends.hf import default_cache_root
 
 #: Bump whenever the layout or the way the assets are produced changes: old caches are then ignored.
 FORMAT_VERSION = 1
@@ -86,15 +87,6 @@ class DemoAssets:
     """Tokens a completion needs: 3 answer digits + EOS."""
     cache_dir: Path | None = None
     """The folder holding all of the above."""
-
-
-def default_cache_root() -> Path:
-    """$KLGRPO_CACHE, else $XDG_CACHE_HOME/klgrpo, else ~/.cache/klgrpo."""
-    if os.environ.get("KLGRPO_CACHE"):
-        return Path(os.environ["KLGRPO_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "klgrpo"
-    return Path.home() / ".cache" / "klgrpo"
 
 
 def cache_key(seed: int, settings: DemoSettings) -> str:

@@ -10,9 +10,8 @@ step cap. On the CPU with a fixed thread count the whole run is bit-for-bit repe
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, Split
+from klgrpo.core.threads import torch_threads
 from klgrpo.train.evaluation import greedy_accuracy
 
 IGNORE_INDEX = -100
@@ -125,7 +125,7 @@ def run_sft(
     # The run stops at the accuracy target, usually well before max_steps: the bar shows steps and accuracy.
     bar = tqdm(total=settings.max_steps, desc="SFT warm start", unit="step", leave=False, dynamic_ncols=True,
                disable=not progress)
-    with _torch_threads(settings.num_threads), bar:
+    with torch_threads(settings.num_threads), bar:
         start = time.perf_counter()
         model.train()
         while step < settings.max_steps:
@@ -183,14 +183,3 @@ def _sample_batch(
 def _cat_right_padded(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:
     width = max(t.shape[1] for t in tensors)
     return torch.cat([F.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors])
-
-
-@contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

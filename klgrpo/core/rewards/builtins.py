@@ -8,7 +8,7 @@ Built-ins take ``**_`` so that they ignore the columns they do not use.
     numeric_match  1.0 if the completion's number equals the answer's within a relative tolerance
     format         1.0 if re.search(pattern, completion, re.DOTALL) else 0.0 (pattern from the reward's kwargs)
     math_verify    1.0 if Hugging Face's math-verify finds the completion's answer equal to the reference's
-                   (LaTeX, \boxed{}, fractions, equivalent expressions and sets); needs pip install "klgrpo[math]"
+                   (LaTeX, \\boxed{}, fractions, equivalent expressions and sets); needs pip install "klgrpo[math]"
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def _check_column(name: str, values: Any, completions: list) -> None:
         raise ValueError(f"column {name!r} must hold one value per completion ({len(completions)}), got {got}")
 
 
+@BUILTIN_REWARDS.register("exact_match")
 def exact_match(prompts: list, completions: list[str], answer: list, **_: Any) -> list[float]:
     """1.0 where the stripped completion equals the stripped ``str(answer)``, else 0.0."""
     _check_column("answer", answer, completions)
@@ -107,6 +108,7 @@ def exact_match(prompts: list, completions: list[str], answer: list, **_: Any) -
     return rewards
 
 
+@BUILTIN_REWARDS.register("numeric_match")
 def numeric_match(prompts: list, completions: list[str], answer: list, rel_tol: float = DEFAULT_REL_TOL,
                   **_: Any) -> list[float]:
     """1.0 where the completion's number equals the answer's, |pred - gold| <= rel_tol * max(|pred|, |gold|).
@@ -128,6 +130,7 @@ def numeric_match(prompts: list, completions: list[str], answer: list, rel_tol: 
     return rewards
 
 
+@BUILTIN_REWARDS.register("format")
 def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) -> list[float]:
     """1.0 where ``re.search(pattern, completion, re.DOTALL)`` finds a match, else 0.0."""
     if not isinstance(pattern, str):
@@ -139,12 +142,13 @@ def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) 
     return [1.0 if regex.search(completion) else 0.0 for completion in completions]
 
 
+@BUILTIN_REWARDS.register("math_verify")
 def math_verify_match(prompts: list, completions: list[str], answer: list, **_: Any) -> list[float]:
     """1.0 where math-verify's ``verify(parse(answer), parse(completion))`` holds, else 0.0 (the check open-r1's
     and TRL's accuracy rewards use).
 
-    ``parse`` extracts the final answer (the last \boxed{...}, a $...$ expression or a plain number) and
-    ``verify`` compares symbolically: 2/4 = \frac{1}{2} = 0.5, (x+1)^2 = x^2+2x+1, \{2,1\} = \{1,2\}. The
+    ``parse`` extracts the final answer (the last \\boxed{...}, a $...$ expression or a plain number) and
+    ``verify`` compares symbolically: 2/4 = \\frac{1}{2} = 0.5, (x+1)^2 = x^2+2x+1, \\{2,1\\} = \\{1,2\\}. The
     reference answer may be plain LaTeX without $ ("x^2+2x+1") or GSM8K's "... #### 42" (the text after the
     last "####"). A completion with no parseable answer scores 0.0; a reference without one is an error."""
     from math_verify import parse, verify
@@ -162,8 +166,3 @@ def math_verify_match(prompts: list, completions: list[str], answer: list, **_: 
 
 #: The package a built-in needs beyond klgrpo's own dependencies (checked when the reward is loaded).
 math_verify_match.requires_package = ("math_verify", "klgrpo[math]")
-
-BUILTIN_REWARDS.register("exact_match", exact_match)
-BUILTIN_REWARDS.register("numeric_match", numeric_match)
-BUILTIN_REWARDS.register("format", format_match)
-BUILTIN_REWARDS.register("math_verify", math_verify_match)

@@ -1,0 +1,210 @@
+"""``klgrpo explain``: which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, proven, and the klgrpo
+config that reproduces it.
+
+    klgrpo explain FILE|- [--from trl|verl|openrlhf|unsloth|klgrpo] [--write klgrpo.yaml] [--json OUT] [--strict]
+
+The format is detected (klgrpo.apps.explain_sources) and mapped through the tables of klgrpo.trl_mapping,
+klgrpo.verl_mapping and klgrpo.openrlhf_mapping. The gradient verdicts are computed by verify-kl's exact oracles
+on the mapped KL terms (klgrpo.verify.verdict), the value verdict by its value checks. Exit status: 0, 2 for bad
+input, 3 with --strict when the token-level gradient of the first update does not follow the reverse KL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from klgrpo.errors import ConfigError
+from klgrpo.mapping import Mapped
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.terms import controller_params
+
+FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
+                "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}
+AGGREGATION_WEIGHTING = {
+    "token_mean": "every token weighs the same (a long completion's KL counts in proportion to its length)",
+    "seq_mean_token_mean": "each completion weighs the same: a token's KL is divided by its completion's length",
+    "seq_mean_token_sum": "each completion's summed KL weighs the same (the sequence KL's own weighting)",
+    "constant": "every token weighs 1 / (completions x max length), whatever the lengths",
+}
+STRICT_EXIT = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="klgrpo explain",
+        description="Say which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises (computed by verify-kl's "
+                    "exact oracles) and print the klgrpo config that reproduces it.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="the config file(s), or - for standard input")
+    p.add_argument("--from", dest="source", choices=("trl", "verl", "openrlhf", "unsloth", "klgrpo"),
+                   help="the format (default: detected)")
+    p.add_argument("--write", metavar="YAML", help="write the klgrpo config to YAML (one FILE)")
+    p.add_argument("--json", metavar="OUT", help="write the explanation as JSON to OUT (one FILE)")
+    p.add_argument("--strict", action="store_true",
+                   help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
+    return p
+
+
+def kl_parts(kl, extra: list[dict[str, Any]]):
+    """The KL terms of the mapped config (its ``kl`` group, plus the source's extra terms) as KLParts."""
+    from klgrpo.verify.verdict import KLPart
+
+    main = KLPart(coef=kl.coef, estimator=kl.estimator, placement=kl.placement, is_correction=kl.is_correction,
+                  reward_mode=kl.reward_mode, shaping=kl.shaping, clip_threshold=kl.clip_threshold,
+                  shaping_target=kl.shaping_target, clamp=kl.log_ratio_clamp or None)
+    return [main, *(KLPart(**part) for part in extra)]
+
+
+def explain(source: str, mapped: Mapped) -> dict[str, Any]:
+    """The explanation as data: the --json document."""
+    from klgrpo.verify.report import torch_threads
+    from klgrpo.verify.verdict import gradient_verdict, value_verdict
+
+    cfg = GRPOConfig.from_dict(mapped.nested(), origin="the mapped config")
+    unmapped = dict(mapped.unmapped)
+    try:
+        cfg.validate()
+    except ConfigError as err:
+        unmapped["(klgrpo validation)"] = str(err)
+    parts = kl_parts(cfg.kl, mapped.extra_kl)
+    aggregation = cfg.loss.aggregation
+    with torch_threads(1):
+        verdicts = {"token_on_policy": gradient_verdict(parts, "token", "first_epoch", aggregation),
+                    "sequence_on_policy": gradient_verdict(parts, "sequence", "first_epoch", aggregation)}
+        if mapped.off_policy:
+            verdicts["token_off_policy"] = gradient_verdict(parts, "token", "off_policy", aggregation)
+        values = [value_verdict(part.estimator) for part in parts if part.coef > 0 or part is parts[0]]
+    report = {
+        "source": source,
+        "config": mapped.nested(),
+        "gradient": {name: v.target for name, v in verdicts.items()},
+        "gradient_detail": {name: v.as_dict() for name, v in verdicts.items()},
+        "value": values[0] if len(values) == 1 else values,
+        "controller": controller_rule(cfg),
+        "aggregation": {"name": aggregation, "weighting": AGGREGATION_WEIGHTING[aggregation]},
+        "unmapped": unmapped,
+        "ignored": list(mapped.ignored),
+        "off_policy": mapped.off_policy,
+    }
+    report["risks"] = risks(cfg, parts, report, mapped.off_policy)
+    return report
+
+
+def controller_rule(cfg: GRPOConfig) -> str:
+    kl = cfg.kl
+    params = controller_params(kl)
+    rules = {
+        "fixed": f"fixed at {kl.coef:g}",
+        "adaptive": f"beta <- beta (1 + clip(KL / {params.get('target', 0):g} - 1, -0.2, 0.2) n / "
+                    f"{params.get('horizon', 0):g}) after each step, from {kl.coef:g} (Ziegler et al.)",
+        "step": f"beta x 1.5 when KL > 1.5 x {params.get('target', 0):g}, x 0.75 when KL < 0.5 x target",
+        "dual": f"log beta += {params.get('lr', 0):g} (KL - {params.get('target', 0):g}) / target, beta in "
+                f"[{params.get('beta_min', 0):g}, {params.get('beta_max', 0):g}]",
+        "dynamic": f"beta x {params.get('decay', 0):g} after each step whose mean reward > "
+                   f"{params.get('reward_threshold', 0):g}; beta = {params.get('beta_min', 0):g} after "
+                   f"{params.get('schedule_steps', 0)} steps (0: never)",
+    }
+    rule = rules.get(kl.controller, kl.controller)
+    return rule if kl.controller == "fixed" else f"{rule}; KL measured as {kl.kl_measure}"
+
+
+def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[str]:
+    """One line per risk, each naming the change that fixes it."""
+    kl, loss, out = cfg.kl, cfg.loss, []
+    gradient = report["gradient"]
+    live = [p for p in parts if p.coef > 0]
+    if not live:
+        out.append("beta is 0: no KL term and no reference model, nothing keeps the policy near its start; set "
+                   "kl.coef > 0 (TRL: beta, e.g. 0.001-0.04)")
+    if gradient["token_on_policy"] == "forward":
+        out.append("the KL gradient follows the forward KL(ref||pi): k3 without the in-graph importance weight; set "
+                   "kl.is_correction in_graph (TRL: use_bias_correction_kl true) or kl.estimator k3_st")
+    elif live and gradient["token_on_policy"] in ("neither", "zero"):
+        out.append(f"the KL gradient follows {gradient['token_on_policy']} KL at the token level; use k3 with "
+                   "kl.is_correction in_graph, or k3_st with detached")
+    if off_policy and any(p.placement in ("reward", "both") for p in live):
+        out.append("KL in the reward with several updates per batch: it is read at the rollout policy, so later "
+                   f"updates follow {gradient.get('token_off_policy', 'neither')} KL; set train.num_iterations 1 "
+                   "with one update per batch, or put the KL in the loss (kl.placement loss, k3 in_graph)")
+    elif off_policy and gradient.get("token_off_policy") not in (None, "reverse") and live:
+        out.append(f"off-policy updates follow {gradient['token_off_policy']} KL: set kl.is_correction in_graph "
+                   "(k3) or detached (k3_st)")
+    for p in live:
+        if p.shaping == "clip":
+            out.append(f"the KL is clipped at {p.clip_threshold:g} per token: tokens above it get zero KL "
+                       "gradient (count them in kl/shaping_clip_frac); raise kl.clip_threshold or set kl.shaping "
+                       "none")
+        if p.shaping == "length_normalized":
+            out.append("kl.shaping length_normalized divides each token's KL by its completion's length: long "
+                       "completions are barely regularised; set kl.shaping none")
+        if p.shaping == "sigmoid":
+            out.append(f"kl.shaping sigmoid gates the KL by sigmoid(KL - {p.shaping_target:g}): its gradient "
+                       "follows neither KL; set kl.shaping none")
+    if live and loss.aggregation == "seq_mean_token_mean":
+        out.append("loss.aggregation seq_mean_token_mean divides each completion's KL by its length, so the "
+                   f"sequence-level gradient follows {gradient['sequence_on_policy']} KL; use token_mean or "
+                   "seq_mean_token_sum (TRL: loss_type dapo)")
+    if loss.advantage_scale != "none" and loss.std_eps < 1e-4:
+        out.append(f"advantage epsilon {loss.std_eps:g}: a group whose rewards differ by float noise gets "
+                   "advantages of order 1 ((r - mean) / (std + eps)); set loss.std_eps 1e-4 or more")
+    return out
+
+
+def format_report(origin: str, report: dict) -> str:
+    g = report["gradient"]
+    off = f", token off-policy {g['token_off_policy']}" if "token_off_policy" in g else ""
+    values = report["value"] if isinstance(report["value"], list) else [report["value"]]
+    value = "; ".join(f"{v['estimator']}: {'unbiased' if v['unbiased'] else 'biased'} estimate of "
+                      f"{v['estimates']}" for v in values)
+    lines = [f"{origin}: {FORMAT_NAMES[report['source']]}",
+             f"  KL gradient: token {g['token_on_policy']}, sequence {g['sequence_on_policy']} (first update "
+             f"on a batch){off}",
+             f"  KL value: {value}",
+             f"  beta: {report['controller']}",
+             f"  aggregation: {report['aggregation']['name']}: {report['aggregation']['weighting']}"]
+    for name, why in report["unmapped"].items():
+        lines.append(f"  no counterpart: {name}: {why}")
+    if report["ignored"]:
+        lines.append(f"  ignored (speed, memory, logging): {', '.join(report['ignored'])}")
+    lines += [f"  risk: {risk}" for risk in report["risks"]]
+    lines.append("  klgrpo config (--write FILE saves it; every other key at klgrpo's default):")
+    config = yaml.safe_dump(report["config"], sort_keys=False, default_flow_style=None, width=110)
+    lines += [f"    {line}" for line in config.splitlines()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from klgrpo.apps.explain_sources import load_source, read_text
+
+    args = _parser().parse_args(argv)
+    if (args.write or args.json) and len(args.files) != 1:
+        print("klgrpo explain: --write and --json take one FILE; explain the files one at a time", file=sys.stderr)
+        return 2
+    status = 0
+    for path in args.files:
+        try:
+            text, origin = read_text(path)
+            source, mapped = load_source(text, origin, args.source)
+            report = explain(source, mapped)
+        except ConfigError as err:
+            print(f"klgrpo explain: {err}", file=sys.stderr)
+            return 2
+        print(format_report(origin, report))
+        if args.write:
+            header = "".join(f"# no counterpart: {k}: {v}\n" for k, v in report["unmapped"].items())
+            Path(args.write).write_text(f"# klgrpo config for {origin} (klgrpo explain)\n{header}"
+                                        + yaml.safe_dump(report["config"], sort_keys=False))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if args.strict and report["gradient"]["token_on_policy"] != "reverse":
+            status = STRICT_EXIT
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Another framework's config in klgrpo's vocabulary: the shared shape of the mapping tables (klgrpo.trl_mapping,
+klgrpo.verl_mapping, klgrpo.openrlhf_mapping) and of their result, and the one call of klgrpo's objective that
+the TRL bridge and the migration tests make with a mapped config.
+
+A table row names a source field, the klgrpo config keys it sets and the source's default; ``render_table``
+writes the rows as the markdown tables of docs/trl.md and docs/explain.md (a test compares them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.objective import ObjectiveOut, grpo_objective
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.terms import kl_term, policy_term
+
+
+@dataclass(frozen=True)
+class FieldMapping:
+    """One source field: the klgrpo keys it sets, the source's default, and the rule (one line)."""
+
+    field: str
+    keys: tuple[str, ...]
+    default: Any
+    rule: str
+
+
+@dataclass
+class Mapped:
+    """A source config in klgrpo's terms.
+
+    config      dotted klgrpo keys -> values (the rest: klgrpo's defaults)
+    unmapped    source field -> why klgrpo has no counterpart (the objective differs there)
+    ignored     source fields set by the user that change speed, memory or logging only
+    extra_kl    KL terms the source adds beside ``config``'s that klgrpo's one KL term cannot hold:
+                dicts with coef, estimator, placement, is_correction, reward_mode, shaping, clip_threshold
+    off_policy  whether some updates use samples of an earlier policy (several iterations or mini-batches)
+    source_runtime  the ``unmapped`` fields that the source's own trainer applies around the loss (the TRL
+                bridge keeps them: it runs inside TRL's trainer)
+    """
+
+    config: dict[str, Any] = field(default_factory=dict)
+    unmapped: dict[str, str] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    extra_kl: list[dict[str, Any]] = field(default_factory=list)
+    off_policy: bool = False
+    source_runtime: set[str] = field(default_factory=set)
+
+    def nested(self) -> dict[str, dict[str, Any]]:
+        """``config`` as the nested mapping a klgrpo YAML holds ({"kl": {"coef": ...}, ...})."""
+        out: dict[str, Any] = {}
+        for key, value in self.config.items():
+            node = out
+            *groups, name = key.split(".")
+            for group in groups:
+                node = node.setdefault(group, {})
+            node[name] = value
+        return out
+
+    def klgrpo_config(self) -> GRPOConfig:
+        return GRPOConfig.from_dict(self.nested(), origin="the mapped config")
+
+
+#: The kl.* keys each controller and shaping reads; the others are dropped from a mapped config (klgrpo's
+#: defaults stand in for them and nothing reads them).
+_CONTROLLER_KEYS = {"fixed": (), "adaptive": ("kl.target", "kl.horizon"), "step": ("kl.target",),
+                    "dual": ("kl.target", "kl.beta_min"),
+                    "dynamic": ("kl.decay", "kl.reward_threshold", "kl.beta_min", "kl.schedule_steps")}
+_SHAPING_KEYS = {"clip": ("kl.clip_threshold",), "sigmoid": ("kl.shaping_target",)}
+_OPTIONAL_KL_KEYS = ("kl.target", "kl.horizon", "kl.decay", "kl.reward_threshold", "kl.beta_min",
+                     "kl.schedule_steps", "kl.clip_threshold", "kl.shaping_target")
+
+
+def drop_unread_kl_keys(config: dict[str, Any]) -> None:
+    """Remove the kl.* settings that neither the configured controller nor the shaping reads."""
+    keep = set(_CONTROLLER_KEYS.get(config.get("kl.controller", "fixed"), _OPTIONAL_KL_KEYS))
+    keep |= set(_SHAPING_KEYS.get(config.get("kl.shaping", "none"), ()))
+    for key in _OPTIONAL_KL_KEYS:
+        if key not in keep:
+            config.pop(key, None)
+
+
+def render_table(rows: tuple[FieldMapping, ...], source: str) -> str:
+    """The rows as a markdown table (the docs hold exactly this text)."""
+    lines = [f"| {source} field | default | klgrpo key | rule |", "|---|---|---|---|"]
+    for row in rows:
+        keys = ", ".join(f"`{k}`" for k in row.keys) or "(none)"
+        lines.append(f"| `{row.field}` | `{row.default!r}` | {keys} | {row.rule} |")
+    return "\n".join(lines)
+
+
+def mapped_objective(cfg: GRPOConfig, beta: float, logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None,
+                     advantages: Tensor, mask_BT: Tensor, normalizer: Normalizer) -> ObjectiveOut:
+    """klgrpo's objective of one micro-batch under the mapped ``cfg`` at beta ``beta``: the one place the TRL
+    bridge and the exactness tests of ``klgrpo explain`` call it."""
+    return grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages, mask_BT, kl=kl_term(cfg.kl, beta),
+                          policy=policy_term(cfg.loss), aggregation=cfg.loss.aggregation, normalizer=normalizer)

@@ -1,0 +1,187 @@
+"""OpenRLHF's PPO/GRPO command line in klgrpo's vocabulary (``klgrpo explain``).
+
+Names and defaults are those of ``openrlhf/cli/train_ppo_ray.py`` at OpenRLHF 0.11.0 (dotted flags such as
+``--algo.kl.init_coef``); the flat names of earlier releases (``--init_kl_coef``, ``--use_kl_loss``,
+``--kl_estimator``, ``--kl_target``, ...) are read as the same fields. docs/explain.md derives each formula.
+
+The KL: ``compute_approx_kl`` clamps every estimator's value to [-10, 10]; with ``--algo.kl.use_loss`` it is
+added to the actor loss (``init_coef * agg(k(l))``, the policy loss's token mean, no importance weight), else
+``-init_coef * k(l_old)`` is added to each token's reward after the group normalisation and summed from each
+token to the end (gamma 1): klgrpo's ``kl.placement reward`` with ``kl.reward_mode reward_to_go``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from klgrpo.errors import ConfigError
+from klgrpo.mapping import FieldMapping, Mapped, drop_unread_kl_keys
+
+OPENRLHF_VERSION = "0.11.0"
+KL_VALUE_CAP = 10.0
+
+OPENRLHF_FIELDS = (
+    FieldMapping("algo.kl.init_coef", ("kl.coef",), 0.01, "beta"),
+    FieldMapping("algo.kl.use_loss", ("kl.placement", "kl.reward_mode"), False,
+                 "true: loss; false: reward, reward_to_go"),
+    FieldMapping("algo.kl.estimator", ("kl.estimator", "kl.shaping", "kl.clip_threshold"), "k1",
+                 "same name; k2 and k3 in the loss: kl.shaping clip at 10"),
+    FieldMapping("algo.kl.target", ("kl.controller", "kl.target"), None, "set: adaptive with this target"),
+    FieldMapping("algo.kl.horizon", ("kl.horizon",), 10000, "same value"),
+    FieldMapping("algo.advantage.estimator", ("loss.advantage_scale",), "gae",
+                 "group_norm: group (std_eps 1e-9, ddof 1); dr_grpo: none; the others: none"),
+    FieldMapping("actor.eps_clip", ("loss.eps_low", "loss.eps_high"), 0.2, "both, unless eps_clip_low_high"),
+    FieldMapping("actor.eps_clip_low_high", ("loss.eps_low", "loss.eps_high"), None, "two values: low, high"),
+    FieldMapping("actor.dual_clip", ("loss.dual_clip",), None, "unset: 0 (off)"),
+    FieldMapping("actor.policy_loss_type", ("loss.policy_loss", "loss.aggregation"), "ppo",
+                 "ppo: ppo_clip, token_mean; gspo: gspo, seq_mean_token_mean"),
+    FieldMapping("train.max_epochs", ("train.num_iterations",), 1, "same value"),
+    FieldMapping("rollout.n_samples_per_prompt", ("rollout.group_size",), 1, "same value"),
+    FieldMapping("rollout.batch_size", ("rollout.prompts_per_step",), 1024, "same value"),
+    FieldMapping("train.batch_size", (), 128, "fewer samples than rollout.batch_size x n: several updates per "
+                                              "batch, the later ones off-policy"),
+    FieldMapping("rollout.temperature", ("rollout.temperature",), 1.0, "same value"),
+    FieldMapping("rollout.max_new_tokens", ("rollout.max_new_tokens",), None, "unset: klgrpo's default"),
+    FieldMapping("actor.entropy_coef", (), None, "unset or 0; klgrpo's objective has no entropy bonus"),
+)
+OPENRLHF_DEFAULTS = {row.field: row.default for row in OPENRLHF_FIELDS}
+#: The flat flag names of OpenRLHF releases before 0.11 -> the 0.11 name.
+FLAT_NAMES = {
+    "init_kl_coef": "algo.kl.init_coef", "use_kl_loss": "algo.kl.use_loss", "kl_estimator": "algo.kl.estimator",
+    "kl_target": "algo.kl.target", "kl_horizon": "algo.kl.horizon", "advantage_estimator": "algo.advantage.estimator",
+    "eps_clip": "actor.eps_clip", "eps_clip_low_high": "actor.eps_clip_low_high", "dual_clip": "actor.dual_clip",
+    "policy_loss_type": "actor.policy_loss_type", "max_epochs": "train.max_epochs",
+    "n_samples_per_prompt": "rollout.n_samples_per_prompt", "rollout_batch_size": "rollout.batch_size",
+    "train_batch_size": "train.batch_size", "temperature": "rollout.temperature",
+    "generate_max_len": "rollout.max_new_tokens", "entropy_loss_coef": "actor.entropy_coef",
+}
+#: Flags without a value (store_true).
+SWITCHES = ("algo.kl.use_loss",)
+#: Flags of the groups that hold the objective; another flag there is a typo.
+OBJECTIVE_PREFIXES = ("algo.kl.", "algo.advantage.", "actor.eps", "actor.dual", "actor.policy_loss")
+OTHER_OBJECTIVE_FLAGS = ("algo.advantage.gamma", "algo.advantage.lambd", "algo.advantage.no_std_norm")
+ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGES = {"group_norm": ("group", 1e-9), "dr_grpo": ("none", 1e-9)}
+POLICY_LOSSES = {"ppo": ("ppo_clip", "token_mean"), "gspo": ("gspo", "seq_mean_token_mean")}
+_TYPES = {"algo.kl.use_loss": bool, "algo.kl.estimator": str, "algo.advantage.estimator": str,
+          "actor.policy_loss_type": str, "actor.eps_clip_low_high": list}
+_INTS = ("algo.kl.horizon", "train.max_epochs", "rollout.n_samples_per_prompt", "rollout.batch_size",
+         "train.batch_size", "rollout.max_new_tokens")
+
+
+def parse_flags(tokens: list[str], origin: str) -> dict[str, Any]:
+    """``--name value`` tokens -> {0.11 name: value}; values stay text until :func:`map_openrlhf` types them."""
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--"):
+            i += 1  # the launcher and the script (python -m ..., deepspeed ...) before the flags
+            continue
+        name = FLAT_NAMES.get(token[2:], token[2:])
+        args = []
+        i += 1
+        while i < len(tokens) and not tokens[i].startswith("--"):
+            args.append(tokens[i])
+            i += 1
+        values[name] = True if name in SWITCHES else (args if len(args) != 1 else args[0])
+    return values
+
+
+def _typed(name: str, value: Any, origin: str) -> Any:
+    kind = _TYPES.get(name, int if name in _INTS else float)
+    if kind is bool:
+        return value is True or str(value).lower() in ("true", "1")
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{origin}: --{name} takes one name, got {value!r}")
+        return value
+    if kind is list:
+        items = value if isinstance(value, list) else [value]
+        if len(items) != 2:
+            raise ConfigError(f"{origin}: --{name} takes two numbers (low high), got {items!r}")
+        return [_typed("eps", item, origin) for item in items]
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{origin}: --{name} must be {'an integer' if kind is int else 'a number'}, "
+                          f"got {value!r}") from None
+
+
+def map_openrlhf(values: dict[str, Any], origin: str = "command line") -> Mapped:
+    """OpenRLHF flags (0.11 names) -> klgrpo keys; absent flags take OpenRLHF's defaults."""
+    import difflib
+
+    out = Mapped()
+    typed = {}
+    for name, value in values.items():
+        if name in OPENRLHF_DEFAULTS:
+            typed[name] = _typed(name, value, origin)
+        elif name.startswith(OBJECTIVE_PREFIXES) and name not in OTHER_OBJECTIVE_FLAGS:
+            close = difflib.get_close_matches(name, sorted(OPENRLHF_DEFAULTS), n=1)
+            hint = f"; did you mean --{close[0]}?" if close else ""
+            raise ConfigError(f"{origin}: unknown OpenRLHF flag --{name}{hint}")
+        elif name in OTHER_OBJECTIVE_FLAGS or name.startswith(("reward.", "algo.")):
+            out.unmapped[name] = "not read by the mapping: check that it does not change the objective"
+        else:
+            out.ignored.append(name)
+    v = {**OPENRLHF_DEFAULTS, **typed}
+    _map_policy(v, out)
+    _map_kl(v, out)
+    updates = v["rollout.batch_size"] * v["rollout.n_samples_per_prompt"] / v["train.batch_size"]
+    out.off_policy = v["train.max_epochs"] > 1 or updates > 1
+    if updates > 1:
+        out.unmapped["train.batch_size"] = (
+            f"{updates:g} updates per rollout batch on different samples; klgrpo updates once per batch per "
+            "iteration (train.num_iterations): the off-policy verdict holds for OpenRLHF's later updates")
+    drop_unread_kl_keys(out.config)
+    return out
+
+
+def _map_policy(v: dict, out: Mapped) -> None:
+    policy_type = v["actor.policy_loss_type"]
+    if policy_type not in POLICY_LOSSES:
+        out.unmapped["actor.policy_loss_type"] = f"{policy_type!r} is not one of: {', '.join(POLICY_LOSSES)}"
+    policy, aggregation = POLICY_LOSSES.get(policy_type, POLICY_LOSSES["ppo"])
+    low, high = v["actor.eps_clip_low_high"] or (v["actor.eps_clip"], v["actor.eps_clip"])
+    estimator = v["algo.advantage.estimator"]
+    scale, std_eps = ADVANTAGES.get(estimator, ("none", 1e-9))
+    if estimator not in ADVANTAGES:
+        out.unmapped["algo.advantage.estimator"] = (
+            f"{estimator!r}: klgrpo's advantages are group-normalised rewards (OpenRLHF's group_norm) or centred "
+            "rewards (dr_grpo); the config below uses centred rewards")
+    out.config.update({
+        "loss.policy_loss": policy, "loss.aggregation": aggregation, "loss.eps_low": float(low),
+        "loss.eps_high": float(high), "loss.dual_clip": float(v["actor.dual_clip"] or 0.0),
+        "loss.advantage_scale": scale, "loss.std_eps": std_eps, "loss.std_ddof": 1,
+        "train.num_iterations": v["train.max_epochs"], "rollout.group_size": v["rollout.n_samples_per_prompt"],
+        "rollout.prompts_per_step": v["rollout.batch_size"], "rollout.temperature": v["rollout.temperature"],
+    })
+    if v["rollout.max_new_tokens"] is not None:
+        out.config["rollout.max_new_tokens"] = v["rollout.max_new_tokens"]
+    if v["actor.entropy_coef"]:
+        out.unmapped["actor.entropy_coef"] = "klgrpo's objective has no entropy bonus"
+
+
+def _map_kl(v: dict, out: Mapped) -> None:
+    estimator, in_loss = v["algo.kl.estimator"], v["algo.kl.use_loss"]
+    if estimator not in ESTIMATORS:
+        out.unmapped["algo.kl.estimator"] = f"{estimator!r} is not one of: {', '.join(ESTIMATORS)}"
+        estimator = "k1"
+    # k2, k3 >= 0: the value cap at 10 is klgrpo's clip shaping (loss term); k1 and the reward value are not capped
+    shaping = "clip" if in_loss and estimator != "k1" else "none"
+    if estimator == "k1" or not in_loss:
+        out.unmapped["algo.kl.estimator"] = out.unmapped.get("algo.kl.estimator", (
+            "OpenRLHF clamps the KL value to [-10, 10]; klgrpo has no such clamp here (equal while |value| <= 10)"))
+    target = v["algo.kl.target"]
+    out.config.update({
+        "kl.coef": float(v["algo.kl.init_coef"]), "kl.monitor": v["algo.kl.init_coef"] > 0,
+        "kl.estimator": estimator, "kl.placement": "loss" if in_loss else "reward", "kl.reward_mode": "reward_to_go",
+        "kl.is_correction": "none", "kl.shaping": shaping, "kl.clip_threshold": KL_VALUE_CAP,
+        "kl.controller": "fixed" if target is None else "adaptive", "kl.horizon": float(v["algo.kl.horizon"]),
+    })
+    if target is not None:
+        out.config["kl.target"] = float(target)
+        out.unmapped["algo.kl.target"] = (
+            "OpenRLHF's adaptive controller reads the mean over sequences of each sequence's mean KL; klgrpo's "
+            "reads the mean per-token KL (kl.kl_measure token_mean; equal when all lengths are equal)")

@@ -1,0 +1,168 @@
+"""Every metric name the trainer logs, as a constant, and ``GLOSSARY``: each name's formula in one line.
+
+Code that writes or reads a metric uses these constants; docs/metrics.md is the same list for users
+(tests/test_metric_names.py checks both directions: every logged name is documented, every documented name is
+logged or known here). Names with <...> are patterns: ``reward_function(name)``, ``eval_set(name)`` and
+``custom(name)`` build them.
+"""
+
+from __future__ import annotations
+
+LOSS = "train/loss"
+POLICY_LOSS = "train/policy_loss"
+KL_PENALTY = "train/kl_penalty"
+REWARD = "train/reward"
+REWARD_STD = "train/reward_std"
+ADVANTAGE_ABS = "train/advantage_abs"
+REPLAY_PENALTY = "train/replay_penalty"
+RAW_KL = "adaptive_kl/raw_kl"
+ADAPTED_KL = "adaptive_kl/adapted_kl"
+BETA = "adaptive_kl/current_beta"
+KL_K1 = "kl/k1"
+KL_K2 = "kl/k2"
+KL_K3 = "kl/k3"
+KL_MAX = "kl/max"
+KL_MIN = "kl/min"
+LOGP_POLICY_MEAN = "logp/policy_mean"
+LOGP_REFERENCE_MEAN = "logp/reference_mean"
+KL_CLAMP_FRAC = "kl/clamp_frac"
+KL_SHAPING_CLIP_FRAC = "kl/shaping_clip_frac"
+KL_SEQUENCE_SUM = "kl/sequence_sum"
+KL_LOG_RATIO_P50 = "kl/log_ratio_p50"
+KL_LOG_RATIO_P90 = "kl/log_ratio_p90"
+KL_LOG_RATIO_P99 = "kl/log_ratio_p99"
+KL_K3_P50 = "kl/k3_p50"
+KL_K3_P90 = "kl/k3_p90"
+KL_K3_P99 = "kl/k3_p99"
+KL_LOSS_SHARE = "kl/loss_share"
+REPLAY_SHARE = "train/replay_share"
+KL_REPLAY = "kl/replay"
+MEAN_LENGTH = "completions/mean_length"
+MAX_LENGTH = "completions/max_length"
+TRUNCATED_RATIO = "completions/clipped_ratio"
+CLIP_RATIO = "clip_ratio"
+CLIP_RATIO_LOW = "clip_ratio/low"
+CLIP_RATIO_HIGH = "clip_ratio/high"
+ENTROPY = "entropy"
+GRAD_NORM = "grad_norm"
+LR = "lr"
+SKIPPED_STEPS = "train/skipped_steps"
+TIME_GENERATE = "time/generate"
+TIME_REWARD = "time/reward"
+TIME_REFERENCE = "time/reference"
+TIME_REPLAY = "time/replay"
+TIME_UPDATE = "time/update"
+TIME_STEP = "time/step"
+
+REWARD_PREFIX, EVAL_PREFIX, CUSTOM_PREFIX = "rewards/", "eval/", "custom/"
+REWARD_FUNCTION = REWARD_PREFIX + "<function>"
+EVAL_SET = EVAL_PREFIX + "<name>"
+CUSTOM = CUSTOM_PREFIX + "<name>"
+
+
+def reward_function(name: str) -> str:
+    """The metric of one reward function: rewards/<function>."""
+    return REWARD_PREFIX + name
+
+
+def eval_set(name: str) -> str:
+    """The metric of one evaluation set: eval/<name>."""
+    return EVAL_PREFIX + name
+
+
+def custom(name: str) -> str:
+    """A metric a custom loss returns: custom/<name>."""
+    return CUSTOM_PREFIX + name
+
+
+#: The per-token KL percentiles logged each step (p50 / p90 / p99 of l and of k3 over the loss-mask tokens).
+PERCENTILES = (0.5, 0.9, 0.99)
+PERCENTILE_NAMES = (KL_LOG_RATIO_P50, KL_LOG_RATIO_P90, KL_LOG_RATIO_P99, KL_K3_P50, KL_K3_P90, KL_K3_P99)
+
+#: Every metric name the trainer logs -> its formula or meaning, in one line. "Per token" means over the
+#: step's completion tokens (the completion mask, EOS included), pooled over all B*G completions.
+#: l = log pi(y_t) - log pi_ref(y_t) is the per-token log-ratio of the sampled token (docs/kl_math.md).
+#: Names with <...> are patterns: one metric per reward function or evaluation set.
+GLOSSARY: dict[str, str] = {
+    # train
+    LOSS: "the GRPO loss of the step: policy loss + beta * KL loss term, aggregated per loss.aggregation "
+          "with the global normaliser (summed over micro-batches it equals the full-batch loss); the replay "
+          "anchor's term is logged apart as train/replay_penalty",
+    POLICY_LOSS: "clipped surrogate -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), "
+                 "rho_t = pi(y_t) / pi_old(y_t), aggregated as the loss",
+    KL_PENALTY: "beta times the KL that entered the objective: the shaped, importance-corrected loss "
+                "term aggregated as the loss, plus (KL in the reward) beta * mean over completions of "
+                "the summed per-token KL",
+    REWARD: "mean over the step's B*G completions of the total reward (weighted sum of the reward functions)",
+    REWARD_STD: "mean over the B prompts of the std of the G total rewards within each group "
+                "(ddof as the advantages); 0 means no group had a learning signal",
+    REWARD_FUNCTION: "mean over the step's completions of one reward function's unweighted value",
+    ADVANTAGE_ABS: "mean over completions of |A_i|, the group-normalised advantage "
+                   "(before any KL-in-reward term)",
+    CUSTOM: "one per metric a custom loss (loss.function) returns: its values averaged over the step's "
+            "micro-batches and processes",
+    REPLAY_PENALTY: "replay coefficient times the replay KL term that entered the loss "
+                    "(KL to the reference on replay prompts, the retention guard); absent when off",
+    # adaptive_kl
+    RAW_KL: "mean per token of the configured estimator's KL value, before shaping",
+    ADAPTED_KL: "mean per token of the KL value after shaping (none/clip/sigmoid/length_normalized)",
+    BETA: "the beta that multiplied the KL in this step; the controller updates it "
+          "after the step, so the next row shows the new value",
+    # kl diagnostics
+    KL_K1: "mean per token of k1 = l (unbiased for KL(pi||ref), either sign)",
+    KL_K2: "mean per token of k2 = l^2 / 2 (biased, >= 0), on the same tokens as kl/k1",
+    KL_K3: "mean per token of k3 = exp(-l) + l - 1 (unbiased, >= 0), on the same tokens as kl/k1",
+    KL_MAX: "max over the step's completion tokens of k3, with |l| clamped at the k3 guard (default 20): "
+            "the spikes of the heavy-tailed estimator",
+    KL_MIN: "min over the step's loss-mask tokens of the configured estimator's per-token KL value (the one "
+            "adaptive_kl/raw_kl averages): negative for k1 (a token the policy makes less likely than the "
+            "reference); for k2, k3, k3_st and full a negative value means a bug",
+    LOGP_POLICY_MEAN: "mean per loss-mask token of log pi(y_t), the policy's log-prob of the sampled token "
+                      "(at the sampling temperature, with the weights of the update)",
+    LOGP_REFERENCE_MEAN: "mean per loss-mask token of log pi_ref(y_t) on the same tokens: "
+                         "logp/policy_mean - logp/reference_mean = kl/k1",
+    KL_CLAMP_FRAC: "fraction of completion tokens whose |l| exceeded the k3 guard (clamped; no KL gradient there)",
+    KL_SHAPING_CLIP_FRAC: "fraction of completion tokens whose KL exceeded kl_clip_threshold under the clip "
+                          "shaping (zero KL gradient there); 0 for other shapings",
+    KL_SEQUENCE_SUM: "mean over completions of sum_t l_t (summed k1): the sequence KL estimate, "
+                     "Ziegler's controller input",
+    KL_LOG_RATIO_P50: "median over the step's loss-mask tokens of l (linear interpolation, as torch.quantile); "
+                      "kl/log_ratio_p90 and kl/log_ratio_p99 the 90th and 99th percentiles",
+    KL_LOG_RATIO_P90: "90th percentile over the step's loss-mask tokens of l",
+    KL_LOG_RATIO_P99: "99th percentile over the step's loss-mask tokens of l: where a few tokens run off",
+    KL_K3_P50: "median over the step's loss-mask tokens of k3 = exp(-l) + l - 1 (|l| clamped at the k3 guard)",
+    KL_K3_P90: "90th percentile over the step's loss-mask tokens of k3",
+    KL_K3_P99: "99th percentile over the step's loss-mask tokens of k3: with kl/max, the heavy tail of the KL",
+    KL_LOSS_SHARE: "|beta * KL loss term| / (P + |beta * KL loss term|), in [0, 1], P = the per-token |policy "
+                   "loss| aggregated as the loss: how much of the loss's magnitude the KL is; logged when the KL "
+                   "is in the loss with beta > 0",
+    REPLAY_SHARE: "|train/replay_penalty| / (|train/loss| + |train/replay_penalty|), in [0, 1] (0 when "
+                  "both are 0): the anchor's share of the objective's magnitude",
+    KL_REPLAY: "mean per token of the configured estimator's KL value on the replay prompts' completions",
+    # completions
+    MEAN_LENGTH: "mean over the step's completions of the completion length in tokens (EOS included)",
+    MAX_LENGTH: "longest completion of the step, in tokens",
+    TRUNCATED_RATIO: "fraction of completions cut at max_new_tokens without an EOS",
+    # clipping
+    CLIP_RATIO: "fraction of completion tokens where the PPO clip was active: clip_ratio/low + clip_ratio/high",
+    CLIP_RATIO_LOW: "fraction of completion tokens with A < 0 and rho_t < 1 - eps_low",
+    CLIP_RATIO_HIGH: "fraction of completion tokens with A > 0 and rho_t > 1 + eps_high",
+    # optimisation
+    ENTROPY: "mean per token of the policy's next-token entropy -sum_v pi(v) log pi(v) (nats, at the "
+             "sampling temperature)",
+    GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
+    LR: "learning rate of this optimizer step",
+    SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "
+                   "optimizer, scheduler and KL controller did not move on them); the run stops after "
+                   "train.max_skipped_steps in a row",
+    # timing
+    TIME_GENERATE: "wall seconds spent sampling the step's completions",
+    TIME_REWARD: "wall seconds spent in the reward functions",
+    TIME_REFERENCE: "wall seconds spent computing the reference log-probs",
+    TIME_REPLAY: "wall seconds of the replay anchor's forward/backward",
+    TIME_UPDATE: "wall seconds of the policy forward/backward passes and optimizer step(s)",
+    TIME_STEP: "wall seconds of the whole step, from sampling to logging",
+    # eval
+    EVAL_SET: "greedy accuracy (fraction correct, 0..1) on the named evaluation or retention set, "
+              "logged at evaluation steps only",
+}

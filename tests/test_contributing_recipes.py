@@ -1,0 +1,74 @@
+"""CONTRIBUTING.md's recipes, run as written: each code block is the ONE edit that adds an extension, so after
+executing it in its module the config accepts the new name and the math runs it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from klgrpo.apps.args import parse_args
+from klgrpo.math import kl, kl_control, policy_loss
+from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.train.terms import controller_params
+
+CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
+
+
+def recipe(heading: str) -> str:
+    """The first python block under ``heading``."""
+    text = CONTRIBUTING.read_text()
+    section = text[text.index(heading):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def run_in(module, code: str, registry, name: str):
+    """Execute ``code`` as if it were written in ``module``; return the registered entry (removed afterwards by
+    the caller through ``registry._items.pop``)."""
+    namespace = dict(vars(module))
+    exec(compile(code, f"CONTRIBUTING.md ({module.__name__})", "exec"), namespace)
+    return registry[name]
+
+
+def test_the_estimator_recipe_registers_a_checked_estimator():
+    entry = run_in(kl, recipe("### Adding an estimator"), kl.ESTIMATORS, "k2_half")
+    try:
+        cfg, _ = parse_args(["--kl.estimator", "k2_half"])
+        assert cfg.kl.estimator == "k2_half"
+        l = torch.tensor([0.3, -1.2], dtype=torch.float64, requires_grad=True)
+        (grad,) = torch.autograd.grad(entry.fn(l).sum(), l)
+        torch.testing.assert_close(grad, entry.score_factor(l.detach()))  # d(l^2/4)/dl = l/2
+        assert entry.fn(torch.tensor(2.0)).item() == 1.0  # 2^2 / 4
+    finally:
+        kl.ESTIMATORS._items.pop("k2_half")
+
+
+def test_the_policy_loss_recipe_is_selected_by_name():
+    run_in(policy_loss, recipe("### Adding a policy loss"), policy_loss.POLICY_LOSSES, "reinforce")
+    try:
+        cfg, _ = parse_args(["--loss.policy_loss", "reinforce"])
+        assert cfg.loss.policy_loss == "reinforce"
+        logp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+        out = grpo_objective(logp, logp.detach(), None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2),
+                             kl=KLTerm(), policy=PolicyTerm(name="reinforce"), aggregation="token_mean",
+                             normalizer=Normalizer.of(torch.ones(1, 2)))
+        assert float(out.loss.detach()) == pytest.approx(-2.0 * (-0.5 - 1.0) / 2)  # -A * mean log pi = 1.5
+    finally:
+        policy_loss.POLICY_LOSSES._items.pop("reinforce")
+
+
+def test_the_controller_recipe_gets_its_settings_from_the_config():
+    cls = run_in(kl_control, recipe("### Adding a controller"), kl_control.CONTROLLERS, "proportional")
+    try:
+        cfg, _ = parse_args(["--kl.controller", "proportional", "--kl.coef", "0.5", "--kl.target", "0.1",
+                             "--kl.dual_lr", "0.2"])
+        params = controller_params(cfg.kl)
+        assert params == {"target": 0.1, "dual_lr": 0.2, "beta_min": 0.0, "kl_measure": "token_mean"}
+        ctl = kl_control.build_controller("proportional", cfg.kl.coef, **params)
+        assert isinstance(ctl, cls)
+        assert ctl.update(0.2) == pytest.approx(0.5 * (1 + 0.2 * (0.2 - 0.1) / 0.1))  # 0.6
+    finally:
+        kl_control.CONTROLLERS._items.pop("proportional")

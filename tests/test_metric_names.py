@@ -1,0 +1,87 @@
+"""Metric names in both directions: every name a run logs is in the glossary and in docs/metrics.md, and every
+name docs/metrics.md documents is a glossary name that a run with the optional metrics switched on logs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from klgrpo.train import metric_names as m
+from klgrpo.train.metrics import describe, read_metrics
+from klgrpo.train.trainer import GRPOTrainer
+from tests.conftest import write_jsonl
+from tests.helpers.configs import make_config, quiet
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+def documented_names() -> set[str]:
+    """The names in the first column of docs/metrics.md's "| name | formula / meaning |" tables (a cell
+    `a`, `b`, `c` lists several)."""
+    names, in_table = set(), False
+    for line in DOCS.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) < 3:
+            in_table = False
+        elif cells[1] == "name":
+            in_table = True
+        elif in_table:
+            names.update(re.findall(r"`([^`]+)`", cells[1]))
+    return names
+
+
+def _is_documented_in_docs(name: str, documented: set[str]) -> bool:
+    if name in documented:
+        return True
+    return any("<" in d and name.startswith(d[: d.index("<")]) for d in documented)
+
+
+@pytest.fixture(scope="module")
+def logged(tiny_model_dir, addition_file, tmp_path_factory):
+    """Every name one short run logs with the optional metrics switched on: the KL in the loss and the reward,
+    the clip shaping, the replay anchor, an evaluation set and a custom loss that returns a metric."""
+    replay_file = write_jsonl(tmp_path_factory.mktemp("replay") / "sub.jsonl",
+                              [{"prompt": f"{a:02d}-{b:02d}="} for a in range(50, 90, 7) for b in range(0, 40, 13)])
+    out = tmp_path_factory.mktemp("names")
+    cfg = make_config(tiny_model_dir, addition_file, out / "run", train={"steps": 1},
+                      kl={"coef": 0.1, "placement": "both", "shaping": "clip",
+                          "replay": {"coef": 1.0, "source": str(replay_file), "num_prompts": 4,
+                                     "completions_per_prompt": 1, "batch_size": 4}},
+                      eval={"sets": [{"name": "add", "source": str(addition_file), "limit": 4}]})
+
+    def custom_loss(inp):
+        loss = -(inp.advantages.unsqueeze(-1) * inp.logp * inp.mask).sum() / inp.normalizer.num_sequences
+        return loss, {"token_count": inp.mask.sum().float()}
+
+    trainer = GRPOTrainer(cfg, loss_fn=custom_loss, log=quiet)
+    trainer.train()
+    return {k for row in read_metrics(trainer.run_dir) for k in row} - {"step", "wall_time"}
+
+
+def test_every_logged_name_is_in_the_glossary_and_the_docs(logged):
+    documented = documented_names()
+    assert {m.LOSS, m.KL_REPLAY, m.KL_SHAPING_CLIP_FRAC, m.eval_set("add"), m.custom("token_count")} <= logged
+    assert [n for n in sorted(logged) if describe(n) is None] == []
+    assert [n for n in sorted(logged) if not _is_documented_in_docs(n, documented)] == []
+
+
+def test_every_documented_name_is_a_glossary_name_and_is_logged(logged):
+    documented = documented_names()
+    assert len(documented) >= 40  # the parser read the tables
+    assert sorted(documented - set(m.GLOSSARY)) == []
+    assert sorted(set(m.GLOSSARY) - documented) == []
+    never = [d for d in sorted(documented) if not any(_is_documented_in_docs(n, {d}) for n in logged)]
+    assert never == []
+
+
+def test_the_checks_fail_on_an_undocumented_name():
+    """The planted case: a name nobody documented is caught by both checks."""
+    assert describe("kl/k4") is None
+    assert not _is_documented_in_docs("kl/k4", documented_names())
+    assert _is_documented_in_docs(m.reward_function("exact_match"), documented_names())
+
+
+def test_constants_spell_the_glossary_names():
+    constants = {v for k, v in vars(m).items() if k.isupper() and isinstance(v, str)}
+    assert constants - {m.REWARD_PREFIX, m.EVAL_PREFIX, m.CUSTOM_PREFIX} == set(m.GLOSSARY)
