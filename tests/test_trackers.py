@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections import Counter
 
 import pytest
@@ -136,16 +137,20 @@ def test_wandb_offline(tiny_model_dir, addition_file, tmp_path, monkeypatch):
     assert len(files) == 2  # one per session, the same run id
     run_id = json.loads((run / "trackers.json").read_text())["wandb"]["id"]
     assert all(f.name == f"run-{run_id}.wandb" for f in files)
-    points: dict[int, list[float]] = {}
-    names: set[str] = set()
-    for path in files:
-        for record in _wandb_records(path):
-            if record.WhichOneof("record_type") != "history":
-                continue
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
-            names |= {k for k in items if not k.startswith("_")}
-            if METRIC in items:
-                points.setdefault(int(items["_step"]), []).append(items[METRIC])
+    for _ in range(100):  # W&B's service process writes the files: wait (at most ~20 s) until both are complete
+        points: dict[int, list[float]] = {}
+        names: set[str] = set()
+        for path in files:
+            for record in _wandb_records(path):
+                if record.WhichOneof("record_type") != "history":
+                    continue
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+                names |= {k for k in items if not k.startswith("_")}
+                if METRIC in items:
+                    points.setdefault(int(items["_step"]), []).append(items[METRIC])
+        if 4 in points:
+            break
+        time.sleep(0.2)
     _check_one_per_step(points, rows)
     assert names == _names(rows)
 

@@ -107,7 +107,8 @@ class RunTrackers:
     def log(self, values: dict[str, float], step: int) -> None:
         for name, tracker in self.trackers:
             if step > self.floor[name]:
-                tracker.log(dict(values), step=step)
+                # W&B holds a step's row until the next step or the run's end; commit it now, so a crash keeps it
+                tracker.log(dict(values), step=step, **({"commit": True} if name == "wandb" else {}))
                 self.sent[name] = max(self.sent[name], step)
         self._write_state()
 
