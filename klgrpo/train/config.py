@@ -234,6 +234,9 @@ class TrainConfig:
     torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
     max_skipped_steps: int = _f(3, "stop the run (non-zero exit) after this many steps in a row were skipped for a "
                                    "non-finite loss or gradient norm; a skipped step never updates the weights")
+    dist_timeout_s: float = _f(600.0, "several processes: seconds a collective waits for the other processes before "
+                                      "the run fails with an error (a stuck or dead process never hangs the rest "
+                                      "longer); see docs/reliability.md")
     compile: bool = _f(False, "torch.compile the policy's and the reference's forward and the sampling loop's "
                               "step: faster steps after a one-off compilation (tens of seconds on a CPU, again "
                               "once when the shapes change); pays on long runs, see docs/benchmarks.md for the "

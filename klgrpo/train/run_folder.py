@@ -45,6 +45,7 @@ RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "
 RESUME_SAFE_PREFIXES = ("logging.", "eval.")
 RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                       "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
+                      "train.dist_timeout_s",
                       "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
                       "model.fast_path", "model.lora.save_merged")
 
@@ -300,23 +301,44 @@ def _check_lock(run_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- signals
+class DeferredStop:
+    """Signals received while several processes train: noted here, acted on at the next step boundary, where
+    the ranks agree to stop together (a rank that raised mid-step would leave the others in a collective)."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def interrupt(self) -> KeyboardInterrupt:
+        """What the trainer raises once the ranks agreed to stop (on a rank that saw no signal: Terminated, the
+        launcher's way of stopping a run)."""
+        return KeyboardInterrupt() if self.signal == signal.SIGINT else Terminated()
+
+
 @contextmanager
-def sigterm_as_interrupt():
+def sigterm_as_interrupt(deferred: bool = False):
     """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt), so the trainer saves the last
-    complete step as on Ctrl-C. Only the main thread can install handlers; elsewhere this does nothing."""
+    complete step as on Ctrl-C. ``deferred`` (several processes): SIGTERM and SIGINT are only noted in the
+    yielded ``DeferredStop`` and the trainer stops at the step boundary. Only the main thread can install
+    handlers; elsewhere this does nothing."""
+    stop = DeferredStop()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stop
         return
 
     def _raise(signum, frame):
         raise Terminated()
 
-    previous = signal.signal(signal.SIGTERM, _raise)
+    def _note(signum, frame):
+        stop.signal = stop.signal or signum
+
+    signals = (signal.SIGTERM, signal.SIGINT) if deferred else (signal.SIGTERM,)
+    previous = {s: signal.signal(s, _note if deferred else _raise) for s in signals}
     try:
-        yield
+        yield stop
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 __all__ = ["timestamped_run_dir", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
-           "discard_unstarted_run", "RunLock", "Terminated", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]
+           "discard_unstarted_run", "RunLock", "Terminated", "DeferredStop", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]

@@ -79,7 +79,7 @@ class GRPOTrainer:
         cfg = config
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
-        self.dist = Distributed()
+        self.dist = Distributed(cfg.train.dist_timeout_s)
         self.engine = Engine(cfg.model.fast_path)  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
         self.engine.check(cfg)
         if cfg.rollout.prompts_per_step % self.dist.world_size:
@@ -424,15 +424,22 @@ class GRPOTrainer:
         self.step = int(state["step"])
         self.log(f"resumed from {ckpt} at step {self.step}")
 
-    def _should_stop(self, metrics: dict[str, float], start: float) -> bool:
-        """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
+    def _should_stop(self, metrics: dict[str, float], start: float, signals=None) -> bool:
+        """Decided identically on every rank (the wall-clock verdict of rank 0 is shared). ``signals``: a
+        ``DeferredStop`` (several processes); a signal any rank received stops all of them here, raising the
+        interrupt that saves the step just completed."""
         cfg = self.cfg
         if self.guard.exhausted:
             self._stop_reason = self.guard.stop_message(self.step)
             return True
         over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
         if self.dist.enabled:
-            over = bool(self.dist.max(torch.tensor(float(over and self.dist.is_main), device=self.device)).item())
+            noted = signals is not None and signals.signal is not None
+            verdict = self.dist.max(torch.tensor([float(over and self.dist.is_main), float(noted)],
+                                                 device=self.device))
+            over = bool(verdict[0].item())
+            if verdict[1].item():
+                raise signals.interrupt()
         if over:
             self._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
         return over
@@ -440,7 +447,8 @@ class GRPOTrainer:
     def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
         """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
         ("latest" or a checkpoint folder) continues one (run_folder.py)."""
-        lock = open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log) if self.dist.is_main else None
+        # Rank 0 decides; a refusal reaches every rank before any collective of the run, so none is left waiting.
+        lock = self.dist.agreed(lambda: open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log))
         try:
             return self._train(resume)
         finally:
@@ -463,14 +471,14 @@ class GRPOTrainer:
         with logger:
             if eval_before and self.step == 0:
                 logger.log(0, eval_before)
-            with sigterm_as_interrupt(), _save_on_interrupt(self, logger):
+            with sigterm_as_interrupt(deferred=self.dist.enabled) as signals, _save_on_interrupt(self, logger):
                 while self.step < cfg.train.steps:
                     metrics = self.train_step()
                     if evaluate and cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.train.steps:
                         metrics.update(self.evaluate())
                     logger.log(self.step, metrics)
                     history.append(metrics)
-                    stop = self._should_stop(metrics, start)
+                    stop = self._should_stop(metrics, start, signals)
                     if cfg.train.save_every and self.step % cfg.train.save_every == 0 and not stop:
                         self.save()
                     if stop:

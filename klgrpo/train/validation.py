@@ -159,6 +159,7 @@ _LOWER_BOUNDS = (
     ("train.micro_batch_size", 0, True, "0: the whole batch"),
     ("train.torch_threads", 0, True, "0: torch's default"),
     ("train.max_skipped_steps", 1, True, ""),
+    ("train.dist_timeout_s", 0, False, ""),
     ("data.limit", 0, True, "0: all rows"),
     ("loss.std_eps", 0, True, ""),
     ("kl.target", 0, True, ""),
