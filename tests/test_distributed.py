@@ -3,7 +3,9 @@ the same global batch: the same completions from the same seed (FSDP2: sampled f
 same reference log-probs (FSDP2: a sharded reference), and after one update the same loss, gradient norm, metrics,
 gradient and weights (with the replay anchor on, so its once-per-step gradient is checked too). Then a 2-process
 run that writes one checkpoint (full weights loadable by from_pretrained, the optimizer state in the
-single-process layout), resumes on 2 processes and on 1."""
+single-process layout), resumes on 2 processes and on 1; that run evaluates two eval sets before, during and
+after training (rank 0 alone generates while the others wait), each number equal to one process evaluating the
+same weights."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.helpers.dist_worker import full_gradients, sample_slice, update_metri
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
+EVAL_REWARD = f"{Path(__file__).parent / 'helpers' / 'faults.py'}:completion_checksum"
 KINDS = {"ddp": ROOT / "examples" / "accelerate" / "ddp.yaml", "fsdp2": ROOT / "examples" / "accelerate" / "fsdp2.yaml"}
 
 
@@ -115,6 +118,9 @@ def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, per
     single = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
     train_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    train_dict["eval"] = {"every": 1, "sets": [
+        {"name": "first", "source": str(addition_file), "limit": 6, "reward": EVAL_REWARD},
+        {"name": "second", "source": str(addition_file), "limit": 3, "reward": EVAL_REWARD}]}
     (tmp_path / "train.json").write_text(json.dumps(train_dict))
     accelerate_launch(KINDS[kind], [str(WORKER), "both", str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"),
                                     str(tmp_path / "out.pt"), str(tmp_path / "train.json"),
@@ -122,6 +128,30 @@ def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, per
     check_update_matches(kind, torch.load(tmp_path / "out.pt", weights_only=False), *single)
     check_checkpoint_and_resume(kind, train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json")
                                                                                    .read_text()), tmp_path)
+    check_evaluations_match_one_process(train_dict, perturbed_model_dir)
+
+
+def check_evaluations_match_one_process(cfg_dict, base_model_dir):
+    """Each logged evaluation equals one process's evaluation of the same weights: the base model before
+    training, the checkpoint of the step after it (the score is a checksum of every greedy completion)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+
+    run = Path(cfg_dict["train"]["output_dir"])
+    cfg = GRPOConfig.from_dict(cfg_dict)
+    sets = load_eval_sets(cfg)
+    rows = [r for r in read_metrics(run) if "eval/first" in r]
+    # before, at step 1 (eval.every), after step 2; the resumed run: after step 3
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        if row["step"] == 1:
+            continue  # no checkpoint of step 1 to evaluate
+        folder = base_model_dir if row["step"] == 0 else run / "checkpoints" / f"step_{row['step']}"
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        expected = evaluate_sets(model, AutoTokenizer.from_pretrained(folder), sets, cfg)
+        assert {k: row[k] for k in expected} == expected, row["step"]
+    assert len({(r["eval/first"], r["eval/second"]) for r in rows}) > 1  # the numbers follow the weights
 
 
 def check_update_matches(kind, out, batch, completions, metrics, grads, weights):
@@ -155,7 +185,7 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     run = Path(cfg_dict["train"]["output_dir"])
     assert out["kind"] == kind and out["summary"]["world_size"] == 2
     assert out["checkpoints_after_run"] == ["step_2"]  # one folder, written by rank 0
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # resumed on 2 processes
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == [1, 2, 3]  # resumed on 2 processes
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
     ckpt = run / "checkpoints" / "step_2"
