@@ -123,6 +123,40 @@ def test_lock_refuses_a_live_writer_and_takes_over_a_dead_one(tmp_path):
     assert not (run / LOCK_FILE).exists()
 
 
+def test_a_second_trainer_in_the_same_process_is_refused(tiny_model_dir, addition_file, tmp_path):
+    """Trainer A runs in a thread (held inside its first step); trainer B of the same process on the same folder
+    is refused, without touching A's lock. Once A is done, the folder is free again."""
+    import threading
+
+    from klgrpo.train.run_folder import LOCK_FILE
+
+    run = tmp_path / "run"
+    first = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}), log=quiet)
+    second = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 2}), log=quiet)
+    inside, release, results = threading.Event(), threading.Event(), []
+    step = first.train_step
+
+    def held_step():
+        inside.set()
+        release.wait(120)
+        return step()
+
+    first.train_step = held_step
+    thread = threading.Thread(target=lambda: results.append(first.train()))
+    thread.start()
+    try:
+        assert inside.wait(120)
+        lock = (run / LOCK_FILE).read_text()
+        with pytest.raises(ConfigError, match="being written by another trainer in this process"):
+            second.train(resume="latest")
+        assert (run / LOCK_FILE).read_text() == lock  # A's lock untouched
+    finally:
+        release.set()
+        thread.join(120)
+    assert results and results[0]["steps"] == 1 and not (run / LOCK_FILE).exists()
+    assert second.train(resume="latest")["steps"] == 2  # free again
+
+
 def test_orphans_are_cleaned_and_only_those(tmp_path):
     from klgrpo.train.checkpoint import clean_incomplete
 

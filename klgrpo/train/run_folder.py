@@ -10,7 +10,10 @@ folder is refused with a line naming --resume, --output-dir and --overwrite; --o
 files klgrpo writes (RUN_FILES) and keeps anything else in the folder.
 
 The lock is ``<run>/.klgrpo.lock`` (created with O_EXCL, holding the PID and host). A lock whose process is
-gone (same host) is stale and taken over; a live one refuses the second run.
+gone (same host) is stale and taken over; a live one refuses the second run. Within one process the folders
+whose lock a trainer holds are also kept in memory, so a second trainer of the same process (a thread, a
+notebook cell) is refused too, while a lock left by an earlier trainer of this process that never released it
+is taken over.
 
 Resuming compares the run's config.yaml with the new config: a change of a field in ``RESUME_SAFE_FIELDS``
 (how long, how often to save or evaluate, logging, device) is applied with a warning and config.yaml is
@@ -37,6 +40,9 @@ from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
 LOCK_FILE = ".klgrpo.lock"
+#: The lock files this process holds (resolved paths): a second trainer in this process is refused.
+_HELD_HERE: set[str] = set()
+_HELD_HERE_GUARD = threading.Lock()
 CONFIG_FILE = "config.yaml"
 #: What klgrpo writes into a run folder: --overwrite deletes these and nothing else.
 RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "checkpoints", "tb", "plots",
@@ -235,6 +241,12 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> "RunLock":
+        with _HELD_HERE_GUARD:  # two threads of this process: one wins, the other sees it in _HELD_HERE
+            self._acquire_file()  # _check_lock refuses a folder this process holds
+            _HELD_HERE.add(str(self.path.resolve()))
+        return self
+
+    def _acquire_file(self) -> "RunLock":
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -271,6 +283,8 @@ class RunLock:
             if owner and owner.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
             self.held = False
+            with _HELD_HERE_GUARD:
+                _HELD_HERE.discard(str(self.path.resolve()))
 
 
 def _read_lock(path: Path) -> dict | None:
@@ -293,6 +307,9 @@ def _owner_alive(owner: dict) -> bool:
 
 
 def _check_lock(run_dir: Path) -> None:
+    if str((Path(run_dir) / LOCK_FILE).resolve()) in _HELD_HERE:
+        raise ConfigError(f"{run_dir} is being written by another trainer in this process; let it finish (or pick "
+                          f"another --output-dir)")
     owner = _read_lock(Path(run_dir) / LOCK_FILE)
     if owner and _owner_alive(owner):
         raise ConfigError(f"{run_dir} is being written by another klgrpo run (PID {owner.get('pid')} on "
