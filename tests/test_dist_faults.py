@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.launch import Launch, accelerate_command, metrics_steps
 
@@ -120,3 +121,36 @@ def test_a_stuck_rank_fails_the_run_after_train_dist_timeout_s(tiny_model_dir, a
     assert done.returncode != 0
     assert done.exited_at - fault_at < 100, "the run ended only when the stuck reward returned"  # not a speed goal
     assert "klgrpo train: error: the processes of this run lost each other" in done.output, done.output[-4000:]
+
+
+@pytest.mark.slow
+def test_resume_auto_under_torchrun_max_restarts_survives_two_kills_bitwise(tiny_model_dir, addition_file, tmp_path):
+    """``torchrun --max-restarts 3 -m klgrpo train --resume auto``: rank 1 is SIGKILLed in the middle of a step on
+    two attempts; the launcher restarts both workers, which continue from the newest checkpoint. The final
+    weights equal an uninterrupted 2-process run's bitwise, and every step is logged once."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.launch import torchrun_command
+
+    steps = 6
+    runs = {}
+    for name, reward in [("uninterrupted", {"name": "format", "kwargs": {"pattern": "0"}}),
+                         ("killed", {"name": f"{HELPERS / 'faults.py'}:kill_each_attempt",
+                                     "kwargs": {"kills_file": str(tmp_path / "kills.txt"), "call": 3, "times": 2}})]:
+        run = tmp_path / name
+        cfg = fault_config(tiny_model_dir, addition_file, run, steps=steps)
+        cfg["rewards"]["functions"] = [reward]
+        cfg["train"]["save_every"] = 1
+        config_file = tmp_path / f"{name}.json"
+        config_file.write_text(json.dumps(cfg))
+        done = finish(Launch(torchrun_command(["-m", "klgrpo", "train", "--config", str(config_file),
+                                               "--resume", "auto"], max_restarts=3)), name)
+        assert done.returncode == 0, done.output[-4000:]
+        runs[name] = run
+    kills = (tmp_path / "kills.txt").read_text().splitlines()
+    assert len(kills) == 2  # killed at step 3 of the first attempt, step 2 + 3 = 5 of the second
+    assert metrics_steps(runs["killed"]) == list(range(1, steps + 1))
+    final = [load_file(str(r / "checkpoints" / f"step_{steps}" / "model.safetensors")) for r in runs.values()]
+    assert final[0].keys() == final[1].keys()
+    for name in final[0]:
+        assert torch.equal(final[0][name], final[1][name]), name

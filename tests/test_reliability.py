@@ -157,6 +157,40 @@ def test_a_second_trainer_in_the_same_process_is_refused(tiny_model_dir, additio
     assert second.train(resume="latest")["steps"] == 2  # free again
 
 
+def test_resume_auto_continues_a_checkpoint_restarts_an_unsaved_start_and_starts_fresh(tiny_model_dir, addition_file,
+                                                                                        tmp_path, capsys):
+    """--resume auto: a fresh folder starts a run; a folder with a checkpoint continues from it; the beginning
+    of the same run killed before its first checkpoint starts again; another run's beginning is refused."""
+    from klgrpo.apps.args import parse_args
+    from klgrpo.train.run_folder import resolve_auto_resume
+
+    out = tmp_path / "run"
+    cfg = parse_args(_base_args(tiny_model_dir, addition_file, out))[0]
+    assert resolve_auto_resume(out, cfg) == (None, False)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto"), capsys)
+    assert code == 0, err
+    assert resolve_auto_resume(out, cfg) == ("latest", False)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto", "--train.steps", "3"),
+                        capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    # Killed after logging step 1, before any checkpoint: the same config starts again from step 0.
+    import shutil
+
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    assert resolve_auto_resume(out, cfg.override({"train.steps": 3})) == (None, True)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto", "--train.steps", "3"),
+                        capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto", "--train.seed", "5"),
+                        capsys)
+    assert code == 2 and "train.seed 0 -> 5" in err and len(err.strip().splitlines()) == 1
+
+
 def test_orphans_are_cleaned_and_only_those(tmp_path):
     from klgrpo.train.checkpoint import clean_incomplete
 

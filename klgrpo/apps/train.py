@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     run_dir, fresh = None, False
     try:
         cfg, opts = parse_args(argv)
-        fresh = not opts["resume"]
+        fresh = not opts["resume"]  # --resume auto never discards: the folder may hold its earlier attempts
         if not cfg.model.name_or_path:
             from klgrpo.apps.demo_run import run_demo
 

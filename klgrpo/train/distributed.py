@@ -30,6 +30,24 @@ def _launched_with_several_processes() -> bool:
 T = TypeVar("T")
 
 
+def _init_restarted_cpu_group(timeout: timedelta | None) -> None:
+    """A worker that ``torchrun --max-restarts`` restarted, on CPUs: the launcher keeps one key-value store
+    across attempts, and a new gloo group reads the previous attempt's addresses from it when they are still
+    there (seen here: "connection refused", or a hang at start-up). The group of attempt N gets keys of its
+    own; accelerate then adopts the initialised group."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if (attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.cuda.is_available()
+            or torch.distributed.is_initialized()):
+        return
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     **({"timeout": timeout} if timeout else {}))
+    torch.distributed.init_process_group("gloo", store=PrefixStore(f"klgrpo/attempt_{attempt}", store),
+                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                         **({"timeout": timeout} if timeout else {}))
+
+
 def lost_peer_message(exc: BaseException) -> str | None:
     """One line for a collective that failed because another process died, stopped or stalled past
     ``train.dist_timeout_s`` (None for any other error)."""
@@ -57,8 +75,9 @@ class Distributed:
             from accelerate import PartialState
 
             # Without cpu=True a machine with no GPU silently becomes "rank 0 of 1" in every process.
-            timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-            state = PartialState(cpu=not torch.cuda.is_available(), **timeout)
+            timeout = timedelta(seconds=timeout_s) if timeout_s else None
+            _init_restarted_cpu_group(timeout)
+            state = PartialState(cpu=not torch.cuda.is_available(), **({"timeout": timeout} if timeout else {}))
             self.rank, self.world_size = state.process_index, state.num_processes
             self.local_rank = state.local_process_index
             self.device = state.device
@@ -112,26 +131,26 @@ class Distributed:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def agreed(self, decide_on_main: Callable[[], T]) -> T | None:
-        """Run ``decide_on_main`` on rank 0 only and share its verdict: its result on rank 0 (None elsewhere), or
-        the same klgrpo error (a refusal) raised on every rank. Call it before any collective the refusal must
-        not strand the other ranks in."""
+    def agreed(self, decide_on_main: Callable[[], T], shared: bool = False) -> T | None:
+        """Run ``decide_on_main`` on rank 0 only and share its verdict: its result on rank 0 (on every rank with
+        ``shared``, else None elsewhere), or the same klgrpo error (a refusal) raised on every rank. Call it
+        before any collective the refusal must not strand the other ranks in."""
         from klgrpo.errors import KLGRPOError, first_line
 
-        result, failure, shared = None, None, None
+        result, failure, refusal = None, None, None
         if self.is_main:
             try:
                 result = decide_on_main()
             except Exception as exc:  # anything else is shared as one line too, and re-raised as is on rank 0
                 failure = exc
-                shared = exc if isinstance(exc, KLGRPOError) else KLGRPOError(
+                refusal = exc if isinstance(exc, KLGRPOError) else KLGRPOError(
                     f"process 0 failed: {type(exc).__name__}: {first_line(exc)}")
-        shared = self.broadcast_object(shared)
+        refusal = self.broadcast_object(refusal)
         if failure is not None:
             raise failure
-        if shared is not None:
-            raise shared
-        return result
+        if refusal is not None:
+            raise refusal
+        return self.broadcast_object(result) if shared else result
 
     def barrier(self) -> None:
         if self.enabled:

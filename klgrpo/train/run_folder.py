@@ -1,6 +1,7 @@
 """Run-folder safety: a folder that holds a run is never overwritten unless asked, one run writes it at a time,
 a resume continues the run it names, and what killed saves leave behind is cleaned at start.
 
+    resolve_auto_resume(run_dir, cfg)                   --resume auto: "latest", a restart of an unsaved start, or fresh
     check_run_folder(run_dir, cfg, resume, overwrite)   read-only checks (the CLI runs them before building a model)
     open_run_folder(run_dir, cfg, resume, overwrite)    the checks, then --overwrite's clearing, the lock,
                                                         the clean-up and config.yaml; returns the RunLock
@@ -105,12 +106,34 @@ def holds_run(run_dir: Path) -> bool:
         return True
 
 
+def resolve_auto_resume(run_dir: Path, cfg) -> tuple[str | None, bool]:
+    """``--resume auto`` as (resume, overwrite): ("latest", False) when the folder has a complete checkpoint;
+    (None, True) when it holds the beginning of this same run (its config.yaml agrees) killed before its first
+    checkpoint, which starts again from step 0; (None, False) for a folder without a run. A launcher that
+    restarts failed workers (``torchrun --max-restarts``) can pass it every time."""
+    run_dir = Path(run_dir)
+    if list_checkpoints(run_dir):
+        return "latest", False
+    if not holds_run(run_dir):
+        return None, False
+    saved = saved_config(run_dir)
+    if saved is None:
+        raise ConfigError(f"--resume auto: {run_dir} holds a run without a checkpoint or a {CONFIG_FILE}; start a "
+                          f"new run with another --output-dir, or replace it with --overwrite")
+    compare_configs(saved, cfg.to_dict(), run_dir)  # another run's beginning is refused, not restarted
+    return None, True
+
+
 def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = False) -> list[str]:
     """Refuse a fresh run into a run folder (without overwrite), a folder locked by a live run, or a resume
     whose config breaks the run's exactness. Returns the warnings of a resume's harmless changes."""
     run_dir = Path(run_dir)
     check_output_dir(run_dir)
     _check_lock(run_dir)
+    if resume == "auto":
+        if overwrite:
+            raise ConfigError("--resume auto continues a run and --overwrite deletes it: pass only one of them")
+        resume, overwrite = resolve_auto_resume(run_dir, cfg)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
     if not resume:
@@ -183,6 +206,8 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
     written (fresh run) or updated with a resume's harmless changes (said so)."""
     run_dir = Path(run_dir)
     warnings = check_run_folder(run_dir, cfg, resume, overwrite)
+    if resume == "auto":
+        resume, overwrite = resolve_auto_resume(run_dir, cfg)
     if resume:
         resume_candidates(resume, run_dir)  # nothing to resume: refuse before writing anything
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -357,5 +382,5 @@ def sigterm_as_interrupt(deferred: bool = False):
             signal.signal(s, handler)
 
 
-__all__ = ["timestamped_run_dir", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
+__all__ = ["timestamped_run_dir", "resolve_auto_resume", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
            "discard_unstarted_run", "RunLock", "Terminated", "DeferredStop", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]

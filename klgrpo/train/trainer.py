@@ -45,7 +45,7 @@ from klgrpo.train.step_metrics import step_metrics
 from klgrpo.train.timing import phase_timer as _timed
 from klgrpo.train.guard import NonFiniteError, NonFiniteGuard
 from klgrpo.train.resume import load_resumable_checkpoint
-from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt, timestamped_run_dir
+from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume, sigterm_as_interrupt, timestamped_run_dir
 from klgrpo.train.state_io import to_device
 from klgrpo.train.tally import StepTally
 
@@ -446,8 +446,11 @@ class GRPOTrainer:
 
     def train(self, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
         """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
-        ("latest" or a checkpoint folder) continues one (run_folder.py)."""
+        ("latest", a checkpoint folder, or "auto": latest if there is one, else a fresh start) continues one
+        (run_folder.py)."""
         # Rank 0 decides; a refusal reaches every rank before any collective of the run, so none is left waiting.
+        if resume == "auto":
+            resume, overwrite = self.dist.agreed(lambda: resolve_auto_resume(self.run_dir, self.cfg), shared=True)
         lock = self.dist.agreed(lambda: open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log))
         try:
             return self._train(resume)
