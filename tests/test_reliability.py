@@ -500,3 +500,111 @@ def test_step_tally_keeps_constant_state():
     assert tally.last == {"time/step": 999.0, "train/reward": 1998.0}
     assert tally.mean("time/step") == pytest.approx(499.5) and len(tally) == 1000
     assert len(vars(tally)["_sums"]) == 1  # no per-step rows kept
+
+
+# ------------------------------------------------------------------- 9. resuming the right state, owned files
+def test_a_checkpoint_missing_weights_is_refused_and_the_older_one_used(tiny_model_dir, addition_file, tmp_path):
+    """A model.safetensors without the model's tensors (here: none at all) must not resume "from step 2" with
+    the base weights: it is named, and the older checkpoint resumes, with its exact weights."""
+    from safetensors.torch import save_file
+
+    run = tmp_path / "r"
+    cfg = make_config(tiny_model_dir, addition_file, run, train={"steps": 2, "save_every": 1,
+                                                                 "keep_checkpoints": 0}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    save_file({}, str(run / "checkpoints" / "step_2" / "model.safetensors"))
+    messages = []
+    trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=messages.append)
+    trainer.resume("latest")
+    assert trainer.step == 1 and any("step_2" in m and "lacks" in m for m in messages), messages
+    expected = _weights(run, 1)
+    for name, p in trainer.model.named_parameters():
+        if name in expected:
+            assert torch.equal(p.detach(), expected[name]), name
+    with pytest.raises(KLGRPOError, match="lacks .* weights"):
+        GRPOTrainer(cfg.override({"train.steps": 3}), log=quiet).resume(str(run / "checkpoints" / "step_2"))
+
+
+def test_resume_refuses_a_run_without_config_yaml_and_a_finished_run(tiny_model_dir, addition_file, tmp_path,
+                                                                      capsys):
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    files = {n: (out / n).read_bytes() for n in ("config.yaml", "summary.json", "metrics.jsonl")}
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest"], capsys)  # finished at train.steps 2
+    assert code == 2 and "already reached step 2" in err and len(err.strip().splitlines()) == 1
+    assert {n: (out / n).read_bytes() for n in files} == files  # summary.json keeps its numbers
+    (out / "config.yaml").unlink()
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest", "--train.steps", "3"], capsys)
+    assert code == 2 and "config.yaml is missing" in err and "--config" in err, err
+    assert not (out / "config.yaml").exists() and [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_files_klgrpo_did_not_write_are_never_changed(tiny_model_dir, addition_file, tmp_path, capsys):
+    """A config.yaml symlink, the user's own config.yaml (--output-dir .), and a foreign folder that has a
+    summary.json and plots/: refused, and --overwrite deletes none of it."""
+    target = tmp_path / "elsewhere.yaml"
+    target.write_text("mine: 1\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.yaml").symlink_to(target)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, linked), capsys)
+    assert code == 2 and "config.yaml" in err and "not written by a klgrpo run" in err, err
+    assert target.read_text() == "mine: 1\n" and (linked / "config.yaml").is_symlink()
+
+    own = tmp_path / "project"
+    own.mkdir()
+    (own / "config.yaml").write_text("my: project\n")
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, own), capsys)
+    assert code == 2 and (own / "config.yaml").read_text() == "my: project\n"
+
+    foreign = tmp_path / "foreign"
+    (foreign / "plots").mkdir(parents=True)
+    (foreign / "plots" / "figure.png").write_bytes(b"png")
+    (foreign / "summary.json").write_text("{}")
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, foreign, "--overwrite"), capsys)
+    assert code == 2 and "summary.json" in err and "plots" in err, err
+    assert (foreign / "plots" / "figure.png").read_bytes() == b"png" and (foreign / "summary.json").exists()
+
+    # A run klgrpo made itself is listed in its marker, and --overwrite replaces exactly that.
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    (out / "mine.txt").write_text("kept")
+    assert _cli(_base_args(tiny_model_dir, addition_file, out, "--train.steps", "1", "--overwrite"), capsys)[0] == 0
+    assert (out / "mine.txt").read_text() == "kept" and [r["step"] for r in read_metrics(out)] == [1]
+
+
+def _small_tmpfs(path):
+    """A 100 KiB tmpfs (a checkpoint of the tiny model takes ~220 KiB) at ``path`` when this process may mount one (root in a container), else None."""
+    import shutil as _shutil
+
+    if _shutil.which("mount") is None or os.geteuid() != 0:
+        return None
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(path)], capture_output=True)
+    return path if done.returncode == 0 else None
+
+
+def test_full_disk_in_safetensors_says_so_and_leaves_no_tmp_folder(tiny_model_dir, addition_file, tmp_path,
+                                                                   monkeypatch):
+    """safetensors reports a full disk with its own SafetensorError, not an OSError: on a real small tmpfs when
+    one can be mounted here, else with safetensors' writer failing the way it does on a full disk."""
+    from safetensors import SafetensorError
+
+    from klgrpo.train import checkpoint
+
+    disk = _small_tmpfs(tmp_path / "disk")
+    run = (disk or tmp_path) / "r"
+    try:
+        trainer = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}, **FAST), log=quiet)
+        if disk is None:
+            def full(*_a, **_k):
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+            monkeypatch.setattr(checkpoint, "save_state", full)
+        with pytest.raises(KLGRPOError, match="no space left on the device while saving") as err:
+            trainer.train()
+        assert "no earlier checkpoint exists" in str(err.value)
+        assert [p.name for p in (run / "checkpoints").iterdir()] == []  # no .tmp_step_* left on the full disk
+    finally:
+        if disk is not None:
+            subprocess.run(["umount", str(disk)], check=True)

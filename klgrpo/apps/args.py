@@ -75,4 +75,9 @@ def _run_config(resume: str, output_dir: str | None) -> GRPOConfig | None:
     else:
         home = Path(resume).parent.parent
     path = home / "config.yaml"
-    return GRPOConfig().merge_yaml(path) if path.is_file() else None
+    if path.is_file():
+        return GRPOConfig().merge_yaml(path)
+    if resume != "auto" and (home / "checkpoints").is_dir():  # a run without its config: never guess one
+        raise ConfigError(f"--resume {resume}: {path} is missing, so the run's settings are unknown; pass the run's "
+                          f"config with --config")
+    return None

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError, KLGRPOError, first_line
 from klgrpo.train.guard import check_finite_weights
 from klgrpo.train.state_io import StateFileError, load_state, save_state, state_files
 
@@ -76,8 +76,10 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
-    except OSError as exc:
+    except Exception as exc:  # an OSError, or safetensors' own SafetensorError wrapping one (a full disk)
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
         raise _save_error(exc, final, run_dir) from None
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
@@ -98,14 +100,20 @@ def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: 
     save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step})
 
 
-def _save_error(exc: OSError, final: Path, run_dir: Path) -> KLGRPOError:
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
+
+
+def _save_error(exc: Exception, final: Path, run_dir: Path) -> KLGRPOError:
     done = list_checkpoints(run_dir)
     kept = f"the newest complete checkpoint is {done[-1]}" if done else "no earlier checkpoint exists"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    code = getattr(exc, "errno", None)
+    if code is None and (m := _OS_ERROR_CODE.search(str(exc))):  # SafetensorError: "... (os error 28)"
+        code = int(m.group(1))
+    if code in (errno.ENOSPC, errno.EDQUOT):
         return KLGRPOError(f"no space left on the device while saving {final}: free disk space (or lower "
                            f"train.keep_checkpoints) and continue with --resume latest; {kept}")
-    return KLGRPOError(f"cannot write {final} ({exc.strerror or exc}); check that train.output_dir is a writable "
-                       f"folder; {kept}")
+    reason = getattr(exc, "strerror", None) or first_line(exc)
+    return KLGRPOError(f"cannot write {final} ({reason}); check that train.output_dir is a writable folder; {kept}")
 
 
 def _remove(folder: Path) -> None:

@@ -272,17 +272,36 @@ class Engine:
         load_adapter_weights(model, ckpt)
 
     def load_model_file(self, model, path: Path, device) -> None:
-        """Load a full safetensors state dict (missing keys allowed: tied weights) into ``model``."""
-        if self.kind != "fsdp2":
-            from safetensors.torch import load_model
-
-            load_model(model, str(path), strict=False, device=str(device))
-            return
+        """Load a full safetensors state dict into ``model``: every weight must be in the file, except the second
+        name of a tied weight (save_pretrained writes it once); a missing or unknown name is a ConfigError."""
         from safetensors.torch import load_file
+
+        weights = load_file(str(path), device=str(device))
+        _check_complete_state(model, weights.keys(), path)
+        if self.kind != "fsdp2":
+            model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, load_file(str(path), device=str(device)),
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _check_complete_state(model, names, path: Path) -> None:
+    """``names`` (a checkpoint's tensors) cover every entry of the model's state dict, counting a tied weight
+    as present when any of its names is, and name nothing else."""
+    names = set(names)
+    aliases: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(name)
+    expected = set(model.state_dict().keys())
+    tied = {n: group for group in aliases.values() for n in group}
+    missing = sorted(n for n in expected - names if not (tied.get(n, set()) & names))
+    unexpected = sorted(names - expected)
+    if missing or unexpected:
+        what = (f"lacks {len(missing)} of the model's {len(expected)} weights (first: {missing[0]})" if missing
+                else f"holds {len(unexpected)} weights the model does not have (first: {unexpected[0]})")
+        raise ConfigError(f"{path} {what}: it is not a checkpoint of this model; resume from an intact checkpoint "
+                          f"of this run")
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:

@@ -7,8 +7,11 @@ a resume continues the run it names, and what killed saves leave behind is clean
                                                         the clean-up and config.yaml; returns the RunLock
 
 A folder "holds a run" when it has a checkpoint, a metrics row or a summary.json. A fresh run into such a
-folder is refused with a line naming --resume, --output-dir and --overwrite; --overwrite deletes only the
-files klgrpo writes (RUN_FILES) and keeps anything else in the folder.
+folder is refused with a line naming --resume, --output-dir and --overwrite. What klgrpo owns in a run folder
+is listed in its marker file ``.klgrpo_owned.json`` (written when a fresh run opens the folder): --overwrite
+deletes only the names listed there (a folder without the marker, or a name of RUN_FILES that exists but is not
+listed -- the user's own config.yaml or plots/ -- is refused, never deleted or written over). config.yaml is
+written atomically and never through a symbolic link.
 
 The lock is ``<run>/.klgrpo.lock`` (created with O_EXCL, holding the PID and host). A lock whose process is
 gone (same host) is stale and taken over; a live one refuses the second run. Within one process the folders
@@ -41,6 +44,7 @@ from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
 LOCK_FILE = ".klgrpo.lock"
+OWNED_FILE = ".klgrpo_owned.json"
 #: The lock files this process holds (resolved paths): a second trainer in this process is refused.
 _HELD_HERE: set[str] = set()
 _HELD_HERE_GUARD = threading.Lock()
@@ -140,8 +144,39 @@ def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = F
         if holds_run(run_dir) and not overwrite:
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, start a new one "
                               f"with another --output-dir, or replace it with --overwrite")
+        _check_nothing_foreign(run_dir)
         return []
-    return compare_configs(saved_config(_config_home(run_dir, resume)), cfg.to_dict(), run_dir)
+    warnings = compare_configs(saved_config(_config_home(run_dir, resume)), cfg.to_dict(), run_dir)
+    if resume == "latest" and (done := list_checkpoints(run_dir)):
+        # Resuming a finished run would rewrite its summary.json with an empty history and its config.yaml.
+        reached = int(done[-1].name.removeprefix("step_"))
+        if reached >= cfg.train.steps:
+            raise ConfigError(f"the run in {run_dir} already reached step {reached} (train.steps {cfg.train.steps}): "
+                              f"nothing to continue; pass --train.steps above {reached} to train further")
+    return warnings
+
+
+def owned_files(run_dir: Path) -> set[str] | None:
+    """The names klgrpo's marker lists as its own in ``run_dir`` (None: no marker, or an unreadable one)."""
+    try:
+        data = json.loads((Path(run_dir) / OWNED_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    names = data.get("files") if isinstance(data, dict) else None
+    return {n for n in names if n in RUN_FILES} if isinstance(names, list) else None
+
+
+def _check_nothing_foreign(run_dir: Path) -> None:
+    """A fresh run writes only names that are absent or klgrpo's own (the marker lists them)."""
+    owned = owned_files(run_dir) or set()
+    # The replay cache is written before the folder is opened and checks its own content when it is read.
+    names = [n for n in RUN_FILES if not n.startswith("replay_cache")]
+    foreign = [n for n in names if (Path(run_dir) / n).exists() or (Path(run_dir) / n).is_symlink()]
+    foreign = [n for n in foreign if n not in owned or (Path(run_dir) / n).is_symlink()]
+    if foreign:
+        raise ConfigError(f"{run_dir} already has {', '.join(foreign)}, not written by a klgrpo run there (no "
+                          f"{OWNED_FILE} lists it); klgrpo writes files of those names: pick another --output-dir, "
+                          f"or move them away")
 
 
 def _config_home(run_dir: Path, resume: str) -> Path:
@@ -223,16 +258,35 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
         log(f"warning: {w}")
     config = run_dir / CONFIG_FILE
     text = cfg.to_yaml()
-    if not resume or not config.exists():
-        config.write_text(text)
-    elif warnings and config.read_text() != text:
-        config.write_text(text)
-        log(f"{config} updated with the changes above")
+    try:
+        if not resume:
+            _write_atomic(run_dir / OWNED_FILE, json.dumps({"files": list(RUN_FILES)}))
+        if not resume or not config.exists():
+            _write_atomic(config, text)
+        elif warnings and config.read_text() != text:
+            _write_atomic(config, text)
+            log(f"{config} updated with the changes above")
+    except OSError as exc:
+        lock.release()
+        raise ConfigError(f"cannot write {config} ({exc.strerror or exc}); free disk space or pass --output-dir a "
+                          f"writable folder") from None
     return lock
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a sibling temporary file and rename it over ``path``: a full disk leaves the old file whole, and a
+    symbolic link at ``path`` is replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def clear_run(run_dir: Path) -> None:
-    for name in RUN_FILES:
+    """Delete what the marker lists as klgrpo's (nothing without a marker)."""
+    for name in sorted(owned_files(run_dir) or ()):
         path = Path(run_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -250,6 +304,7 @@ def discard_unstarted_run(run_dir: Path) -> None:
     if owner and owner.get("pid") != os.getpid():
         return
     clear_run(run_dir)
+    (run_dir / OWNED_FILE).unlink(missing_ok=True)
     lock.unlink(missing_ok=True)
     try:
         run_dir.rmdir()
