@@ -283,7 +283,7 @@ class GRPOConfig:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = safe_load_bounded(path.read_text(encoding="utf-8"), f"config file {path}") or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
         except (UnicodeDecodeError, OSError) as exc:
@@ -312,7 +312,7 @@ class GRPOConfig:
             if parts[-1] not in node:
                 raise ConfigError(_unknown(key, origin))
             try:
-                node[parts[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
+                node[parts[-1]] = safe_load_bounded(value, f"{key} in {origin}") if isinstance(value, str) else value
             except yaml.YAMLError:
                 raise ConfigError(f"{key} in {origin}: {value!r} is not a valid value (YAML); quote text values"
                                   ) from None
@@ -323,6 +323,44 @@ class GRPOConfig:
         from klgrpo.train.validation import validate_config
 
         return validate_config(self)
+
+
+#: Values a YAML document may expand to through its aliases (``*name``): a few aliases nested ten deep expand
+#: to billions ("billion laughs") and would hang whatever walks the config.
+MAX_YAML_VALUES = 100_000
+
+
+def safe_load_bounded(text: str, what: str):
+    """``yaml.safe_load`` that refuses (ConfigError naming ``what``) a document whose aliases expand to more than
+    MAX_YAML_VALUES values, or refer to themselves."""
+    sizes: dict[int, int] = {}
+
+    def expanded(node, open_nodes: set[int]) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError(f"{what}: a YAML alias refers to itself; write the values out")
+        open_nodes.add(key)
+        children = list(node.values()) if isinstance(node, dict) else node
+        total = 1
+        for child in children:
+            total += expanded(child, open_nodes)
+            if total > MAX_YAML_VALUES:
+                raise ConfigError(f"{what}: its YAML aliases (*name) expand to more than {MAX_YAML_VALUES:,} values; "
+                                  f"write the values out")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        data = yaml.safe_load(text)
+        expanded(data, set())
+    except RecursionError:
+        raise ConfigError(f"{what}: its YAML is nested too deeply to read; write it flatter") from None
+    return data
 
 
 def _deep_merge(base: dict, update: dict) -> dict:

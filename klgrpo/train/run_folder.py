@@ -40,6 +40,7 @@ from typing import Callable
 import yaml
 
 from klgrpo.errors import ConfigError
+from klgrpo.train.config import safe_load_bounded
 from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
@@ -193,7 +194,7 @@ def saved_config(run_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = safe_load_bounded(path.read_text(encoding="utf-8"), str(path))
     except (yaml.YAMLError, UnicodeDecodeError):
         raise ConfigError(f"{path} is not valid YAML; restore it or pass the run's config with --config") from None
     return data if isinstance(data, dict) else None

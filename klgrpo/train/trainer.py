@@ -191,8 +191,10 @@ class GRPOTrainer:
     def make_batch(self) -> StepBatch:
         cfg, timings = self.cfg, {}
         indices = self.sampler.next_indices()  # the same global indices on every rank
-        rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
+        local = indices[self.dist.local_slice(len(indices))]
+        rows = [self.dataset[i] for i in local]
         prompts = [r["prompt"] for r in rows]
+        _check_context(self.model, self.tokenizer, prompts, local, cfg)
         with _timed(timings, "time/generate"), self.engine.full_weights(self.model):
             rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -544,9 +546,28 @@ def _seed_everything(seed: int) -> None:
     try:
         import numpy as np
 
-        np.random.seed(seed)
+        np.random.seed(seed % 2**32)  # seed + rank (+ a resume's offset) may pass numpy's upper bound
     except ImportError:
         pass
+
+
+def _check_context(model, tokenizer, prompts, indices, cfg) -> None:
+    """A prompt plus rollout.max_new_tokens must fit the model's context (transformers only warns, then samples
+    from positions the model never saw)."""
+    from klgrpo.core.rollout import encode_prompts
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    texts = encode_prompts(tokenizer, prompts, cfg.data.system_prompt, cfg.data.as_chat)
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    need = lengths[worst] + cfg.rollout.max_new_tokens
+    if need > limit:
+        raise ConfigError(f"prompt {int(indices[worst])} of {cfg.data.source} has {lengths[worst]} tokens: with "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it needs {need} positions, more than "
+                          f"the model's context of {limit} (max_position_embeddings); shorten or drop that prompt "
+                          f"(data.limit, or a filtered file) or lower rollout.max_new_tokens")
 
 
 def _disable_dropout(model) -> None:

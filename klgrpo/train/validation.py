@@ -192,6 +192,9 @@ def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
         ok = value >= low if inclusive else value > low
         need(ok, f"{path} must be {'>=' if inclusive else '>'} {low}, got {value!r}"
                  + (f" ({meaning})" if meaning else ""))
+    seed = cfg.train.seed
+    need(isinstance(seed, int) and 0 <= seed <= 2**32 - 1,
+         f"train.seed must be an integer in [0, 4294967295] (numpy's seed range), got {seed!r}")
     o, loss, k = cfg.optim, cfg.loss, cfg.kl
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     need(0 <= loss.eps_low < 1, f"loss.eps_low must be in [0, 1) (the ratio's lower clip is 1 - eps_low), "
