@@ -608,3 +608,34 @@ def test_full_disk_in_safetensors_says_so_and_leaves_no_tmp_folder(tiny_model_di
     finally:
         if disk is not None:
             subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("hostile", ["deep_nesting", "wrong_types", "garbage_optimizer"])
+def test_a_hostile_trainer_state_falls_back_to_the_older_checkpoint(hostile, tiny_model_dir, addition_file,
+                                                                    tmp_path):
+    """A trainer_state.json edited by hand or by an attacker: unreadable nesting, wrong types, an optimizer
+    state of the wrong shape. The newest checkpoint is named and skipped; the older one resumes."""
+    run = tmp_path / "r"
+    cfg = make_config(tiny_model_dir, addition_file, run, train={"steps": 2, "save_every": 1,
+                                                                 "keep_checkpoints": 0}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    doc = run / "checkpoints" / "step_2" / "trainer_state.json"
+    data = json.loads(doc.read_text())
+    if hostile == "deep_nesting":
+        doc.write_text(doc.read_text()[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif hostile == "wrong_types":
+        data["tree"]["sampler"] = "not a sampler state"
+        data["tree"]["scheduler"] = [1, 2, 3]
+        doc.write_text(json.dumps(data))
+    else:
+        data["tree"]["optimizer"] = {"state": "garbage", "param_groups": [{"params": "all of them"}]}
+        doc.write_text(json.dumps(data))
+    messages = []
+    trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=messages.append)
+    trainer.resume("latest")
+    assert trainer.step == 1, messages
+    assert any("step_2 cannot be loaded" in m for m in messages), messages
+    expected = _weights(run, 1)
+    for name, p in trainer.model.named_parameters():
+        if name in expected:
+            assert torch.equal(p.detach(), expected[name]), name

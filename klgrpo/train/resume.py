@@ -12,22 +12,25 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.errors import ConfigError, KLGRPOError, first_line
-from klgrpo.train.checkpoint import load_trainer_state, resume_candidates
+from klgrpo.train.checkpoint import STATE_FILE, load_trainer_state, resume_candidates
 
 
 class CheckpointLoadError(KLGRPOError):
     """A checkpoint's file cannot be read."""
 
 
-def load_resumable_checkpoint(trainer, resume: str) -> tuple[Path, dict[str, Any]]:
-    """Load the weights (policy and reference) of the first candidate that loads into ``trainer``'s models;
-    return that checkpoint and its trainer state (not yet applied)."""
+def load_resumable_checkpoint(trainer, resume: str, apply=None) -> tuple[Path, dict[str, Any]]:
+    """Load the weights (policy and reference) of the first candidate that loads into ``trainer``'s models,
+    and ``apply(state)`` its trainer state (optimizer, scheduler, ...): a state of the wrong shape or types
+    counts as a checkpoint that does not load. Returns that checkpoint and its trainer state."""
     candidates = resume_candidates(resume, trainer.run_dir)
     failures = []
     for ckpt in candidates:
         try:
             state = load_trainer_state(ckpt)
             _load_weights(trainer, ckpt)
+            if apply is not None:
+                _apply_state(apply, state, ckpt)
         except KLGRPOError as exc:
             failures.append(str(exc))
             if len(candidates) > 1:
@@ -40,6 +43,16 @@ def load_resumable_checkpoint(trainer, resume: str) -> tuple[Path, dict[str, Any
         raise CheckpointLoadError(f"cannot resume: {failures[0]}; pass --resume an intact checkpoint folder")
     raise CheckpointLoadError(f"cannot resume: none of the {len(candidates)} checkpoints loads (newest: "
                               f"{failures[0]}); start a new run")
+
+
+def _apply_state(apply, state: dict, ckpt: Path) -> None:
+    try:
+        apply(state)
+    except KLGRPOError:
+        raise
+    except Exception as exc:  # a hand-edited or foreign state: wrong types, shapes or keys
+        raise CheckpointLoadError(f"{ckpt / STATE_FILE} holds a trainer state this run cannot use "
+                                  f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
 def _load_weights(trainer, ckpt: Path) -> None:

@@ -404,7 +404,10 @@ class GRPOTrainer:
 
     def resume(self, resume: str) -> None:
         # The newest checkpoint that loads (a corrupt newest one is named and skipped for an older one).
-        ckpt, state = load_resumable_checkpoint(self, resume)
+        ckpt, state = load_resumable_checkpoint(self, resume, apply=self._apply_state)
+        self.log(f"resumed from {ckpt} at step {self.step}")
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
         self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
@@ -424,7 +427,6 @@ class GRPOTrainer:
             _seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
         self._eval_before = state.get("eval_before") or {}
         self.step = int(state["step"])
-        self.log(f"resumed from {ckpt} at step {self.step}")
 
     def _should_stop(self, metrics: dict[str, float], start: float, signals=None) -> bool:
         """Decided identically on every rank (the wall-clock verdict of rank 0 is shared). ``signals``: a
