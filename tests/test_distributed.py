@@ -118,6 +118,7 @@ def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, per
     single = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
     train_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    train_dict["kl"].update(sync_every=1, sync_alpha=1.0)  # the reference becomes the policy after each step
     train_dict["eval"] = {"every": 1, "sets": [
         {"name": "first", "source": str(addition_file), "limit": 6, "reward": EVAL_REWARD},
         {"name": "second", "source": str(addition_file), "limit": 3, "reward": EVAL_REWARD}]}
@@ -189,6 +190,13 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
     ckpt = run / "checkpoints" / "step_2"
+    # kl.sync_every=1 with alpha 1: the (sharded, under FSDP2) reference was set to the policy after step 2, and
+    # the checkpoint holds its gathered weights, which equal the policy's bitwise.
+    for step in (2, 3):
+        folder = run / "checkpoints" / f"step_{step}"
+        synced, policy = load_file(str(folder / "reference" / "model.safetensors")), load_file(
+            str(folder / "model.safetensors"))
+        assert synced.keys() == policy.keys() and all(torch.equal(synced[k], policy[k]) for k in policy), step
     loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # the full weights
     reference = AutoModelForCausalLM.from_pretrained(perturbed_model_dir, dtype=torch.float32)
     shapes = {k: v.shape for k, v in reference.state_dict().items()}
@@ -202,6 +210,10 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     trainer.resume("latest")
     saved = load_file(str(ckpt / "model.safetensors"))
     for name, p in trainer.model.named_parameters():
+        if name in saved:
+            assert torch.equal(p.detach(), saved[name]), name
+    assert trainer.reference.synced  # and its weights are the synced ones, not kl.reference's
+    for name, p in trainer.reference.model.named_parameters():
         if name in saved:
             assert torch.equal(p.detach(), saved[name]), name
     moments = trainer.optimizer.state_dict()["state"]

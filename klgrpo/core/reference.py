@@ -92,9 +92,10 @@ class FrozenCopyReference:
             p_ref.mul_(1.0 - alpha).add_(p.detach().to(p_ref.dtype), alpha=alpha)
         self.synced = True
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, state_dict: dict | None = None) -> None:
+        """``state_dict``: the full weights of a sharded reference, gathered by the caller."""
         if self.synced:
-            self.model.save_pretrained(folder / "reference")
+            self.model.save_pretrained(folder / "reference", state_dict=state_dict)
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_model

@@ -58,9 +58,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
-                    reference=None, keep: int = 0, model_state: dict | None = None) -> Path:
-    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``:
-    the full state dict of a sharded model (gathered by the engine), saved instead of ``model``'s own.
+                    reference=None, keep: int = 0, model_state: dict | None = None,
+                    reference_state: dict | None = None) -> Path:
+    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``
+    (``reference_state``): the full state dict of a sharded model (reference), gathered by the engine, saved
+    instead of the module's own.
 
     Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
     folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
@@ -72,7 +74,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state)
+        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
@@ -88,7 +90,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
 
 def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
-                      model_state: dict | None = None) -> None:
+                      model_state: dict | None = None, reference_state: dict | None = None) -> None:
     if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
         model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
     else:
@@ -96,7 +98,7 @@ def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: 
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     if reference is not None:
-        reference.save(folder)
+        reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
     save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step})
 
 

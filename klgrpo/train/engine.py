@@ -104,10 +104,10 @@ class Engine:
 
     def check(self, cfg) -> None:
         """Settings this engine cannot honour, as one line each."""
-        if self.shards_parameters and cfg.kl.sync_every:
-            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with {self.kind} (sharded parameters): the "
-                              "reference's synced weights cannot be checkpointed yet; set kl.sync_every: 0 or use "
-                              "examples/accelerate/ddp.yaml")
+        if self.zero_stage == 3 and cfg.kl.sync_every:
+            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with DeepSpeed ZeRO-3: the reference's synced "
+                              "weights cannot be checkpointed; set kl.sync_every: 0 or use "
+                              "examples/accelerate/fsdp2.yaml")
         if self.kind != "single" and cfg.train.compile:
             raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
         if self.kind == "deepspeed":

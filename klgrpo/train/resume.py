@@ -55,6 +55,21 @@ def _apply_state(apply, state: dict, ckpt: Path) -> None:
                                   f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
+def _load_reference(trainer, ckpt: Path) -> None:
+    """The reference's synced weights (kl.sync_every) when the checkpoint has them; a sharded frozen copy
+    (FSDP2) loads them through the engine, which shards the full tensors."""
+    from klgrpo.core.reference import FrozenCopyReference
+
+    reference = trainer.reference
+    path = ckpt / "reference" / "model.safetensors"
+    if isinstance(reference, FrozenCopyReference) and trainer.engine.kind == "fsdp2":
+        if path.exists():
+            trainer.engine.load_model_file(reference.model, path, trainer.device)
+            reference.synced = True
+        return
+    reference.load(ckpt)
+
+
 def _load_weights(trainer, ckpt: Path) -> None:
     adapter = ckpt / "adapter_model.safetensors"
     target = adapter if adapter.exists() else ckpt / "model.safetensors"
@@ -71,7 +86,7 @@ def _load_weights(trainer, ckpt: Path) -> None:
         raise CheckpointLoadError(f"{target} cannot be read ({first_line(exc)})") from None
     if trainer.reference is not None:
         try:
-            trainer.reference.load(ckpt)
+            _load_reference(trainer, ckpt)
         except KLGRPOError:
             raise
         except Exception as exc:

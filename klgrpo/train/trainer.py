@@ -394,11 +394,15 @@ class GRPOTrainer:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
         rng = self.dist.gather_objects(rng_state())
         state, model_state = self._trainer_state(), self.engine.full_state_dict(self.model)  # collectives
+        reference_state = None
+        if isinstance(self.reference, FrozenCopyReference) and self.reference.synced:  # kl.sync_every's weights
+            reference_state = self.engine.full_state_dict(self.reference.model)  # a collective under FSDP2
         path = self.run_dir / "checkpoints" / f"step_{self.step}"
         if self.dist.is_main:
             path = save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                                    trainer_state={**state, "rng_by_rank": rng}, model_state=model_state,
-                                   reference=self.reference, keep=self.cfg.train.keep_checkpoints)
+                                   reference=self.reference, keep=self.cfg.train.keep_checkpoints,
+                                   reference_state=reference_state)
         self.dist.barrier()
         return path
 

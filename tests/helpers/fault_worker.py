@@ -3,6 +3,7 @@ checks before the trainer), print each rank's klgrpo error as the CLI would and 
 
 import json
 import sys
+import time
 
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import GRPOConfig
@@ -15,4 +16,5 @@ if __name__ == "__main__":
         trainer.train()
     except KLGRPOError as exc:
         print(f"rank {trainer.dist.rank}: error: {exc}", flush=True)
+        print(f"refused on rank {trainer.dist.rank} ({time.time():.3f})", flush=True)
         sys.exit(2)
