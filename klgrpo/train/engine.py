@@ -172,6 +172,19 @@ class Engine:
         engine.eval()
         return engine
 
+    def sync_reference(self, reference, model, alpha: float) -> None:
+        """kl.sync_every's ``reference.sync(model, alpha)``. FSDP2: both models resharded first (a unit kept
+        gathered after its forward holds full tensors where the other holds shards), then each rank mixes its
+        own shards, which are laid out alike."""
+        if self.kind == "fsdp2":
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in (model, getattr(reference, "model", model)):
+                for unit in module.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.reshard()
+        reference.sync(model, alpha)
+
     # ------------------------------------------------------------------------------------------ a step
     def backward(self, loss: Tensor, *, same_on_every_rank: bool = False) -> None:
         """loss.backward() leaving the SUM over ranks of each rank's gradient in .grad (see the module doc);

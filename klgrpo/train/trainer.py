@@ -366,7 +366,7 @@ class GRPOTrainer:
             self.controller.observe(observation)
         self.step += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
-            self.reference.sync(self.model, self.cfg.kl.sync_alpha)
+            self.engine.sync_reference(self.reference, self.model, self.cfg.kl.sync_alpha)
         self._step_start = None
         metrics["time/step"] = time.perf_counter() - t0
         return metrics
