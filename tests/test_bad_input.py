@@ -141,6 +141,14 @@ CASES = [
     ("resume_not_a_checkpoint", lambda c: c.base("--resume", str(c.root / "nowhere")), ["not a checkpoint folder"]),
     ("resume_without_output_dir", lambda c: ["--model.name_or_path", str(c.model), "--resume", "latest"],
      ["--resume latest needs --output-dir"]),
+    ("output_dangling_link", lambda c: c.base(out=_link(c.root / "dangling", c.root / "nowhere")),
+     ["train.output_dir", "symbolic link to a missing folder"]),
+    ("output_link_loop", lambda c: c.base(out=_link(c.root / "loop1", _link(c.root / "loop2", c.root / "loop1"))),
+     ["train.output_dir", "a loop of links"]),
+    ("model_weights_truncated", lambda c: c.base(model=_model_with(c, b"\x10\x00\x00\x00garbage")),
+     ["model.name_or_path", "weights file cannot be read", "SafetensorError"]),
+    ("model_weights_pickled", lambda c: c.base(model=_model_with(c, _PICKLE, "pytorch_model.bin")),
+     ["model.name_or_path", "weights file cannot be read", "UnpicklingError"]),
     ("output_is_file", lambda c: c.base(out=c.file("taken", "x")), ["train.output_dir", "is a file"]),
     ("output_inside_file", lambda c: c.base(out=c.file("taken", "x") / "run"), ["inside", "which is a file"]),
     ("output_read_only", lambda c: c.base(out="/proc/klgrpo_cannot_write/run"), ["cannot write in /proc",
@@ -201,6 +209,23 @@ CASES = [
     ("checkpoint_pickled", lambda c: c.base("--resume", "latest", out=_legacy(c).parent.parent),
      ["trainer_state.pt", "unpickling can run code"]),
 ]
+
+_PICKLE = b"\x80\x04\x95\x0b\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94K\x01s."  # pickle.dumps({"a": 1})
+
+
+def _link(path: Path, target: Path) -> Path:
+    path.symlink_to(target)
+    return path
+
+
+def _model_with(c: Ctx, weights: bytes, name: str = "model.safetensors") -> Path:
+    """A copy of the tiny model folder whose weights file is ``weights`` (and named ``name``)."""
+    folder = c.root / "broken_model"
+    shutil.copytree(c.model, folder)
+    (folder / "model.safetensors").unlink()
+    (folder / name).write_bytes(weights)
+    return folder
+
 
 if not torch.cuda.is_available():
     CASES.append(("device_cuda_without_gpu", lambda c: c.base("--model.device", "cuda"),

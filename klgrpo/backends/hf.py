@@ -212,6 +212,12 @@ def load_causal_lm(name_or_path: str, cfg: "ModelConfig", device: torch.device, 
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a causal LM from {name_or_path!r} ({field}): "
                           f"{first_line(exc, limit=None)}") from None
+    except Exception as exc:  # a truncated safetensors file, a pickle that torch's weights_only loader refuses
+        if type(exc).__name__ not in ("SafetensorError", "UnpicklingError"):
+            raise
+        raise ConfigError(f"cannot load a causal LM from {name_or_path!r} ({field}): its weights file cannot be "
+                          f"read ({type(exc).__name__}: {first_line(exc)}); restore the model folder (safetensors "
+                          f"weights; a pickled file is not loaded)") from None
     if gguf_file:
         forget_gguf_origin(model)
     return model.to(device)

@@ -72,6 +72,9 @@ def check_output_dir(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # exists() is False for a link to nothing, or to itself through others
+            raise ConfigError(f"train.output_dir {run_dir}: {existing} is a symbolic link to a missing folder (or "
+                              f"a loop of links); fix the link or pass --output-dir a folder path")
         existing = existing.parent
     if not existing.is_dir():
         what = "is a file" if existing == run_dir else f"is inside {existing}, which is a file"
