@@ -249,3 +249,34 @@ def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_mod
     trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
     trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
     assert trainer.train(resume="latest")["steps"] == 3
+
+
+@pytest.mark.slow
+def test_the_demo_under_fsdp2_evaluates_like_one_process(tmp_path, monkeypatch, capsys):
+    """The demo (`klgrpo train`, no model configured: two eval sets, the replay anchor, an adaptive KL) on 2
+    processes under fsdp2.yaml runs to the end (it once hung at its first evaluation). Its evaluation before
+    training equals one process's (same SFT model), and its evaluation after equals one process evaluating the
+    2-process run's final checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from klgrpo.apps.cli import main
+    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+    from tests.helpers.launch import Launch, accelerate_command, launch_env
+
+    monkeypatch.setenv("KLGRPO_CACHE", str(tmp_path / "cache"))
+    args = ["--train.steps", "2", "--logging.progress", "false", "--logging.plots", "false"]
+    assert main(["train", "--output-dir", str(tmp_path / "one"), *args]) == 0  # builds the demo's assets once
+    capsys.readouterr()
+    run = tmp_path / "two"
+    done = Launch(accelerate_command("fsdp2", ["-m", "klgrpo", "train", "--output-dir", str(run), *args]),
+                  env=launch_env(KLGRPO_CACHE=str(tmp_path / "cache"))).finish(timeout=600)
+    assert done.returncode == 0 and not done.timed_out, done.output[-4000:]
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two = json.loads((run / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["steps"] == 2
+    assert two["eval_before"] == one["eval_before"] and set(two["eval_before"]) == {"addition", "subtraction"}
+    cfg = GRPOConfig.from_yaml(run / "config.yaml")
+    final = run / "checkpoints" / "step_2"
+    expected = evaluate_sets(AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32),
+                             AutoTokenizer.from_pretrained(final), load_eval_sets(cfg), cfg)
+    assert {k.removeprefix("eval/"): v for k, v in expected.items()} == two["eval_after"]
