@@ -639,3 +639,14 @@ def test_a_hostile_trainer_state_falls_back_to_the_older_checkpoint(hostile, tin
     for name, p in trainer.model.named_parameters():
         if name in expected:
             assert torch.equal(p.detach(), expected[name]), name
+
+
+def test_a_failed_resume_leaves_config_yaml_as_it_was(tiny_model_dir, addition_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    saved = (out / "config.yaml").read_bytes()
+    weights = out / "checkpoints" / "step_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # the only checkpoint no longer loads
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest", "--train.steps", "3"], capsys)
+    assert code == 2 and "cannot resume" in err, err
+    assert (out / "config.yaml").read_bytes() == saved  # not rewritten with train.steps 3

@@ -268,8 +268,7 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
         if not resume or not config.exists():
             _write_atomic(config, text)
         elif warnings and config.read_text() != text:
-            _write_atomic(config, text)
-            log(f"{config} updated with the changes above")
+            lock.resumed_config = text  # written by ``config_after_resume`` once the checkpoint has loaded
     except OSError as exc:
         lock.release()
         raise ConfigError(f"cannot write {config} ({exc.strerror or exc}); free disk space or pass --output-dir a "
@@ -323,6 +322,16 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
+        self.resumed_config: str | None = None  # a resume's harmless changes, for config.yaml
+
+    def config_after_resume(self, log: Callable[[str], None] = print) -> None:
+        """After a resume loaded: write config.yaml with its harmless changes (a resume that fails leaves the
+        run's config.yaml as it was)."""
+        if self.resumed_config is not None:
+            config = self.path.parent / CONFIG_FILE
+            _write_atomic(config, self.resumed_config)
+            self.resumed_config = None
+            log(f"{config} updated with the changes above")
 
     def acquire(self) -> "RunLock":
         with _HELD_HERE_GUARD:  # two threads of this process: one wins, the other sees it in _HELD_HERE

@@ -125,6 +125,7 @@ class GRPOTrainer:
             self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
             self.engine.prepare_reference(self.reference)
         self.step = 0
+        self._run_lock = None  # rank 0's, while train() runs
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self._batch: StepBatch | None = None
         self._stop_reason = ""
@@ -460,6 +461,7 @@ class GRPOTrainer:
         if resume == "auto":
             resume, overwrite = self.dist.agreed(lambda: resolve_auto_resume(self.run_dir, self.cfg), shared=True)
         lock = self.dist.agreed(lambda: open_run_folder(self.run_dir, self.cfg, resume, overwrite, log=self.log))
+        self._run_lock = lock
         try:
             return self._train(resume)
         finally:
@@ -470,6 +472,8 @@ class GRPOTrainer:
         cfg, main = self.cfg, self.dist.is_main
         if resume:
             self.resume(resume)
+            if self._run_lock is not None:
+                self._run_lock.config_after_resume(self.log)
         start = time.perf_counter()
         # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
         evaluate = bool(self.eval_sets) and (main or self.engine.shards_parameters)
