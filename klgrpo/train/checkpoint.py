@@ -28,6 +28,7 @@ from klgrpo.train.state_io import StateFileError, load_state, save_state, state_
 STATE_STEM = "trainer_state"
 STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io
 LEGACY_STATE_FILE = "trainer_state.pt"
+SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weights and AdamW moments
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
 _TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
@@ -66,14 +67,17 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
     Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
     folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
-    check_finite_weights(model if model_state is None else model_state, step)
+    sharded = model_state is SHARDS_DIR  # the shards are in the temporary folder already (``shard_folder``)
+    if not sharded:
+        check_finite_weights(model if model_state is None else model_state, step)
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
-    tmp = root / f".tmp_step_{step}_{os.getpid()}"
+    tmp = shard_folder(run_dir, step).parent
     try:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if not sharded:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
         _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state)
         if final.exists():
             _remove(final)
@@ -91,7 +95,9 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
 def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
                       model_state: dict | None = None, reference_state: dict | None = None) -> None:
-    if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
+    if model_state is SHARDS_DIR:
+        model.config.save_pretrained(folder)  # the architecture, for `klgrpo export`
+    elif hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
         model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
     else:
         model.save_pretrained(folder, safe_serialization=True, state_dict=model_state)
@@ -103,6 +109,12 @@ def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: 
 
 
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
+
+
+def shard_folder(run_dir: Path, step: int, pid: int | None = None) -> Path:
+    """Where every rank writes its shards of step ``step`` (inside the temporary folder of process ``pid``,
+    rank 0's, renamed into place once the checkpoint is whole)."""
+    return Path(run_dir) / "checkpoints" / f".tmp_step_{step}_{pid or os.getpid()}" / SHARDS_DIR
 
 
 def _save_error(exc: Exception, final: Path, run_dir: Path) -> KLGRPOError:
@@ -132,8 +144,10 @@ def is_complete(folder: Path) -> bool:
     """A checkpoint folder holds the trainer state (both files) and the model's weights."""
     folder = Path(folder)
     weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    shards = folder / SHARDS_DIR
     return (all(p.is_file() for p in state_files(folder, STATE_STEM))
-            and any((folder / w).is_file() for w in weights))
+            and (any((folder / w).is_file() for w in weights)
+                 or (shards.is_dir() and any(shards.glob("*.safetensors")))))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

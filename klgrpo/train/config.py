@@ -234,6 +234,10 @@ class TrainConfig:
     torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
     max_skipped_steps: int = _f(3, "stop the run (non-zero exit) after this many steps in a row were skipped for a "
                                    "non-finite loss or gradient norm; a skipped step never updates the weights")
+    sharded_checkpoints: bool = _f(False, "each process writes its own shards of the weights and AdamW moments "
+                                          "(FSDP2; torch.distributed.checkpoint into safetensors files) instead of "
+                                          "gathering them on process 0; resumable on any process count; the run's "
+                                          "last checkpoint is written whole (from_pretrained) as always")
     dist_timeout_s: float = _f(600.0, "several processes: seconds a collective waits for the other processes before "
                                       "the run fails with an error (a stuck or dead process never hangs the rest "
                                       "longer); see docs/reliability.md")

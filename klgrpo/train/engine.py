@@ -275,6 +275,31 @@ class Engine:
                                         for i, s in state["state"].items()}}
         inner.load_state_dict(state)
 
+    def save_sharded(self, folder: Path, model, optimizer) -> None:
+        """Every rank writes its shards of the weights and the AdamW moments into ``folder`` (safetensors files,
+        one per rank, with torch.distributed.checkpoint's sharding metadata in their headers: nothing pickled)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        flat, _, _ = _flat_state(model, optimizer)
+        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(
+            str(folder), save_distributed=torch.distributed.is_initialized()))
+
+    def load_sharded(self, folder: Path, model, optimizer) -> None:
+        """The inverse of ``save_sharded`` on any process count: torch.distributed.checkpoint reads the parts of
+        the saved shards that make up this rank's shards (every tensor must be in the checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        flat, optim_state, tied = _flat_state(model, optimizer)
+        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
+        model_state = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+        model_state.update({alias: model_state[kept] for alias, kept in tied.items()})
+        moments = {fqn: {k: flat[f"optimizer.{fqn}.{k}"] for k in s} for fqn, s in optim_state["state"].items()}
+        set_state_dict(model, getattr(optimizer, "optimizer", optimizer), model_state_dict=model_state,
+                       optim_state_dict={"state": moments, "param_groups": optim_state["param_groups"]})
+
     def load_adapter(self, model, ckpt: Path) -> None:
         """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
         if self.kind == "fsdp2":
@@ -315,6 +340,28 @@ def _check_complete_state(model, names, path: Path) -> None:
                 else f"holds {len(unexpected)} weights the model does not have (first: {unexpected[0]})")
         raise ConfigError(f"{path} {what}: it is not a checkpoint of this model; resume from an intact checkpoint "
                           f"of this run")
+
+
+def _flat_state(model, optimizer) -> tuple[dict[str, Tensor], dict, dict[str, str]]:
+    """{"model.<name>": weight, "optimizer.<name>.<exp_avg|exp_avg_sq|step>": moment} (this rank's shards under
+    FSDP2), the optimizer's state dict in torch's name-keyed form (its param_groups are kept from the live
+    optimizer: they follow from the config), and the tied weights' second names {alias: name kept} (a tensor
+    is stored once, as save_pretrained does)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+    seen: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for name, value in model_state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = (local.data_ptr(), tuple(value.shape))
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+    flat = {f"model.{k}": v for k, v in model_state.items() if k not in tied}
+    flat.update({f"optimizer.{fqn}.{k}": v for fqn, s in optim_state["state"].items() for k, v in s.items()})
+    return flat, optim_state, tied
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:

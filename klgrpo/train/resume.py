@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.errors import ConfigError, KLGRPOError, first_line
-from klgrpo.train.checkpoint import STATE_FILE, load_trainer_state, resume_candidates
+from klgrpo.train.checkpoint import SHARDS_DIR, STATE_FILE, load_trainer_state, resume_candidates
 
 
 class CheckpointLoadError(KLGRPOError):
@@ -73,8 +73,12 @@ def _load_reference(trainer, ckpt: Path) -> None:
 def _load_weights(trainer, ckpt: Path) -> None:
     adapter = ckpt / "adapter_model.safetensors"
     target = adapter if adapter.exists() else ckpt / "model.safetensors"
+    shards = ckpt / SHARDS_DIR
     try:
-        if adapter.exists():
+        if shards.is_dir() and not target.exists():
+            target = shards
+            trainer.engine.load_sharded(shards, trainer.model, trainer.optimizer)  # weights and AdamW moments
+        elif adapter.exists():
             trainer.engine.load_adapter(trainer.model, ckpt)
         elif target.exists():
             trainer.engine.load_model_file(trainer.model, target, trainer.device)

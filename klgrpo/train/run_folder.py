@@ -57,7 +57,7 @@ RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "
 RESUME_SAFE_PREFIXES = ("logging.", "eval.")
 RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                       "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
-                      "train.dist_timeout_s",
+                      "train.dist_timeout_s", "train.sharded_checkpoints",
                       "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
                       "model.fast_path", "model.lora.save_merged")
 

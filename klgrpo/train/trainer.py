@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from klgrpo.train.checkpoint import rng_state, save_checkpoint, set_rng_state
+from klgrpo.train.checkpoint import SHARDS_DIR, rng_state, save_checkpoint, set_rng_state, shard_folder
 from klgrpo.train.config import LR_SCHEDULES, GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
@@ -385,16 +387,27 @@ class GRPOTrainer:
             batch.iterations_done = iterations_done
         self._step_start = None
 
-    def _trainer_state(self) -> dict[str, Any]:
-        return {"optimizer": self.engine.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict(),
+    def _trainer_state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None  # None: sharded
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
                 "eval_before": self._eval_before, "guard": self.guard.state_dict()}
 
-    def save(self) -> Path:
-        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
+    def save(self, whole: bool = False) -> Path:
+        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint, into which, with
+        train.sharded_checkpoints (unless ``whole``), every rank first writes its shards."""
         rng = self.dist.gather_objects(rng_state())
-        state, model_state = self._trainer_state(), self.engine.full_state_dict(self.model)  # collectives
+        if self.cfg.train.sharded_checkpoints and not whole:
+            folder = shard_folder(self.run_dir, self.step, self.dist.broadcast_object(os.getpid()))
+            if self.dist.is_main:
+                shutil.rmtree(folder.parent, ignore_errors=True)
+                folder.mkdir(parents=True)
+            self.dist.barrier()
+            self.engine.save_sharded(folder, self.model, self.optimizer)
+            state, model_state = self._trainer_state(with_optimizer=False), SHARDS_DIR
+        else:
+            state, model_state = self._trainer_state(), self.engine.full_state_dict(self.model)  # collectives
         reference_state = None
         if isinstance(self.reference, FrozenCopyReference) and self.reference.synced:  # kl.sync_every's weights
             reference_state = self.engine.full_state_dict(self.reference.model)  # a collective under FSDP2
@@ -413,7 +426,8 @@ class GRPOTrainer:
         self.log(f"resumed from {ckpt} at step {self.step}")
 
     def _apply_state(self, state: dict[str, Any]) -> None:
-        self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
+        if state["optimizer"] is not None:  # None: a sharded checkpoint's moments, loaded with its weights
+            self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
@@ -503,8 +517,9 @@ class GRPOTrainer:
             eval_after = self.evaluate() if evaluate else {}
             if eval_after:
                 logger.log(self.step, eval_after)
-        if not (self.run_dir / "checkpoints" / f"step_{self.step}").exists():
-            self.save()
+        last = self.run_dir / "checkpoints" / f"step_{self.step}"
+        if not last.exists() or (last / SHARDS_DIR).is_dir():
+            self.save(whole=True)  # the last checkpoint is always whole (sharded or missing: written now)
         if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
             from klgrpo.backends.lora import export_merged
 

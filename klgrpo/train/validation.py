@@ -192,6 +192,9 @@ def check_finite_and_ranges(cfg: "GRPOConfig", need) -> None:
         ok = value >= low if inclusive else value > low
         need(ok, f"{path} must be {'>=' if inclusive else '>'} {low}, got {value!r}"
                  + (f" ({meaning})" if meaning else ""))
+    need(not (cfg.train.sharded_checkpoints and cfg.model.lora.r > 0),
+         "train.sharded_checkpoints with LoRA: the adapter is small and saved whole; set train.sharded_checkpoints: "
+         "false")
     seed = cfg.train.seed
     need(isinstance(seed, int) and 0 <= seed <= 2**32 - 1,
          f"train.seed must be an integer in [0, 4294967295] (numpy's seed range), got {seed!r}")
