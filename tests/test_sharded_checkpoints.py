@@ -50,6 +50,19 @@ def test_one_process_resumes_a_sharded_checkpoint_bitwise(tiny_model_dir, additi
         str(other / "checkpoints" / "step_2" / "model.safetensors"))
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
+    # klgrpo export joins the shards into a from_pretrained folder with the weights a resume loads.
+    from transformers import AutoModelForCausalLM
+
+    from klgrpo.apps.cli import main
+
+    assert main(["export", str(step_1), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).state_dict()
+    resumed = GRPOTrainer(cfg, log=quiet)
+    resumed.resume(str(step_1))
+    live = resumed.model.state_dict()
+    assert exported.keys() == live.keys() and all(torch.equal(exported[k], live[k]) for k in live)
+    assert main(["export", str(step_1), str(tmp_path / "exported")]) == 2  # OUT not empty: refused
+
 
 @pytest.mark.slow
 def test_sharded_checkpoints_under_fsdp2_resume_on_two_and_one_and_from_one(tiny_model_dir, addition_file,

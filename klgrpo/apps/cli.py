@@ -1,4 +1,4 @@
-"""The ``klgrpo`` command: train | verify-kl | report | sweep.
+"""The ``klgrpo`` command: train | verify-kl | report | export | sweep.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
 shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
     "verify-kl": ("klgrpo.apps.verify_kl", "check every KL configuration's value and gradient against exact answers"),
     "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
+    "export": ("klgrpo.apps.export", "write a checkpoint (also a sharded one) as a from_pretrained folder"),
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
 }
 

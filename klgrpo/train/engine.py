@@ -342,6 +342,26 @@ def _check_complete_state(model, names, path: Path) -> None:
                           f"of this run")
 
 
+def load_sharded_weights(model, folder: Path) -> None:
+    """The weights of a sharded checkpoint folder (``save_sharded``) into a whole model in this process (its
+    AdamW moments are not read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = model.state_dict()
+    kept, tied = {}, {}
+    for name, value in state.items():
+        key = (value.data_ptr(), tuple(value.shape))
+        if key in kept:
+            tied[name] = kept[key]
+        else:
+            kept[key] = name
+    flat = {f"model.{k}": v for k, v in state.items() if k not in tied}
+    dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
+    loaded = {k.removeprefix("model."): v for k, v in flat.items()}
+    model.load_state_dict({**loaded, **{alias: loaded[name] for alias, name in tied.items()}})
+
+
 def _flat_state(model, optimizer) -> tuple[dict[str, Tensor], dict, dict[str, str]]:
     """{"model.<name>": weight, "optimizer.<name>.<exp_avg|exp_avg_sq|step>": moment} (this rank's shards under
     FSDP2), the optimizer's state dict in torch's name-keyed form (its param_groups are kept from the live
