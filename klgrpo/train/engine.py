@@ -108,6 +108,9 @@ class Engine:
             raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with DeepSpeed ZeRO-3: the reference's synced "
                               "weights cannot be checkpointed; set kl.sync_every: 0 or use "
                               "examples/accelerate/fsdp2.yaml")
+        if self.kind == "deepspeed" and cfg.train.sharded_checkpoints:
+            raise ConfigError("train.sharded_checkpoints with DeepSpeed: not supported; set "
+                              "train.sharded_checkpoints: false")
         if self.kind != "single" and cfg.train.compile:
             raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
         if self.kind == "deepspeed":
