@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers.launch import Launch, accelerate_command, metrics_steps  # noqa: E402
+from tests.helpers.launch import Launch, accelerate_command, metrics_steps, rank_pid  # noqa: E402
 
 FAULTS = ROOT / "tests" / "helpers" / "faults.py"
 WORKER = ROOT / "tests" / "helpers" / "fault_worker.py"
@@ -35,18 +35,6 @@ def config(model, data, run, steps=3, timeout_s=60, **fault):
             "kl": {"coef": 0.1},
             "train": {"steps": steps, "output_dir": str(run), "dist_timeout_s": timeout_s, "save_every": 1},
             "logging": {"progress": False, "tensorboard": False, "plots": False}}
-
-
-def rank_pid(launch: Launch, rank: int) -> int | None:
-    import psutil
-
-    for child in psutil.Process(launch.proc.pid).children(recursive=True):
-        try:
-            if child.environ().get("RANK") == str(rank) and "klgrpo" in " ".join(child.cmdline()):
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
 
 
 def checkpoints(run: Path) -> list[str]:

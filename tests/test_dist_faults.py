@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.launch import Launch, accelerate_command, metrics_steps
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -154,3 +156,41 @@ def test_resume_auto_under_torchrun_max_restarts_survives_two_kills_bitwise(tiny
     assert final[0].keys() == final[1].keys()
     for name in final[0]:
         assert torch.equal(final[0][name], final[1][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True])
+def test_sigkill_of_rank_1_mid_save_keeps_a_complete_checkpoint(sharded, tiny_model_dir, addition_file, tmp_path):
+    """Rank 1 is SIGKILLed as soon as the step-4 checkpoint's temporary folder appears (a gathered save: rank 0
+    writes alone and may finish it; a sharded one: every rank writes its shards, so it cannot). Either way the
+    run ends non-zero and the newest complete checkpoint loads; nothing half-written counts as one."""
+    import os
+
+    from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints
+    from tests.helpers.launch import rank_pid
+
+    run = tmp_path / "run"
+    cfg = fault_config(tiny_model_dir, addition_file, run, steps=400)
+    cfg["train"].update(save_every=2, keep_checkpoints=0, sharded_checkpoints=sharded)
+    launch = Launch(cli("fsdp2", write(tmp_path, cfg)))
+    killed_at, deadline = None, time.time() + TIMEOUT
+    while killed_at is None and launch.proc.poll() is None and time.time() < deadline:
+        root = run / "checkpoints"
+        if root.is_dir() and any(p.name.startswith(".tmp_step_4_") for p in root.iterdir()):
+            pid = rank_pid(launch, 1)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.time()
+        time.sleep(0.002)
+    done = finish(launch, "SIGKILL mid-save")
+    assert killed_at is not None, done.output[-4000:]
+    print(f"\nfsdp2 SIGKILL of rank 1 mid-save (sharded={sharded}): last process gone "
+          f"{done.exited_at - killed_at:.1f} s after the kill, launcher exit code {done.returncode}")
+    assert done.returncode != 0
+    clean_incomplete(run)  # what the next start does
+    complete = [p.name for p in list_checkpoints(run)]
+    assert complete[-1] == "step_2" if sharded else complete[-1] in ("step_2", "step_4"), complete
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == complete  # no temporary folder counts
+    trainer = GRPOTrainer(GRPOConfig.from_dict(cfg), log=lambda *_: None)
+    trainer.resume("latest")
+    assert trainer.step == int(complete[-1].removeprefix("step_"))

@@ -88,3 +88,16 @@ def metrics_steps(run: Path) -> list[int]:
         except (ValueError, KeyError):
             pass
     return steps
+
+
+def rank_pid(launch: Launch, rank: int) -> int | None:
+    """The PID of the worker with RANK ``rank`` among the launcher's descendants (None if not (yet) there)."""
+    import psutil
+
+    for child in psutil.Process(launch.proc.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "klgrpo" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
