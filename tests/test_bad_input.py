@@ -25,7 +25,15 @@ def boom(prompts, completions, **kw):
 
 def short(prompts, completions, **kw):
     return [1.0]
+
+def quits(prompts, completions, **kw):
+    import sys
+    sys.exit(0)
 '''
+
+# "Billion laughs": ten aliases nested nine deep expand to 10**9 values.
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
 
 
 class Ctx:
@@ -109,6 +117,15 @@ CASES = [
     ("no_data", lambda c: c.base("--data.source", ""), ["data.source is empty", "name a prompt file"]),
     ("broken_yaml_value", lambda c: c.base("--kl.coef", "[1,"), ["kl.coef", "not a valid value"]),
     ("no_rewards", lambda c: c.base("--rewards.functions", "[]"), ["rewards.functions is empty"]),
+    ("seed_negative", lambda c: c.base("--train.seed", "-1"), ["train.seed must be an integer in [0, 4294967295]"]),
+    ("seed_too_big", lambda c: c.base("--train.seed", str(2**32)), ["train.seed", "4294967295"]),
+    ("yaml_alias_bomb", lambda c: c.base("--config", str(c.file("c.yaml", ALIAS_BOMB + "rewards:\n  functions:\n"
+                                                                     "    - {name: format, kwargs: {pattern: '0', "
+                                                                     "bomb: *i}}\n"))),
+     ["c.yaml", "aliases", "expand to more than"]),
+    ("yaml_alias_bomb_value", lambda c: c.base("--eval.sets", "[" + ALIAS_BOMB.replace("\n", ", ").rstrip(", ") + "]"),
+     ["eval.sets", "expand to more than"]),
+    ("dist_timeout_zero", lambda c: c.base("--train.dist_timeout_s", "0"), ["train.dist_timeout_s must be > 0"]),
     # ---- arguments and paths
     ("config_missing", lambda c: c.base("--config", str(c.root / "missing.yaml")), ["missing.yaml does not exist"]),
     ("config_folder", lambda c: c.base("--config", str(c.root)), ["is a folder", "pass --config a YAML file"]),
@@ -126,6 +143,14 @@ CASES = [
     ("resume_not_a_checkpoint", lambda c: c.base("--resume", str(c.root / "nowhere")), ["not a checkpoint folder"]),
     ("resume_without_output_dir", lambda c: ["--model.name_or_path", str(c.model), "--resume", "latest"],
      ["--resume latest needs --output-dir"]),
+    ("output_dangling_link", lambda c: c.base(out=_link(c.root / "dangling", c.root / "nowhere")),
+     ["train.output_dir", "symbolic link to a missing folder"]),
+    ("output_link_loop", lambda c: c.base(out=_link(c.root / "loop1", _link(c.root / "loop2", c.root / "loop1"))),
+     ["train.output_dir", "a loop of links"]),
+    ("model_weights_truncated", lambda c: c.base(model=_model_with(c, b"\x10\x00\x00\x00garbage")),
+     ["model.name_or_path", "weights file cannot be read", "SafetensorError"]),
+    ("model_weights_pickled", lambda c: c.base(model=_model_with(c, _PICKLE, "pytorch_model.bin")),
+     ["model.name_or_path", "weights file cannot be read", "UnpicklingError"]),
     ("output_is_file", lambda c: c.base(out=c.file("taken", "x")), ["train.output_dir", "is a file"]),
     ("output_inside_file", lambda c: c.base(out=c.file("taken", "x") / "run"), ["inside", "which is a file"]),
     ("output_read_only", lambda c: c.base(out="/proc/klgrpo_cannot_write/run"), ["cannot write in /proc",
@@ -171,6 +196,9 @@ CASES = [
     ("reward_nan", lambda c: c.base("--rewards.functions", c.rewards("not_a_number")), ["not_a_number", "finite"]),
     ("reward_raises", lambda c: c.base("--rewards.functions", c.rewards("boom")), ["boom", "the grader crashed"]),
     ("reward_short", lambda c: c.base("--rewards.functions", c.rewards("short")), ["short", "returned 1 values"]),
+    ("reward_sys_exit", lambda c: c.base("--rewards.functions", c.rewards("quits")), ["quits", "sys.exit(0)"]),
+    ("prompt_beyond_context", lambda c: c.base(data=c.file("d.jsonl", '{"prompt": "' + "1+" * 40 + '1="}\n')),
+     ["prompt 0 of", "more than the model's context of 32", "rollout.max_new_tokens"]),
     ("reward_weight_text", lambda c: c.base("--rewards.functions", "[{name: exact_match, weight: heavy}]"),
      ["weight", "heavy"]),
     # ---- checkpoints
@@ -183,6 +211,23 @@ CASES = [
     ("checkpoint_pickled", lambda c: c.base("--resume", "latest", out=_legacy(c).parent.parent),
      ["trainer_state.pt", "unpickling can run code"]),
 ]
+
+_PICKLE = b"\x80\x04\x95\x0b\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94K\x01s."  # pickle.dumps({"a": 1})
+
+
+def _link(path: Path, target: Path) -> Path:
+    path.symlink_to(target)
+    return path
+
+
+def _model_with(c: Ctx, weights: bytes, name: str = "model.safetensors") -> Path:
+    """A copy of the tiny model folder whose weights file is ``weights`` (and named ``name``)."""
+    folder = c.root / "broken_model"
+    shutil.copytree(c.model, folder)
+    (folder / "model.safetensors").unlink()
+    (folder / name).write_bytes(weights)
+    return folder
+
 
 if not torch.cuda.is_available():
     CASES.append(("device_cuda_without_gpu", lambda c: c.base("--model.device", "cuda"),

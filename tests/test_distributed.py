@@ -3,7 +3,9 @@ the same global batch: the same completions from the same seed (FSDP2: sampled f
 same reference log-probs (FSDP2: a sharded reference), and after one update the same loss, gradient norm, metrics,
 gradient and weights (with the replay anchor on, so its once-per-step gradient is checked too). Then a 2-process
 run that writes one checkpoint (full weights loadable by from_pretrained, the optimizer state in the
-single-process layout), resumes on 2 processes and on 1."""
+single-process layout), resumes on 2 processes and on 1; that run evaluates two eval sets before, during and
+after training (rank 0 alone generates while the others wait), each number equal to one process evaluating the
+same weights."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.helpers.dist_worker import full_gradients, sample_slice, update_metri
 
 ROOT = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "helpers" / "dist_worker.py"
+EVAL_REWARD = f"{Path(__file__).parent / 'helpers' / 'faults.py'}:completion_checksum"
 KINDS = {"ddp": ROOT / "examples" / "accelerate" / "ddp.yaml", "fsdp2": ROOT / "examples" / "accelerate" / "fsdp2.yaml"}
 
 
@@ -116,6 +119,10 @@ def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, per
     single = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
     train_dict = config_dict(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    train_dict["kl"].update(sync_every=1, sync_alpha=1.0)  # the reference becomes the policy after each step
+    train_dict["eval"] = {"every": 1, "sets": [
+        {"name": "first", "source": str(addition_file), "limit": 6, "reward": EVAL_REWARD},
+        {"name": "second", "source": str(addition_file), "limit": 3, "reward": EVAL_REWARD}]}
     (tmp_path / "train.json").write_text(json.dumps(train_dict))
     accelerate_launch(KINDS[kind], [str(WORKER), "both", str(tmp_path / "cfg.json"), str(tmp_path / "batch.pt"),
                                     str(tmp_path / "out.pt"), str(tmp_path / "train.json"),
@@ -123,6 +130,30 @@ def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, per
     check_update_matches(kind, torch.load(tmp_path / "out.pt", weights_only=False), *single)
     check_checkpoint_and_resume(kind, train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json")
                                                                                    .read_text()), tmp_path)
+    check_evaluations_match_one_process(train_dict, perturbed_model_dir)
+
+
+def check_evaluations_match_one_process(cfg_dict, base_model_dir):
+    """Each logged evaluation equals one process's evaluation of the same weights: the base model before
+    training, the checkpoint of the step after it (the score is a checksum of every greedy completion)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+
+    run = Path(cfg_dict["train"]["output_dir"])
+    cfg = GRPOConfig.from_dict(cfg_dict)
+    sets = load_eval_sets(cfg)
+    rows = [r for r in read_metrics(run) if "eval/first" in r]
+    # before, at step 1 (eval.every), after step 2; the resumed run: after step 3
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        if row["step"] == 1:
+            continue  # no checkpoint of step 1 to evaluate
+        folder = base_model_dir if row["step"] == 0 else run / "checkpoints" / f"step_{row['step']}"
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        expected = evaluate_sets(model, AutoTokenizer.from_pretrained(folder), sets, cfg)
+        assert {k: row[k] for k in expected} == expected, row["step"]
+    assert len({(r["eval/first"], r["eval/second"]) for r in rows}) > 1  # the numbers follow the weights
 
 
 def check_update_matches(kind, out, batch, completions, metrics, grads, weights):
@@ -156,10 +187,17 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     run = Path(cfg_dict["train"]["output_dir"])
     assert out["kind"] == kind and out["summary"]["world_size"] == 2
     assert out["checkpoints_after_run"] == ["step_2"]  # one folder, written by rank 0
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # resumed on 2 processes
+    assert [r["step"] for r in read_metrics(run) if "train/loss" in r] == [1, 2, 3]  # resumed on 2 processes
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
 
     ckpt = run / "checkpoints" / "step_2"
+    # kl.sync_every=1 with alpha 1: the (sharded, under FSDP2) reference was set to the policy after step 2, and
+    # the checkpoint holds its gathered weights, which equal the policy's bitwise.
+    for step in (2, 3):
+        folder = run / "checkpoints" / f"step_{step}"
+        synced, policy = load_file(str(folder / "reference" / "model.safetensors")), load_file(
+            str(folder / "model.safetensors"))
+        assert synced.keys() == policy.keys() and all(torch.equal(synced[k], policy[k]) for k in policy), step
     loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)  # the full weights
     reference = AutoModelForCausalLM.from_pretrained(perturbed_model_dir, dtype=torch.float32)
     shapes = {k: v.shape for k, v in reference.state_dict().items()}
@@ -173,6 +211,10 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     trainer.resume("latest")
     saved = load_file(str(ckpt / "model.safetensors"))
     for name, p in trainer.model.named_parameters():
+        if name in saved:
+            assert torch.equal(p.detach(), saved[name]), name
+    assert trainer.reference.synced  # and its weights are the synced ones, not kl.reference's
+    for name, p in trainer.reference.model.named_parameters():
         if name in saved:
             assert torch.equal(p.detach(), saved[name]), name
     moments = trainer.optimizer.state_dict()["state"]
@@ -208,3 +250,34 @@ def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_mod
     trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
     trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
     assert trainer.train(resume="latest")["steps"] == 3
+
+
+@pytest.mark.slow
+def test_the_demo_under_fsdp2_evaluates_like_one_process(tmp_path, monkeypatch, capsys):
+    """The demo (`klgrpo train`, no model configured: two eval sets, the replay anchor, an adaptive KL) on 2
+    processes under fsdp2.yaml runs to the end (it once hung at its first evaluation). Its evaluation before
+    training equals one process's (same SFT model), and its evaluation after equals one process evaluating the
+    2-process run's final checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from klgrpo.apps.cli import main
+    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+    from tests.helpers.launch import Launch, accelerate_command, launch_env
+
+    monkeypatch.setenv("KLGRPO_CACHE", str(tmp_path / "cache"))
+    args = ["--train.steps", "2", "--logging.progress", "false", "--logging.plots", "false"]
+    assert main(["train", "--output-dir", str(tmp_path / "one"), *args]) == 0  # builds the demo's assets once
+    capsys.readouterr()
+    run = tmp_path / "two"
+    done = Launch(accelerate_command("fsdp2", ["-m", "klgrpo", "train", "--output-dir", str(run), *args]),
+                  env=launch_env(KLGRPO_CACHE=str(tmp_path / "cache"))).finish(timeout=600)
+    assert done.returncode == 0 and not done.timed_out, done.output[-4000:]
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    two = json.loads((run / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["steps"] == 2
+    assert two["eval_before"] == one["eval_before"] and set(two["eval_before"]) == {"addition", "subtraction"}
+    cfg = GRPOConfig.from_yaml(run / "config.yaml")
+    final = run / "checkpoints" / "step_2"
+    expected = evaluate_sets(AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32),
+                             AutoTokenizer.from_pretrained(final), load_eval_sets(cfg), cfg)
+    assert {k.removeprefix("eval/"): v for k, v in expected.items()} == two["eval_after"]

@@ -156,6 +156,74 @@ def test_lock_refuses_a_live_writer_and_takes_over_a_dead_one(tmp_path):
     assert not (run / LOCK_FILE).exists()
 
 
+def test_a_second_trainer_in_the_same_process_is_refused(tiny_model_dir, addition_file, tmp_path):
+    """Trainer A runs in a thread (held inside its first step); trainer B of the same process on the same folder
+    is refused, without touching A's lock. Once A is done, the folder is free again."""
+    import threading
+
+    from klgrpo.train.run_folder import LOCK_FILE
+
+    run = tmp_path / "run"
+    first = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}), log=quiet)
+    second = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 2}), log=quiet)
+    inside, release, results = threading.Event(), threading.Event(), []
+    step = first.train_step
+
+    def held_step():
+        inside.set()
+        release.wait(120)
+        return step()
+
+    first.train_step = held_step
+    thread = threading.Thread(target=lambda: results.append(first.train()))
+    thread.start()
+    try:
+        assert inside.wait(120)
+        lock = (run / LOCK_FILE).read_text()
+        with pytest.raises(ConfigError, match="being written by another trainer in this process"):
+            second.train(resume="latest")
+        assert (run / LOCK_FILE).read_text() == lock  # A's lock untouched
+    finally:
+        release.set()
+        thread.join(120)
+    assert results and results[0]["steps"] == 1 and not (run / LOCK_FILE).exists()
+    assert second.train(resume="latest")["steps"] == 2  # free again
+
+
+def test_resume_auto_continues_a_checkpoint_restarts_an_unsaved_start_and_starts_fresh(tiny_model_dir, addition_file,
+                                                                                        tmp_path, capsys):
+    """--resume auto: a fresh folder starts a run; a folder with a checkpoint continues from it; the beginning
+    of the same run killed before its first checkpoint starts again; another run's beginning is refused."""
+    from klgrpo.apps.args import parse_args
+    from klgrpo.train.run_folder import resolve_auto_resume
+
+    out = tmp_path / "run"
+    cfg = parse_args(_base_args(tiny_model_dir, addition_file, out))[0]
+    assert resolve_auto_resume(out, cfg) == (None, False)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto"), capsys)
+    assert code == 0, err
+    assert resolve_auto_resume(out, cfg) == ("latest", False)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto", "--train.steps", "3"),
+                        capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    # Killed after logging step 1, before any checkpoint: the same config starts again from step 0.
+    import shutil
+
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    assert resolve_auto_resume(out, cfg.override({"train.steps": 3})) == (None, True)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto", "--train.steps", "3"),
+                        capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--resume", "auto", "--train.seed", "5"),
+                        capsys)
+    assert code == 2 and "train.seed 0 -> 5" in err and len(err.strip().splitlines()) == 1
+
+
 def test_orphans_are_cleaned_and_only_those(tmp_path):
     from klgrpo.train.checkpoint import clean_incomplete
 
@@ -466,3 +534,153 @@ def test_step_tally_keeps_constant_state():
     assert tally.last == {"time/step": 999.0, "train/reward": 1998.0}
     assert tally.mean("time/step") == pytest.approx(499.5) and len(tally) == 1000
     assert len(vars(tally)["_sums"]) == 1  # no per-step rows kept
+
+
+# ------------------------------------------------------------------- 9. resuming the right state, owned files
+def test_a_checkpoint_missing_weights_is_refused_and_the_older_one_used(tiny_model_dir, addition_file, tmp_path):
+    """A model.safetensors without the model's tensors (here: none at all) must not resume "from step 2" with
+    the base weights: it is named, and the older checkpoint resumes, with its exact weights."""
+    from safetensors.torch import save_file
+
+    run = tmp_path / "r"
+    cfg = make_config(tiny_model_dir, addition_file, run, train={"steps": 2, "save_every": 1,
+                                                                 "keep_checkpoints": 0}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    save_file({}, str(run / "checkpoints" / "step_2" / "model.safetensors"))
+    messages = []
+    trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=messages.append)
+    trainer.resume("latest")
+    assert trainer.step == 1 and any("step_2" in m and "lacks" in m for m in messages), messages
+    expected = _weights(run, 1)
+    for name, p in trainer.model.named_parameters():
+        if name in expected:
+            assert torch.equal(p.detach(), expected[name]), name
+    with pytest.raises(KLGRPOError, match="lacks .* weights"):
+        GRPOTrainer(cfg.override({"train.steps": 3}), log=quiet).resume(str(run / "checkpoints" / "step_2"))
+
+
+def test_resume_refuses_a_run_without_config_yaml_and_a_finished_run(tiny_model_dir, addition_file, tmp_path,
+                                                                      capsys):
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    files = {n: (out / n).read_bytes() for n in ("config.yaml", "summary.json", "metrics.jsonl")}
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest"], capsys)  # finished at train.steps 2
+    assert code == 2 and "already reached step 2" in err and len(err.strip().splitlines()) == 1
+    assert {n: (out / n).read_bytes() for n in files} == files  # summary.json keeps its numbers
+    (out / "config.yaml").unlink()
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest", "--train.steps", "3"], capsys)
+    assert code == 2 and "config.yaml is missing" in err and "--config" in err, err
+    assert not (out / "config.yaml").exists() and [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_files_klgrpo_did_not_write_are_never_changed(tiny_model_dir, addition_file, tmp_path, capsys):
+    """A config.yaml symlink, the user's own config.yaml (--output-dir .), and a foreign folder that has a
+    summary.json and plots/: refused, and --overwrite deletes none of it."""
+    target = tmp_path / "elsewhere.yaml"
+    target.write_text("mine: 1\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.yaml").symlink_to(target)
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, linked), capsys)
+    assert code == 2 and "config.yaml" in err and "not written by a klgrpo run" in err, err
+    assert target.read_text() == "mine: 1\n" and (linked / "config.yaml").is_symlink()
+
+    own = tmp_path / "project"
+    own.mkdir()
+    (own / "config.yaml").write_text("my: project\n")
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, own), capsys)
+    assert code == 2 and (own / "config.yaml").read_text() == "my: project\n"
+
+    foreign = tmp_path / "foreign"
+    (foreign / "plots").mkdir(parents=True)
+    (foreign / "plots" / "figure.png").write_bytes(b"png")
+    (foreign / "summary.json").write_text("{}")
+    code, _, err = _cli(_base_args(tiny_model_dir, addition_file, foreign, "--overwrite"), capsys)
+    assert code == 2 and "summary.json" in err and "plots" in err, err
+    assert (foreign / "plots" / "figure.png").read_bytes() == b"png" and (foreign / "summary.json").exists()
+
+    # A run klgrpo made itself is listed in its marker, and --overwrite replaces exactly that.
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    (out / "mine.txt").write_text("kept")
+    assert _cli(_base_args(tiny_model_dir, addition_file, out, "--train.steps", "1", "--overwrite"), capsys)[0] == 0
+    assert (out / "mine.txt").read_text() == "kept" and [r["step"] for r in read_metrics(out)] == [1]
+
+
+def _small_tmpfs(path):
+    """A 100 KiB tmpfs (a checkpoint of the tiny model takes ~220 KiB) at ``path`` when this process may mount one (root in a container), else None."""
+    import shutil as _shutil
+
+    if _shutil.which("mount") is None or os.geteuid() != 0:
+        return None
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(path)], capture_output=True)
+    return path if done.returncode == 0 else None
+
+
+def test_full_disk_in_safetensors_says_so_and_leaves_no_tmp_folder(tiny_model_dir, addition_file, tmp_path,
+                                                                   monkeypatch):
+    """safetensors reports a full disk with its own SafetensorError, not an OSError: on a real small tmpfs when
+    one can be mounted here, else with safetensors' writer failing the way it does on a full disk."""
+    from safetensors import SafetensorError
+
+    from klgrpo.train import checkpoint
+
+    disk = _small_tmpfs(tmp_path / "disk")
+    run = (disk or tmp_path) / "r"
+    try:
+        trainer = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}, **FAST), log=quiet)
+        if disk is None:
+            def full(*_a, **_k):
+                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+            monkeypatch.setattr(checkpoint, "save_state", full)
+        with pytest.raises(KLGRPOError, match="no space left on the device while saving") as err:
+            trainer.train()
+        assert "no earlier checkpoint exists" in str(err.value)
+        assert [p.name for p in (run / "checkpoints").iterdir()] == []  # no .tmp_step_* left on the full disk
+    finally:
+        if disk is not None:
+            subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("hostile", ["deep_nesting", "wrong_types", "garbage_optimizer"])
+def test_a_hostile_trainer_state_falls_back_to_the_older_checkpoint(hostile, tiny_model_dir, addition_file,
+                                                                    tmp_path):
+    """A trainer_state.json edited by hand or by an attacker: unreadable nesting, wrong types, an optimizer
+    state of the wrong shape. The newest checkpoint is named and skipped; the older one resumes."""
+    run = tmp_path / "r"
+    cfg = make_config(tiny_model_dir, addition_file, run, train={"steps": 2, "save_every": 1,
+                                                                 "keep_checkpoints": 0}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    doc = run / "checkpoints" / "step_2" / "trainer_state.json"
+    data = json.loads(doc.read_text())
+    if hostile == "deep_nesting":
+        doc.write_text(doc.read_text()[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif hostile == "wrong_types":
+        data["tree"]["sampler"] = "not a sampler state"
+        data["tree"]["scheduler"] = [1, 2, 3]
+        doc.write_text(json.dumps(data))
+    else:
+        data["tree"]["optimizer"] = {"state": "garbage", "param_groups": [{"params": "all of them"}]}
+        doc.write_text(json.dumps(data))
+    messages = []
+    trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=messages.append)
+    trainer.resume("latest")
+    assert trainer.step == 1, messages
+    assert any("step_2 cannot be loaded" in m for m in messages), messages
+    expected = _weights(run, 1)
+    for name, p in trainer.model.named_parameters():
+        if name in expected:
+            assert torch.equal(p.detach(), expected[name]), name
+
+
+def test_a_failed_resume_leaves_config_yaml_as_it_was(tiny_model_dir, addition_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(_base_args(tiny_model_dir, addition_file, out), capsys)[0] == 0
+    saved = (out / "config.yaml").read_bytes()
+    weights = out / "checkpoints" / "step_2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # the only checkpoint no longer loads
+    code, _, err = _cli(["--output-dir", str(out), "--resume", "latest", "--train.steps", "3"], capsys)
+    assert code == 2 and "cannot resume" in err, err
+    assert (out / "config.yaml").read_bytes() == saved  # not rewritten with train.steps 3

@@ -157,3 +157,15 @@ def test_kl_plot_keeps_coinciding_curves_visible():
     for ax in (top, bottom):
         drawn = [v for k, v in styles(ax).items() if k != "controller"]
         assert len(set(drawn)) == len(drawn), drawn  # no two curves drawn alike
+
+
+def test_main_on_a_folder_it_cannot_write_prints_the_table_and_one_line(tmp_path, capsys):
+    """A run folder where plots/ cannot be written (here a file is in its place; a read-only folder fails the
+    same way, with an OSError): the table is printed, then one line names the folder and --no-plots."""
+    full_run(tmp_path)
+    (tmp_path / "plots").write_text("not a folder")
+    assert main([str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "train/reward" in captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and str(tmp_path / "plots") in lines[0] and "--no-plots" in lines[0], captured.err

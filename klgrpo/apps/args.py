@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.config import GRPOConfig
 
-USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|PATH] [--overwrite]
+USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|auto|PATH] [--overwrite]
                     [--<group>.<field> VALUE ...]
 
 With no model configured (model.name_or_path empty) this runs the embedded demo: a tiny model is
@@ -18,6 +18,8 @@ Options:
   --output-dir DIR     run folder (same as --train.output_dir)
   --resume latest|DIR  continue from the newest checkpoint of the run folder, or from a checkpoint folder;
                        without --config the run folder's config.yaml is used
+  --resume auto        continue the run folder's newest checkpoint if it has one, else start fresh (for a
+                       launcher that restarts failed workers: torchrun --max-restarts N)
   --overwrite          replace the run already in --output-dir (without it such a folder is refused)
   --print-config       print the resolved config and exit
 Every field below can be set as --group.field VALUE (or --group.field=VALUE); VALUE is parsed as YAML.
@@ -90,11 +92,16 @@ def _run_config(resume: str, output_dir: str | None) -> str | None:
 
     from klgrpo.errors import ConfigError
 
-    if resume == "latest":
+    if resume in ("latest", "auto"):
         if not output_dir:
-            raise ConfigError("--resume latest needs --output-dir DIR: the run folder to continue")
+            raise ConfigError(f"--resume {resume} needs --output-dir DIR: the run folder to continue")
         home = Path(output_dir)
     else:
         home = Path(resume).parent.parent
     path = home / "config.yaml"
-    return str(path) if path.is_file() else None
+    if path.is_file():
+        return str(path)
+    if resume != "auto" and (home / "checkpoints").is_dir():  # a run without its config: never guess one
+        raise ConfigError(f"--resume {resume}: {path} is missing, so the run's settings are unknown; pass the run's "
+                          f"config with --config")
+    return None

@@ -1,4 +1,4 @@
-"""The ``klgrpo`` command: train | verify-kl | explain | report | sweep | eval | kl | sft.
+"""The ``klgrpo`` command: train | verify-kl | explain | report | export | sweep | eval | kl | sft.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
 shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "explain": ("klgrpo.apps.explain", "say which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, "
                                        "and the klgrpo config that reproduces it"),
     "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
+    "export": ("klgrpo.apps.export", "write a checkpoint (also a sharded one) as a from_pretrained folder"),
     "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
     "eval": ("klgrpo.apps.evaluate", "greedy accuracy of a checkpoint or model on the eval.sets of a config"),
     "kl": ("klgrpo.apps.kl", "KL between two models on a prompt list (exact per token, with k1/k2/k3)"),

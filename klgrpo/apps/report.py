@@ -40,4 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except KLGRPOError as err:
         print(f"klgrpo report: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a read-only run folder (a shared or archived run): the table above is complete
+        print(f"klgrpo report: cannot write the plots into {run_dir / 'plots'} ({err.strerror or err}); pass "
+              f"--no-plots, or copy the run folder somewhere writable", file=sys.stderr)
+        return 2
     return 0

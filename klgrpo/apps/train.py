@@ -1,7 +1,8 @@
 """``klgrpo train``: defaults < --config YAML < dotted overrides; no model configured -> the embedded demo.
 
 Exit codes: 0 done, 2 a bad input or a run that cannot go on (one line on stderr), 130 Ctrl-C, 143 SIGTERM
-(both save the last complete step first; continue with --resume latest).
+(both save the last complete step first; continue with --resume latest), 1 another process of a multi-process
+run failed (one line; that process's own output says why) or an unexpected error (a traceback).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
     try:
         command = read_argv(argv)  # once: the demo resolves its own config from the same CommandLine
         cfg, opts = command.config(), command.options()
-        fresh = not opts["resume"]
+        fresh = not opts["resume"]  # --resume auto never discards: the folder may hold its earlier attempts
         if not cfg.model.name_or_path:
             from klgrpo.apps.demo_run import run_demo
 
@@ -45,11 +46,17 @@ def main(argv: list[str]) -> int:
         return 0
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
-        if fresh and run_dir is not None:
+        if fresh and run_dir is not None and os.environ.get("RANK", "0") == "0":  # rank 0 owns the folder
             from klgrpo.train.run_folder import discard_unstarted_run
 
             discard_unstarted_run(run_dir)
         return 2
+    except Exception as exc:  # noqa: BLE001 -- a lost peer is one line; anything else keeps its traceback
+        lost = _lost_peer_message(exc)
+        if lost is None:
+            raise
+        print(f"klgrpo train: error: {lost}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
         from klgrpo.train.run_folder import Terminated
 
@@ -58,6 +65,14 @@ def main(argv: list[str]) -> int:
             return 143
         print("klgrpo train: interrupted", file=sys.stderr)
         return 130
+
+
+def _lost_peer_message(exc: BaseException) -> str | None:
+    if "torch" not in sys.modules:  # failed before any process group could exist
+        return None
+    from klgrpo.train.distributed import lost_peer_message
+
+    return lost_peer_message(exc)
 
 
 def _early_checks(cfg, opts):

@@ -245,6 +245,11 @@ def pretrained_causal_lm(folder: str, gguf_file: str, failure: str, fix: str = "
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs, **gguf_kwargs(folder, gguf_file))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{failure}: {first_line(exc, limit=None)}{fix}") from None
+    except Exception as exc:  # a truncated safetensors file, a pickle that torch's weights_only loader refuses
+        if type(exc).__name__ not in ("SafetensorError", "UnpicklingError"):
+            raise
+        raise ConfigError(f"{failure}: its weights file cannot be read ({type(exc).__name__}: {first_line(exc)}); "
+                          f"restore the model folder (safetensors weights; a pickled file is not loaded)") from None
     if gguf_file:
         forget_gguf_origin(model)
     return model

@@ -91,13 +91,20 @@ class FrozenCopyReference:
     @torch.no_grad()
     def sync(self, policy, alpha: float = 1.0) -> None:
         """ref <- alpha * policy + (1 - alpha) * ref (alpha = 1: a copy), parameter by parameter."""
-        for p_ref, p in zip(self.model.parameters(), policy.parameters()):
-            p_ref.mul_(1.0 - alpha).add_(p.detach().to(p_ref.dtype), alpha=alpha)
+        ref_params = dict(self.model.named_parameters())
+        for name, p in policy.named_parameters():  # by name: FSDP2 may list a sharded model's parameters in
+            p_ref = ref_params[name]               # another order than the reference's
+            # Sharded (FSDP2, laid out alike): each rank mixes its own shards. Their first forward ran under
+            # ``logprobs``' inference_mode, which left inference tensors, updatable in place only in that mode.
+            ref, src = _local(p_ref), _local(p.detach())
+            with torch.inference_mode(ref.is_inference()):
+                ref.mul_(1.0 - alpha).add_(src.to(ref.dtype), alpha=alpha)
         self.synced = True
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, state_dict: dict | None = None) -> None:
+        """``state_dict``: the full weights of a sharded reference, gathered by the caller."""
         if self.synced:
-            self.model.save_pretrained(folder / "reference")
+            self.model.save_pretrained(folder / "reference", state_dict=state_dict)
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_model
@@ -106,6 +113,11 @@ class FrozenCopyReference:
         if path.exists():
             load_model(self.model, str(path), strict=False)
             self.synced = True
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank (under no_grad: the tensor itself, not a copy); any other tensor as is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ------------------------------------------------------------------------------------------ LoRA

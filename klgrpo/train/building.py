@@ -76,7 +76,7 @@ def seed_everything(seed: int) -> None:
     try:
         import numpy as np
 
-        np.random.seed(seed)
+        np.random.seed(seed % 2**32)  # seed + rank (+ a resume's offset) may pass numpy's upper bound
     except ImportError:
         pass
 

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError, KLGRPOError, first_line
 from klgrpo.train.guard import check_finite_weights
 from klgrpo.train.state_io import StateFileError, load_state, save_state, state_files
 
 STATE_STEM = "trainer_state"
 STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io
 LEGACY_STATE_FILE = "trainer_state.pt"
+SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weights and AdamW moments
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
 _TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
@@ -58,26 +59,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
-                    reference=None, keep: int = 0, model_state: dict | None = None) -> Path:
-    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``:
-    the full state dict of a sharded model (gathered by the engine), saved instead of ``model``'s own.
+                    reference=None, keep: int = 0, model_state: dict | None = None,
+                    reference_state: dict | None = None) -> Path:
+    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``
+    (``reference_state``): the full state dict of a sharded model (reference), gathered by the engine, saved
+    instead of the module's own.
 
     Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
     folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
-    check_finite_weights(model if model_state is None else model_state, step)
+    sharded = model_state is SHARDS_DIR  # the shards are in the temporary folder already (``shard_folder``)
+    if not sharded:
+        check_finite_weights(model if model_state is None else model_state, step)
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step}"
-    tmp = root / f".tmp_step_{step}_{os.getpid()}"
+    tmp = shard_folder(run_dir, step).parent
     try:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state)
+        if not sharded:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
-    except OSError as exc:
+    except Exception as exc:  # an OSError, or safetensors' own SafetensorError wrapping one (a full disk)
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
         raise _save_error(exc, final, run_dir) from None
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
@@ -86,26 +94,40 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
 
 def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
-                      model_state: dict | None = None) -> None:
-    if hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
+                      model_state: dict | None = None, reference_state: dict | None = None) -> None:
+    if model_state is SHARDS_DIR:
+        model.config.save_pretrained(folder)  # the architecture, for `klgrpo export`
+    elif hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
         model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
     else:
         model.save_pretrained(folder, safe_serialization=True, state_dict=model_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     if reference is not None:
-        reference.save(folder)
+        reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
     save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step})
 
 
-def _save_error(exc: OSError, final: Path, run_dir: Path) -> KLGRPOError:
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
+
+
+def shard_folder(run_dir: Path, step: int, pid: int | None = None) -> Path:
+    """Where every rank writes its shards of step ``step`` (inside the temporary folder of process ``pid``,
+    rank 0's, renamed into place once the checkpoint is whole)."""
+    return Path(run_dir) / "checkpoints" / f".tmp_step_{step}_{pid or os.getpid()}" / SHARDS_DIR
+
+
+def _save_error(exc: Exception, final: Path, run_dir: Path) -> KLGRPOError:
     done = list_checkpoints(run_dir)
     kept = f"the newest complete checkpoint is {done[-1]}" if done else "no earlier checkpoint exists"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    code = getattr(exc, "errno", None)
+    if code is None and (m := _OS_ERROR_CODE.search(str(exc))):  # SafetensorError: "... (os error 28)"
+        code = int(m.group(1))
+    if code in (errno.ENOSPC, errno.EDQUOT):
         return KLGRPOError(f"no space left on the device while saving {final}: free disk space (or lower "
                            f"train.keep_checkpoints) and continue with --resume latest; {kept}")
-    return KLGRPOError(f"cannot write {final} ({exc.strerror or exc}); check that train.output_dir is a writable "
-                       f"folder; {kept}")
+    reason = getattr(exc, "strerror", None) or first_line(exc)
+    return KLGRPOError(f"cannot write {final} ({reason}); check that train.output_dir is a writable folder; {kept}")
 
 
 def _remove(folder: Path) -> None:
@@ -122,8 +144,10 @@ def is_complete(folder: Path) -> bool:
     """A checkpoint folder holds the trainer state (both files) and the model's weights."""
     folder = Path(folder)
     weights = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+    shards = folder / SHARDS_DIR
     return (all(p.is_file() for p in state_files(folder, STATE_STEM))
-            and any((folder / w).is_file() for w in weights))
+            and (any((folder / w).is_file() for w in weights)
+                 or (shards.is_dir() and any(shards.glob("*.safetensors")))))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

@@ -221,6 +221,13 @@ class TrainConfig:
     torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
     max_skipped_steps: int = _f(3, "stop the run (non-zero exit) after this many steps in a row were skipped for a "
                                    "non-finite loss or gradient norm; a skipped step never updates the weights")
+    sharded_checkpoints: bool = _f(False, "each process writes its own shards of the weights and AdamW moments "
+                                          "(FSDP2; torch.distributed.checkpoint into safetensors files) instead of "
+                                          "gathering them on process 0; resumable on any process count; the run's "
+                                          "last checkpoint is written whole (from_pretrained) as always")
+    dist_timeout_s: float = _f(600.0, "several processes: seconds a collective waits for the other processes before "
+                                      "the run fails with an error (a stuck or dead process never hangs the rest "
+                                      "longer); see docs/reliability.md")
     compile: bool = _f(False, "torch.compile the policy's and the reference's forward and the sampling loop's "
                               "step: faster steps after a one-off compilation (tens of seconds on a CPU, again "
                               "once when the shapes change); pays on long runs, see docs/benchmarks.md for the "
@@ -272,7 +279,7 @@ class GRPOConfig:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = safe_load_bounded(path.read_text(encoding="utf-8"), f"config file {path}") or {}
         except yaml.YAMLError as exc:
             raise ConfigError(_yaml_error(path, exc)) from None
         except (UnicodeDecodeError, OSError) as exc:
@@ -306,7 +313,7 @@ class GRPOConfig:
             if parts[-1] not in node:
                 raise ConfigError(_unknown(key, origin))
             try:
-                node[parts[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
+                node[parts[-1]] = safe_load_bounded(value, f"{key} in {origin}") if isinstance(value, str) else value
             except yaml.YAMLError:
                 raise ConfigError(f"{key} in {origin}: {value!r} is not a valid value (YAML); quote text values"
                                   ) from None
@@ -325,6 +332,44 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
     if "'\\t'" in str(exc):  # PyYAML: found character '\t' that cannot start any token
         return f"config file {path}{where}: a tab character; YAML indents with spaces only: use spaces instead of tabs"
     return f"config file {path} is not valid YAML{where}: {' '.join(str(exc).split())}"
+
+
+#: Values a YAML document may expand to through its aliases (``*name``): a few aliases nested ten deep expand
+#: to billions ("billion laughs") and would hang whatever walks the config.
+MAX_YAML_VALUES = 100_000
+
+
+def safe_load_bounded(text: str, what: str):
+    """``yaml.safe_load`` that refuses (ConfigError naming ``what``) a document whose aliases expand to more than
+    MAX_YAML_VALUES values, or refer to themselves."""
+    sizes: dict[int, int] = {}
+
+    def expanded(node, open_nodes: set[int]) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError(f"{what}: a YAML alias refers to itself; write the values out")
+        open_nodes.add(key)
+        children = list(node.values()) if isinstance(node, dict) else node
+        total = 1
+        for child in children:
+            total += expanded(child, open_nodes)
+            if total > MAX_YAML_VALUES:
+                raise ConfigError(f"{what}: its YAML aliases (*name) expand to more than {MAX_YAML_VALUES:,} values; "
+                                  f"write the values out")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        data = yaml.safe_load(text)
+        expanded(data, set())
+    except RecursionError:
+        raise ConfigError(f"{what}: its YAML is nested too deeply to read; write it flatter") from None
+    return data
 
 
 def _deep_merge(base: dict, update: dict) -> dict:

@@ -7,11 +7,17 @@ every rank draws the same global prompt indices and keeps its contiguous slice, 
 stay on one rank; rewards are gathered so advantages (also scale="batch") equal the single-process ones; the
 loss of each rank is normalised by GLOBAL counts and the gradients are SUMMED across ranks, so loss, gradient
 and metrics equal a single process on the same batch.
+
+Failures never hang the other ranks: the process group's collectives time out after ``train.dist_timeout_s``
+(torch's default is 30 minutes), and a refusal decided by rank 0 alone (the run folder) is shared with
+``agreed`` before any other collective, so every rank stops with the same message (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,17 +27,57 @@ def _launched_with_several_processes() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-class Distributed:
-    """Rank, world size and collectives; a no-op stand-in for a single process."""
+T = TypeVar("T")
 
-    def __init__(self):
+
+def _init_restarted_cpu_group(timeout: timedelta | None) -> None:
+    """A worker that ``torchrun --max-restarts`` restarted, on CPUs: the launcher keeps one key-value store
+    across attempts, and a new gloo group reads the previous attempt's addresses from it when they are still
+    there (seen here: "connection refused", or a hang at start-up). The group of attempt N gets keys of its
+    own; accelerate then adopts the initialised group."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if (attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.cuda.is_available()
+            or torch.distributed.is_initialized()):
+        return
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     **({"timeout": timeout} if timeout else {}))
+    torch.distributed.init_process_group("gloo", store=PrefixStore(f"klgrpo/attempt_{attempt}", store),
+                                         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                         **({"timeout": timeout} if timeout else {}))
+
+
+def lost_peer_message(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another process died, stopped or stalled past
+    ``train.dist_timeout_s`` (None for any other error)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    backend_error = getattr(torch.distributed, "DistError", ())
+    text = str(exc)
+    if not (isinstance(exc, backend_error) or (isinstance(exc, RuntimeError)
+                                               and any(k in text for k in ("gloo", "NCCL", "nccl", "Timed out")))):
+        return None
+    from klgrpo.errors import first_line
+
+    return (f"the processes of this run lost each other ({first_line(exc)}): another process failed, was killed or "
+            f"stalled past train.dist_timeout_s; its own output says why; continue with --resume latest")
+
+
+class Distributed:
+    """Rank, world size and collectives; a no-op stand-in for a single process. ``timeout_s``: how long a
+    collective waits for the other ranks (applies when this call creates the process group)."""
+
+    def __init__(self, timeout_s: float | None = None):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         if _launched_with_several_processes() or (torch.distributed.is_available()
                                                    and torch.distributed.is_initialized()):
             from accelerate import PartialState
 
             # Without cpu=True a machine with no GPU silently becomes "rank 0 of 1" in every process.
-            state = PartialState(cpu=not torch.cuda.is_available())
+            timeout = timedelta(seconds=timeout_s) if timeout_s else None
+            _init_restarted_cpu_group(timeout)
+            state = PartialState(cpu=not torch.cuda.is_available(), **({"timeout": timeout} if timeout else {}))
             self.rank, self.world_size = state.process_index, state.num_processes
             self.local_rank = state.local_process_index
             self.device = state.device
@@ -76,6 +122,35 @@ class Distributed:
         from accelerate.utils import gather_object
 
         return gather_object([obj])
+
+    def broadcast_object(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agreed(self, decide_on_main: Callable[[], T], shared: bool = False) -> T | None:
+        """Run ``decide_on_main`` on rank 0 only and share its verdict: its result on rank 0 (on every rank with
+        ``shared``, else None elsewhere), or the same klgrpo error (a refusal) raised on every rank. Call it
+        before any collective the refusal must not strand the other ranks in."""
+        from klgrpo.errors import KLGRPOError, first_line
+
+        result, failure, refusal = None, None, None
+        if self.is_main:
+            try:
+                result = decide_on_main()
+            except Exception as exc:  # anything else is shared as one line too, and re-raised as is on rank 0
+                failure = exc
+                refusal = exc if isinstance(exc, KLGRPOError) else KLGRPOError(
+                    f"process 0 failed: {type(exc).__name__}: {first_line(exc)}")
+        refusal = self.broadcast_object(refusal)
+        if failure is not None:
+            raise failure
+        if refusal is not None:
+            raise refusal
+        return self.broadcast_object(result) if shared else result
 
     def barrier(self) -> None:
         if self.enabled:

@@ -104,10 +104,13 @@ class Engine:
 
     def check(self, cfg) -> None:
         """Settings this engine cannot honour, as one line each."""
-        if self.shards_parameters and cfg.kl.sync_every:
-            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with {self.kind} (sharded parameters): the "
-                              "reference's synced weights cannot be checkpointed yet; set kl.sync_every: 0 or use "
-                              "examples/accelerate/ddp.yaml")
+        if self.zero_stage == 3 and cfg.kl.sync_every:
+            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with DeepSpeed ZeRO-3: the reference's synced "
+                              "weights cannot be checkpointed; set kl.sync_every: 0 or use "
+                              "examples/accelerate/fsdp2.yaml")
+        if self.kind == "deepspeed" and cfg.train.sharded_checkpoints:
+            raise ConfigError("train.sharded_checkpoints with DeepSpeed: not supported; set "
+                              "train.sharded_checkpoints: false")
         if self.kind != "single" and cfg.train.compile:
             raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
         if self.kind == "deepspeed":
@@ -169,6 +172,19 @@ class Engine:
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine
+
+    def sync_reference(self, reference, model, alpha: float) -> None:
+        """kl.sync_every's ``reference.sync(model, alpha)``. FSDP2: both models resharded first (a unit kept
+        gathered after its forward holds full tensors where the other holds shards), then each rank mixes its
+        own shards, which are laid out alike."""
+        if self.kind == "fsdp2":
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in (model, getattr(reference, "model", model)):
+                for unit in module.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.reshard()
+        reference.sync(model, alpha)
 
     # ------------------------------------------------------------------------------------------ a step
     def backward(self, loss: Tensor, *, same_on_every_rank: bool = False) -> None:
@@ -253,6 +269,31 @@ class Engine:
                                         for i, s in state["state"].items()}}
         inner.load_state_dict(state)
 
+    def save_sharded(self, folder: Path, model, optimizer) -> None:
+        """Every rank writes its shards of the weights and the AdamW moments into ``folder`` (safetensors files,
+        one per rank, with torch.distributed.checkpoint's sharding metadata in their headers: nothing pickled)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        flat, _, _ = _flat_state(model, optimizer)
+        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(
+            str(folder), save_distributed=torch.distributed.is_initialized()))
+
+    def load_sharded(self, folder: Path, model, optimizer) -> None:
+        """The inverse of ``save_sharded`` on any process count: torch.distributed.checkpoint reads the parts of
+        the saved shards that make up this rank's shards (every tensor must be in the checkpoint)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        flat, optim_state, tied = _flat_state(model, optimizer)
+        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
+        model_state = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
+        model_state.update({alias: model_state[kept] for alias, kept in tied.items()})
+        moments = {fqn: {k: flat[f"optimizer.{fqn}.{k}"] for k in s} for fqn, s in optim_state["state"].items()}
+        set_state_dict(model, getattr(optimizer, "optimizer", optimizer), model_state_dict=model_state,
+                       optim_state_dict={"state": moments, "param_groups": optim_state["param_groups"]})
+
     def load_adapter(self, model, ckpt: Path) -> None:
         """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
         if self.kind == "fsdp2":
@@ -263,17 +304,78 @@ class Engine:
         load_adapter_weights(model, ckpt)
 
     def load_model_file(self, model, path: Path, device) -> None:
-        """Load a full safetensors state dict (missing keys allowed: tied weights) into ``model``."""
-        if self.kind != "fsdp2":
-            from safetensors.torch import load_model
-
-            load_model(model, str(path), strict=False, device=str(device))
-            return
+        """Load a full safetensors state dict into ``model``: every weight must be in the file, except the second
+        name of a tied weight (save_pretrained writes it once); a missing or unknown name is a ConfigError."""
         from safetensors.torch import load_file
+
+        weights = load_file(str(path), device=str(device))
+        _check_complete_state(model, weights.keys(), path)
+        if self.kind != "fsdp2":
+            model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, load_file(str(path), device=str(device)),
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _check_complete_state(model, names, path: Path) -> None:
+    """``names`` (a checkpoint's tensors) cover every entry of the model's state dict, counting a tied weight
+    as present when any of its names is, and name nothing else."""
+    names = set(names)
+    aliases: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(name)
+    expected = set(model.state_dict().keys())
+    tied = {n: group for group in aliases.values() for n in group}
+    missing = sorted(n for n in expected - names if not (tied.get(n, set()) & names))
+    unexpected = sorted(names - expected)
+    if missing or unexpected:
+        what = (f"lacks {len(missing)} of the model's {len(expected)} weights (first: {missing[0]})" if missing
+                else f"holds {len(unexpected)} weights the model does not have (first: {unexpected[0]})")
+        raise ConfigError(f"{path} {what}: it is not a checkpoint of this model; resume from an intact checkpoint "
+                          f"of this run")
+
+
+def load_sharded_weights(model, folder: Path) -> None:
+    """The weights of a sharded checkpoint folder (``save_sharded``) into a whole model in this process (its
+    AdamW moments are not read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = model.state_dict()
+    kept, tied = {}, {}
+    for name, value in state.items():
+        key = (value.data_ptr(), tuple(value.shape))
+        if key in kept:
+            tied[name] = kept[key]
+        else:
+            kept[key] = name
+    flat = {f"model.{k}": v for k, v in state.items() if k not in tied}
+    dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
+    loaded = {k.removeprefix("model."): v for k, v in flat.items()}
+    model.load_state_dict({**loaded, **{alias: loaded[name] for alias, name in tied.items()}})
+
+
+def _flat_state(model, optimizer) -> tuple[dict[str, Tensor], dict, dict[str, str]]:
+    """{"model.<name>": weight, "optimizer.<name>.<exp_avg|exp_avg_sq|step>": moment} (this rank's shards under
+    FSDP2), the optimizer's state dict in torch's name-keyed form (its param_groups are kept from the live
+    optimizer: they follow from the config), and the tied weights' second names {alias: name kept} (a tensor
+    is stored once, as save_pretrained does)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+    seen: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for name, value in model_state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = (local.data_ptr(), tuple(value.shape))
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+    flat = {f"model.{k}": v for k, v in model_state.items() if k not in tied}
+    flat.update({f"optimizer.{fqn}.{k}": v for fqn, s in optim_state["state"].items() for k, v in s.items()})
+    return flat, optim_state, tied
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:

@@ -51,8 +51,11 @@ def greedy_completions(
                     empty = start + next(i for i, r in enumerate(rows) if not r)
                     raise ValueError(f"prompt {empty} ({prompts[empty]!r}) encodes to no tokens; give every prompt some text")
                 input_ids, attention_mask = _left_padded(rows, pad_id, model.device)
+                # synced_gpus=False: transformers turns it on for any FSDP-managed model in a process group and
+                # then all-reduces at every token, which hangs when one rank evaluates alone (the trainer's way).
                 output_ids = model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                    synced_gpus=False,
                 )
                 new_ids = output_ids[:, input_ids.shape[1] :].tolist()
                 completions += [tokenizer.decode(_cut_at(ids, eos_ids), skip_special_tokens=True) for ids in new_ids]

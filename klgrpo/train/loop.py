@@ -14,19 +14,25 @@ import torch
 
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path
+from klgrpo.train.checkpoint import SHARDS_DIR
 from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.train.run_folder import open_run_folder, sigterm_as_interrupt
+from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume, sigterm_as_interrupt
 from klgrpo.train.tally import StepTally
 
 
 def run_training(trainer, resume: str | None = None, overwrite: bool = False,
                  summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
     """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
-    ("latest" or a checkpoint folder) continues one (run_folder.py). ``summary_extras(summary)`` returns
-    fields to add to the summary before summary.json is written (the demo's)."""
-    main = trainer.dist.is_main
-    lock = open_run_folder(trainer.run_dir, trainer.cfg, resume, overwrite, log=trainer.log) if main else None
+    ("latest", a checkpoint folder, or "auto": latest if there is one, else a fresh start) continues one
+    (run_folder.py). ``summary_extras(summary)`` returns fields to add to the summary before summary.json is
+    written (the demo's)."""
+    dist, cfg = trainer.dist, trainer.cfg
+    # Rank 0 decides; a refusal reaches every rank before any collective of the run, so none is left waiting.
+    if resume == "auto":
+        resume, overwrite = dist.agreed(lambda: resolve_auto_resume(trainer.run_dir, cfg), shared=True)
+    lock = dist.agreed(lambda: open_run_folder(trainer.run_dir, cfg, resume, overwrite, log=trainer.log))
+    trainer._run_lock = lock
     try:
         return _train(trainer, resume, summary_extras)
     finally:
@@ -38,6 +44,8 @@ def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
     cfg, main = trainer.cfg, trainer.dist.is_main
     if resume:
         trainer.resume(resume)
+        if trainer._run_lock is not None:
+            trainer._run_lock.config_after_resume(trainer.log)
     start = time.perf_counter()
     # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
     evaluate = bool(trainer.eval_sets) and (main or trainer.engine.shards_parameters)
@@ -51,7 +59,7 @@ def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
     with logger:
         if eval_before and trainer.step == 0:
             logger.log(0, eval_before)
-        with sigterm_as_interrupt(), save_on_interrupt(trainer, logger):
+        with sigterm_as_interrupt(deferred=trainer.dist.enabled) as signals, save_on_interrupt(trainer, logger):
             while trainer.step < cfg.train.steps:
                 metrics = trainer.train_step()
                 step = trainer.step
@@ -62,7 +70,7 @@ def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
                     logger.message(line)
                     logger.text("warnings/kl", line, trainer.step)
                 history.append(metrics)
-                stop = should_stop(trainer, start)
+                stop = should_stop(trainer, start, signals)
                 if cfg.train.save_every and trainer.step % cfg.train.save_every == 0 and not stop:
                     trainer.save()
                 if stop:
@@ -72,8 +80,9 @@ def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
         eval_after = trainer.evaluate() if evaluate else {}
         if eval_after:
             logger.log(trainer.step, eval_after)
-    if not (trainer.run_dir / "checkpoints" / f"step_{trainer.step}").exists():
-        trainer.save()
+    last = trainer.run_dir / "checkpoints" / f"step_{trainer.step}"
+    if not last.exists() or (last / SHARDS_DIR).is_dir():
+        trainer.save(whole=True)  # the last checkpoint is always whole (sharded or missing: written now)
     if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
         from klgrpo.backends.lora import export_merged
 
@@ -94,15 +103,22 @@ def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
     return summary
 
 
-def should_stop(trainer, start: float) -> bool:
-    """Decided identically on every rank (the wall-clock verdict of rank 0 is shared)."""
+def should_stop(trainer, start: float, signals=None) -> bool:
+    """Decided identically on every rank (the wall-clock verdict of rank 0 is shared). ``signals``: a
+    ``DeferredStop`` (several processes); a signal any rank received stops all of them here, raising the
+    interrupt that saves the step just completed."""
     cfg = trainer.cfg
     if trainer.guard.exhausted:
         trainer._stop_reason = trainer.guard.stop_message(trainer.step)
         return True
     over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
     if trainer.dist.enabled:
-        over = bool(trainer.dist.max(torch.tensor(float(over and trainer.dist.is_main), device=trainer.device)).item())
+        noted = signals is not None and signals.signal is not None
+        verdict = trainer.dist.max(torch.tensor([float(over and trainer.dist.is_main), float(noted)],
+                                                device=trainer.device))
+        over = bool(verdict[0].item())
+        if verdict[1].item():
+            raise signals.interrupt()
     if over:
         trainer._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
     return over

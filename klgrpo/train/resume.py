@@ -12,22 +12,25 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.errors import ConfigError, KLGRPOError, first_line, warn
-from klgrpo.train.checkpoint import load_trainer_state, resume_candidates
+from klgrpo.train.checkpoint import SHARDS_DIR, STATE_FILE, load_trainer_state, resume_candidates
 
 
 class CheckpointLoadError(KLGRPOError):
     """A checkpoint's file cannot be read."""
 
 
-def load_resumable_checkpoint(trainer, resume: str) -> tuple[Path, dict[str, Any]]:
-    """Load the weights (policy and reference) of the first candidate that loads into ``trainer``'s models;
-    return that checkpoint and its trainer state (not yet applied)."""
+def load_resumable_checkpoint(trainer, resume: str, apply=None) -> tuple[Path, dict[str, Any]]:
+    """Load the weights (policy and reference) of the first candidate that loads into ``trainer``'s models,
+    and ``apply(state)`` its trainer state (optimizer, scheduler, ...): a state of the wrong shape or types
+    counts as a checkpoint that does not load. Returns that checkpoint and its trainer state."""
     candidates = resume_candidates(resume, trainer.run_dir)
     failures = []
     for ckpt in candidates:
         try:
             state = load_trainer_state(ckpt)
             _load_weights(trainer, ckpt)
+            if apply is not None:
+                _apply_state(apply, state, ckpt)
         except KLGRPOError as exc:
             failures.append(str(exc))
             if len(candidates) > 1:
@@ -42,11 +45,40 @@ def load_resumable_checkpoint(trainer, resume: str) -> tuple[Path, dict[str, Any
                               f"{failures[0]}); start a new run")
 
 
+def _apply_state(apply, state: dict, ckpt: Path) -> None:
+    try:
+        apply(state)
+    except KLGRPOError:
+        raise
+    except Exception as exc:  # a hand-edited or foreign state: wrong types, shapes or keys
+        raise CheckpointLoadError(f"{ckpt / STATE_FILE} holds a trainer state this run cannot use "
+                                  f"({type(exc).__name__}: {first_line(exc)})") from None
+
+
+def _load_reference(trainer, ckpt: Path) -> None:
+    """The reference's synced weights (kl.sync_every) when the checkpoint has them; a sharded frozen copy
+    (FSDP2) loads them through the engine, which shards the full tensors."""
+    from klgrpo.core.reference import FrozenCopyReference
+
+    reference = trainer.reference
+    path = ckpt / "reference" / "model.safetensors"
+    if isinstance(reference, FrozenCopyReference) and trainer.engine.kind == "fsdp2":
+        if path.exists():
+            trainer.engine.load_model_file(reference.model, path, trainer.device)
+            reference.synced = True
+        return
+    reference.load(ckpt)
+
+
 def _load_weights(trainer, ckpt: Path) -> None:
     adapter = ckpt / "adapter_model.safetensors"
     target = adapter if adapter.exists() else ckpt / "model.safetensors"
+    shards = ckpt / SHARDS_DIR
     try:
-        if adapter.exists():
+        if shards.is_dir() and not target.exists():
+            target = shards
+            trainer.engine.load_sharded(shards, trainer.model, trainer.optimizer)  # weights and AdamW moments
+        elif adapter.exists():
             trainer.engine.load_adapter(trainer.model, ckpt)
         elif target.exists():
             trainer.engine.load_model_file(trainer.model, target, trainer.device)
@@ -58,7 +90,7 @@ def _load_weights(trainer, ckpt: Path) -> None:
         raise CheckpointLoadError(f"{target} cannot be read ({first_line(exc)})") from None
     if trainer.reference is not None:
         try:
-            trainer.reference.load(ckpt)
+            _load_reference(trainer, ckpt)
         except KLGRPOError:
             raise
         except Exception as exc:

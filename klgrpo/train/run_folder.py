@@ -1,16 +1,23 @@
 """Run-folder safety: a folder that holds a run is never overwritten unless asked, one run writes it at a time,
 a resume continues the run it names, and what killed saves leave behind is cleaned at start.
 
+    resolve_auto_resume(run_dir, cfg)                   --resume auto: "latest", a restart of an unsaved start, or fresh
     check_run_folder(run_dir, cfg, resume, overwrite)   read-only checks (the CLI runs them before building a model)
     open_run_folder(run_dir, cfg, resume, overwrite)    the checks, then --overwrite's clearing, the lock,
                                                         the clean-up and config.yaml; returns the RunLock
 
 A folder "holds a run" when it has a checkpoint, a metrics row or a summary.json. A fresh run into such a
-folder is refused with a line naming --resume, --output-dir and --overwrite; --overwrite deletes only the
-files klgrpo writes (RUN_FILES) and keeps anything else in the folder.
+folder is refused with a line naming --resume, --output-dir and --overwrite. What klgrpo owns in a run folder
+is listed in its marker file ``.klgrpo_owned.json`` (written when a fresh run opens the folder): --overwrite
+deletes only the names listed there (a folder without the marker, or a name of RUN_FILES that exists but is not
+listed -- the user's own config.yaml or plots/ -- is refused, never deleted or written over). config.yaml is
+written atomically and never through a symbolic link.
 
 The lock is ``<run>/.klgrpo.lock`` (created with O_EXCL, holding the PID and host). A lock whose process is
-gone (same host) is stale and taken over; a live one refuses the second run.
+gone (same host) is stale and taken over; a live one refuses the second run. Within one process the folders
+whose lock a trainer holds are also kept in memory, so a second trainer of the same process (a thread, a
+notebook cell) is refused too, while a lock left by an earlier trainer of this process that never released it
+is taken over.
 
 Resuming compares the run's config.yaml with the new config: a change of a field in ``RESUME_SAFE_FIELDS``
 (how long, how often to save or evaluate, logging, device) is applied with a warning and config.yaml is
@@ -33,10 +40,15 @@ from typing import Callable
 import yaml
 
 from klgrpo.errors import ConfigError, warn
+from klgrpo.train.config import safe_load_bounded
 from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
 LOCK_FILE = ".klgrpo.lock"
+OWNED_FILE = ".klgrpo_owned.json"
+#: The lock files this process holds (resolved paths): a second trainer in this process is refused.
+_HELD_HERE: set[str] = set()
+_HELD_HERE_GUARD = threading.Lock()
 CONFIG_FILE = "config.yaml"
 #: What klgrpo writes into a run folder: --overwrite deletes these and nothing else.
 RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "checkpoints", "tb", "plots",
@@ -45,6 +57,7 @@ RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "
 RESUME_SAFE_PREFIXES = ("logging.", "eval.")
 RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                       "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
+                      "train.dist_timeout_s", "train.sharded_checkpoints",
                       "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
                       "model.fast_path", "model.lora.save_merged")
 
@@ -59,6 +72,9 @@ def check_output_dir(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # exists() is False for a link to nothing, or to itself through others
+            raise ConfigError(f"train.output_dir {run_dir}: {existing} is a symbolic link to a missing folder (or "
+                              f"a loop of links); fix the link or pass --output-dir a folder path")
         existing = existing.parent
     if not existing.is_dir():
         what = "is a file" if existing == run_dir else f"is inside {existing}, which is a file"
@@ -98,12 +114,34 @@ def holds_run(run_dir: Path) -> bool:
         return True
 
 
+def resolve_auto_resume(run_dir: Path, cfg) -> tuple[str | None, bool]:
+    """``--resume auto`` as (resume, overwrite): ("latest", False) when the folder has a complete checkpoint;
+    (None, True) when it holds the beginning of this same run (its config.yaml agrees) killed before its first
+    checkpoint, which starts again from step 0; (None, False) for a folder without a run. A launcher that
+    restarts failed workers (``torchrun --max-restarts``) can pass it every time."""
+    run_dir = Path(run_dir)
+    if list_checkpoints(run_dir):
+        return "latest", False
+    if not holds_run(run_dir):
+        return None, False
+    saved = saved_config(run_dir)
+    if saved is None:
+        raise ConfigError(f"--resume auto: {run_dir} holds a run without a checkpoint or a {CONFIG_FILE}; start a "
+                          f"new run with another --output-dir, or replace it with --overwrite")
+    compare_configs(saved, cfg.to_dict(), run_dir)  # another run's beginning is refused, not restarted
+    return None, True
+
+
 def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = False) -> list[str]:
     """Refuse a fresh run into a run folder (without overwrite), a folder locked by a live run, or a resume
     whose config breaks the run's exactness. Returns the warnings of a resume's harmless changes."""
     run_dir = Path(run_dir)
     check_output_dir(run_dir)
     _check_lock(run_dir)
+    if resume == "auto":
+        if overwrite:
+            raise ConfigError("--resume auto continues a run and --overwrite deletes it: pass only one of them")
+        resume, overwrite = resolve_auto_resume(run_dir, cfg)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
     if not resume:
@@ -113,8 +151,39 @@ def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = F
                                   f"resume); replace it with --overwrite or start a new one with another --output-dir")
             raise ConfigError(f"{run_dir} already holds a run; continue it with --resume latest, start a new one "
                               f"with another --output-dir, or replace it with --overwrite")
+        _check_nothing_foreign(run_dir)
         return []
-    return compare_configs(saved_config(_config_home(run_dir, resume)), cfg.to_dict(), run_dir)
+    warnings = compare_configs(saved_config(_config_home(run_dir, resume)), cfg.to_dict(), run_dir)
+    if resume == "latest" and (done := list_checkpoints(run_dir)):
+        # Resuming a finished run would rewrite its summary.json with an empty history and its config.yaml.
+        reached = int(done[-1].name.removeprefix("step_"))
+        if reached >= cfg.train.steps:
+            raise ConfigError(f"the run in {run_dir} already reached step {reached} (train.steps {cfg.train.steps}): "
+                              f"nothing to continue; pass --train.steps above {reached} to train further")
+    return warnings
+
+
+def owned_files(run_dir: Path) -> set[str] | None:
+    """The names klgrpo's marker lists as its own in ``run_dir`` (None: no marker, or an unreadable one)."""
+    try:
+        data = json.loads((Path(run_dir) / OWNED_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    names = data.get("files") if isinstance(data, dict) else None
+    return {n for n in names if n in RUN_FILES} if isinstance(names, list) else None
+
+
+def _check_nothing_foreign(run_dir: Path) -> None:
+    """A fresh run writes only names that are absent or klgrpo's own (the marker lists them)."""
+    owned = owned_files(run_dir) or set()
+    # The replay cache is written before the folder is opened and checks its own content when it is read.
+    names = [n for n in RUN_FILES if not n.startswith("replay_cache")]
+    foreign = [n for n in names if (Path(run_dir) / n).exists() or (Path(run_dir) / n).is_symlink()]
+    foreign = [n for n in foreign if n not in owned or (Path(run_dir) / n).is_symlink()]
+    if foreign:
+        raise ConfigError(f"{run_dir} already has {', '.join(foreign)}, not written by a klgrpo run there (no "
+                          f"{OWNED_FILE} lists it); klgrpo writes files of those names: pick another --output-dir, "
+                          f"or move them away")
 
 
 def _config_home(run_dir: Path, resume: str) -> Path:
@@ -131,7 +200,7 @@ def saved_config(run_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = safe_load_bounded(path.read_text(encoding="utf-8"), str(path))
     except (yaml.YAMLError, UnicodeDecodeError):
         raise ConfigError(f"{path} is not valid YAML; restore it or pass the run's config with --config") from None
     return data if isinstance(data, dict) else None
@@ -179,6 +248,8 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
     written (fresh run) or updated with a resume's harmless changes (said so)."""
     run_dir = Path(run_dir)
     warnings = check_run_folder(run_dir, cfg, resume, overwrite)
+    if resume == "auto":
+        resume, overwrite = resolve_auto_resume(run_dir, cfg)
     if resume:
         resume_candidates(resume, run_dir)  # nothing to resume: refuse before writing anything
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -194,16 +265,34 @@ def open_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = Fa
         warn(w)
     config = run_dir / CONFIG_FILE
     text = cfg.to_yaml()
-    if not resume or not config.exists():
-        config.write_text(text)
-    elif warnings and config.read_text() != text:
-        config.write_text(text)
-        log(f"{config} updated with the changes above")
+    try:
+        if not resume:
+            _write_atomic(run_dir / OWNED_FILE, json.dumps({"files": list(RUN_FILES)}))
+        if not resume or not config.exists():
+            _write_atomic(config, text)
+        elif warnings and config.read_text() != text:
+            lock.resumed_config = text  # written by ``config_after_resume`` once the checkpoint has loaded
+    except OSError as exc:
+        lock.release()
+        raise ConfigError(f"cannot write {config} ({exc.strerror or exc}); free disk space or pass --output-dir a "
+                          f"writable folder") from None
     return lock
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a sibling temporary file and rename it over ``path``: a full disk leaves the old file whole, and a
+    symbolic link at ``path`` is replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def clear_run(run_dir: Path) -> None:
-    for name in RUN_FILES:
+    """Delete what the marker lists as klgrpo's (nothing without a marker)."""
+    for name in sorted(owned_files(run_dir) or ()):
         path = Path(run_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
@@ -221,6 +310,7 @@ def discard_unstarted_run(run_dir: Path) -> None:
     if owner and owner.get("pid") != os.getpid():
         return
     clear_run(run_dir)
+    (run_dir / OWNED_FILE).unlink(missing_ok=True)
     lock.unlink(missing_ok=True)
     try:
         run_dir.rmdir()
@@ -235,8 +325,24 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
+        self.resumed_config: str | None = None  # a resume's harmless changes, for config.yaml
+
+    def config_after_resume(self, log: Callable[[str], None] = print) -> None:
+        """After a resume loaded: write config.yaml with its harmless changes (a resume that fails leaves the
+        run's config.yaml as it was)."""
+        if self.resumed_config is not None:
+            config = self.path.parent / CONFIG_FILE
+            _write_atomic(config, self.resumed_config)
+            self.resumed_config = None
+            log(f"{config} updated with the changes above")
 
     def acquire(self) -> "RunLock":
+        with _HELD_HERE_GUARD:  # two threads of this process: one wins, the other sees it in _HELD_HERE
+            self._acquire_file()  # _check_lock refuses a folder this process holds
+            _HELD_HERE.add(str(self.path.resolve()))
+        return self
+
+    def _acquire_file(self) -> "RunLock":
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -273,6 +379,8 @@ class RunLock:
             if owner and owner.get("pid") == os.getpid():
                 self.path.unlink(missing_ok=True)
             self.held = False
+            with _HELD_HERE_GUARD:
+                _HELD_HERE.discard(str(self.path.resolve()))
 
 
 def _read_lock(path: Path) -> dict | None:
@@ -295,6 +403,9 @@ def _owner_alive(owner: dict) -> bool:
 
 
 def _check_lock(run_dir: Path) -> None:
+    if str((Path(run_dir) / LOCK_FILE).resolve()) in _HELD_HERE:
+        raise ConfigError(f"{run_dir} is being written by another trainer in this process; let it finish (or pick "
+                          f"another --output-dir)")
     owner = _read_lock(Path(run_dir) / LOCK_FILE)
     if owner and _owner_alive(owner):
         raise ConfigError(f"{run_dir} is being written by another klgrpo run (PID {owner.get('pid')} on "
@@ -303,23 +414,44 @@ def _check_lock(run_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- signals
+class DeferredStop:
+    """Signals received while several processes train: noted here, acted on at the next step boundary, where
+    the ranks agree to stop together (a rank that raised mid-step would leave the others in a collective)."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def interrupt(self) -> KeyboardInterrupt:
+        """What the trainer raises once the ranks agreed to stop (on a rank that saw no signal: Terminated, the
+        launcher's way of stopping a run)."""
+        return KeyboardInterrupt() if self.signal == signal.SIGINT else Terminated()
+
+
 @contextmanager
-def sigterm_as_interrupt():
+def sigterm_as_interrupt(deferred: bool = False):
     """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt), so the trainer saves the last
-    complete step as on Ctrl-C. Only the main thread can install handlers; elsewhere this does nothing."""
+    complete step as on Ctrl-C. ``deferred`` (several processes): SIGTERM and SIGINT are only noted in the
+    yielded ``DeferredStop`` and the trainer stops at the step boundary. Only the main thread can install
+    handlers; elsewhere this does nothing."""
+    stop = DeferredStop()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stop
         return
 
     def _raise(signum, frame):
         raise Terminated()
 
-    previous = signal.signal(signal.SIGTERM, _raise)
+    def _note(signum, frame):
+        stop.signal = stop.signal or signum
+
+    signals = (signal.SIGTERM, signal.SIGINT) if deferred else (signal.SIGTERM,)
+    previous = {s: signal.signal(s, _note if deferred else _raise) for s in signals}
     try:
-        yield
+        yield stop
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-__all__ = ["timestamped_run_dir", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
-           "discard_unstarted_run", "RunLock", "Terminated", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]
+__all__ = ["timestamped_run_dir", "resolve_auto_resume", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
+           "discard_unstarted_run", "RunLock", "Terminated", "DeferredStop", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]

@@ -71,7 +71,7 @@ def load_state(folder: Path, stem: str) -> Any:
     try:
         data = json.loads(doc.read_text(encoding="utf-8"))
         assert isinstance(data, dict) and "tree" in data
-    except (ValueError, AssertionError, UnicodeDecodeError):
+    except (ValueError, AssertionError, UnicodeDecodeError, RecursionError):
         raise StateFileError(f"{doc} is not a klgrpo state file (unreadable JSON)") from None
     if data.get("format") != FORMAT:
         raise StateFileError(f"{doc} has format {data.get('format')!r}; this klgrpo reads format {FORMAT}")
@@ -83,7 +83,10 @@ def load_state(folder: Path, stem: str) -> Any:
         raise StateFileError(f"{weights} cannot be read ({first_line(exc)})") from None
     if token != data.get("token"):
         raise StateFileError(f"{weights} and {doc} were not written together (a save was cut short)")
-    return _decode(data["tree"], tensors, doc)
+    try:
+        return _decode(data["tree"], tensors, doc)
+    except RecursionError:
+        raise StateFileError(f"{doc} is nested too deeply to be a klgrpo state file") from None
 
 
 def to_device(tree: Any, device) -> Any:

@@ -12,6 +12,8 @@ logging, stop rules, checkpoints, summary) in train/loop.py.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +22,7 @@ import torch
 
 from klgrpo.train.building import (build_optimizer, build_reference, load_policy, make_scheduler, run_dir_for,
                                    seed_everything)
-from klgrpo.train.checkpoint import rng_state, save_checkpoint, set_rng_state
+from klgrpo.train.checkpoint import SHARDS_DIR, rng_state, save_checkpoint, set_rng_state, shard_folder
 from klgrpo.train.config import GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.train.distributed import Distributed
@@ -68,7 +70,7 @@ class GRPOTrainer:
         cfg = config
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
-        self.dist = Distributed()
+        self.dist = Distributed(cfg.train.dist_timeout_s)
         self.engine = Engine()  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
         self.engine.check(cfg)
         if cfg.rollout.prompts_per_step % self.dist.world_size:
@@ -118,6 +120,7 @@ class GRPOTrainer:
         self.loss_fast_path = cfg.model.fast_path and not self.engine.fast_path_outside_loss_only
         self.rollout_sampler = self._choose_sampler()
         self.step = 0
+        self._run_lock = None  # rank 0's, while train() runs
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
         self._batch: StepBatch | None = None
@@ -148,8 +151,10 @@ class GRPOTrainer:
     def make_batch(self) -> StepBatch:
         cfg, timings = self.cfg, {}
         indices = self.sampler.next_indices()  # the same global indices on every rank
-        rows = [self.dataset[i] for i in indices[self.dist.local_slice(len(indices))]]
+        local = indices[self.dist.local_slice(len(indices))]
+        rows = [self.dataset[i] for i in local]
         prompts = [r["prompt"] for r in rows]
+        _check_context(self.model, self.tokenizer, prompts, local, cfg)
         with _timed(timings, names.TIME_GENERATE), self.engine.full_weights(self.model):
             rollout = generate_groups(self.model, self.tokenizer, prompts, SamplingParams(
                 group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -323,7 +328,7 @@ class GRPOTrainer:
             self.controller.observe(observation)
         self.step += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
-            self.reference.sync(self.model, self.cfg.kl.sync_alpha)
+            self.engine.sync_reference(self.reference, self.model, self.cfg.kl.sync_alpha)
         self._step_start = None
         metrics[names.TIME_STEP] = time.perf_counter() - t0
         return metrics
@@ -341,29 +346,48 @@ class GRPOTrainer:
             batch.iterations_done = iterations_done
         self._step_start = None
 
-    def _trainer_state(self) -> dict[str, Any]:
-        return {"optimizer": self.engine.optimizer_state_dict(self.optimizer), "scheduler": self.scheduler.state_dict(),
+    def _trainer_state(self, with_optimizer: bool = True) -> dict[str, Any]:
+        optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None  # None: sharded
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
                 "eval_before": self._eval_before, "guard": self.guard.state_dict(),
                 "kl_watch": self.kl_watch.state_dict()}
 
-    def save(self) -> Path:
-        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint."""
+    def save(self, whole: bool = False) -> Path:
+        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint, into which, with
+        train.sharded_checkpoints (unless ``whole``), every rank first writes its shards."""
         rng = self.dist.gather_objects(rng_state())
-        state, model_state = self._trainer_state(), self.engine.full_state_dict(self.model)  # collectives
+        if self.cfg.train.sharded_checkpoints and not whole:
+            folder = shard_folder(self.run_dir, self.step, self.dist.broadcast_object(os.getpid()))
+            if self.dist.is_main:
+                shutil.rmtree(folder.parent, ignore_errors=True)
+                folder.mkdir(parents=True)
+            self.dist.barrier()
+            self.engine.save_sharded(folder, self.model, self.optimizer)
+            state, model_state = self._trainer_state(with_optimizer=False), SHARDS_DIR
+        else:
+            state, model_state = self._trainer_state(), self.engine.full_state_dict(self.model)  # collectives
+        reference_state = None
+        if isinstance(self.reference, FrozenCopyReference) and self.reference.synced:  # kl.sync_every's weights
+            reference_state = self.engine.full_state_dict(self.reference.model)  # a collective under FSDP2
         path = self.run_dir / "checkpoints" / f"step_{self.step}"
         if self.dist.is_main:
             path = save_checkpoint(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                                    trainer_state={**state, "rng_by_rank": rng}, model_state=model_state,
-                                   reference=self.reference, keep=self.cfg.train.keep_checkpoints)
+                                   reference=self.reference, keep=self.cfg.train.keep_checkpoints,
+                                   reference_state=reference_state)
         self.dist.barrier()
         return path
 
     def resume(self, resume: str) -> None:
         # The newest checkpoint that loads (a corrupt newest one is named and skipped for an older one).
-        ckpt, state = load_resumable_checkpoint(self, resume)
-        self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
+        ckpt, state = load_resumable_checkpoint(self, resume, apply=self._apply_state)
+        self.log(f"resumed from {ckpt} at step {self.step}")
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        if state["optimizer"] is not None:  # None: a sharded checkpoint's moments, loaded with its weights
+            self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
         self.sampler.load_state_dict(state["sampler"])
@@ -383,7 +407,6 @@ class GRPOTrainer:
             seed_everything(self.cfg.train.seed + self.dist.rank + 7919 * int(state["step"]))
         self._eval_before = state.get("eval_before") or {}
         self.step = int(state["step"])
-        self.log(f"resumed from {ckpt} at step {self.step}")
 
     def train(self, resume: str | None = None, overwrite: bool = False,
               summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
@@ -391,3 +414,22 @@ class GRPOTrainer:
         ("latest" or a checkpoint folder) continues one (run_folder.py). ``summary_extras(summary)`` returns
         fields to add to the summary before summary.json is written (the demo's). The loop: train/loop.py."""
         return run_training(self, resume, overwrite, summary_extras)
+
+
+def _check_context(model, tokenizer, prompts, indices, cfg) -> None:
+    """A prompt plus rollout.max_new_tokens must fit the model's context (transformers only warns, then samples
+    from positions the model never saw)."""
+    from klgrpo.core.rollout import encode_prompts
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    texts = encode_prompts(tokenizer, prompts, cfg.data.system_prompt, cfg.data.as_chat)
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    need = lengths[worst] + cfg.rollout.max_new_tokens
+    if need > limit:
+        raise ConfigError(f"prompt {int(indices[worst])} of {cfg.data.source} has {lengths[worst]} tokens: with "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it needs {need} positions, more than "
+                          f"the model's context of {limit} (max_position_embeddings); shorten or drop that prompt "
+                          f"(data.limit, or a filtered file) or lower rollout.max_new_tokens")

@@ -165,6 +165,7 @@ _LOWER_BOUNDS = (
     ("train.micro_batch_size", 0, True, "0: the whole batch"),
     ("train.torch_threads", 0, True, "0: torch's default"),
     ("train.max_skipped_steps", 1, True, ""),
+    ("train.dist_timeout_s", 0, False, ""),
     ("data.limit", 0, True, "0: all rows"),
     ("loss.std_eps", 0, True, ""),
     ("kl.target", 0, True, ""),
@@ -206,6 +207,12 @@ def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
         ok = value >= low if inclusive else value > low
         need(ok, f"{path} must be {'>=' if inclusive else '>'} {low}, got {value!r}"
                  + (f" ({meaning})" if meaning else ""))
+    need(not (cfg.train.sharded_checkpoints and cfg.model.lora.r > 0),
+         "train.sharded_checkpoints with LoRA: the adapter is small and saved whole; set train.sharded_checkpoints: "
+         "false")
+    seed = cfg.train.seed
+    need(isinstance(seed, int) and 0 <= seed <= 2**32 - 1,
+         f"train.seed must be an integer in [0, 4294967295] (numpy's seed range), got {seed!r}")
     o, loss, k = cfg.optim, cfg.loss, cfg.kl
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     need(0 <= loss.eps_low <= 1, f"loss.eps_low must be in [0, 1] (the ratio's lower clip is 1 - eps_low; 1: "

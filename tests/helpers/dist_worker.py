@@ -9,6 +9,11 @@ updated weights for the test to compare with one process.
 same 2 processes; rank 0 writes what the first run left in checkpoints/.
 
 ``both UPDATE_CONFIG BATCH UPDATE_OUT TRAIN_CONFIG TRAIN_OUT``: the two above in one launch.
+
+``sharded CONFIG ONE_CHECKPOINT OUT``: a 2-step run with train.sharded_checkpoints (step_1 sharded, step_2
+whole); a second trainer resumes the sharded step_1 and rank 0 saves the full weights and AdamW moments it
+holds; a third continues from step_1 to step 2 and rank 0 records whether its step_2 weights equal the first
+run's bitwise; a fourth resumes ONE_CHECKPOINT (written by one process) and rank 0 saves what it holds.
 """
 
 import json
@@ -93,6 +98,37 @@ def run_both(update_config, batch_file, update_out, train_config, train_out):
     run_train(train_config, train_out)
 
 
+def full_training_state(trainer) -> dict:
+    """The full weights and the optimizer state in the single-process layout (collective under FSDP2)."""
+    return {"weights": full_weights(trainer),
+            "optimizer": trainer.engine.optimizer_state_dict(trainer.optimizer)["state"]}
+
+
+def run_sharded(config_file, one_checkpoint, out_file):
+    from safetensors.torch import load_file
+
+    raw = json.loads(open(config_file).read())
+    first = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
+    assert first.dist.world_size == 2
+    first.train()
+    run = first.run_dir / "checkpoints"
+    layout = {name: sorted(os.listdir(run / name)) for name in sorted(os.listdir(run))}
+    uninterrupted = load_file(str(run / "step_2" / "model.safetensors"))
+    at_step_1 = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
+    at_step_1.resume(str(run / "step_1"))
+    two = full_training_state(at_step_1)
+    again = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
+    again.train(resume=str(run / "step_1"))
+    continued = load_file(str(run / "step_2" / "model.safetensors"))
+    from_one = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
+    from_one.resume(one_checkpoint)
+    one = full_training_state(from_one)
+    if first.dist.is_main:
+        torch.save({"layout": layout, "two_at_step_1": two, "one_resumed_on_two": one,
+                    "continued_equals_uninterrupted": uninterrupted.keys() == continued.keys() and all(
+                        torch.equal(uninterrupted[k], continued[k]) for k in uninterrupted)}, out_file)
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    {"update": run_update, "train": run_train, "both": run_both}[mode](*args)
+    {"update": run_update, "train": run_train, "both": run_both, "sharded": run_sharded}[mode](*args)

@@ -189,6 +189,9 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
         available = {k: v for k, v in available.items() if k in bound.accepted}
     try:
         result = bound.fn(prompts, completions, **available)
+    except SystemExit as e:  # would end the run with its exit code (0: "success") and no message
+        raise RewardError(f"reward function {bound.display!r} called sys.exit({e.code!r}); a reward must return "
+                          f"scores (raise an exception to stop the run)") from None
     except Exception as e:
         where = _user_frame(e, bound.fn)
         raise RewardError(f"reward function {bound.display!r} raised {_describe(e)}"
