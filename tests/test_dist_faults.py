@@ -62,9 +62,9 @@ def test_refusal_on_rank_0_stops_every_rank_with_its_message(tiny_model_dir, add
     done = finish(Launch(accelerate_command("ddp", [str(HELPERS / "fault_worker.py"), write(tmp_path, cfg)])),
                   "refusal")
     assert done.returncode != 0
-    for rank in (0, 1):
-        assert f"rank {rank}: error: {run} already holds a run; continue it with --resume latest" in done.output, \
-            done.output[-4000:]
+    for rank in (0, 1):  # a summary.json and no checkpoint: nothing to resume, so the remedy is --overwrite
+        assert (f"rank {rank}: error: {run} holds a run that stopped before its first checkpoint (nothing to resume)"
+                in done.output), done.output[-4000:]
     assert metrics_steps(run) == [] and not (run / "config.yaml").exists()
 
 
