@@ -87,6 +87,7 @@ def test_bad_grid_errors_name_the_argument(arg, expected):
 def test_cli_errors_are_one_line(capsys, tmp_path):
     for argv, expected in [(["--grid", "kl.coef=0", "--grid", "kl.coef=1"], "already in another --grid"),
                            ([], "at least one --grid"),
+                           (["--cell", "kl.coef=0", "--", "--kl.coef", "1"], "both in --grid and after --"),
                            (["--grid", "kl.coef=0", "--seeds", "0,x"], "--seeds '0,x'"),
                            (["--grid", "kl.coef=0", "--frob"], "unknown options: --frob"),
                            (["--grid", "kl.coef=0", "--", "--kl.coef", "1"], "both in --grid and after --"),
@@ -105,6 +106,34 @@ def test_run_arguments_order(tmp_path):
     assert "--logging.plots false" not in text  # the user's override replaces the sweep default
     assert "--logging.tensorboard false" in text
     assert argv[-6:] == ["--kl.coef", "0.1", "--train.seed", "3", "--output-dir", str(tmp_path / "c" / "seed=3")]
+
+
+def test_cells_beside_the_grid_and_their_own_seeds(tmp_path):
+    cell = sweep.parse_cell("kl.controller=adaptive, kl.coef=0.04,seeds=[1,2]")
+    assert cell.overrides == (("kl.controller", "adaptive"), ("kl.coef", "0.04")) and cell.seeds == (1, 2)
+    assert cell.name == "kl.controller=adaptive,kl.coef=0.04"
+    assert sweep.parse_cell("kl.coef=0.1,seeds=3").seeds == (3,)
+    grid_cells = cells_of(parse_grid(["kl.coef=0,0.04"]))
+    more_seeds = sweep.parse_cell("kl.coef=0.04,seeds=[0,1]")  # the same point as the grid's: one row, seed 1 added
+    runs = sweep.plan_runs(grid_cells + [cell, more_seeds], [0], tmp_path)
+    assert [(r.cell.name, r.seed) for r in runs] == [
+        ("kl.coef=0", 0), ("kl.coef=0.04", 0), ("kl.controller=adaptive,kl.coef=0.04", 1),
+        ("kl.controller=adaptive,kl.coef=0.04", 2), ("kl.coef=0.04", 1)]
+    assert runs[-1].run_dir == tmp_path / "kl.coef=0.04" / "seed=1"
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("kl.coef", "write KEY=VALUE,KEY=VALUE"),
+    ("seeds=[1]", "at least one KEY=VALUE besides seeds"),
+    ("kl.coef=0,kl.coef=1", "kl.coef is given twice"),
+    ("kl.coeff=0", "did you mean kl.coef?"),
+    ("kl.coef=0,seeds=[1,x]", "--seeds '1,x'"),
+    ("train.seed=1", "write seeds=[...]"),
+])
+def test_bad_cell_errors_name_the_argument(arg, expected):
+    with pytest.raises(SweepError) as info:
+        sweep.parse_cell(arg)
+    assert expected in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -142,6 +171,18 @@ def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):
     parallel = build_table(run_sweep(cells, [0, 1], tmp_path / "b", None, [], jobs=3, log=quiet))
     strip = (lambda t: [{k: v for k, v in c.items() if k != "runs"} for c in t["cells"]])
     assert strip(serial) == strip(parallel)
+
+
+def test_a_sweep_of_cells_only_runs_each_setting_and_seed_once(fake_trainer, tmp_path):
+    code = sweep.main(["--cell", "kl.coef=0.2", "--cell", "kl.coef=0.1,seeds=[0,1]", "--cell", "kl.coef=0.2,seeds=[0,2]",
+                       "--output-dir", str(tmp_path / "s")])
+    assert code == 0
+    table = json.loads((tmp_path / "s" / "table.json").read_text())
+    assert [(c["setting"], c["seeds"]) for c in table["cells"]] == [("kl.coef=0.2", [0, 2]), ("kl.coef=0.1", [0, 1])]
+    # fake trainer: addition after = 0.40 + 0.10 * seed -> seeds 0 and 2: 40% and 60%, change +10 and +30
+    assert table["cells"][0]["stats"]["addition/change"]["mean"] == pytest.approx(20.0)
+    md = (tmp_path / "s" / "table.md").read_text()
+    assert "cell kl.coef=0.1 seeds 0,1" in md
 
 
 # ---------------------------------------------------------------------------------------------- the table

@@ -3,6 +3,11 @@ one table of accuracy, retention, final KL and wall time with the spread over se
 
     klgrpo sweep --grid kl.coef=0,0.04 --grid kl.replay.coef=0,1 --seeds 0,1
     klgrpo sweep --config run.yaml --grid kl.estimator=k2,k3_st --output-dir runs/sweep-est -- --train.steps 200
+    klgrpo sweep --grid kl.coef=0,0.04 --cell kl.controller=adaptive,kl.coef=0.04 --cell "kl.coef=0.04,seeds=[1]"
+
+A --cell adds one setting (a whole set of overrides) after the grid's product, for points that are not a
+product (an adaptive controller beside fixed betas); its ``seeds=[...]`` replaces --seeds for that setting, and
+a --cell with the same overrides as a grid point adds its seeds to that point (one row, more seeds).
 
 Each run is ``python -m klgrpo train`` in a subprocess (a crash in one cell is reported, the others still
 run), in ``<output-dir>/<key=value,...>/seed=<s>/`` with its output in ``sweep.log`` there. Running the same
@@ -60,13 +65,15 @@ DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
 #: Owned by the sweep: a run's folder and seed.
 _RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")
 
-USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--seeds 0,1] [--config FILE] [--output-dir DIR]
-                    [--jobs N] [--dry-run] [-- extra train overrides ...]
+USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--cell KEY=V,KEY=V,...] [--seeds 0,1] [--config FILE]
+                    [--output-dir DIR] [--jobs N] [--dry-run] [-- extra train overrides ...]
 
 Runs `klgrpo train` for every combination of the --grid values and every seed (no --config and no
 model.name_or_path: the embedded demo). Re-running the same command skips finished runs.
 
   --grid KEY=V1,V2,...  a config field (as in `klgrpo train --KEY VALUE`) and its values; repeat for a product
+  --cell KEY=V,KEY=V    one more setting after the grid's product (repeatable); seeds=[S1,S2] in it replaces
+                        --seeds for that setting (the same overrides as a grid point: more seeds for that point)
   --seeds S1,S2,...     training seeds (default 0); the table gives mean +- std over them
   --config FILE         YAML config of every run
   --output-dir DIR      the sweep folder (default runs/sweep-<timestamp>)
@@ -85,6 +92,7 @@ class Cell:
     """One grid point: the (key, value text) overrides in --grid order."""
 
     overrides: tuple[tuple[str, str], ...]
+    seeds: tuple[int, ...] = ()    # a --cell's own seeds (empty: the sweep's --seeds)
 
     @property
     def name(self) -> str:
@@ -156,6 +164,45 @@ def cells_of(grid: list[tuple[str, list[str]]]) -> list[Cell]:
     """The product of the grid in --grid order (the last key varies fastest)."""
     keys = [k for k, _ in grid]
     return [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*[v for _, v in grid])]
+
+
+def parse_cell(arg: str) -> Cell:
+    """``"kl.controller=adaptive,kl.coef=0.04,seeds=[1]"`` -> a Cell with those overrides and seeds (1,)."""
+    from klgrpo.train.config import GRPOConfig
+
+    overrides: list[tuple[str, str]] = []
+    seeds: list[int] = []
+    for part in split_values(arg):
+        key, eq, value = part.partition("=")
+        key, value = key.strip().removeprefix("--"), value.strip()
+        if not eq or not key or not value:
+            raise SweepError(f"--cell {arg!r}: write KEY=VALUE,KEY=VALUE,... e.g. --cell kl.controller=adaptive,kl.coef=0.04")
+        if key == "seeds":
+            seeds = parse_seeds(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
+            continue
+        if key in _RESERVED:
+            raise SweepError(f"--cell {arg!r}: {key} is set by the sweep for each run; write seeds=[...] for seeds")
+        if any(k == key for k, _ in overrides):
+            raise SweepError(f"--cell {arg!r}: {key} is given twice")
+        try:
+            GRPOConfig().override({key: value}, origin=f"--cell {arg}")
+        except KLGRPOError as exc:
+            raise SweepError(str(exc)) from None
+        overrides.append((key, value))
+    if not overrides:
+        raise SweepError(f"--cell {arg!r}: give at least one KEY=VALUE besides seeds")
+    return Cell(tuple(overrides), tuple(seeds))
+
+
+def plan_runs(cells: list[Cell], seeds: list[int], out: Path) -> list[Run]:
+    """One run per cell and seed (a cell's own seeds, else ``seeds``), once per (setting, seed), in order."""
+    runs, seen = [], set()
+    for cell in cells:
+        for seed in cell.seeds or seeds:
+            if (cell.name, seed) not in seen:
+                seen.add((cell.name, seed))
+                runs.append(Run(cell, seed, out / cell.name / f"seed={seed}"))
+    return runs
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -287,7 +334,7 @@ def _last_line(path: Path) -> str:
 
 def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
               log: Callable[[str], None] = print) -> list[Run]:
-    runs = [Run(cell, seed, out / cell.name / f"seed={seed}") for cell in cells for seed in seeds]
+    runs = plan_runs(cells, seeds, out)
     todo = []
     identities = {id(run): run_identity(run, config, extra) for run in runs}
     for run in runs:
@@ -297,7 +344,8 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
         else:
             todo.append(run)
     done = len(runs) - len(todo)
-    log(f"klgrpo sweep: {len(cells)} settings x {len(seeds)} seeds = {len(runs)} runs in {out}"
+    settings = len({run.cell.name for run in runs})
+    log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}"
         + (f" ({done} finished before, skipped)" if done else ""))
     counter = itertools.count(done + 1)
 
@@ -469,6 +517,7 @@ def plot(table: dict[str, Any], path: Path) -> Path | None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="klgrpo sweep", usage=USAGE, add_help=False)
     p.add_argument("--grid", action="append", default=[])
+    p.add_argument("--cell", action="append", default=[])
     p.add_argument("--seeds", default="0")
     p.add_argument("--config")
     p.add_argument("--output-dir")
@@ -493,8 +542,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(argv)
     if args.help:
         return args, extra
-    if not args.grid:
-        raise SweepError("give at least one --grid KEY=V1,V2,... (e.g. --grid kl.coef=0,0.04)")
+    if not args.grid and not args.cell:
+        raise SweepError("give at least one --grid KEY=V1,V2,... (e.g. --grid kl.coef=0,0.04) or --cell KEY=V,...")
     if args.jobs < 1:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1")
     if args.config and not Path(args.config).is_file():
@@ -513,19 +562,19 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 0
         grid = parse_grid(args.grid)
-        both = _overrides_in(extra) & {k for k, _ in grid}
+        extra_cells = [parse_cell(arg) for arg in args.cell]
+        both = _overrides_in(extra) & ({k for k, _ in grid} | {k for c in extra_cells for k, _ in c.overrides})
         if both:
             raise SweepError(f"{', '.join(sorted(both))} is both in --grid and after --; keep it in one place")
         seeds = parse_seeds(args.seeds)
     except KLGRPOError as exc:
         print(f"klgrpo sweep: error: {exc}", file=sys.stderr)
         return 2
-    cells = cells_of(grid)
+    cells = (cells_of(grid) if grid else []) + extra_cells
     out = Path(args.output_dir or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     if args.dry_run:
-        for cell in cells:
-            for seed in seeds:
-                print(" ".join(run_argv(Run(cell, seed, out / cell.name / f"seed={seed}"), args.config, extra)))
+        for run in plan_runs(cells, seeds, out):
+            print(" ".join(run_argv(run, args.config, extra)))
         return 0
     t0 = time.perf_counter()
     try:
@@ -537,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     wall = time.perf_counter() - t0
     table = build_table(runs)
-    header = _header(grid, seeds, args.config, extra, table, out, wall)
+    header = _header(grid, extra_cells, seeds, args.config, extra, table, out, wall)
     text = table_markdown(table, header)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
@@ -554,14 +603,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.status == "failed" for r in runs) else 0
 
 
-def _header(grid, seeds, config, extra, table, out: Path, wall: float) -> list[str]:
+def _header(grid, extra_cells, seeds, config, extra, table, out: Path, wall: float) -> list[str]:
     trained, retention = table["trained"], table["retention"]
     base = f"--config {config}" if config else "the embedded demo"
     defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(config, [k for k, _ in grid], extra).items())
-    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid)
+    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid) or "none"
+    added = "".join(f"; cell {c.name}" + (f" seeds {','.join(map(str, c.seeds))}" if c.seeds else "")
+                    for c in extra_cells)
     lines = [f"# klgrpo sweep {out}",
              "",
-             f"- grid: {axes}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s",
+             f"- grid: {axes}{added}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s",
              f"- runs: {base}" + (f", with {' '.join(extra)}" if extra else "") + f"; sweep defaults: {defaults}",
              f"- accuracy = {trained or 'n/a'} (trained); retention = {', '.join(retention) or 'none'}; "
              f"after = greedy accuracy after training, change = after - before in points",
