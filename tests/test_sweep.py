@@ -169,7 +169,9 @@ def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):
     cells = cells_of(parse_grid(["kl.coef=0,0.2", "kl.replay.coef=0,1"]))
     serial = build_table(run_sweep(cells, [0, 1], tmp_path / "a", None, [], jobs=1, log=quiet))
     parallel = build_table(run_sweep(cells, [0, 1], tmp_path / "b", None, [], jobs=3, log=quiet))
-    strip = (lambda t: [{k: v for k, v in c.items() if k != "runs"} for c in t["cells"]])
+    def strip(table):  # what may differ: the run folders and the processes' wall times
+        cells = [{k: v for k, v in c.items() if k != "runs"} for c in table["cells"]]
+        return [{**c, "stats": {k: v for k, v in c["stats"].items() if k != "process_seconds"}} for c in cells]
     assert strip(serial) == strip(parallel)
 
 
@@ -224,6 +226,76 @@ def test_table_generic_names_and_missing_values(tmp_path):
     assert second["task/change"] is None and second["task/after"]["mean"] == 0.5  # no "before": change n/a
     md = sweep.table_markdown(table, [])
     assert "replay KL" in md and "0.0030" in md and "n/a" in md
+
+
+def test_table_before_line_beta_and_process_columns_and_missing_runs(tmp_path):
+    before = {"task": 0.25, "keep": 0.75}
+    fixed = [_run_with(tmp_path, c, 0, before, {"task": 0.5, "keep": 0.5}, final_beta=float(c)) for c in ("0", "0.1")]
+    missing = Run(Cell((("kl.coef", "0.1"),)), 1, tmp_path / "0.1" / "seed=1", status="missing")
+    (tmp_path / "0" / "seed=0").mkdir(parents=True)
+    (tmp_path / "0" / "seed=0" / sweep.IDENTITY_FILE).write_text(json.dumps({"identity": "x", "process_seconds": 75.5}))
+    table = build_table(fixed + [missing])
+    cells = {c["setting"]: c for c in table["cells"]}
+    assert cells["kl.coef=0.1"]["missing"] == [1] and cells["kl.coef=0.1"]["seeds"] == [0]
+    assert cells["kl.coef=0"]["stats"]["process_seconds"]["mean"] == 75.5
+    assert cells["kl.coef=0"]["stats"]["task/before"]["mean"] == 0.25
+    md = sweep.table_markdown(table, [])
+    assert "| final KL | final beta | wall s | process s | steps |" in md
+    assert "| kl.coef=0.1 | 0 (not run yet: 1) | 50.0% | +25.0 | 50.0% | -25.0 | 0.0100 | 0.1 | 10 | n/a | 4 |" in md
+    assert "| kl.coef=0 | 0 | 50.0% | +25.0 | 50.0% | -25.0 | 0.0100 | 0 | 10 | 76 | 4 |" in md
+    assert md.rstrip().endswith("Before training (greedy accuracy of the starting model): task 25.0%, keep 75.0%")
+    # one beta everywhere: no beta column
+    same = build_table([_run_with(tmp_path, c, 0, before, before, final_beta=0.04) for c in ("0", "0.1")])
+    assert "final beta" not in sweep.table_markdown(same, [])
+
+
+def test_points_and_plot_against_beta(tmp_path):
+    def cell(overrides, after):
+        run = Run(Cell(tuple(overrides)), 0, tmp_path / "r", status="finished")
+        run.summary = {"eval_before": {"task": 0.2, "keep": 0.8}, "eval_after": {"task": after, "keep": 0.7},
+                       "final_kl": 0.1, "steps": 3}
+        return run
+    table = build_table([cell([("kl.coef", "0.01")], 0.5), cell([("kl.coef", "0")], 0.6),
+                         cell([("kl.controller", "adaptive"), ("kl.coef", "0.01")], 0.4),
+                         cell([("kl.replay.coef", "1")], 0.3)])  # no kl.coef: not on the beta axis
+    points = sweep.beta_points(table)
+    assert [(b, others, st["task/after"]["mean"]) for b, others, st in points] == [
+        (0.0, "", 0.6), (0.01, "", 0.5), (0.01, "kl.controller=adaptive", 0.4)]
+    path = sweep.plot_vs_beta(table, tmp_path / "beta.png")
+    assert path.stat().st_size > 0
+    assert sweep.plot_vs_beta(build_table([cell([("kl.replay.coef", "1")], 0.3)]), tmp_path / "none.png") is None
+
+
+def test_table_only_trains_nothing_and_lists_what_is_missing(fake_trainer, tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    assert sweep.main(["--grid", "kl.coef=0,0.2", "--output-dir", str(out)]) == 0
+    monkeypatch.setattr(sweep, "train_argv_prefix", lambda: [sys.executable, "-c", "import sys; sys.exit(5)"])
+    code = sweep.main(["--grid", "kl.coef=0,0.2", "--seeds", "0,1", "--output-dir", str(out), "--table-only"])
+    assert code == 0  # nothing ran, nothing failed
+    table = json.loads((out / "table.json").read_text())
+    assert [(c["seeds"], c["missing"]) for c in table["cells"]] == [([0], [1]), ([0], [1])]
+    assert not (out / "kl.coef=0" / "seed=1").exists()
+    md = (out / "table.md").read_text()
+    assert "(from the first run's start to the last finished run's end; --table-only)" in md
+    assert (out / sweep.BETA_PLOT_FILE).stat().st_size > 0
+
+
+def test_runs_span_from_the_folders(tmp_path):
+    import os
+
+    runs = []
+    for i, (recorded, end) in enumerate([(100.0, 1000.0), (None, 1300.0)]):
+        run = Run(Cell((("kl.coef", str(i)),)), 0, tmp_path / str(i), status="finished")
+        run.run_dir.mkdir()
+        ident = {"identity": "x"} | ({"process_seconds": recorded} if recorded else {})
+        (run.run_dir / sweep.IDENTITY_FILE).write_text(json.dumps(ident))
+        (run.run_dir / sweep.LOG_FILE).write_text("log")
+        os.utime(run.run_dir / sweep.LOG_FILE, (end, end))
+        os.utime(run.run_dir / sweep.IDENTITY_FILE, (950.0, 950.0))  # an older sweep's: written at the start
+        runs.append(run)
+    # run 0: 900..1000 (recorded 100 s before its log's end); run 1: 950..1300 -> 400 s
+    assert sweep.runs_span(runs) == pytest.approx(400.0)
+    assert sweep.runs_span([Run(Cell(()), 0, tmp_path / "none", status="failed")]) == 0.0
 
 
 def test_aggregate():
