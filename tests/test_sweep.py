@@ -187,6 +187,57 @@ def test_a_sweep_of_cells_only_runs_each_setting_and_seed_once(fake_trainer, tmp
     assert "cell kl.coef=0.1 seeds 0,1" in md
 
 
+SLOW_FAKE_TRAIN = textwrap.dedent("""
+    import json, os, pathlib, sys, time
+    args = sys.argv[1:]
+    kv = dict(zip([a[2:] for a in args[0::2]], args[1::2]))
+    out = pathlib.Path(kv["output-dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "started").write_text(str(os.getpid()))
+    if float(kv["kl.coef"]) > 0 and not os.environ.get("FAKE_FAST"):
+        time.sleep(600)  # stopped by the test's signal long before
+    (out / "summary.json").write_text(json.dumps({"steps": 1, "eval_before": {"a": 0.0}, "eval_after": {"a": 1.0}}))
+""")
+
+
+@pytest.mark.parametrize("jobs, signame", [(1, "SIGINT"), (2, "SIGTERM")])
+def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
+    """Interrupt a real sweep process while runs are going: it exits 130, the live runs die with it, no queued
+    run starts; the same command again skips the finished run and trains the others."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(SLOW_FAKE_TRAIN)
+    out = tmp_path / "s"
+    code = (f"import sys; from klgrpo.apps import sweep; sweep.train_argv_prefix = lambda: [sys.executable, "
+            f"{str(script)!r}]; sys.exit(sweep.main(['--grid', 'kl.coef=0,1,2,3', '--jobs', '{jobs}', "
+            f"'--output-dir', {str(out)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sleeping = [out / f"kl.coef={c}" / "seed=0" / "started" for c in ([1] if jobs == 1 else [1, 2])]
+    for _ in range(1200):  # until the slow runs have started (a safety bound, not a speed test)
+        if all(p.exists() and p.read_text() for p in sleeping):
+            break
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in sleeping]
+    proc.send_signal(getattr(signal, signame))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "interrupted; run the same command" in output
+    for pid in pids:  # stopped and reaped by the sweep
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (out / "kl.coef=3" / "seed=0").exists()  # the queued run never started
+    env = dict(os.environ, FAKE_FAST="1")
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "4 runs in" in again.stdout and "(1 finished before, skipped)" in again.stdout
+    table = json.loads((out / "table.json").read_text())
+    assert [c["seeds"] for c in table["cells"]] == [[0]] * 4
+
+
 # ---------------------------------------------------------------------------------------------- the table
 def _run_with(tmp_path, name, seed, before, after, **extra):
     run = Run(Cell((("kl.coef", name),)), seed, tmp_path / name / f"seed={seed}", status="finished")

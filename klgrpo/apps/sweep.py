@@ -296,6 +296,9 @@ def execute(run: Run, argv: list[str], identity: str = "") -> None:
         _LIVE.add(proc)
         try:
             code = proc.wait()
+        except BaseException:  # Ctrl-C while waiting: the run must not go on without its sweep
+            _stop(proc)
+            raise
         finally:
             _LIVE.discard(proc)
     run.seconds = time.perf_counter() - t0
@@ -318,10 +321,17 @@ def _stop_live_runs() -> None:
     for proc in list(_LIVE):
         proc.terminate()
     for proc in list(_LIVE):
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the trainer saves and exits), then SIGKILL when it is still there after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _read_summary(run_dir: Path) -> dict | None:
@@ -382,8 +392,13 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
         for run in todo:
             one(run)
     else:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
             list(pool.map(one, todo))
+        except BaseException:  # Ctrl-C: start no queued run (the caller stops the live ones)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     return runs
 
 
@@ -705,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
             print(" ".join(run_argv(run, args.config, extra)))
         return 0
     t0 = time.perf_counter()
+    _interrupt_on_sigterm()
     try:
         if args.table_only:
             runs = finished_runs(cells, seeds, out, args.config, extra)
@@ -752,6 +768,19 @@ def runs_span(runs: list[Run]) -> float:
         starts.append(start)
         ends.append(end)
     return max(ends) - min(starts) if starts else 0.0
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (kill PID, a job scheduler) stops the sweep like Ctrl-C: the live runs are stopped too, instead of
+    going on without their sweep."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _header(grid, extra_cells, seeds, config, extra, table, out: Path, wall: float,
