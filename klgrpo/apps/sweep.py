@@ -642,9 +642,11 @@ def plot_vs_beta(table: dict[str, Any], path: Path) -> Path | None:
             if befores:
                 ax.axhline(scale * sum(befores) / len(befores), ls="--", color="grey", lw=1, label="before training")
             ax.set_ylabel("greedy accuracy after training (%)")
+            ax.set_ylim(0, 100)  # the whole scale: a few points on a few dozen prompts is noise
             ax.set_title(f"{title} ({'trained' if title == table['trained'] else 'retention'})")
         else:
             ax.set_ylabel("KL on the training prompts, last step")
+            ax.set_ylim(bottom=0)
             ax.set_title(title)
         ax.set_xscale("symlog", linthresh=smallest)  # beta = 0 on a log axis
         ax.set_xlabel(f"{BETA_KEY} (beta)")
