@@ -649,6 +649,7 @@ def plot_vs_beta(table: dict[str, Any], path: Path) -> Path | None:
             ax.set_ylim(bottom=0)
             ax.set_title(title)
         ax.set_xscale("symlog", linthresh=smallest)  # beta = 0 on a log axis
+        ax.set_xlim(-0.3 * smallest, 1.6 * max(max(b for b, _, _ in points), smallest))
         ax.set_xlabel(f"{BETA_KEY} (beta)")
         ax.legend(fontsize=7)
     fig.suptitle("after training vs beta (mean ± std over seeds)")
