@@ -153,7 +153,8 @@ def readme_commands() -> list[str]:
     in inline code (which may wrap onto the next line)."""
     text, found = README.read_text(), []
     for i, part in enumerate(re.split(r"^```.*$", text, flags=re.M)):
-        if i % 2:  # inside a code block
+        if i % 2:  # inside a code block; a line ending in a backslash goes on on the next one
+            part = re.sub(r"\\\n\s*", " ", part)
             found += [m for line in part.splitlines() for m in COMMAND.findall(line)]
         else:
             found += [m for span in re.findall(r"`([^`]+)`", part) for m in COMMAND.findall(span)]
@@ -209,7 +210,11 @@ def _run_readme_line(command: str, run_yaml: Path, workdir: Path) -> int:
         lines = [shlex.split(line) for line in buffer.getvalue().splitlines() if line.strip()]
         assert lines
         for run_argv in lines:
-            cfg, _ = demo_run.demo_args(run_argv[run_argv.index("train") + 1:], demo_assets.planned_demo_assets(), 0)
+            train_argv = run_argv[run_argv.index("train") + 1:]
+            if "--config" in train_argv:  # an example's config (a real model): parse and validate only
+                cfg = train_app.read_argv(train_argv).config()
+            else:
+                cfg, _ = demo_run.demo_args(train_argv, demo_assets.planned_demo_assets(), 0)
             cfg.validate()
         return 0
     if name == "verify-kl":  # runs in seconds, and tests/test_verify.py covers its checks: parse the options

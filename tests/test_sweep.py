@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from klgrpo.apps import sweep
+from klgrpo.apps import sweep, sweep_table
 from klgrpo.apps.sweep import Cell, Run, SweepError, aggregate, build_table, cells_of, parse_grid, run_sweep
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -87,6 +87,7 @@ def test_bad_grid_errors_name_the_argument(arg, expected):
 def test_cli_errors_are_one_line(capsys, tmp_path):
     for argv, expected in [(["--grid", "kl.coef=0", "--grid", "kl.coef=1"], "already in another --grid"),
                            ([], "at least one --grid"),
+                           (["--cell", "kl.coef=0", "--", "--kl.coef", "1"], "both in --grid and after --"),
                            (["--grid", "kl.coef=0", "--seeds", "0,x"], "--seeds '0,x'"),
                            (["--grid", "kl.coef=0", "--frob"], "unknown options: --frob"),
                            (["--grid", "kl.coef=0", "--", "--kl.coef", "1"], "both in --grid and after --"),
@@ -105,6 +106,34 @@ def test_run_arguments_order(tmp_path):
     assert "--logging.plots false" not in text  # the user's override replaces the sweep default
     assert "--logging.tensorboard false" in text
     assert argv[-6:] == ["--kl.coef", "0.1", "--train.seed", "3", "--output-dir", str(tmp_path / "c" / "seed=3")]
+
+
+def test_cells_beside_the_grid_and_their_own_seeds(tmp_path):
+    cell = sweep.parse_cell("kl.controller=adaptive, kl.coef=0.04,seeds=[1,2]")
+    assert cell.overrides == (("kl.controller", "adaptive"), ("kl.coef", "0.04")) and cell.seeds == (1, 2)
+    assert cell.name == "kl.controller=adaptive,kl.coef=0.04"
+    assert sweep.parse_cell("kl.coef=0.1,seeds=3").seeds == (3,)
+    grid_cells = cells_of(parse_grid(["kl.coef=0,0.04"]))
+    more_seeds = sweep.parse_cell("kl.coef=0.04,seeds=[0,1]")  # the same point as the grid's: one row, seed 1 added
+    runs = sweep.plan_runs(grid_cells + [cell, more_seeds], [0], tmp_path)
+    assert [(r.cell.name, r.seed) for r in runs] == [
+        ("kl.coef=0", 0), ("kl.coef=0.04", 0), ("kl.controller=adaptive,kl.coef=0.04", 1),
+        ("kl.controller=adaptive,kl.coef=0.04", 2), ("kl.coef=0.04", 1)]
+    assert runs[-1].run_dir == tmp_path / "kl.coef=0.04" / "seed=1"
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("kl.coef", "write KEY=VALUE,KEY=VALUE"),
+    ("seeds=[1]", "at least one KEY=VALUE besides seeds"),
+    ("kl.coef=0,kl.coef=1", "kl.coef is given twice"),
+    ("kl.coeff=0", "did you mean kl.coef?"),
+    ("kl.coef=0,seeds=[1,x]", "--seeds '1,x'"),
+    ("train.seed=1", "write seeds=[...]"),
+])
+def test_bad_cell_errors_name_the_argument(arg, expected):
+    with pytest.raises(SweepError) as info:
+        sweep.parse_cell(arg)
+    assert expected in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -157,8 +186,73 @@ def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):
     cells = cells_of(parse_grid(["kl.coef=0,0.2", "kl.replay.coef=0,1"]))
     serial = build_table(run_sweep(cells, [0, 1], tmp_path / "a", None, [], jobs=1, log=quiet))
     parallel = build_table(run_sweep(cells, [0, 1], tmp_path / "b", None, [], jobs=3, log=quiet))
-    strip = (lambda t: [{k: v for k, v in c.items() if k != "runs"} for c in t["cells"]])
+    def strip(table):  # what may differ: the run folders and the processes' wall times
+        cells = [{k: v for k, v in c.items() if k != "runs"} for c in table["cells"]]
+        return [{**c, "stats": {k: v for k, v in c["stats"].items() if k != "process_seconds"}} for c in cells]
     assert strip(serial) == strip(parallel)
+
+
+def test_a_sweep_of_cells_only_runs_each_setting_and_seed_once(fake_trainer, tmp_path):
+    code = sweep.main(["--cell", "kl.coef=0.2", "--cell", "kl.coef=0.1,seeds=[0,1]", "--cell", "kl.coef=0.2,seeds=[0,2]",
+                       "--output-dir", str(tmp_path / "s")])
+    assert code == 0
+    table = json.loads((tmp_path / "s" / "table.json").read_text())
+    assert [(c["setting"], c["seeds"]) for c in table["cells"]] == [("kl.coef=0.2", [0, 2]), ("kl.coef=0.1", [0, 1])]
+    # fake trainer: addition after = 0.40 + 0.10 * seed -> seeds 0 and 2: 40% and 60%, change +10 and +30
+    assert table["cells"][0]["stats"]["addition/change"]["mean"] == pytest.approx(20.0)
+    md = (tmp_path / "s" / "table.md").read_text()
+    assert "cell kl.coef=0.1 seeds 0,1" in md
+
+
+SLOW_FAKE_TRAIN = textwrap.dedent("""
+    import json, os, pathlib, sys, time
+    args = sys.argv[1:]
+    kv = dict(zip([a[2:] for a in args[0::2]], args[1::2]))
+    out = pathlib.Path(kv["output-dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "started").write_text(str(os.getpid()))
+    if float(kv["kl.coef"]) > 0 and not os.environ.get("FAKE_FAST"):
+        time.sleep(600)  # stopped by the test's signal long before
+    (out / "summary.json").write_text(json.dumps({"steps": 1, "eval_before": {"a": 0.0}, "eval_after": {"a": 1.0}}))
+""")
+
+
+@pytest.mark.parametrize("jobs, signame", [(1, "SIGINT"), (2, "SIGTERM")])
+def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
+    """Interrupt a real sweep process while runs are going: it exits 130, the live runs die with it, no queued
+    run starts; the same command again skips the finished run and trains the others."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(SLOW_FAKE_TRAIN)
+    out = tmp_path / "s"
+    code = (f"import sys; from klgrpo.apps import sweep; sweep.train_argv_prefix = lambda: [sys.executable, "
+            f"{str(script)!r}]; sys.exit(sweep.main(['--grid', 'kl.coef=0,1,2,3', '--jobs', '{jobs}', "
+            f"'--output-dir', {str(out)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sleeping = [out / f"kl.coef={c}" / "seed=0" / "started" for c in ([1] if jobs == 1 else [1, 2])]
+    for _ in range(1200):  # until the slow runs have started (a safety bound, not a speed test)
+        if all(p.exists() and p.read_text() for p in sleeping):
+            break
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in sleeping]
+    proc.send_signal(getattr(signal, signame))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "interrupted; run the same command" in output
+    for pid in pids:  # stopped and reaped by the sweep
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (out / "kl.coef=3" / "seed=0").exists()  # the queued run never started
+    env = dict(os.environ, FAKE_FAST="1")
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "4 runs in" in again.stdout and "(1 finished before, skipped)" in again.stdout
+    table = json.loads((out / "table.json").read_text())
+    assert [c["seeds"] for c in table["cells"]] == [[0]] * 4
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -200,6 +294,76 @@ def test_table_generic_names_and_missing_values(tmp_path):
     assert second["task/change"] is None and second["task/after"]["mean"] == 0.5  # no "before": change n/a
     md = sweep.table_markdown(table, [])
     assert "replay KL" in md and "0.0030" in md and "n/a" in md
+
+
+def test_table_before_line_beta_and_process_columns_and_missing_runs(tmp_path):
+    before = {"task": 0.25, "keep": 0.75}
+    fixed = [_run_with(tmp_path, c, 0, before, {"task": 0.5, "keep": 0.5}, final_beta=float(c)) for c in ("0", "0.1")]
+    missing = Run(Cell((("kl.coef", "0.1"),)), 1, tmp_path / "0.1" / "seed=1", status="missing")
+    (tmp_path / "0" / "seed=0").mkdir(parents=True)
+    (tmp_path / "0" / "seed=0" / sweep.IDENTITY_FILE).write_text(json.dumps({"identity": "x", "process_seconds": 75.5}))
+    table = build_table(fixed + [missing])
+    cells = {c["setting"]: c for c in table["cells"]}
+    assert cells["kl.coef=0.1"]["missing"] == [1] and cells["kl.coef=0.1"]["seeds"] == [0]
+    assert cells["kl.coef=0"]["stats"]["process_seconds"]["mean"] == 75.5
+    assert cells["kl.coef=0"]["stats"]["task/before"]["mean"] == 0.25
+    md = sweep.table_markdown(table, [])
+    assert "| final KL | final beta | wall s | process s | steps |" in md
+    assert "| kl.coef=0.1 | 0 (not run yet: 1) | 50.0% | +25.0 | 50.0% | -25.0 | 0.0100 | 0.1 | 10 | n/a | 4 |" in md
+    assert "| kl.coef=0 | 0 | 50.0% | +25.0 | 50.0% | -25.0 | 0.0100 | 0 | 10 | 76 | 4 |" in md
+    assert md.rstrip().endswith("Before training (greedy accuracy of the starting model): task 25.0%, keep 75.0%")
+    # one beta everywhere: no beta column
+    same = build_table([_run_with(tmp_path, c, 0, before, before, final_beta=0.04) for c in ("0", "0.1")])
+    assert "final beta" not in sweep.table_markdown(same, [])
+
+
+def test_points_and_plot_against_beta(tmp_path):
+    def cell(overrides, after):
+        run = Run(Cell(tuple(overrides)), 0, tmp_path / "r", status="finished")
+        run.summary = {"eval_before": {"task": 0.2, "keep": 0.8}, "eval_after": {"task": after, "keep": 0.7},
+                       "final_kl": 0.1, "steps": 3}
+        return run
+    table = build_table([cell([("kl.coef", "0.01")], 0.5), cell([("kl.coef", "0")], 0.6),
+                         cell([("kl.controller", "adaptive"), ("kl.coef", "0.01")], 0.4),
+                         cell([("kl.replay.coef", "1")], 0.3)])  # no kl.coef: not on the beta axis
+    points = sweep_table.beta_points(table)
+    assert [(b, others, st["task/after"]["mean"]) for b, others, st in points] == [
+        (0.0, "", 0.6), (0.01, "", 0.5), (0.01, "kl.controller=adaptive", 0.4)]
+    path = sweep.plot_vs_beta(table, tmp_path / "beta.png")
+    assert path.stat().st_size > 0
+    assert sweep.plot_vs_beta(build_table([cell([("kl.replay.coef", "1")], 0.3)]), tmp_path / "none.png") is None
+
+
+def test_table_only_trains_nothing_and_lists_what_is_missing(fake_trainer, tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    assert sweep.main(["--grid", "kl.coef=0,0.2", "--output-dir", str(out)]) == 0
+    monkeypatch.setattr(sweep, "train_argv_prefix", lambda: [sys.executable, "-c", "import sys; sys.exit(5)"])
+    code = sweep.main(["--grid", "kl.coef=0,0.2", "--seeds", "0,1", "--output-dir", str(out), "--table-only"])
+    assert code == 0  # nothing ran, nothing failed
+    table = json.loads((out / "table.json").read_text())
+    assert [(c["seeds"], c["missing"]) for c in table["cells"]] == [([0], [1]), ([0], [1])]
+    assert not (out / "kl.coef=0" / "seed=1").exists()
+    md = (out / "table.md").read_text()
+    assert "(from the first run's start to the last finished run's end; --table-only)" in md
+    assert (out / sweep.BETA_PLOT_FILE).stat().st_size > 0
+
+
+def test_runs_span_from_the_folders(tmp_path):
+    import os
+
+    runs = []
+    for i, (recorded, end) in enumerate([(100.0, 1000.0), (None, 1300.0)]):
+        run = Run(Cell((("kl.coef", str(i)),)), 0, tmp_path / str(i), status="finished")
+        run.run_dir.mkdir()
+        ident = {"identity": "x"} | ({"process_seconds": recorded} if recorded else {})
+        (run.run_dir / sweep.IDENTITY_FILE).write_text(json.dumps(ident))
+        (run.run_dir / sweep.LOG_FILE).write_text("log")
+        os.utime(run.run_dir / sweep.LOG_FILE, (end, end))
+        os.utime(run.run_dir / sweep.IDENTITY_FILE, (950.0, 950.0))  # an older sweep's: written at the start
+        runs.append(run)
+    # run 0: 900..1000 (recorded 100 s before its log's end); run 1: 950..1300 -> 400 s
+    assert sweep.runs_span(runs) == pytest.approx(400.0)
+    assert sweep.runs_span([Run(Cell(()), 0, tmp_path / "none", status="failed")]) == 0.0
 
 
 def test_aggregate():

@@ -3,6 +3,11 @@ one table of accuracy, retention, final KL and wall time with the spread over se
 
     klgrpo sweep --grid kl.coef=0,0.04 --grid kl.replay.coef=0,1 --seeds 0,1
     klgrpo sweep --config run.yaml --grid kl.estimator=k2,k3_st --output-dir runs/sweep-est -- --train.steps 200
+    klgrpo sweep --grid kl.coef=0,0.04 --cell kl.controller=adaptive,kl.coef=0.04 --cell "kl.coef=0.04,seeds=[1]"
+
+A --cell adds one setting (a whole set of overrides) after the grid's product, for points that are not a
+product (an adaptive controller beside fixed betas); its ``seeds=[...]`` replaces --seeds for that setting, and
+a --cell with the same overrides as a grid point adds its seeds to that point (one row, more seeds).
 
 Each run is ``python -m klgrpo train`` in a subprocess (a crash in one cell is reported, the others still
 run), in ``<output-dir>/<key=value,...>/seed=<s>/`` with its output in ``sweep.log`` there. Running the same
@@ -40,13 +45,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from klgrpo.apps.sweep_table import (LOG_FILE, Cell, Run, _safe, aggregate, build_table,  # noqa: F401
-                                     skill_names, table_markdown, plot)
+from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
+                                     build_table, plot, plot_vs_beta, process_seconds, skill_names,
+                                     table_markdown)
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
 
-IDENTITY_FILE = "sweep_cell.json"
 PLOT_FILE = "accuracy_vs_retention.png"
+BETA_PLOT_FILE = "accuracy_vs_beta.png"
 #: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter
 #: (no TensorBoard, plots or intermediate checkpoints), one torch thread (repeatable, and no OpenMP
 #: blow-up beside other processes), and no wall-clock guard (a busy machine must not cut some cells short).
@@ -58,18 +64,22 @@ DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
 #: Owned by the sweep: a run's folder and seed.
 _RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")
 
-USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--seeds 0,1] [--config FILE] [--output-dir DIR]
-                    [--jobs N] [--dry-run] [-- extra train overrides ...]
+USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--cell KEY=V,KEY=V,...] [--seeds 0,1] [--config FILE]
+                    [--output-dir DIR] [--jobs N] [--dry-run] [-- extra train overrides ...]
 
 Runs `klgrpo train` for every combination of the --grid values and every seed (no --config and no
 model.name_or_path: the embedded demo). Re-running the same command skips finished runs.
 
   --grid KEY=V1,V2,...  a config field (as in `klgrpo train --KEY VALUE`) and its values; repeat for a product
+  --cell KEY=V,KEY=V    one more setting after the grid's product (repeatable); seeds=[S1,S2] in it replaces
+                        --seeds for that setting (the same overrides as a grid point: more seeds for that point)
   --seeds S1,S2,...     training seeds (default 0); the table gives mean +- std over them
   --config FILE         YAML config of every run
   --output-dir DIR      the sweep folder (default runs/sweep-<timestamp>)
   --jobs N              runs at once (default 1; each run uses one torch thread)
   --dry-run             print the commands and exit
+  --table-only          train nothing: write the table and plots from the runs that finished (a partial table
+                        while the sweep runs, or after an upgrade of klgrpo)
   -- ...                overrides for every run, e.g. -- --train.steps 150
 """
 
@@ -132,6 +142,45 @@ def cells_of(grid: list[tuple[str, list[str]]]) -> list[Cell]:
     """The product of the grid in --grid order (the last key varies fastest)."""
     keys = [k for k, _ in grid]
     return [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*[v for _, v in grid])]
+
+
+def parse_cell(arg: str) -> Cell:
+    """``"kl.controller=adaptive,kl.coef=0.04,seeds=[1]"`` -> a Cell with those overrides and seeds (1,)."""
+    from klgrpo.train.config import GRPOConfig
+
+    overrides: list[tuple[str, str]] = []
+    seeds: list[int] = []
+    for part in split_values(arg):
+        key, eq, value = part.partition("=")
+        key, value = key.strip().removeprefix("--"), value.strip()
+        if not eq or not key or not value:
+            raise SweepError(f"--cell {arg!r}: write KEY=VALUE,KEY=VALUE,... e.g. --cell kl.controller=adaptive,kl.coef=0.04")
+        if key == "seeds":
+            seeds = parse_seeds(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
+            continue
+        if key in _RESERVED:
+            raise SweepError(f"--cell {arg!r}: {key} is set by the sweep for each run; write seeds=[...] for seeds")
+        if any(k == key for k, _ in overrides):
+            raise SweepError(f"--cell {arg!r}: {key} is given twice")
+        try:
+            GRPOConfig().override({key: value}, origin=f"--cell {arg}")
+        except KLGRPOError as exc:
+            raise SweepError(str(exc)) from None
+        overrides.append((key, value))
+    if not overrides:
+        raise SweepError(f"--cell {arg!r}: give at least one KEY=VALUE besides seeds")
+    return Cell(tuple(overrides), tuple(seeds))
+
+
+def plan_runs(cells: list[Cell], seeds: list[int], out: Path) -> list[Run]:
+    """One run per cell and seed (a cell's own seeds, else ``seeds``), once per (setting, seed), in order."""
+    runs, seen = [], set()
+    for cell in cells:
+        for seed in cell.seeds or seeds:
+            if (cell.name, seed) not in seen:
+                seen.add((cell.name, seed))
+                runs.append(Run(cell, seed, out / cell.name / f"seed={seed}"))
+    return runs
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -229,9 +278,14 @@ def execute(run: Run, argv: list[str], identity: str = "") -> None:
         _LIVE.add(proc)
         try:
             code = proc.wait()
+        except BaseException:  # Ctrl-C while waiting: the run must not go on without its sweep
+            _stop(proc)
+            raise
         finally:
             _LIVE.discard(proc)
     run.seconds = time.perf_counter() - t0
+    (run.run_dir / IDENTITY_FILE).write_text(json.dumps({"identity": identity, "argv": argv,
+                                                         "process_seconds": round(run.seconds, 1)}))
     summary = _read_summary(run.run_dir)
     if code != 0 or summary is None:
         run.status = "failed"
@@ -249,10 +303,17 @@ def _stop_live_runs() -> None:
     for proc in list(_LIVE):
         proc.terminate()
     for proc in list(_LIVE):
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the trainer saves and exits), then SIGKILL when it is still there after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _read_summary(run_dir: Path) -> dict | None:
@@ -270,9 +331,21 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str]) -> list[Run]:
+    """The planned runs without training: finished ones (same resolved config) as "skipped", the others "missing"."""
+    runs = plan_runs(cells, seeds, out)
+    for run in runs:
+        summary = _read_summary(run.run_dir)
+        if summary is not None and _finished_identity(run.run_dir) == run_identity(run, config, extra):
+            run.status, run.summary = "skipped", summary
+        else:
+            run.status = "missing"
+    return runs
+
+
 def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
               log: Callable[[str], None] = print) -> list[Run]:
-    runs = [Run(cell, seed, out / cell.name / f"seed={seed}") for cell in cells for seed in seeds]
+    runs = plan_runs(cells, seeds, out)
     todo = []
     identities = {id(run): run_identity(run, config, extra) for run in runs}
     for run in runs:
@@ -282,7 +355,8 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
         else:
             todo.append(run)
     done = len(runs) - len(todo)
-    log(f"klgrpo sweep: {len(cells)} settings x {len(seeds)} seeds = {len(runs)} runs in {out}"
+    settings = len({run.cell.name for run in runs})
+    log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}"
         + (f" ({done} finished before, skipped)" if done else ""))
     counter = itertools.count(done + 1)
 
@@ -300,8 +374,13 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
         for run in todo:
             one(run)
     else:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
             list(pool.map(one, todo))
+        except BaseException:  # Ctrl-C: start no queued run (the caller stops the live ones)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     return runs
 
 
@@ -309,11 +388,13 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="klgrpo sweep", usage=USAGE, add_help=False)
     p.add_argument("--grid", action="append", default=[])
+    p.add_argument("--cell", action="append", default=[])
     p.add_argument("--seeds", default="0")
     p.add_argument("--config")
     p.add_argument("--output-dir")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--table-only", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
     return p
 
@@ -333,8 +414,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(argv)
     if args.help:
         return args, extra
-    if not args.grid:
-        raise SweepError("give at least one --grid KEY=V1,V2,... (e.g. --grid kl.coef=0,0.04)")
+    if not args.grid and not args.cell:
+        raise SweepError("give at least one --grid KEY=V1,V2,... (e.g. --grid kl.coef=0,0.04) or --cell KEY=V,...")
     if args.jobs < 1:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1")
     if args.config and not Path(args.config).is_file():
@@ -353,31 +434,35 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 0
         grid = parse_grid(args.grid)
-        both = _overrides_in(extra) & {k for k, _ in grid}
+        extra_cells = [parse_cell(arg) for arg in args.cell]
+        both = _overrides_in(extra) & ({k for k, _ in grid} | {k for c in extra_cells for k, _ in c.overrides})
         if both:
             raise SweepError(f"{', '.join(sorted(both))} is both in --grid and after --; keep it in one place")
         seeds = parse_seeds(args.seeds)
     except KLGRPOError as exc:
         print(f"klgrpo sweep: error: {exc}", file=sys.stderr)
         return 2
-    cells = cells_of(grid)
+    cells = (cells_of(grid) if grid else []) + extra_cells
     out = Path(args.output_dir or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     if args.dry_run:
-        for cell in cells:
-            for seed in seeds:
-                print(" ".join(run_argv(Run(cell, seed, out / cell.name / f"seed={seed}"), args.config, extra)))
+        for run in plan_runs(cells, seeds, out):
+            print(" ".join(run_argv(run, args.config, extra)))
         return 0
     t0 = time.perf_counter()
+    _interrupt_on_sigterm()
     try:
-        runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
+        if args.table_only:
+            runs = finished_runs(cells, seeds, out, args.config, extra)
+        else:
+            runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
     except KeyboardInterrupt:
         _stop_live_runs()
         print(f"klgrpo sweep: interrupted; run the same command with --output-dir {out} to continue "
               f"(finished runs are skipped)", file=sys.stderr)
         return 130
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 if not args.table_only else runs_span(runs)
     table = build_table(runs)
-    header = _header(grid, seeds, args.config, extra, table, out, wall)
+    header = _header(grid, extra_cells, seeds, args.config, extra, table, out, wall, args.table_only)
     text = table_markdown(table, header)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
@@ -385,26 +470,66 @@ def main(argv: list[str] | None = None) -> int:
                                                 "sweep_wall_seconds": round(wall, 1), **table}, indent=2))
     print()
     print(text)
-    try:
-        picture = plot(table, out / PLOT_FILE)
-    except Exception as exc:  # a plot must not hide the table
-        picture = None
-        print(f"(no plot: {type(exc).__name__}: {exc})")
-    print(f"saved {out / 'table.md'}, {out / 'table.json'}" + (f", {picture}" if picture else ""))
+    pictures = []
+    for draw, name in ((plot, PLOT_FILE), (plot_vs_beta, BETA_PLOT_FILE)):
+        try:
+            pictures.append(draw(table, out / name))
+        except Exception as exc:  # a plot must not hide the table
+            print(f"(no {name}: {type(exc).__name__}: {exc})")
+    print(f"saved {out / 'table.md'}, {out / 'table.json'}" + "".join(f", {p}" for p in pictures if p))
     return 1 if any(r.status == "failed" for r in runs) else 0
 
 
-def _header(grid, seeds, config, extra, table, out: Path, wall: float) -> list[str]:
+def runs_span(runs: list[Run]) -> float:
+    """Seconds from the first run's start to the last run's end over the runs that finished (a run ends at its
+    sweep.log's last write and starts its process_seconds earlier, or when sweep_cell.json was written): the
+    sweep's wall time, read from its folders."""
+    starts, ends = [], []
+    for run in runs:
+        if run.status not in ("finished", "skipped"):
+            continue
+        try:
+            end = (run.run_dir / LOG_FILE).stat().st_mtime
+            recorded = json.loads((run.run_dir / IDENTITY_FILE).read_text()).get("process_seconds")
+            start = end - float(recorded) if recorded is not None else (run.run_dir / IDENTITY_FILE).stat().st_mtime
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+        starts.append(start)
+        ends.append(end)
+    return max(ends) - min(starts) if starts else 0.0
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (kill PID, a job scheduler) stops the sweep like Ctrl-C: the live runs are stopped too, instead of
+    going on without their sweep."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
+def _header(grid, extra_cells, seeds, config, extra, table, out: Path, wall: float,
+            table_only: bool = False) -> list[str]:
     trained, retention = table["trained"], table["retention"]
     base = f"--config {config}" if config else "the embedded demo"
     defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(config, [k for k, _ in grid], extra).items())
-    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid)
+    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid) or "none"
+    added = "".join(f"; cell {c.name}" + (f" seeds {','.join(map(str, c.seeds))}" if c.seeds else "")
+                    for c in extra_cells)
     lines = [f"# klgrpo sweep {out}",
              "",
-             f"- grid: {axes}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s",
+             f"- grid: {axes}{added}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s"
+             + (" (from the first run's start to the last finished run's end; --table-only)" if table_only else ""),
              f"- runs: {base}" + (f", with {' '.join(extra)}" if extra else "") + f"; sweep defaults: {defaults}",
              f"- accuracy = {trained or 'n/a'} (trained); retention = {', '.join(retention) or 'none'}; "
              f"after = greedy accuracy after training, change = after - before in points",
              "- values: mean ± sample std over the seeds that finished (min..max in table.json); "
-             "final KL = adaptive_kl/raw_kl of the last step; replay KL = the last kl/replay"]
+             "final KL = adaptive_kl/raw_kl of the last step; final beta = the KL coefficient at the end (a column "
+             "when it differs between settings); replay KL = the last kl/replay; wall s = the run's own wall time "
+             "(the trainer's: GRPO + evaluation); process s = the whole process (loading, training, evaluation, "
+             "saving)"]
     return lines
