@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Callable
 
 from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
-                                     build_table, plot, plot_vs_beta, process_seconds, skill_names,
-                                     table_markdown)
+                                     build_table, plot, plot_vs_beta, process_seconds, runs_span, skill_names,
+                                     table_header, table_markdown)
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
 
@@ -462,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     wall = time.perf_counter() - t0 if not args.table_only else runs_span(runs)
     table = build_table(runs)
-    header = _header(grid, extra_cells, seeds, args.config, extra, table, out, wall, args.table_only)
+    defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(args.config, [k for k, _ in grid], extra).items())
+    header = table_header(grid, extra_cells, seeds, args.config, extra, defaults, table, out, wall, args.table_only)
     text = table_markdown(table, header)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
@@ -480,25 +481,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.status == "failed" for r in runs) else 0
 
 
-def runs_span(runs: list[Run]) -> float:
-    """Seconds from the first run's start to the last run's end over the runs that finished (a run ends at its
-    sweep.log's last write and starts its process_seconds earlier, or when sweep_cell.json was written): the
-    sweep's wall time, read from its folders."""
-    starts, ends = [], []
-    for run in runs:
-        if run.status not in ("finished", "skipped"):
-            continue
-        try:
-            end = (run.run_dir / LOG_FILE).stat().st_mtime
-            recorded = json.loads((run.run_dir / IDENTITY_FILE).read_text()).get("process_seconds")
-            start = end - float(recorded) if recorded is not None else (run.run_dir / IDENTITY_FILE).stat().st_mtime
-        except (OSError, ValueError, AttributeError, TypeError):
-            continue
-        starts.append(start)
-        ends.append(end)
-    return max(ends) - min(starts) if starts else 0.0
-
-
 def _interrupt_on_sigterm() -> None:
     """SIGTERM (kill PID, a job scheduler) stops the sweep like Ctrl-C: the live runs are stopped too, instead of
     going on without their sweep."""
@@ -510,26 +492,3 @@ def _interrupt_on_sigterm() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)
-
-
-def _header(grid, extra_cells, seeds, config, extra, table, out: Path, wall: float,
-            table_only: bool = False) -> list[str]:
-    trained, retention = table["trained"], table["retention"]
-    base = f"--config {config}" if config else "the embedded demo"
-    defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(config, [k for k, _ in grid], extra).items())
-    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid) or "none"
-    added = "".join(f"; cell {c.name}" + (f" seeds {','.join(map(str, c.seeds))}" if c.seeds else "")
-                    for c in extra_cells)
-    lines = [f"# klgrpo sweep {out}",
-             "",
-             f"- grid: {axes}{added}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s"
-             + (" (from the first run's start to the last finished run's end; --table-only)" if table_only else ""),
-             f"- runs: {base}" + (f", with {' '.join(extra)}" if extra else "") + f"; sweep defaults: {defaults}",
-             f"- accuracy = {trained or 'n/a'} (trained); retention = {', '.join(retention) or 'none'}; "
-             f"after = greedy accuracy after training, change = after - before in points",
-             "- values: mean ± sample std over the seeds that finished (min..max in table.json); "
-             "final KL = adaptive_kl/raw_kl of the last step; final beta = the KL coefficient at the end (a column "
-             "when it differs between settings); replay KL = the last kl/replay; wall s = the run's own wall time "
-             "(the trainer's: GRPO + evaluation); process s = the whole process (loading, training, evaluation, "
-             "saving)"]
-    return lines

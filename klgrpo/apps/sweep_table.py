@@ -302,3 +302,43 @@ def plot_vs_beta(table: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def runs_span(runs: list[Run]) -> float:
+    """Seconds from the first run's start to the last run's end over the runs that finished (a run ends at its
+    sweep.log's last write and starts its process_seconds earlier, or when sweep_cell.json was written): the
+    sweep's wall time, read from its folders."""
+    starts, ends = [], []
+    for run in runs:
+        if run.status not in ("finished", "skipped"):
+            continue
+        try:
+            end = (run.run_dir / LOG_FILE).stat().st_mtime
+            recorded = json.loads((run.run_dir / IDENTITY_FILE).read_text()).get("process_seconds")
+            start = end - float(recorded) if recorded is not None else (run.run_dir / IDENTITY_FILE).stat().st_mtime
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+        starts.append(start)
+        ends.append(end)
+    return max(ends) - min(starts) if starts else 0.0
+
+
+def table_header(grid, extra_cells, seeds, config, extra, defaults: str, table, out: Path, wall: float,
+                 table_only: bool = False) -> list[str]:
+    """The lines above the table: what was swept, how each run was started, what the columns mean."""
+    trained, retention = table["trained"], table["retention"]
+    base = f"--config {config}" if config else "the embedded demo"
+    axes = " x ".join(k + "={" + ",".join(v) + "}" for k, v in grid) or "none"
+    added = "".join(f"; cell {c.name}" + (f" seeds {','.join(map(str, c.seeds))}" if c.seeds else "")
+                    for c in extra_cells)
+    lines = [f"# klgrpo sweep {out}",
+             "",
+             f"- grid: {axes}{added}; seeds {','.join(map(str, seeds))}; sweep wall time {wall:.0f} s"
+             + (" (from the first run's start to the last finished run's end; --table-only)" if table_only else ""),
+             f"- runs: {base}" + (f", with {' '.join(extra)}" if extra else "") + f"; sweep defaults: {defaults}",
+             f"- accuracy = {trained or 'n/a'} (trained); retention = {', '.join(retention) or 'none'}; "
+             f"after = greedy accuracy after training, change = after - before in points",
+             "- values: mean ± sample std over the seeds that finished (min..max in table.json); "
+             "final KL = adaptive_kl/raw_kl of the last step; final beta = the KL coefficient at the end (a column "
+             "when it differs between settings); replay KL = the last kl/replay; wall s = the run's own wall time "
+             "(the trainer's: GRPO + evaluation); process s = the whole process (loading, training, evaluation, "
+             "saving)"]
+    return lines
