@@ -170,6 +170,29 @@ def test_static_cache_generate_gives_the_dynamic_cache_tokens():
     assert dynamic.completions == static.completions
 
 
+def test_static_generate_pads_prompts_to_a_bucket_and_returns_only_the_completions(monkeypatch):
+    """generate_static hands transformers prompts left-padded to a multiple of STATIC_PROMPT_BUCKET (one compiled
+    cache size per bucket) with the padding masked, and cuts the completions after the padded prompt."""
+    from klgrpo.backends.samplers import SAMPLERS, STATIC_PROMPT_BUCKET
+
+    model, seen = _llama(), []
+
+    def fake_generate(input_ids, attention_mask, max_new_tokens, **kwargs):
+        seen.append((input_ids.clone(), attention_mask.clone(), kwargs.get("cache_implementation")))
+        return torch.cat([input_ids, torch.full((input_ids.shape[0], max_new_tokens), 7)], dim=1)
+
+    monkeypatch.setattr(model, "generate", fake_generate)
+    ids = torch.tensor([[0, 5, 6], [4, 5, 6]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    out = SAMPLERS["generate_static"].sample(model, ids, mask, SamplingParams(group_size=2, max_new_tokens=3),
+                                              pad_id=0, eos_ids=[1])
+    [(sent_ids, sent_mask, cache)] = seen
+    assert cache == "static" and sent_ids.shape == (4, STATIC_PROMPT_BUCKET)
+    assert torch.equal(sent_ids[:, -3:], ids.repeat_interleave(2, 0))  # the prompts at the right, in G copies
+    assert torch.equal(sent_mask[:, -3:], mask.repeat_interleave(2, 0)) and sent_mask[:, :-3].sum() == 0
+    assert torch.equal(out, torch.full((4, 3), 7))
+
+
 def test_eos_stops_rows_and_the_loop():
     """A model that always emits EOS (id 1): one column, every row finished, nothing truncated."""
     tok = _tokenizer()

@@ -85,7 +85,8 @@ class KVLoopSampler:
 #: generate_static left-pads the prompts to a multiple of this many positions. transformers sizes a static cache
 #: to the batch's prompt length + max_new_tokens and compiles its decoding step for each size (its compile
 #: config is not dynamic, and torch stops recompiling after a few sizes and runs the rest eagerly), so prompts
-#: of many lengths would compile again and again; in buckets of 64, prompts of 42-102 tokens take two sizes.
+#: of many lengths would compile again and again; in buckets of 64, prompts of 42-102 tokens take two sizes
+#: (on one H200: 0.30-0.45 s per batch of 8 x 8 x 64 tokens, against 1.5-2.1 s for TRL's static cache unbucketed).
 STATIC_PROMPT_BUCKET = 64
 
 
@@ -153,7 +154,6 @@ def enable_compile_cache(folder) -> None:
     """Point torch's compilation caches (inductor's FX graph and autotuning caches) at ``folder``, so a second
     run on the same machine reuses the kernels the first one compiled instead of compiling them again. A
     variable the user already set wins. torch reads them when it first compiles, so call this before."""
-
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
