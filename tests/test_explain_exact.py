@@ -18,6 +18,7 @@ from klgrpo.mapping import mapped_objective
 from klgrpo.openrlhf_mapping import map_openrlhf
 from klgrpo.trl_mapping import map_trl
 from klgrpo.verl_mapping import map_verl
+from tests.helpers.one_process import OneProcessAccelerator
 
 F64 = torch.float64
 B, T, MAX_LEN = 4, 5, 6
@@ -47,21 +48,6 @@ def _ours(fields_or_mapped, logp, old, ref, adv, mask, normalizer=None, beta=Non
 
 
 # ------------------------------------------------------------------------------------------------------------ TRL
-class _Accelerator:
-    num_processes = 1
-    sync_gradients = True
-
-    @staticmethod
-    def gather(x):
-        return x
-
-    gather_for_metrics = gather
-
-    @staticmethod
-    def reduce(x, reduction="sum"):
-        return x
-
-
 def _trl(fields: dict, logp, old, ref, adv, mask):
     """TRL 1.16's own GRPOTrainer._compute_loss on a minimal trainer object holding the user's fields."""
     trl = pytest.importorskip("trl")
@@ -74,7 +60,7 @@ def _trl(fields: dict, logp, old, ref, adv, mask):
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level=args["importance_sampling_level"], beta=args["beta"],
         loss_type=args["loss_type"], epsilon_low=args["epsilon"], epsilon_high=eps_high, use_vllm=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=_Accelerator(),
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=OneProcessAccelerator(),
         _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         max_completion_length=MAX_LEN,
         args=SimpleNamespace(use_bias_correction_kl=args["use_bias_correction_kl"], delta=args["delta"],

@@ -19,6 +19,7 @@ from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.kl_shaping import shape_kl
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.migration import migration_rows
+from tests.helpers.one_process import OneProcessAccelerator
 
 F64 = torch.float64
 B, T, MAX_LEN = 4, 5, 6
@@ -42,21 +43,6 @@ def _inputs(seed: int = 0, off_policy: bool = True):
     return logp, old, ref, adv, mask
 
 
-class _Accelerator:
-    num_processes = 1
-    sync_gradients = True
-
-    @staticmethod
-    def gather(x):
-        return x
-
-    gather_for_metrics = gather
-
-    @staticmethod
-    def reduce(x, reduction="sum"):
-        return x
-
-
 def _trl_loss(loss_type, beta, bias_correction, delta, logp, old, ref, adv, mask):
     """TRL 1.16's own GRPOTrainer._compute_loss on a minimal trainer object (only the attributes it reads)."""
     from trl import GRPOTrainer
@@ -67,7 +53,7 @@ def _trl_loss(loss_type, beta, bias_correction, delta, logp, old, ref, adv, mask
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
         importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=EPS_LOW,
         epsilon_high=EPS_HIGH, use_vllm=False, model=SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1, accelerator=_Accelerator(), _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1, accelerator=OneProcessAccelerator(), _entropy_bonus_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, max_completion_length=MAX_LEN,
         args=SimpleNamespace(use_bias_correction_kl=bias_correction, delta=delta, steps_per_generation=1),
     )
