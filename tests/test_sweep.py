@@ -229,7 +229,10 @@ def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
     script = tmp_path / "fake_train.py"
     script.write_text(SLOW_FAKE_TRAIN)
     out = tmp_path / "s"
-    code = (f"import sys; from klgrpo.apps import sweep; sweep.train_argv_prefix = lambda: [sys.executable, "
+    # SIGINT as a terminal's Ctrl-C delivers it, even where this test runs as a background job (which starts
+    # with SIGINT ignored, and its children inherit that)
+    code = (f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"from klgrpo.apps import sweep; sweep.train_argv_prefix = lambda: [sys.executable, "
             f"{str(script)!r}]; sys.exit(sweep.main(['--grid', 'kl.coef=0,1,2,3', '--jobs', '{jobs}', "
             f"'--output-dir', {str(out)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -238,9 +241,16 @@ def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
         if all(p.exists() and p.read_text() for p in sleeping):
             break
         time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail(f"the sweep's runs did not start within 60 s:\n{proc.communicate()[0][-3000:]}")
     pids = [int(p.read_text()) for p in sleeping]
     proc.send_signal(getattr(signal, signame))
-    output, _ = proc.communicate(timeout=120)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the sweep did not stop within 120 s of {signame}:\n{proc.communicate()[0][-3000:]}")
     assert proc.returncode == 130, output
     assert "interrupted; run the same command" in output
     for pid in pids:  # stopped and reaped by the sweep

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -449,12 +450,12 @@ def main(argv: list[str] | None = None) -> int:
             print(" ".join(run_argv(run, args.config, extra)))
         return 0
     t0 = time.perf_counter()
-    _interrupt_on_sigterm()
     try:
-        if args.table_only:
-            runs = finished_runs(cells, seeds, out, args.config, extra)
-        else:
-            runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
+        with _interrupt_on_sigterm():
+            if args.table_only:
+                runs = finished_runs(cells, seeds, out, args.config, extra)
+            else:
+                runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
     except KeyboardInterrupt:
         _stop_live_runs()
         print(f"klgrpo sweep: interrupted; run the same command with --output-dir {out} to continue "
@@ -481,14 +482,22 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.status == "failed" for r in runs) else 0
 
 
-def _interrupt_on_sigterm() -> None:
-    """SIGTERM (kill PID, a job scheduler) stops the sweep like Ctrl-C: the live runs are stopped too, instead of
-    going on without their sweep."""
+@contextmanager
+def _interrupt_on_sigterm():
+    """While the sweep runs, SIGTERM (kill PID, a job scheduler) stops it like Ctrl-C: the live runs are stopped
+    too, instead of going on without their sweep. The previous handler is back afterwards (``main`` may be called
+    from a program that has its own)."""
     import signal
     import threading
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
