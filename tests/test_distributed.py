@@ -39,8 +39,8 @@ def free_port() -> int:
 
 def accelerate_launch(config_file, args, timeout=240):
     """``accelerate launch --config_file CONFIG --num_processes 2`` on the CPU, on a port the OS picked; fails with
-    the launcher's and the workers' output. No retry: a worker that aborted at exit (gloo's threads torn down by
-    the interpreter) was a defect, fixed in klgrpo.train.distributed.close_process_group."""
+    the launcher's and the workers' output. No retry (the worker skips the interpreter's teardown, where gloo
+    sometimes aborted a rank after its work: tests/helpers/dist_worker.py)."""
     # The CPU even where a GPU is visible: two processes on one GPU is not what these tests compare.
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")

@@ -15,7 +15,6 @@ Failures never hang the other ranks: the process group's collectives time out af
 
 from __future__ import annotations
 
-import atexit
 import os
 from datetime import timedelta
 from typing import Callable, TypeVar
@@ -47,16 +46,6 @@ def _init_restarted_cpu_group(timeout: timedelta | None) -> None:
     torch.distributed.init_process_group("gloo", store=PrefixStore(f"klgrpo/attempt_{attempt}", store),
                                          rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                          **({"timeout": timeout} if timeout else {}))
-
-
-def close_process_group() -> None:
-    """Tear the process group down before the interpreter does. Left to Python's exit, gloo's background
-    threads can be destroyed while still joinable, and one rank then aborts ("terminate called without an
-    active exception", SIGABRT) after a run that finished: seen once in about 20 runs of the 2-process tests on a
-    loaded 2-core machine. Registered with atexit when a Distributed joins a group; destroying is local to the
-    process (no collective), and the run's last barrier has already passed."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def lost_peer_message(exc: BaseException) -> str | None:
@@ -92,7 +81,6 @@ class Distributed:
             self.rank, self.world_size = state.process_index, state.num_processes
             self.local_rank = state.local_process_index
             self.device = state.device
-            atexit.register(close_process_group)
         else:
             self.device = None
 
