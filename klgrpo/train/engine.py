@@ -343,17 +343,26 @@ def load_sharded_weights(model, folder: Path) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     state = model.state_dict()
-    kept, tied = {}, {}
-    for name, value in state.items():
-        key = (value.data_ptr(), tuple(value.shape))
-        if key in kept:
-            tied[name] = kept[key]
-        else:
-            kept[key] = name
+    tied = _tied_names(state)
     flat = {f"model.{k}": v for k, v in state.items() if k not in tied}
     dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
     loaded = {k.removeprefix("model."): v for k, v in flat.items()}
     model.load_state_dict({**loaded, **{alias: loaded[name] for alias, name in tied.items()}})
+
+
+def _tied_names(state: dict[str, Tensor]) -> dict[str, str]:
+    """{second name: first name} of the tensors that share storage and shape (tied weights; a DTensor by its
+    local shard): such a tensor is stored once, as save_pretrained does."""
+    first: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for name, value in state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = (local.data_ptr(), tuple(value.shape))
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
 
 
 def _flat_state(model, optimizer) -> tuple[dict[str, Tensor], dict, dict[str, str]]:
@@ -364,15 +373,7 @@ def _flat_state(model, optimizer) -> tuple[dict[str, Tensor], dict, dict[str, st
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
-    seen: dict[tuple, str] = {}
-    tied: dict[str, str] = {}
-    for name, value in model_state.items():
-        local = value.to_local() if hasattr(value, "to_local") else value
-        key = (local.data_ptr(), tuple(value.shape))
-        if key in seen:
-            tied[name] = seen[key]
-        else:
-            seen[key] = name
+    tied = _tied_names(model_state)
     flat = {f"model.{k}": v for k, v in model_state.items() if k not in tied}
     flat.update({f"optimizer.{fqn}.{k}": v for fqn, s in optim_state["state"].items() for k, v in s.items()})
     return flat, optim_state, tied
