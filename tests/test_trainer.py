@@ -212,8 +212,8 @@ def test_biased_kl_choice_warns(tiny_model_dir, addition_file, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", KLGRPOWarning)  # no warning
         GRPOTrainer(ok, log=messages.append)
-    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "building the reference model",
-                        "sampler: kv_loop (auto for cpu)"]
+    assert messages == [f"loading {tiny_model_dir} (torch.float32, cpu)", "sampler: kv_loop (auto for cpu)",
+                        "building the reference model"]
 
 
 def test_yaml_then_cli_override_order(tmp_path):

@@ -86,14 +86,16 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
     from klgrpo.apps.demo.assets import planned_demo_assets, prepare_demo_assets
 
     if print_config:  # the config only: never build the assets (the SFT), show where the cache would hold them
-        cfg, _ = demo_args(command, planned_demo_assets(seed=seed), seed, user)
+        assets = planned_demo_assets(seed=seed)
+    else:
+        say("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
+        assets = prepare_demo_assets(seed=seed, log=lambda m: say(f"      {m}"))
+    cfg, note = demo_args(command, assets, seed, user)
+    if print_config:
         print(cfg.to_yaml())
         return 0
     from klgrpo.train.trainer import GRPOTrainer
 
-    say("  1/3 SFT warm start on addition and subtraction (cached after the first run)")
-    assets = prepare_demo_assets(seed=seed, log=lambda m: say(f"      {m}"))
-    cfg, note = demo_args(command, assets, seed, user)
     if note:
         say(f"      {note}")
     say(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler
 from klgrpo.math.registry import Registry
 
@@ -141,6 +142,18 @@ def choose_sampler(name: str, model, fast_path: bool = True, legacy_generate_cac
     if name == AUTO and legacy_generate_cache:
         name = LEGACY_GENERATE_CACHES[legacy_generate_cache]
     return auto_sampler(model, fast_path) if name == AUTO else name
+
+
+def sampler_for_run(name: str, model, device: torch.device, fast_path: bool = True,
+                    legacy_generate_cache: str = "") -> tuple[str, str]:
+    """(the sampler a training run takes, why: what its log line says). A sampler that compiles on CUDA keeps its
+    kernels in klgrpo's cache folder, so the next run on this machine starts in seconds."""
+    chosen = choose_sampler(name, model, fast_path, legacy_generate_cache)
+    why = f"auto for {device.type}" if name == AUTO else "rollout.sampler"
+    if device.type == "cuda" and chosen == "generate_static":
+        enable_compile_cache(default_cache_root() / "torch_compile")
+        why += "; compiles once per process, ~20 s the first time on this machine, seconds after that"
+    return chosen, why
 
 
 def resolve_sampler(name: str, model, total_len: int, params: SamplingParams) -> Sampler:

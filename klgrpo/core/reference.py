@@ -235,3 +235,14 @@ class AdapterDisabledReference:
         for p in adapter_params(self.model, REFERENCE_ADAPTER).values():
             p.requires_grad_(False)
         self.synced = True
+
+
+
+def build_reference(policy, own_model=None, *, adapter: bool = False, fast_path: bool = True) -> Reference:
+    """The frozen reference: ``own_model`` (the model at kl.reference) when given, else the policy with its LoRA
+    adapter off (``adapter``), else a copy of the policy."""
+    if own_model is None and not adapter:
+        own_model = copy.deepcopy(policy)
+    if own_model is not None:
+        return FrozenCopyReference(own_model, fast_path)
+    return AdapterDisabledReference(policy, fast_path)

@@ -44,7 +44,7 @@ from klgrpo.errors import ConfigError, warn
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
-from klgrpo.backends.samplers import choose_sampler
+from klgrpo.backends.samplers import AUTO
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
 from klgrpo.train.state_io import StateFileError, load_state, save_state
 from klgrpo.train import metric_names as m
@@ -117,9 +117,9 @@ class ReplayAnchor:
     # ------------------------------------------------------------------------------------------- build
     @classmethod
     def build(cls, cfg, model, tokenizer, reference, run_dir: str | Path, *, log: Callable[[str], None] = print,
-              cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES) -> "ReplayAnchor":
+              cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, sampler: str = AUTO) -> "ReplayAnchor":
         """Load ``<run_dir>/replay_cache.*`` when it matches these settings and this reference; else sample
-        the completions from the reference once and write the cache."""
+        the completions from the reference once, with ``sampler`` (the run's), and write the cache."""
         r = cfg.kl.replay
         _check_settings(cfg, reference)
         device = next(model.parameters()).device
@@ -132,7 +132,7 @@ class ReplayAnchor:
         cache = _load_cache(path, meta, reference, device, log)
         if cache is None:
             t0 = time.perf_counter()
-            cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes)
+            cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes, sampler)
             path.parent.mkdir(parents=True, exist_ok=True)
             save_state(path.parent, CACHE_STEM, cache.to_dict())
             kept = "full-vocabulary log-probs" if cache.ref_logsoftmax is not None else "per-token log-probs"
@@ -268,22 +268,20 @@ def _same_module(a, b) -> bool:
     return get is not None and get() is a
 
 
-def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: int) -> ReplayCache:
+def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: int, sampler: str) -> ReplayCache:
     r = cfg.kl.replay
-    ds = load_prompts(r.source, prompt_column=r.prompt_column, limit=r.num_prompts, field="kl.replay.source")
-    prompts = ds.prompts
     chunk = max(1, cfg.rollout.prompts_per_step)
+    params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],
+                            temperature=r.temperature, system_prompt=cfg.data.system_prompt, as_chat=meta["as_chat"],
+                            sampler=sampler)
     # A private seed, and the global RNG state restored afterwards: the trainer's stream (and resume equality)
     # does not depend on whether the cache was sampled or loaded.
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), reference_sampling_model(reference, model) as sampler:
+    with torch.random.fork_rng(devices=devices), reference_sampling_model(reference, model) as sampling_model:
+        prompts = load_prompts(r.source, prompt_column=r.prompt_column, limit=r.num_prompts,
+                               field="kl.replay.source").prompts
         torch.manual_seed(int(cfg.train.seed) + 7919)
-        params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],
-                                temperature=r.temperature, system_prompt=cfg.data.system_prompt,
-                                as_chat=meta["as_chat"],
-                                sampler=choose_sampler(cfg.rollout.sampler, sampler, cfg.model.fast_path,
-                                                       cfg.rollout.generate_cache))
-        parts = [generate_groups(sampler, tokenizer, prompts[s:s + chunk], params)
+        parts = [generate_groups(sampling_model, tokenizer, prompts[s:s + chunk], params)
                  for s in range(0, len(prompts), chunk)]
     input_ids, attention_mask, completion_mask, prompt_len = _merge(parts, tokenizer.pad_token_id)
     n, t = completion_mask.shape

@@ -4,9 +4,10 @@
             --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
 
 A "step" is one optimizer update (TRL's convention): a batch of prompts_per_step x group_size completions
-is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between. What the trainer is
-built from (policy, reference, optimizer) is in train/building.py, the run around the steps (lock, evaluation,
-logging, stop rules, checkpoints, summary) in train/loop.py.
+is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between. The policy is
+loaded by backends/policy.py, the reference built by core/reference.py, AdamW and its schedule by
+train/building.py; the run around the steps (lock, evaluation, logging, stop rules, checkpoints, summary) is in
+train/loop.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from klgrpo.train.building import (build_optimizer, build_reference, load_policy, make_scheduler, run_dir_for,
-                                   seed_everything)
+from klgrpo.train.building import build_optimizer, make_scheduler, run_dir_for, seed_everything
 from klgrpo.train.checkpoint import SHARDS_DIR, rng_state, save_checkpoint, set_rng_state, shard_folder
 from klgrpo.train.config import GRPOConfig
 from klgrpo.core.data import PromptSampler, load_prompts
@@ -33,13 +33,14 @@ from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
-from klgrpo.backends.hf import default_cache_root, resolve_device
-from klgrpo.backends.samplers import AUTO, choose_sampler, enable_compile_cache
+from klgrpo.backends.hf import resolve_device
+from klgrpo.backends.policy import load_policy, load_reference_model
+from klgrpo.backends.samplers import sampler_for_run
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.core.loss_api import LossInput, call_loss, resolve_loss_function
-from klgrpo.core.reference import FrozenCopyReference
+from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
 from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.core.batch import StepBatch
@@ -59,15 +60,17 @@ class GRPOTrainer:
 
     def __init__(self, config: GRPOConfig, *, model=None, tokenizer=None, train_dataset=None,
                  eval_sets: dict[str, Any] | None = None, loss_fn=None, log=print):
+        """Built in the order of the layers it draws on: the run's own settings (train/), the data and rewards
+        (core/), the policy and its sampler (backends/), the reference (core/), then what trains the policy."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # per-shard save/load bars would break the step progress bar
-        self.cfg = config
+        self.cfg = cfg = config
         self.log = log
+        # The run: its settings, processes, seeds, folder name, KL controller and stop rules.
         self.warnings = config.validate(dataset_given=train_dataset is not None)
         for w in self.warnings:
             warn(w)
-        cfg = config
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.dist = Distributed(cfg.train.dist_timeout_s)
@@ -77,70 +80,67 @@ class GRPOTrainer:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                               f"{self.dist.world_size} processes, so every prompt's group stays on one process")
         seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
-        self.device = resolve_device(cfg.model.device)
-        if self.dist.device is not None and cfg.model.device == "auto":
-            self.device = self.dist.device
-        self.tokenizer, self.model = load_policy(cfg, self.device, log if self.dist.is_main else None, model,
-                                                 tokenizer)
+        self.run_dir = Path(self.dist.gather_objects(str(run_dir_for(cfg)))[0])  # rank 0's name (it has a timestamp)
+        self.controller = build_kl_controller(cfg.kl)
+        self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
+        self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
+        self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
+                                or cfg.kl.replay.coef > 0)
+        self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
+        # The data: prompts, the order they are drawn in, the rewards and the loss.
         self.dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
                                                      columns=cfg.data.columns, split=cfg.data.split,
                                                      limit=cfg.data.limit or None)
+        self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
+                                     shuffle=cfg.data.shuffle)
         self.loss_fn = resolve_loss_function(  # None: the built-in objective
             cfg.loss.function, loss_fn, warn=warn if self.dist.is_main else None)
         self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
-        self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
-        self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
-                                or cfg.kl.replay.coef > 0)
+        # The policy on its device, how it samples, and the reference's own weights (kl.reference) if any.
+        self.device = resolve_device(cfg.model.device)
+        if self.dist.device is not None and cfg.model.device == "auto":
+            self.device = self.dist.device
+        self.tokenizer, self.model = load_policy(cfg.model, self.device, log if self.dist.is_main else None, model,
+                                                 tokenizer)
+        self.rollout_sampler, why = sampler_for_run(cfg.rollout.sampler, self.model, self.device, cfg.model.fast_path,
+                                                    cfg.rollout.generate_cache)
+        if self.dist.is_main:
+            log(f"sampler: {self.rollout_sampler} ({why})")
         if self.needs_reference and self.dist.is_main:
             log("building the reference model")
-        self.reference = build_reference(cfg, self.model, self.device) if self.needs_reference else None
-        # What the loss's forward runs: the policy, or with train.compile its compiled wrapper (same weights);
-        # sampling, evaluation and checkpoints always use the model itself.
+        own_reference = (load_reference_model(cfg.kl.reference, cfg.model, self.device, self.model)
+                         if self.needs_reference and cfg.kl.reference else None)
+        # The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy).
+        self.reference = (build_reference(self.model, own_reference, adapter=cfg.model.lora.r > 0,
+                                          fast_path=cfg.model.fast_path) if self.needs_reference else None)
+        # What trains the policy. The loss's forward runs the policy, or with train.compile its compiled wrapper
+        # (same weights); sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
         if cfg.train.compile:
             self.train_forward = torch.compile(self.model)
             if isinstance(self.reference, FrozenCopyReference):
                 self.reference.compile()
-        self.controller = build_kl_controller(cfg.kl)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.sampler = PromptSampler(len(self.dataset), cfg.rollout.prompts_per_step, cfg.train.seed,
-                                     shuffle=cfg.data.shuffle)
-        self.run_dir = Path(self.dist.gather_objects(str(run_dir_for(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.replay = None
         # One process: rank 0 alone adds the anchor's gradient. Under an engine every rank computes the same anchor
         # loss (a sharded model needs every rank in its forward) and its gradient is taken once.
         if cfg.kl.replay.coef > 0 and (self.dist.is_main or self.engine.kind != "single"):
             from klgrpo.train.replay import ReplayAnchor
 
-            self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log)
+            self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log,
+                                             sampler=self.rollout_sampler)
         if self.engine.kind != "single":
             self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
             self.engine.prepare_reference(self.reference)
         self.loss_fast_path = cfg.model.fast_path and not self.engine.fast_path_outside_loss_only
-        self.rollout_sampler = self._choose_sampler()
         self.step = 0
         self._run_lock = None  # rank 0's, while train() runs
-        self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
-        self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
         self._batch: StepBatch | None = None
         self._stop_reason = ""
         self._eval_before: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ pieces
-    def _choose_sampler(self) -> str:
-        """rollout.sampler resolved for this device and model, said once; compiled samplers keep their kernels in
-        klgrpo's cache folder, so the next run on this machine starts in seconds."""
-        name = choose_sampler(self.cfg.rollout.sampler, self.model, self.cfg.model.fast_path,
-                              self.cfg.rollout.generate_cache)
-        how = "auto for " + self.device.type if self.cfg.rollout.sampler == AUTO else "rollout.sampler"
-        if self.device.type == "cuda" and name == "generate_static":
-            enable_compile_cache(default_cache_root() / "torch_compile")
-            how += "; compiles once per process, ~20 s the first time on this machine, seconds after that"
-        if self.dist.is_main:
-            self.log(f"sampler: {name} ({how})")
-        return name
-
     def _kl_term(self) -> KLTerm:
         return kl_term(self.cfg.kl, self.controller.value)
 
