@@ -3,7 +3,7 @@
 It runs the model's own modules (embeddings, norms, projections, MLP, rotary embedding, head) over a preallocated
 KV cache, with only the attention and the cache written here, so that sampling (``KVSampler.sample``) avoids
 ``generate``'s per-step machinery and the log-prob forward (``teacher_forced_logits``) runs each prompt once per
-group. ``KVSampler.supports`` refuses anything it does not reproduce exactly (other architectures, rope types
+group. ``decoder_parts`` refuses anything it does not reproduce exactly (other architectures, rope types
 that depend on the sequence length, a sliding window that matters); callers then use transformers. tests/test_rollout_sampler.py checks logits, gradients and sampled tokens against transformers.
 """
 
@@ -158,6 +158,27 @@ def _compiled_step(architecture: tuple):
     return _compiled_decode_steps[architecture]
 
 
+def decoder_parts(model, total_len: int):
+    """(base model, decoder) when klgrpo's decoder reproduces ``model``'s forward over ``total_len`` positions, else
+    None: the one capability check behind the KV-loop sampler and the log-prob fast path."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    decoder = getattr(base, "model", None)
+    if getattr(cfg, "model_type", None) not in _SUPPORTED_MODEL_TYPES or not hasattr(base, "lm_head"):
+        return None
+    if not all(hasattr(decoder, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return None
+    if getattr(decoder.rotary_emb, "rope_type", "default") not in _STATIC_ROPE_TYPES:
+        return None
+    for layer in decoder.layers:
+        window = getattr(layer.self_attn, "sliding_window", None)
+        if cfg.model_type == "mistral":
+            window = getattr(cfg, "sliding_window", None)
+        if window is not None and window < total_len:
+            return None  # a sliding window that matters: leave it to transformers
+    return base, decoder
+
+
 class KVSampler:
     """A decoder-only transformer (Llama family) run step by step over a preallocated KV cache.
 
@@ -196,28 +217,8 @@ class KVSampler:
         """The loop for ``model``, or None when its architecture is not one the loop reproduces exactly.
         ``fuse=False``: the modules' own projections (the fused copies pay for themselves over a rollout's many
         steps, not in one teacher-forced pass)."""
-        found = cls.supports(model, total_len)
+        found = decoder_parts(model, total_len)
         return cls(*found, total_len, fuse) if found is not None else None
-
-    @staticmethod
-    def supports(model, total_len: int):
-        """(base model, decoder) when the loop reproduces ``model``'s forward over ``total_len`` positions."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        cfg = getattr(base, "config", None)
-        decoder = getattr(base, "model", None)
-        if getattr(cfg, "model_type", None) not in _SUPPORTED_MODEL_TYPES or not hasattr(base, "lm_head"):
-            return None
-        if not all(hasattr(decoder, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
-            return None
-        if getattr(decoder.rotary_emb, "rope_type", "default") not in _STATIC_ROPE_TYPES:
-            return None
-        for layer in decoder.layers:
-            window = getattr(layer.self_attn, "sliding_window", None)
-            if cfg.model_type == "mistral":
-                window = getattr(cfg, "sliding_window", None)
-            if window is not None and window < total_len:
-                return None  # a sliding window that matters: leave it to transformers
-        return base, decoder
 
     def _is_rms_norm(self, module) -> bool:
         return (self.fast_norm and getattr(module, "variance_epsilon", None) is not None

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.backends.hf import default_cache_root
-from klgrpo.backends.kv_decoder import KVSampler
+from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
 from klgrpo.math.registry import Registry
 
 #: rollout.sampler's value that picks the sampler for the device and model (``auto_sampler``).
@@ -75,7 +75,7 @@ class KVLoopSampler:
     """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache."""
 
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
-        return params.temperature > 0 and KVSampler.supports(model, total_len) is not None
+        return params.temperature > 0 and decoder_parts(model, total_len) is not None
 
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
         loop = KVSampler.for_model(model, prompt_ids.shape[1] + params.max_new_tokens)
@@ -129,7 +129,7 @@ def auto_sampler(model, fast_path: bool = True) -> str:
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "generate_static"
-    return "kv_loop" if fast_path and KVSampler.supports(model, 1) is not None else "generate"
+    return "kv_loop" if fast_path and decoder_parts(model, 1) is not None else "generate"
 
 
 #: rollout.generate_cache, the setting rollout.sampler replaced: its values and the sampler each one means now.

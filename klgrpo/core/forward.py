@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from klgrpo.backends.kv_decoder import KVSampler
+from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
 from klgrpo.math.logprobs import token_logprobs, token_logprobs_and_entropy
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def teacher_forcing_model(model, total_len: int):
         return None
     if any(getattr(m, "gradient_checkpointing", False) for m in base.modules()):
         return None
-    return base if KVSampler.supports(base, total_len) is not None else None
+    return base if decoder_parts(base, total_len) is not None else None
 
 
 def _teacher_forced_logits(model, prompts: Tensor, masks: Tensor, completion_ids: Tensor, group_size: int):
