@@ -26,6 +26,7 @@ from torch import Tensor
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.objective import KLTerm
 from klgrpo.verify import categorical, full_kl, sequence_toy
+from klgrpo.verify.first_epoch import mu_at_pi
 from klgrpo.verify.penalty import GRADIENT_RTOL, classify_gradient, flat_grad
 
 SAMPLINGS = ("first_epoch", "off_policy")
@@ -47,10 +48,7 @@ class GradientVerdict:
 
 def _problems(sampling: str):
     cat, toy = categorical.make_categorical(), sequence_toy.make_toy()
-    if sampling == "first_epoch":  # mu = pi exactly, as on the first update of a fresh batch
-        cat = categorical.CategoricalProblem(cat.logits, cat.ref_logits, mu_logits=cat.logits.clone())
-        toy = sequence_toy.ToyProblem(toy.theta, toy.ref_theta, mu_theta=toy.theta.clone())
-    return cat, toy
+    return mu_at_pi(cat, toy) if sampling == "first_epoch" else (cat, toy)
 
 
 def _part_gradient(part: KLTerm, level: str, problem, aggregation: str) -> Tensor:
