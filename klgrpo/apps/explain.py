@@ -112,7 +112,7 @@ def controller_rule(cfg: GRPOConfig) -> str:
 
 def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[str]:
     """One line per risk, each naming the change that fixes it."""
-    kl, loss, out = cfg.kl, cfg.loss, []
+    loss, out = cfg.loss, []
     gradient = report["gradient"]
     live = [p for p in parts if p.coef > 0]
     if not live:
