@@ -71,21 +71,16 @@ _INTS = ("algo.kl.horizon", "train.max_epochs", "rollout.n_samples_per_prompt", 
 
 def parse_flags(tokens: list[str], origin: str) -> dict[str, Any]:
     """``--name value`` tokens -> {0.11 name: value}; values stay text until :func:`map_openrlhf` types them."""
-    values: dict[str, Any] = {}
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--"):
-            i += 1  # the launcher and the script (python -m ..., deepspeed ...) before the flags
-            continue
-        name = FLAT_NAMES.get(token[2:], token[2:])
-        args = []
-        i += 1
-        while i < len(tokens) and not tokens[i].startswith("--"):
-            args.append(tokens[i])
-            i += 1
-        values[name] = True if name in SWITCHES else (args if len(args) != 1 else args[0])
-    return values
+    args_of: dict[str, list[str]] = {}
+    args = None  # None before the first flag: the launcher and the script (python -m ..., deepspeed ...)
+    for token in tokens:
+        if token.startswith("--"):
+            args = []
+            args_of[FLAT_NAMES.get(token[2:], token[2:])] = args
+        elif args is not None:
+            args.append(token)
+    return {name: True if name in SWITCHES else (values if len(values) != 1 else values[0])
+            for name, values in args_of.items()}
 
 
 def _typed(name: str, value: Any, origin: str) -> Any:

@@ -322,9 +322,10 @@ def test_verdict_uses_the_objective_not_a_table(monkeypatch):
     """Planted bug: if the objective detached the in-graph importance weight, TRL's default (k3, in-graph) would
     follow the forward KL; the verdict must see it."""
     import klgrpo.math.objective as objective
-    from klgrpo.verify.verdict import KLPart, gradient_verdict
+    from klgrpo.math.objective import KLTerm
+    from klgrpo.verify.verdict import gradient_verdict
 
-    part = [KLPart(coef=0.04, estimator="k3", placement="loss", is_correction="in_graph")]
+    part = [KLTerm(coef=0.04, estimator="k3", placement="loss", is_correction="in_graph")]
     assert gradient_verdict(part, "token", "first_epoch", "token_mean").target == "reverse"
     real = objective.importance_weight
     monkeypatch.setattr(objective, "importance_weight", lambda lp, old, corr: real(lp, old, corr).detach())
@@ -334,9 +335,10 @@ def test_verdict_uses_the_objective_not_a_table(monkeypatch):
 def test_sequence_verdict_scales_token_mean_and_rejects_length_normalisation():
     # seq_mean_token_sum is the sequence KL's own weighting (scale 1); token_mean divides by E[n], a constant
     # (scale 1 / E[n] < 1); seq_mean_token_mean weighs each sequence by 1 / n_i: no multiple of a KL gradient
-    from klgrpo.verify.verdict import KLPart, gradient_verdict
+    from klgrpo.math.objective import KLTerm
+    from klgrpo.verify.verdict import gradient_verdict
 
-    part = [KLPart(coef=1.0, estimator="k1", placement="reward", is_correction="none")]
+    part = [KLTerm(coef=1.0, estimator="k1", placement="reward", is_correction="none")]
     summed = gradient_verdict(part, "sequence", "first_epoch", "seq_mean_token_sum")
     mean = gradient_verdict(part, "sequence", "first_epoch", "token_mean")
     per_length = gradient_verdict(part, "sequence", "first_epoch", "seq_mean_token_mean")

@@ -1,7 +1,8 @@
 """The ``klgrpo`` command: train | verify-kl | explain | report | export | sweep | eval | kl | sft.
 
 Each subcommand lives in its own module and receives the remaining arguments, so ``klgrpo train --help``
-shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options.
+shows the training config's fields and ``klgrpo verify-kl --help`` the verifier's options. A KLGRPOError a
+subcommand raises (bad input) prints here as one line, ``klgrpo NAME: error: ...``, with exit status 2.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 import warnings
 from importlib import import_module
 
-from klgrpo.errors import KLGRPOWarning
+from klgrpo.errors import KLGRPOError, KLGRPOWarning
 
 SUBCOMMANDS = {
     "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_klgrpo_warnings_as_lines()
     try:
         return int(module.main(rest) or 0)
+    except KLGRPOError as exc:  # bad input: one line naming the fix, no traceback
+        print(f"klgrpo {name}: error: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         sys.stderr.close()
         return 0

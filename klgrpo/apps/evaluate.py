@@ -9,10 +9,9 @@ inside a run folder (``<run>/checkpoints/step_N``) uses the run's config.yaml.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError
 
 USAGE = """usage: klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] [--group.field VALUE ...]
 
@@ -32,12 +31,7 @@ def main(argv: list[str]) -> int:
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0 if argv else 2
-    try:
-        results = run(argv)
-    except KLGRPOError as exc:
-        print(f"klgrpo eval: error: {exc}", file=sys.stderr)
-        return 2
-    return 0 if results is not None else 1
+    return 0 if run(argv) is not None else 1
 
 
 def parse(argv: list[str]):

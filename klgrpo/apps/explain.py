@@ -21,8 +21,9 @@ import yaml
 
 from klgrpo.errors import ConfigError
 from klgrpo.mapping import Mapped
+from klgrpo.math.objective import KLTerm
 from klgrpo.train.config import GRPOConfig
-from klgrpo.train.terms import controller_params
+from klgrpo.train.terms import controller_params, kl_term
 
 FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}
@@ -50,14 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def kl_parts(kl, extra: list[dict[str, Any]]):
-    """The KL terms of the mapped config (its ``kl`` group, plus the source's extra terms) as KLParts."""
-    from klgrpo.verify.verdict import KLPart
-
-    main = KLPart(coef=kl.coef, estimator=kl.estimator, placement=kl.placement, is_correction=kl.is_correction,
-                  reward_mode=kl.reward_mode, shaping=kl.shaping, clip_threshold=kl.clip_threshold,
-                  shaping_target=kl.shaping_target, clamp=kl.log_ratio_clamp or None)
-    return [main, *(KLPart(**part) for part in extra)]
+def kl_parts(kl, extra: list[dict[str, Any]]) -> list[KLTerm]:
+    """The KL terms of the mapped config: its ``kl`` group as the trainer builds it, plus the source's extra
+    terms."""
+    return [kl_term(kl, kl.coef), *(KLTerm(**part) for part in extra)]
 
 
 def explain(source: str, mapped: Mapped) -> dict[str, Any]:
@@ -115,7 +112,7 @@ def controller_rule(cfg: GRPOConfig) -> str:
 
 def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[str]:
     """One line per risk, each naming the change that fixes it."""
-    kl, loss, out = cfg.kl, cfg.loss, []
+    loss, out = cfg.loss, []
     gradient = report["gradient"]
     live = [p for p in parts if p.coef > 0]
     if not live:

@@ -20,11 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder: runs/<name>/checkpoints/step_N")
     parser.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        export(Path(args.checkpoint), Path(args.out))
-    except KLGRPOError as err:
-        print(f"klgrpo export: error: {err}", file=sys.stderr)
-        return 2
+    export(Path(args.checkpoint), Path(args.out))
     print(f"klgrpo export: wrote {args.out}")
     return 0
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
 
@@ -56,11 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        report = measure(args)
-    except KLGRPOError as exc:
-        print(f"klgrpo kl: error: {exc}", file=sys.stderr)
-        return 2
+    report = measure(args)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

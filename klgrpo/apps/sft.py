@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError
 
 SUMMARY = "sft_summary.json"
 
@@ -41,11 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
-    try:
-        summary = run(args, overrides)
-    except KLGRPOError as exc:
-        print(f"klgrpo sft: error: {exc}", file=sys.stderr)
-        return 2
+    summary = run(args, overrides)
     print(f"klgrpo sft: {summary['steps']} steps on {summary['rows']} rows, loss {summary['first_loss']:.4f} -> "
           f"{summary['last_loss']:.4f}; model saved to {args.output_dir}")
     print(f"  next: klgrpo train --config {args.config} --model.name_or_path {args.output_dir} "

@@ -309,11 +309,7 @@ class KVSampler:
         at positions P-1 .. P+T-2, with each distinct prompt run once: rows [i*G, (i+1)*G) of ``completion_ids``
         [B, T] continue ``prompt_ids[i]``. Returns (logits predicting completion token 0 [B, V], logits
         predicting tokens 1..T-1 [B, T-1, V], None when T = 1); differentiable when gradients are on."""
-        caches = self.new_caches(prompt_ids.shape[0])
-        first, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
-        if group_size > 1:
-            caches = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in caches]
-            first, keys_valid, last = (x.repeat_interleave(group_size, 0) for x in (first, keys_valid, last))
+        caches, first, keys_valid, last = self.prefill_groups(prompt_ids, prompt_mask, group_size)
         (b, t), p = completion_ids.shape, prompt_ids.shape[1]
         if t == 1:
             return first, None
@@ -353,6 +349,16 @@ class KVSampler:
         mask = (causal & keys_valid[:, None, :p]) | torch.eye(p, dtype=torch.bool, device=self.device)
         return self.logits(prompt_ids, positions, 0, mask[:, None], caches), keys_valid, positions[:, -1:]
 
+    def prefill_groups(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int):
+        """:meth:`prefill` on each distinct prompt once, then its caches, next-token logits, key mask and last
+        position copied to its ``group_size`` rows: (caches, logits [B*G, V], key mask [B*G, L], [B*G, 1])."""
+        caches = self.new_caches(prompt_ids.shape[0])
+        logits, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
+        if group_size > 1:
+            caches = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in caches]
+            logits, keys_valid, last = (x.repeat_interleave(group_size, 0) for x in (logits, keys_valid, last))
+        return caches, logits, keys_valid, last
+
     def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, temperature: float,
                top_p: float, top_k: int, pad_id: int, eos_ids: list[int], group_size: int = 1,
                compiled: bool = False) -> Tensor:
@@ -360,11 +366,7 @@ class KVSampler:
         EOS), rows [i*G, (i+1)*G) continuing prompt i; after its EOS a row holds ``pad_id``, as ``generate`` pads
         it. Each prompt is prefilled once and its cache copied to its G rows. ``compiled``: the steps after the
         first run through torch.compile (``_decode_step``) where the model allows it (``_compilable``)."""
-        caches = self.new_caches(prompt_ids.shape[0])
-        logits, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
-        if group_size > 1:
-            caches = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in caches]
-            logits, keys_valid, last = (x.repeat_interleave(group_size, 0) for x in (logits, keys_valid, last))
+        caches, logits, keys_valid, last = self.prefill_groups(prompt_ids, prompt_mask, group_size)
         b, p = keys_valid.shape[0], prompt_ids.shape[1]
         # cos/sin of every step's position at once: [B, 1, steps, D], one column per step
         steps = last + 1 + torch.arange(max_new_tokens, device=self.device)

@@ -52,10 +52,17 @@ def make_categorical(seed: int = 0, num_outcomes: int = 6, scale: float = 1.0,
                      mu_shift: float = 0.3) -> CategoricalProblem:
     """pi and ref: independent N(0, scale^2) logits; mu = pi's logits + N(0, mu_shift^2) noise (a rollout
     policy near pi, as PPO keeps it, so importance weights stay moderate for the Monte Carlo check)."""
+    logits, ref_logits, mu_logits = random_pi_ref_mu(num_outcomes, seed, scale, mu_shift)
+    return CategoricalProblem(logits=logits, ref_logits=ref_logits, mu_logits=mu_logits)
+
+
+def random_pi_ref_mu(shape, seed: int, scale: float, mu_shift: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits of pi and ref: independent N(0, scale^2) draws of ``shape``; mu's: pi's + N(0, mu_shift^2) noise
+    (float64, from one stream seeded with ``seed``, in that order)."""
     gen = torch.Generator().manual_seed(seed)
-    draw = lambda: torch.randn(num_outcomes, generator=gen, dtype=torch.float64)  # noqa: E731
-    logits, ref_logits = scale * draw(), scale * draw()
-    return CategoricalProblem(logits=logits, ref_logits=ref_logits, mu_logits=logits + mu_shift * draw())
+    draw = lambda: torch.randn(shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    pi, ref = scale * draw(), scale * draw()
+    return pi, ref, pi + mu_shift * draw()
 
 
 def batch(problem: CategoricalProblem, theta: Tensor) -> dict[str, Tensor]:

@@ -22,7 +22,7 @@ from torch import Tensor
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS, token_logprobs_and_full_kl
 from klgrpo.math.kl import SAMPLINGS
 from klgrpo.verify import categorical, sequence_toy
-from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, classify_gradient, flat_grad, penalty_objective
+from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, flat_grad, gradient_check, penalty_objective
 
 #: Values and per-draw gradients are float64 sums of a handful of terms: equal to this absolute error.
 FULL_KL_ATOL = 1e-12
@@ -108,9 +108,7 @@ def gradient_rows(cat: categorical.CategoricalProblem, toy: sequence_toy.ToyProb
     for level, kl, setup in levels:
         for sampling in SAMPLINGS:
             theta, objective, problem = setup(sampling)
-            found = classify_gradient(flat_grad(objective(problem, theta, sampling), theta), kl["grad_reverse"],
-                                      kl["grad_forward"], rtol)
-            declared = FULL_KL_GRADIENTS[(level, sampling)]
-            rows.append(GradientCheck(estimator=FULL_KL, placement="loss", sampling=sampling, level=level,
-                                      declared=declared, passed=found["gradient_target"] == declared, **found))
+            rows.append(gradient_check(flat_grad(objective(problem, theta, sampling), theta), kl,
+                                       FULL_KL_GRADIENTS[(level, sampling)], rtol,
+                                       estimator=FULL_KL, placement="loss", sampling=sampling, level=level))
     return rows

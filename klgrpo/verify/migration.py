@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.verify import categorical, sequence_toy
-from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, classify_gradient
+from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, gradient_check
 
 #: The PPO clip of the delta / dual-clip rows: the trainer's default.
 TRAINING_EPS = 0.2
@@ -55,9 +55,7 @@ def migration_rows(cat: categorical.CategoricalProblem, toy: sequence_toy.ToyPro
         for name, placement, sampling in _cases(setting):
             for level, module, problem in (("token", categorical, cat), ("sequence", sequence_toy, toy)):
                 g = module.expected_gradient(problem, name, placement, sampling, **options)
-                found = classify_gradient(g, kls[level]["grad_reverse"], kls[level]["grad_forward"], rtol)
                 declared = ESTIMATORS[name].gradient_target(placement, sampling, level)
-                rows.append(MigrationCheck(estimator=name, placement=placement, sampling=sampling, level=level,
-                                           declared=declared, passed=found["gradient_target"] == declared,
-                                           setting=setting, **found))
+                rows.append(gradient_check(g, kls[level], declared, rtol, check=MigrationCheck, setting=setting,
+                                           estimator=name, placement=placement, sampling=sampling, level=level))
     return rows

@@ -61,13 +61,10 @@ OPTIMUM_CONFIGS = (
 )
 
 
-@dataclass
-class OptimumResult:
-    label: str
-    estimator: str
-    placement: str
-    aggregation: str
-    pg_aggregated: bool
+@dataclass(frozen=True, kw_only=True)
+class OptimumResult(OptimumConfig):
+    """A configuration and where its ascent ended."""
+
     tv_to_optimum: float       # 0.5 sum_seq |P(seq) - pi*(seq)|
     mean_length: float         # E_pi[len], EOS counted as a token
     kl: float                  # sequence KL(pi || ref)
@@ -145,10 +142,8 @@ def ascend(config: OptimumConfig, beta: float = BETA, reward_per_a: float = REWA
     exact = same_scale and declared == "reverse"
     converged = grad_norm < 1e-6
     reached = summary["tv_to_optimum"] < EXACT_TV
-    return OptimumResult(label=config.label, estimator=config.estimator, placement=config.placement,
-                         aggregation=config.aggregation, pg_aggregated=config.pg_aggregated, steps=steps,
-                         grad_norm=grad_norm, expected_exact=exact, passed=converged and reached == exact,
-                         **summary)
+    return OptimumResult(**asdict(config), steps=steps, grad_norm=grad_norm, expected_exact=exact,
+                         passed=converged and reached == exact, **summary)
 
 
 def run_optimum(configs=OPTIMUM_CONFIGS, **kwargs) -> list[OptimumResult]:

@@ -189,20 +189,23 @@ def bonferroni_z(alpha: float, num_tests: int) -> float:
     return 0.5 * (lo + hi)
 
 
+def gradient_check(g: Tensor, kl: dict, declared: str | None, rtol: float = GRADIENT_RTOL,
+                   check: type[GradientCheck] = GradientCheck, **where) -> GradientCheck:
+    """``g`` classified against the exact "grad_reverse" and "grad_forward" in ``kl`` and compared with
+    ``declared``; None: no declaration, shown as "n/a" for information (passes). ``where`` names the row
+    (estimator, placement, sampling, level, and the fields ``check`` adds)."""
+    found = classify_gradient(g, kl["grad_reverse"], kl["grad_forward"], rtol)
+    passed = declared is None or found["gradient_target"] == declared
+    return check(**where, declared=declared or "n/a", passed=passed, **found)
+
+
 def declared_gradient_rows(level: str, expected_gradient: Callable[[str, str, str], Tensor], kl: dict,
                            rtol: float = GRADIENT_RTOL) -> list[GradientCheck]:
     """Every registered estimator x placement x sampling at ``level``, classified against its declaration.
 
     ``expected_gradient(estimator, placement, sampling)`` is the problem's exact expected penalty gradient;
     ``kl`` holds the exact "grad_reverse" and "grad_forward" of the same problem."""
-    rows = []
-    for name in ESTIMATORS:
-        est = ESTIMATORS[name]
-        for placement in PLACEMENTS:
-            for sampling in SAMPLINGS:
-                found = classify_gradient(expected_gradient(name, placement, sampling), kl["grad_reverse"],
-                                          kl["grad_forward"], rtol)
-                declared = est.gradient_target(placement, sampling, level)
-                rows.append(GradientCheck(estimator=name, placement=placement, sampling=sampling, level=level,
-                                          declared=declared, passed=found["gradient_target"] == declared, **found))
-    return rows
+    return [gradient_check(expected_gradient(name, placement, sampling), kl,
+                           ESTIMATORS[name].gradient_target(placement, sampling, level), rtol,
+                           estimator=name, placement=placement, sampling=sampling, level=level)
+            for name in ESTIMATORS for placement in PLACEMENTS for sampling in SAMPLINGS]

@@ -96,11 +96,17 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "FAIL"
 
 
+def _table(title: str, head: str, lines: list[str]) -> str:
+    """A titled table: the title, the column heads, a rule as wide as the heads, one line per row."""
+    return "\n".join([title, head, "-" * len(head), *lines])
+
+
 def format_values(values: list[dict]) -> str:
     head = (f"{'estimator':<9} {'level':<8} {'E[value]':>12} {'KL':>12} {'|diff|':>9} {'unbiased':>8} "
             f"{'grad f(l)s err':>14}  ok")
-    lines = ["Values: E_pi[k] by enumeration vs the exact KL(pi||ref) (sequence: E_pi[sum_t k_t] vs the sequence "
-             "KL); per-sample gradient vs f(l) s", head, "-" * len(head)]
+    title = ("Values: E_pi[k] by enumeration vs the exact KL(pi||ref) (sequence: E_pi[sum_t k_t] vs the sequence "
+             "KL); per-sample gradient vs f(l) s")
+    lines = []
     for v in values:
         err = v.get("per_sample_grad_max_err", "")
         err = f"{err:14.1e}" if isinstance(err, float) else f"{'-' if v['level'] == 'sequence' else 'n/a':>14}"
@@ -108,7 +114,7 @@ def format_values(values: list[dict]) -> str:
                      f"{v['abs_diff']:9.1e} {str(v['declared_unbiased']):>8} {err}  {_mark(v['passed'])}")
         if v.get("note"):
             lines.append(f"    {v['note']}")
-    return "\n".join(lines)
+    return _table(title, head, lines)
 
 
 def format_rows(rows: list[GradientCheck], level: str | None, title: str | None = None) -> str:
@@ -121,15 +127,9 @@ def format_rows(rows: list[GradientCheck], level: str | None, title: str | None 
                       f"grad KL(pi||ref), forward = grad KL(ref||pi), within {GRADIENT_RTOL:g} x "
                       f"||grad KL(pi||ref)||; computed by the trainer's grpo_objective, the reward KL read at the "
                       f"rollout policy's log-probs as in training")
-    lines = [title, head, "-" * len(head)]
-    for r in rows:
-        if level is not None and r.level != level:
-            continue
-        if level is None:
-            lines.append(f"{r.level:<8} " + _row(r))
-            continue
-        lines.append(_row(r))
-    return "\n".join(lines)
+    if level is None:
+        return _table(title, head, [f"{r.level:<8} " + _row(r) for r in rows])
+    return _table(title, head, [_row(r) for r in rows if r.level == level])
 
 
 def _row(r: GradientCheck) -> str:
@@ -142,11 +142,9 @@ def format_migration(rows: list[MigrationCheck]) -> str:
             f"{'declared':<8} {'ok':<4} {'|g|/|rev|':>9}")
     title = ("Migration settings through the trainer's objective (TRL delta, verl dual clip and sequence-score KL; "
              "reward KL read at the rollout policy): which KL each expected gradient follows")
-    lines = [title, head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.setting:<27} {r.level:<8} {r.estimator:<9} {r.placement:<9} {r.sampling:<20} "
-                     f"{r.gradient_target:<8} {r.declared:<8} {_mark(r.passed):<4} {r.norm_ratio:9.4f}")
-    return "\n".join(lines)
+    return _table(title, head, [f"{r.setting:<27} {r.level:<8} {r.estimator:<9} {r.placement:<9} {r.sampling:<20} "
+                                f"{r.gradient_target:<8} {r.declared:<8} {_mark(r.passed):<4} {r.norm_ratio:9.4f}"
+                                for r in rows])
 
 
 def format_full_kl(report: VerifyReport) -> str:
@@ -162,12 +160,10 @@ def format_monte_carlo(checks: list[montecarlo.MonteCarloCheck]) -> str:
         return "Monte Carlo: skipped"
     head = (f"{'kind':<8} {'level':<8} {'estimator':<9} {'placement':<9} {'sampling':<20} {'N':>6} {'max z':>6} "
             f"{'z*':>5}  ok")
-    lines = ["Monte Carlo: max |sample mean - exact| / standard error; value z* = 4, gradient z* = two-sided "
-             "Bonferroni over the coordinates at alpha 1e-3", head, "-" * len(head)]
-    for c in checks:
-        lines.append(f"{c.kind:<8} {c.level:<8} {c.estimator:<9} {c.placement:<9} {c.sampling:<20} {c.samples:>6} "
-                     f"{c.max_z:6.2f} {c.threshold:5.2f}  {_mark(c.passed)}")
-    return "\n".join(lines)
+    title = ("Monte Carlo: max |sample mean - exact| / standard error; value z* = 4, gradient z* = two-sided "
+             "Bonferroni over the coordinates at alpha 1e-3")
+    return _table(title, head, [f"{c.kind:<8} {c.level:<8} {c.estimator:<9} {c.placement:<9} {c.sampling:<20} "
+                                f"{c.samples:>6} {c.max_z:6.2f} {c.threshold:5.2f}  {_mark(c.passed)}" for c in checks])
 
 
 def _tv(tv: float) -> str:
@@ -183,13 +179,11 @@ def format_optimum(results: list[optimum.OptimumResult]) -> str:
     star_kl = float((prob * (prob.log() - toy.seq_logp(optimum.reference_theta()))).sum())
     head = (f"{'configuration':<38} {'TV to pi*':>10} {'E[len]':>7} {'KL':>7} {'E[R]':>7} {'steps':>6} "
             f"{'|grad|':>8}  {'exact?':<6} ok")
-    lines = [f"Optimum on the toy (reward {optimum.REWARD_PER_A} per 'a', beta {optimum.BETA}, ref uniform): "
-             f"pi* has E[len] {star_len:.3f}, KL {star_kl:.3f}", head, "-" * len(head)]
-    for r in results:
-        lines.append(f"{r.label:<38} {_tv(r.tv_to_optimum)} {r.mean_length:7.3f} {r.kl:7.3f} "
-                     f"{r.expected_reward:7.3f} {r.steps:6d} {r.grad_norm:8.1e}  {str(r.expected_exact):<6} "
-                     f"{_mark(r.passed)}")
-    return "\n".join(lines)
+    title = (f"Optimum on the toy (reward {optimum.REWARD_PER_A} per 'a', beta {optimum.BETA}, ref uniform): "
+             f"pi* has E[len] {star_len:.3f}, KL {star_kl:.3f}")
+    return _table(title, head, [f"{r.label:<38} {_tv(r.tv_to_optimum)} {r.mean_length:7.3f} {r.kl:7.3f} "
+                                f"{r.expected_reward:7.3f} {r.steps:6d} {r.grad_norm:8.1e}  {str(r.expected_exact):<6} "
+                                f"{_mark(r.passed)}" for r in results])
 
 
 def format_report(report: VerifyReport) -> str:

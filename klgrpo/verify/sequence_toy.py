@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, kl_estimate
-from klgrpo.verify.categorical import BIAS_MIN_REL
+from klgrpo.verify.categorical import BIAS_MIN_REL, random_pi_ref_mu
 from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
                                    penalty_objective)
 
@@ -103,11 +103,8 @@ def make_toy(seed: int = 0, scale: float = 0.5, mu_shift: float = 0.3) -> ToyPro
     samples misjudge its standard error and the Monte Carlo check failed for 5 of 8 seeds. The exact tables do
     not care: the smallest gap between a "neither" gradient and any target is 0.1 x ||grad KL|| at both scales.
     """
-    gen = torch.Generator().manual_seed(seed)
-    shape = (len(TOY.prefixes), len(TOKEN_NAMES))
-    draw = lambda: torch.randn(shape, generator=gen, dtype=torch.float64)  # noqa: E731
-    theta, ref_theta = scale * draw(), scale * draw()
-    return ToyProblem(theta=theta, ref_theta=ref_theta, mu_theta=theta + mu_shift * draw())
+    theta, ref_theta, mu_theta = random_pi_ref_mu((len(TOY.prefixes), len(TOKEN_NAMES)), seed, scale, mu_shift)
+    return ToyProblem(theta=theta, ref_theta=ref_theta, mu_theta=mu_theta)
 
 
 def sequence_kls(theta: Tensor, ref_theta: Tensor, toy: SequenceToy = TOY) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,6 @@
 """Which KL a configuration's KL penalty optimises, computed by the exact oracles (``klgrpo explain``).
 
-A configuration's penalty is one or more :class:`KLPart` (klgrpo has one; verl can put one KL in the loss and
+A configuration's penalty is one or more :class:`KLTerm` (klgrpo has one; verl can put one KL in the loss and
 another in the reward). For each level and sampling, every part's exact expected gradient comes from the same
 oracles as ``klgrpo verify-kl`` (categorical: one token; sequence_toy: whole sequences under the configured
 aggregation), through the trainer's own ``grpo_objective`` (penalty.penalty_objective), and the weighted sum
@@ -23,28 +23,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP
 from klgrpo.math.full_kl import FULL_KL
+from klgrpo.math.objective import KLTerm
 from klgrpo.verify import categorical, full_kl, sequence_toy
+from klgrpo.verify.first_epoch import mu_at_pi
 from klgrpo.verify.penalty import GRADIENT_RTOL, classify_gradient, flat_grad
 
 SAMPLINGS = ("first_epoch", "off_policy")
 LEVELS = ("token", "sequence")
-
-
-@dataclass(frozen=True)
-class KLPart:
-    """One KL term of a configuration: where it enters and how it is built (the fields of KLTerm)."""
-
-    coef: float
-    estimator: str
-    placement: str = "loss"            # loss | reward | both
-    is_correction: str = "none"        # in_graph | detached | none
-    reward_mode: str = "reward_to_go"  # reward_to_go | sequence_score
-    shaping: str = "none"
-    clip_threshold: float = 1.0
-    shaping_target: float = 0.1
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP
 
 
 @dataclass
@@ -62,13 +48,10 @@ class GradientVerdict:
 
 def _problems(sampling: str):
     cat, toy = categorical.make_categorical(), sequence_toy.make_toy()
-    if sampling == "first_epoch":  # mu = pi exactly, as on the first update of a fresh batch
-        cat = categorical.CategoricalProblem(cat.logits, cat.ref_logits, mu_logits=cat.logits.clone())
-        toy = sequence_toy.ToyProblem(toy.theta, toy.ref_theta, mu_theta=toy.theta.clone())
-    return cat, toy
+    return mu_at_pi(cat, toy) if sampling == "first_epoch" else (cat, toy)
 
 
-def _part_gradient(part: KLPart, level: str, problem, aggregation: str) -> Tensor:
+def _part_gradient(part: KLTerm, level: str, problem, aggregation: str) -> Tensor:
     if part.estimator == FULL_KL:  # the exact per-prefix KL (loss only; the sequence sums it per sequence)
         theta = problem.theta() if level == "token" else problem.params()
         objective = (full_kl.token_objective if level == "token" else full_kl.sequence_objective)(
@@ -97,7 +80,7 @@ def _classify_up_to_scale(g: Tensor, kl: dict, total_coef: float) -> tuple[str, 
     return "neither", 0.0, classify_gradient(g / total_coef, rev, fwd)
 
 
-def gradient_verdict(parts: list[KLPart], level: str, sampling: str, aggregation: str) -> GradientVerdict:
+def gradient_verdict(parts: list[KLTerm], level: str, sampling: str, aggregation: str) -> GradientVerdict:
     """The exact expected gradient of sum_i coef_i * part_i at ``level`` under ``sampling``, classified."""
     if level not in LEVELS or sampling not in SAMPLINGS:
         raise KeyError(f"level must be one of {LEVELS} and sampling one of {SAMPLINGS}")

@@ -219,20 +219,20 @@ def _user_frame(error: BaseException, fn: Callable) -> str:
 
 
 def _as_floats(result: Any, n: int, display: str, completions: list[str]) -> list[float]:
+    def returned(what: str) -> RewardError:
+        return RewardError(f"reward function {display!r} returned {what}")
+
     expected = f"a list of {n} numbers, one per completion"
     if result is None:
-        raise RewardError(f"reward function {display!r} returned None; it must return {expected} "
-                          f"(is a return statement missing?)")
+        raise returned(f"None; it must return {expected} (is a return statement missing?)")
     if hasattr(result, "ndim") and hasattr(result, "tolist"):  # torch or numpy array
         if result.ndim != 1:
-            raise RewardError(f"reward function {display!r} returned an array of shape {tuple(result.shape)}; "
-                              f"it must return {expected}")
+            raise returned(f"an array of shape {tuple(result.shape)}; it must return {expected}")
         result = result.tolist()
     if not isinstance(result, (list, tuple)):
-        raise RewardError(f"reward function {display!r} returned a {type(result).__name__}; it must return {expected}")
+        raise returned(f"a {type(result).__name__}; it must return {expected}")
     if len(result) != n:
-        raise RewardError(f"reward function {display!r} returned {len(result)} values, expected {n} (one per "
-                          f"completion)")
+        raise returned(f"{len(result)} values, expected {n} (one per completion)")
     values = []
     for i, value in enumerate(result):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -241,19 +241,16 @@ def _as_floats(result: Any, n: int, display: str, completions: list[str]) -> lis
             value = float(value)
         where = f"at index {i} (completion {_preview(completions[i])})"
         if value is None:
-            raise RewardError(f"reward function {display!r} returned None {where}; return a number for every "
-                              f"completion (0.0 for a wrong one)")
+            raise returned(f"None {where}; return a number for every completion (0.0 for a wrong one)")
         if not isinstance(value, numbers.Real):
-            raise RewardError(f"reward function {display!r} returned a {type(value).__name__} ({_preview(value)}) "
-                              f"{where}; return a number for every completion")
+            raise returned(f"a {type(value).__name__} ({_preview(value)}) {where}; return a number for every "
+                           f"completion")
         value = float(value)
         if not math.isfinite(value):
-            raise RewardError(f"reward function {display!r} returned {value} {where}; return a finite number for "
-                              f"every completion")
+            raise returned(f"{value} {where}; return a finite number for every completion")
         if abs(value) > REWARD_LIMIT:
-            raise RewardError(f"reward function {display!r} returned {value:g} {where}; rewards must lie within "
-                              f"+-{REWARD_LIMIT:g} (larger ones overflow the advantages' float32 variance): "
-                              f"rescale the reward")
+            raise returned(f"{value:g} {where}; rewards must lie within +-{REWARD_LIMIT:g} (larger ones overflow "
+                           f"the advantages' float32 variance): rescale the reward")
         values.append(value)
     return values
 
