@@ -11,25 +11,14 @@ import sys
 import warnings
 from importlib import import_module
 
+from klgrpo.apps.commands import COMMANDS
 from klgrpo.errors import KLGRPOError, KLGRPOWarning
 
-SUBCOMMANDS = {
-    "train": ("klgrpo.apps.train", "run GRPO training (no arguments: the embedded CPU demo)"),
-    "verify-kl": ("klgrpo.apps.verify_kl", "check every KL configuration's value and gradient against exact answers"),
-    "explain": ("klgrpo.apps.explain", "say which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, "
-                                       "and the klgrpo config that reproduces it"),
-    "report": ("klgrpo.apps.report", "redraw the plots and print a summary of a run folder"),
-    "export": ("klgrpo.apps.export", "write a checkpoint (also a sharded one) as a from_pretrained folder"),
-    "sweep": ("klgrpo.apps.sweep", "run a grid of trainings (default: the demo) and tabulate accuracy and retention"),
-    "eval": ("klgrpo.apps.evaluate", "greedy accuracy of a checkpoint or model on the eval.sets of a config"),
-    "kl": ("klgrpo.apps.kl", "KL between two models on a prompt list (exact per token, with k1/k2/k3)"),
-    "sft": ("klgrpo.apps.sft", "supervised fine-tuning on prompt/answer data with TRL's SFTTrainer"),
-}
 
 
 def _usage() -> str:
     lines = ["usage: klgrpo <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run `klgrpo <command> --help` for a command's options."]
     return "\n".join(lines)
 
@@ -45,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klgrpo {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
+    if name not in COMMANDS:
         print(f"klgrpo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = import_module(SUBCOMMANDS[name][0])
+    module = import_module(COMMANDS[name][0])
     _print_klgrpo_warnings_as_lines()
     try:
         return int(module.main(rest) or 0)

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from klgrpo.apps.commands import command_parser
 from klgrpo.errors import ConfigError
 from klgrpo.mapping import Mapped
 from klgrpo.math.objective import KLTerm
@@ -37,10 +38,7 @@ STRICT_EXIT = 3
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="klgrpo explain",
-        description="Say which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises (computed by verify-kl's "
-                    "exact oracles) and print the klgrpo config that reproduces it.")
+    p = command_parser("explain", "The verdicts come from verify-kl's exact oracles.")
     p.add_argument("files", nargs="+", metavar="FILE", help="the config file(s), or - for standard input")
     p.add_argument("--from", dest="source", choices=("trl", "verl", "openrlhf", "unsloth", "klgrpo"),
                    help="the format (default: detected)")

@@ -7,16 +7,16 @@ left behind either way).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from klgrpo.apps.commands import command_parser
 from klgrpo.errors import KLGRPOError, first_line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="klgrpo export", description=(
-        "Write a checkpoint (runs/<name>/checkpoints/step_N) as a folder transformers' from_pretrained loads."))
+    parser = command_parser("export", "CHECKPOINT is runs/<name>/checkpoints/step_N; OUT loads with transformers' "
+                                      "from_pretrained.")
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder: runs/<name>/checkpoints/step_N")
     parser.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 
+from klgrpo.apps.commands import command_parser
 from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="klgrpo kl",
-        description="KL(POLICY || REFERENCE) on a prompt list: exact over the vocabulary at every token of "
-                    "completions sampled from POLICY, with the k1/k2/k3 estimates and their spread.")
+    p = command_parser("kl", "KL(POLICY || REFERENCE), exact over the vocabulary at every token of completions "
+                             "sampled from POLICY, with the k1/k2/k3 estimates and their spread.")
     p.add_argument("policy", metavar="POLICY", help="model folder (a checkpoint, a merged export) or hub name")
     p.add_argument("reference", metavar="REFERENCE", help="the model to compare with (e.g. the SFT model)")
     p.add_argument("--prompts", required=True, metavar="FILE",

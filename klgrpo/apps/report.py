@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from klgrpo.apps.commands import command_parser
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import METRICS_FILE
 from klgrpo.train.report import make_plots, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="klgrpo report",
-        description="Redraw a run folder's plots (plots/*.png) and print a summary of its metrics.",
-    )
+    parser = command_parser("report", "The plots go to RUN_DIR/plots/*.png; the summary is of its metrics.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by `klgrpo train` (runs/<name>)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only; leave plots/ alone")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -15,17 +15,16 @@ import argparse
 import json
 from pathlib import Path
 
+from klgrpo.apps.commands import command_parser
 from klgrpo.errors import ConfigError
 
 SUMMARY = "sft_summary.json"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="klgrpo sft",
-        description="Supervised fine-tuning on prompt/answer rows with TRL's SFTTrainer (pip install "
-                    "\"klgrpo[trl,data]\"); the output folder is a model for model.name_or_path and kl.reference. "
-                    "Other --group.field VALUE options override the config as in klgrpo train.")
+    p = command_parser("sft", "Needs pip install \"klgrpo[trl,data]\". The output folder is a model for "
+                              "model.name_or_path and kl.reference. Other --group.field VALUE options override the "
+                              "config as in klgrpo train.")
     p.add_argument("--config", required=True, help="the run's YAML (model, data, train.seed)")
     p.add_argument("--output-dir", required=True, help="where the fine-tuned model and tokenizer are written")
     p.add_argument("--answer-column", default="answer", help="the column holding the target answer")

@@ -19,15 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+from klgrpo.apps.commands import command_parser
 from klgrpo.verify.montecarlo import DEFAULT_SAMPLES
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="klgrpo verify-kl",
-        description="Check every registered KL estimator x placement x sampling against exact answers "
-                    "(enumeration on a categorical and on a toy sequence model), by Monte Carlo, and by where "
-                    "exact-gradient ascent ends; or summarise the KL dumps of a training run.")
+    p = command_parser("verify-kl", "Every registered estimator x placement x sampling, by enumeration on a "
+                                    "categorical and on a toy sequence model, by Monte Carlo, and by where "
+                                    "exact-gradient ascent ends; or a summary of a training run's KL dumps.")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help=f"Monte Carlo samples per check (default {DEFAULT_SAMPLES}; 0 skips Monte Carlo)")
