@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from klgrpo.backends.hf import gguf_kwargs, pretrained_causal_lm, split_gguf
 from klgrpo.errors import ConfigError, first_line
 
-if TYPE_CHECKING:
-    from klgrpo.train.config import LoraConfig
 
 #: Name of the frozen second adapter that holds the synced reference; also its folder in a checkpoint
 #: (peft's own save_pretrained writes non-default adapters to <folder>/<name>/, the same place).
@@ -47,7 +45,16 @@ def require_peft_model(model, what: str):
                           f"set model.lora.r > 0 to the rank the checkpoint was trained with")
 
 
-def apply_lora(model, cfg: "LoraConfig"):
+class LoraSettings(Protocol):
+    """What apply_lora reads (model.lora's fields)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+
+def apply_lora(model, cfg: LoraSettings):
     """Wrap ``model`` in a peft LoRA PeftModel: base weights frozen, adapter "default" trainable.
 
     ``adapter_config.json`` records the base model as an absolute path when the base came from a local

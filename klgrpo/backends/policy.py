@@ -8,6 +8,7 @@ from typing import Callable, Protocol
 import torch
 
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_dtype
+from klgrpo.backends.lora import LoraSettings, apply_lora
 
 
 class PolicySettings(Protocol):
@@ -19,7 +20,7 @@ class PolicySettings(Protocol):
     dtype: str
     trust_remote_code: bool
     gradient_checkpointing: bool
-    lora: object  # r, alpha, dropout, target_modules (backends/lora.py)
+    lora: LoraSettings
 
 
 def load_policy(settings: PolicySettings, device: torch.device, log: Callable[[str], None] | None = None,
@@ -38,8 +39,6 @@ def load_policy(settings: PolicySettings, device: torch.device, log: Callable[[s
         settings.name_or_path, settings, device, dtype, gguf_file=settings.gguf_file)
     disable_dropout(model)
     if settings.lora.r > 0:
-        from klgrpo.backends.lora import apply_lora
-
         model = apply_lora(model, settings.lora)
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable()
