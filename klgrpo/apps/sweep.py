@@ -46,6 +46,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+from klgrpo.apps.sweep_plan import (RESERVED, SweepError, cells_of, overrides_in, parse_cell,  # noqa: F401
+                                    parse_grid, parse_seeds, plan_runs, split_values)
 from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
                                      build_table, plot, plot_vs_beta, process_seconds, runs_span, skill_names,
                                      table_header, table_markdown)
@@ -62,8 +64,6 @@ SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "
 #: The demo's beta is adaptive (kl.coef is only its start, and 0 is refused); a sweep of kl.coef on the demo
 #: compares fixed betas (as docs/retention.md does) unless kl.controller is given.
 DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
-#: Owned by the sweep: a run's folder and seed.
-_RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")
 
 USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--cell KEY=V,KEY=V,...] [--seeds 0,1] [--config FILE]
                     [--output-dir DIR] [--jobs N] [--dry-run] [-- extra train overrides ...]
@@ -85,119 +85,6 @@ model.name_or_path: the embedded demo). Re-running the same command skips finish
 """
 
 
-class SweepError(KLGRPOError):
-    """A bad sweep command line."""
-
-
-# ---------------------------------------------------------------------------------------------- parsing
-def split_values(text: str) -> list[str]:
-    """Split on commas outside brackets and quotes: ``0,[a,b],'x,y'`` -> ['0', '[a,b]', "'x,y'"]."""
-    out, depth, quote, cur = [], 0, "", ""
-    for ch in text:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-            continue
-        cur += ch
-    out.append(cur.strip())
-    return out
-
-
-def parse_grid(args: list[str]) -> list[tuple[str, list[str]]]:
-    """``["kl.coef=0,0.1", ...]`` -> [("kl.coef", ["0", "0.1"]), ...], each value checked against the field's type."""
-    from klgrpo.train.config import GRPOConfig
-
-    grid: list[tuple[str, list[str]]] = []
-    for arg in args:
-        key, eq, values_text = arg.partition("=")
-        key = key.strip().removeprefix("--")
-        if not eq or not key or not values_text.strip():
-            raise SweepError(f"--grid {arg!r}: write KEY=V1,V2,... e.g. --grid kl.coef=0,0.04")
-        if key in _RESERVED:
-            raise SweepError(f"--grid {arg!r}: {key} is set by the sweep for each run; use --seeds for seeds")
-        if any(k == key for k, _ in grid):
-            raise SweepError(f"--grid {arg!r}: {key} is already in another --grid; list all its values in one")
-        values = split_values(values_text)
-        if any(v == "" for v in values):
-            raise SweepError(f"--grid {arg!r}: an empty value; separate values by single commas")
-        if len(set(values)) != len(values):
-            raise SweepError(f"--grid {arg!r}: a value is repeated")
-        for v in values:
-            try:
-                GRPOConfig().override({key: v}, origin=f"--grid {arg}")
-            except KLGRPOError as exc:
-                raise SweepError(str(exc)) from None
-        grid.append((key, values))
-    return grid
-
-
-def cells_of(grid: list[tuple[str, list[str]]]) -> list[Cell]:
-    """The product of the grid in --grid order (the last key varies fastest)."""
-    keys = [k for k, _ in grid]
-    return [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*[v for _, v in grid])]
-
-
-def parse_cell(arg: str) -> Cell:
-    """``"kl.controller=adaptive,kl.coef=0.04,seeds=[1]"`` -> a Cell with those overrides and seeds (1,)."""
-    from klgrpo.train.config import GRPOConfig
-
-    overrides: list[tuple[str, str]] = []
-    seeds: list[int] = []
-    for part in split_values(arg):
-        key, eq, value = part.partition("=")
-        key, value = key.strip().removeprefix("--"), value.strip()
-        if not eq or not key or not value:
-            raise SweepError(f"--cell {arg!r}: write KEY=VALUE,KEY=VALUE,... e.g. --cell kl.controller=adaptive,kl.coef=0.04")
-        if key == "seeds":
-            seeds = parse_seeds(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
-            continue
-        if key in _RESERVED:
-            raise SweepError(f"--cell {arg!r}: {key} is set by the sweep for each run; write seeds=[...] for seeds")
-        if any(k == key for k, _ in overrides):
-            raise SweepError(f"--cell {arg!r}: {key} is given twice")
-        try:
-            GRPOConfig().override({key: value}, origin=f"--cell {arg}")
-        except KLGRPOError as exc:
-            raise SweepError(str(exc)) from None
-        overrides.append((key, value))
-    if not overrides:
-        raise SweepError(f"--cell {arg!r}: give at least one KEY=VALUE besides seeds")
-    return Cell(tuple(overrides), tuple(seeds))
-
-
-def plan_runs(cells: list[Cell], seeds: list[int], out: Path) -> list[Run]:
-    """One run per cell and seed (a cell's own seeds, else ``seeds``), once per (setting, seed), in order."""
-    runs, seen = [], set()
-    for cell in cells:
-        for seed in cell.seeds or seeds:
-            if (cell.name, seed) not in seen:
-                seen.add((cell.name, seed))
-                runs.append(Run(cell, seed, out / cell.name / f"seed={seed}"))
-    return runs
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in split_values(text)]
-    except ValueError:
-        raise SweepError(f"--seeds {text!r}: write integers separated by commas, e.g. --seeds 0,1,2") from None
-    if len(set(seeds)) != len(seeds):
-        raise SweepError(f"--seeds {text!r}: a seed is repeated")
-    return seeds
-
-
-def _overrides_in(extra: list[str]) -> set[str]:
-    return {a[2:].partition("=")[0] for a in extra if a.startswith("--")}
-
-
 # ---------------------------------------------------------------------------------------------- running
 def train_argv_prefix() -> list[str]:
     """How a run starts (tests replace it with a fake trainer)."""
@@ -209,7 +96,7 @@ def sweep_defaults(config: str | None, grid_keys: list[str], extra: list[str]) -
     defaults = dict(SWEEP_DEFAULTS)
     if not config and "kl.coef" in grid_keys:
         defaults.update(DEMO_COEF_SWEEP_DEFAULTS)
-    user = _overrides_in(extra) | set(grid_keys)
+    user = overrides_in(extra) | set(grid_keys)
     return {k: v for k, v in defaults.items() if k not in user}
 
 
@@ -421,7 +308,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1")
     if args.config and not Path(args.config).is_file():
         raise SweepError(f"--config {args.config}: no such file")
-    clash = _overrides_in(extra) & set(_RESERVED)
+    clash = overrides_in(extra) & set(RESERVED)
     if clash:
         raise SweepError(f"-- {' '.join(sorted(clash))}: set by the sweep for each run (use --seeds and --output-dir)")
     return args, extra
@@ -436,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         grid = parse_grid(args.grid)
         extra_cells = [parse_cell(arg) for arg in args.cell]
-        both = _overrides_in(extra) & ({k for k, _ in grid} | {k for c in extra_cells for k, _ in c.overrides})
+        both = overrides_in(extra) & ({k for k, _ in grid} | {k for c in extra_cells for k, _ in c.overrides})
         if both:
             raise SweepError(f"{', '.join(sorted(both))} is both in --grid and after --; keep it in one place")
         seeds = parse_seeds(args.seeds)
