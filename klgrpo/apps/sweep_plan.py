@@ -49,6 +49,14 @@ def check_override(key: str, value: str, origin: str) -> None:
         raise SweepError(str(exc)) from None
 
 
+def check_new_key(where: str, key: str, taken: list[str], seeds_hint: str, again: str) -> None:
+    """``key`` is not one the sweep sets itself (a run's folder and seed) and not given before in ``where``."""
+    if key in RESERVED:
+        raise SweepError(f"{where}: {key} is set by the sweep for each run; {seeds_hint}")
+    if key in taken:
+        raise SweepError(f"{where}: {key} {again}")
+
+
 def parse_grid(args: list[str]) -> list[tuple[str, list[str]]]:
     """``["kl.coef=0,0.1", ...]`` -> [("kl.coef", ["0", "0.1"]), ...], each value checked against the field's type."""
     grid: list[tuple[str, list[str]]] = []
@@ -57,10 +65,8 @@ def parse_grid(args: list[str]) -> list[tuple[str, list[str]]]:
         key = key.strip().removeprefix("--")
         if not eq or not key or not values_text.strip():
             raise SweepError(f"--grid {arg!r}: write KEY=V1,V2,... e.g. --grid kl.coef=0,0.04")
-        if key in RESERVED:
-            raise SweepError(f"--grid {arg!r}: {key} is set by the sweep for each run; use --seeds for seeds")
-        if any(k == key for k, _ in grid):
-            raise SweepError(f"--grid {arg!r}: {key} is already in another --grid; list all its values in one")
+        check_new_key(f"--grid {arg!r}", key, [k for k, _ in grid], "use --seeds for seeds",
+                      "is already in another --grid; list all its values in one")
         values = split_values(values_text)
         if any(v == "" for v in values):
             raise SweepError(f"--grid {arg!r}: an empty value; separate values by single commas")
@@ -90,10 +96,8 @@ def parse_cell(arg: str) -> Cell:
         if key == "seeds":
             seeds = parse_seeds(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
             continue
-        if key in RESERVED:
-            raise SweepError(f"--cell {arg!r}: {key} is set by the sweep for each run; write seeds=[...] for seeds")
-        if any(k == key for k, _ in overrides):
-            raise SweepError(f"--cell {arg!r}: {key} is given twice")
+        check_new_key(f"--cell {arg!r}", key, [k for k, _ in overrides], "write seeds=[...] for seeds",
+                      "is given twice")
         check_override(key, value, f"--cell {arg}")
         overrides.append((key, value))
     if not overrides:
