@@ -12,8 +12,10 @@ a --cell with the same overrides as a grid point adds its seeds to that point (o
 Each run is ``python -m klgrpo train`` in a subprocess (a crash in one cell is reported, the others still
 run), in ``<output-dir>/<key=value,...>/seed=<s>/`` with its output in ``sweep.log`` there. Running the same
 command again skips the runs that finished with the same resolved config (a run's identity is the SHA-256 of
-its full resolved config, kept in ``sweep_cell.json``) and reruns the others from scratch (``--overwrite``):
-a cell whose overrides, config file or sweep-wide options changed is trained again.
+its full resolved config, kept in ``sweep_cell.json``) and reruns failed or interrupted ones from scratch
+(``--overwrite``). A finished run (one with a summary.json) is never trained over: when its config changed
+(overrides, config file, sweep-wide options) it is named, kept as it is and left out of the table; the new config
+trains in another --output-dir.
 
 The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png):
     accuracy   greedy accuracy after training on the trained skill, and its change in points from before
@@ -155,7 +157,6 @@ def _finished_identity(run_dir: Path) -> str | None:
 def execute(run: Run, argv: list[str], identity: str = "") -> None:
     """Run one training in a subprocess, its output into <run>/sweep.log; sets status, error, summary."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     (run.run_dir / IDENTITY_FILE).write_text(json.dumps({"identity": identity, "argv": argv}))
     t0 = time.perf_counter()
     with open(run.run_dir / LOG_FILE, "w", encoding="utf-8") as log:
@@ -219,39 +220,68 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str]) -> list[Run]:
-    """The planned runs without training: finished ones (same resolved config) as "skipped", the others "missing"."""
-    runs = plan_runs(cells, seeds, out)
+def earlier_state(run: Run, identity: str) -> str:
+    """What ``run``'s folder holds from before: "finished" (a summary.json of this config: reused), "changed" (a
+    summary.json of another config, or with no sweep record of its config: the sweep's to keep, never to train
+    over), "failed" (a folder without a summary: a failed or killed run, trained again) or "new"."""
+    if _read_summary(run.run_dir) is not None:
+        return "finished" if _finished_identity(run.run_dir) == identity else "changed"
+    return "failed" if run.run_dir.exists() else "new"
+
+
+#: What a run whose folder is in each earlier_state becomes, and how the sweep's first line counts them.
+_EARLIER = {"finished": ("skipped", "finished before, skipped"),
+            "changed": ("changed", "finished with another config, left as they are"),
+            "failed": ("pending", "failed or incomplete before, run again")}
+
+
+def sort_runs(runs: list[Run], identities: dict[int, str]) -> tuple[list[Run], str]:
+    """Sets each run's status from its folder (earlier_state); returns the runs to train and what was found."""
+    counts = dict.fromkeys(_EARLIER, 0)
+    todo = []
     for run in runs:
-        summary = _read_summary(run.run_dir)
-        if summary is not None and _finished_identity(run.run_dir) == run_identity(run, config, extra):
-            run.status, run.summary = "skipped", summary
+        state = earlier_state(run, identities[id(run)])
+        if state in counts:
+            counts[state] += 1
+        run.status = _EARLIER.get(state, ("pending",))[0]
+        if run.status == "skipped":
+            run.summary = _read_summary(run.run_dir) or {}
+        elif run.status == "changed":
+            run.error = (f"finished with another config; left as it is (another --output-dir, or delete "
+                         f"{run.run_dir}, to train it again)")
         else:
-            run.status = "missing"
+            todo.append(run)
+    found = "; ".join(f"{n} {_EARLIER[state][1]}" for state, n in counts.items() if n)
+    return todo, found
+
+
+def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str]) -> list[Run]:
+    """The planned runs without training: finished ones (same resolved config) as "skipped", those finished with
+    another config as "changed", the others "missing"."""
+    runs = plan_runs(cells, seeds, out)
+    for run in sort_runs(runs, {id(run): run_identity(run, config, extra) for run in runs})[0]:
+        run.status = "missing"
     return runs
 
 
 def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
               log: Callable[[str], None] = print) -> list[Run]:
+    """Train the planned runs that have no result yet. A folder that holds a summary.json is never trained over
+    nor changed: reused when its config is the same, else named ("changed") and left as it is."""
     runs = plan_runs(cells, seeds, out)
-    todo = []
     identities = {id(run): run_identity(run, config, extra) for run in runs}
-    for run in runs:
-        summary = _read_summary(run.run_dir)
-        if summary is not None and _finished_identity(run.run_dir) == identities[id(run)]:
-            run.status, run.summary = "skipped", summary
-        else:
-            todo.append(run)
+    todo, found = sort_runs(runs, identities)
     done = len(runs) - len(todo)
     settings = len({run.cell.name for run in runs})
-    log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}"
-        + (f" ({done} finished before, skipped)" if done else ""))
+    log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}" + (f" ({found})" if found else ""))
+    for run in runs:
+        if run.status == "changed":
+            log(f"  {run.cell.name} seed={run.seed}: {run.error}")
     counter = itertools.count(done + 1)
 
     def one(run: Run) -> Run:
         from klgrpo.train.run_folder import holds_run
 
-        (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
         earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
         execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
         verdict = f"{run.seconds:.0f} s" if run.status == "finished" else f"FAILED ({run.error})"
@@ -366,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a plot must not hide the table
             print(f"(no {name}: {type(exc).__name__}: {exc})")
     print(f"saved {out / 'table.md'}, {out / 'table.json'}" + "".join(f", {p}" for p in pictures if p))
-    return 1 if any(r.status == "failed" for r in runs) else 0
+    return 1 if any(r.status in ("failed", "changed") for r in runs) else 0
 
 
 @contextmanager
