@@ -114,18 +114,20 @@ def prepare_demo_assets(
     settings = settings if settings is not None else DEFAULT_SETTINGS
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()) / "demo"
     final = root / cache_key(seed, settings)
-    cached = _load(final)
+    cached = _cached(final, log)
     if cached is not None:
-        log(f"demo assets: loaded from cache {final}")
         return cached
     root.mkdir(parents=True, exist_ok=True)
     # One process builds (under `accelerate launch` every rank gets here at once); the others wait, then load.
     with folder_lock(root, on_wait=lambda: log(f"demo assets: waiting for another process to build {final}")):
-        cached = _load(final)
-        if cached is not None:
-            log(f"demo assets: loaded from cache {final} (built by another process)")
-            return cached
-        return _build_into(final, root, seed, settings, log)
+        return _cached(final, log, " (built by another process)") or _build_into(final, root, seed, settings, log)
+
+
+def _cached(final: Path, log: Callable[[str], None], note: str = "") -> DemoAssets | None:
+    assets = _load(final)
+    if assets is not None:
+        log(f"demo assets: loaded from cache {final}{note}")
+    return assets
 
 
 def _build_into(final: Path, root: Path, seed: int, settings: DemoSettings, log: Callable[[str], None]) -> DemoAssets:
