@@ -152,20 +152,21 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     return warnings
 
 
-
 def estimate_step_memory(cfg: GRPOConfig, model_config, dtype_bytes: int, longest_prompt: int,
                          world_size: int = 1) -> tuple[int, int]:
     """Low estimates of the peak bytes one step of this rank needs beyond the loaded weights, (rollout, update):
     the two phases never hold their tensors at the same time (the rollout's cache is freed before the update).
 
     rollout: every sequence of the rank at once (train.micro_batch_size does not split it); the sampler's key/value
-        cache holds, per layer, keys and values of (longest prompt + rollout.max_new_tokens) positions per sequence.
+        cache holds, per layer, keys and values of (longest prompt + rollout.max_new_tokens) positions per sequence
+        (klgrpo's KV loop allocates all of them before the first token; generate's cache grows to that).
     update, per micro-batch: the logits of the completion positions (the forward keeps only those: logits_to_keep)
         in the model's dtype, twice: token_logprobs keeps them for the backward, which allocates a gradient of the
         same shape before it frees them; plus each layer's input over all positions, which autograd keeps for the
         backward (RMSNorm/LayerNorm need it, with gradient checkpointing too).
-    Everything else (attention scores, MLP activations, the optimizer's moments) is left out, so a refusal is
-    certain to run out of memory and a config that passes may still need more.
+    Everything else (attention scores, MLP activations, the optimizer's moments) is left out: a refused step does
+    not fit once a batch holds the longest prompt and completions of full length, and one that passes may still
+    need more.
     """
     r = cfg.rollout
     sequences = r.prompts_per_step * r.group_size // world_size
