@@ -506,7 +506,7 @@ def test_sigterm_saves_the_last_complete_step_and_exits_143(tiny_model_dir, addi
 
 
 # ------------------------------------------------------------------------------------------- 10. sweep
-def test_sweep_reruns_a_cell_whose_config_changed(tmp_path, monkeypatch):
+def test_sweep_neither_relabels_nor_replaces_a_run_whose_config_changed(tmp_path, monkeypatch):
     from klgrpo.apps import sweep
 
     script = tmp_path / "fake.py"
@@ -520,8 +520,11 @@ def test_sweep_reruns_a_cell_whose_config_changed(tmp_path, monkeypatch):
     first = sweep.run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "7"], log=quiet)
     same = sweep.run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "7"], log=quiet)
     changed = sweep.run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "8"], log=quiet)
-    assert [r.status for r in (first + same + changed)] == ["finished", "skipped", "finished"]
-    assert changed[0].summary["steps"] == 8  # not the old run relabelled
+    assert [r.status for r in (first + same + changed)] == ["finished", "skipped", "changed"]
+    assert json.loads((tmp_path / "s" / "kl.coef=1e-3" / "seed=0" / "summary.json").read_text())["steps"] == 7
+    assert changed[0].summary == {}  # the old run is not reported as the new config's result
+    elsewhere = sweep.run_sweep(cells, [0], tmp_path / "s8", None, ["--train.steps", "8"], log=quiet)
+    assert [r.status for r in elsewhere] == ["finished"] and elsewhere[0].summary["steps"] == 8
 
 
 # ------------------------------------------------------------------------------------------ 11. memory

@@ -165,16 +165,60 @@ def test_finished_runs_are_skipped(fake_trainer, tmp_path, monkeypatch):
     assert second[0].summary["eval_after"]["addition"] == pytest.approx(0.4)
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_failed_rerun_never_touches_finished_runs(fake_trainer, tmp_path, monkeypatch):
+    """A sweep with one failed cell, rerun with a change to every run's config (here -- --train.steps 7) by a
+    trainer that now fails at once: the finished run's folder stays byte for byte (summary.json, sweep_cell.json,
+    sweep.log), it is named as finished with another config and kept out of the table; the failed one is tried
+    again. The same command as the first then skips the finished run again."""
+    cells = cells_of(parse_grid(["kl.coef=0,0.5"]))
+    assert [r.status for r in run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)] == ["finished", "failed"]
+    finished = tmp_path / "s" / "kl.coef=0" / "seed=0"
+    before = _files(finished)
+    assert "summary.json" in before
+    monkeypatch.setattr(sweep, "train_argv_prefix", lambda: [sys.executable, "-c", "import sys; sys.exit(5)"])
+    lines = []
+    rerun = run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "7"], log=lines.append)
+    assert [r.status for r in rerun] == ["changed", "failed"]
+    assert _files(finished) == before
+    assert "(1 finished with another config, left as they are; 1 failed or incomplete before, run again)" in lines[0]
+    assert any("kl.coef=0 seed=0: finished with another config" in line for line in lines)
+    table = build_table(rerun)
+    assert table["cells"][0]["seeds"] == [] and table["cells"][0]["changed"] == [0]
+    assert "(finished with another config: 0)" in sweep.table_markdown(table, [])
+    again = run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)
+    assert [r.status for r in again] == ["skipped", "failed"] and _files(finished) == before
+
+
+def test_a_finished_run_without_its_sweep_record_is_never_retrained(fake_trainer, tmp_path):
+    """A summary.json whose sweep_cell.json is gone (or was never written: a run copied in by hand) is not the
+    sweep's to replace."""
+    cells = cells_of(parse_grid(["kl.coef=0"]))
+    run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)
+    folder = tmp_path / "s" / "kl.coef=0" / "seed=0"
+    (folder / sweep.IDENTITY_FILE).unlink()
+    before = _files(folder)
+    assert [r.status for r in run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)] == ["changed"]
+    assert _files(folder) == before
+
+
 def test_demo_override_equal_to_the_library_default_is_a_new_cell(fake_trainer, tmp_path):
     """The demo trains with the replay anchor on (kl.replay.coef 1); --kl.replay.coef 0 equals the library default
     but turns the anchor off, so a finished run without it must not be reused (the cell's identity is the demo's
-    resolved config). Repeating the demo's own value is the same config and is reused."""
+    resolved config): it is kept as it is and named, and the new config trains in another folder. Repeating the
+    demo's own value is the same config and is reused."""
     cells = cells_of(parse_grid(["kl.coef=0.2"]))
     assert [r.status for r in run_sweep(cells, [0], tmp_path / "s", None, [], log=quiet)] == ["finished"]
     off = run_sweep(cells, [0], tmp_path / "s", None, ["--kl.replay.coef", "0"], log=quiet)
-    assert [r.status for r in off] == ["finished"]  # trained again, not "skipped"
-    assert off[0].summary["args"]["kl.replay.coef"] == "0"
-    same = run_sweep(cells, [0], tmp_path / "s", None, ["--kl.replay.coef", "0"], log=quiet)
+    assert [r.status for r in off] == ["changed"]  # not "skipped", and not trained over
+    assert [r.status for r in run_sweep(cells, [0], tmp_path / "s", None, ["--kl.replay.coef", "1"],
+                                        log=quiet)] == ["skipped"]
+    off = run_sweep(cells, [0], tmp_path / "off", None, ["--kl.replay.coef", "0"], log=quiet)
+    assert [r.status for r in off] == ["finished"] and off[0].summary["args"]["kl.replay.coef"] == "0"
+    same = run_sweep(cells, [0], tmp_path / "off", None, ["--kl.replay.coef", "0"], log=quiet)
     assert [r.status for r in same] == ["skipped"]
     run = Run(cells[0], 0, tmp_path / "r")
     assert sweep.run_identity(run, None, ["--kl.replay.coef", "1"]) == sweep.run_identity(run, None, [])
@@ -260,7 +304,9 @@ def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
     env = dict(os.environ, FAKE_FAST="1")
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "4 runs in" in again.stdout and "(1 finished before, skipped)" in again.stdout
+    assert "4 runs in" in again.stdout, again.stdout
+    assert (f"(1 finished before, skipped; {len(sleeping)} failed or incomplete before, run again)"
+            in again.stdout), again.stdout
     table = json.loads((out / "table.json").read_text())
     assert [c["seeds"] for c in table["cells"]] == [[0]] * 4
 

@@ -12,8 +12,10 @@ a --cell with the same overrides as a grid point adds its seeds to that point (o
 Each run is ``python -m klgrpo train`` in a subprocess (a crash in one cell is reported, the others still
 run), in ``<output-dir>/<key=value,...>/seed=<s>/`` with its output in ``sweep.log`` there. Running the same
 command again skips the runs that finished with the same resolved config (a run's identity is the SHA-256 of
-its full resolved config, kept in ``sweep_cell.json``) and reruns the others from scratch (``--overwrite``):
-a cell whose overrides, config file or sweep-wide options changed is trained again.
+its full resolved config, kept in ``sweep_cell.json``) and reruns failed or interrupted ones from scratch
+(``--overwrite``). A finished run (one with a summary.json) is never trained over: when its config changed
+(overrides, config file, sweep-wide options) it is named, kept as it is and left out of the table; the new config
+trains in another --output-dir.
 
 The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png):
     accuracy   greedy accuracy after training on the trained skill, and its change in points from before
@@ -46,6 +48,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+from klgrpo.apps.sweep_plan import (RESERVED, SweepError, cells_of, overrides_in, parse_cell,  # noqa: F401
+                                    parse_grid, parse_seeds, plan_runs, split_values)
 from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
                                      build_table, plot, plot_vs_beta, process_seconds, runs_span, skill_names,
                                      table_header, table_markdown)
@@ -62,8 +66,6 @@ SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "
 #: The demo's beta is adaptive (kl.coef is only its start, and 0 is refused); a sweep of kl.coef on the demo
 #: compares fixed betas (as docs/retention.md does) unless kl.controller is given.
 DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
-#: Owned by the sweep: a run's folder and seed.
-_RESERVED = ("output-dir", "train.output_dir", "train.seed", "resume", "print-config")
 
 USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--cell KEY=V,KEY=V,...] [--seeds 0,1] [--config FILE]
                     [--output-dir DIR] [--jobs N] [--dry-run] [-- extra train overrides ...]
@@ -85,119 +87,6 @@ model.name_or_path: the embedded demo). Re-running the same command skips finish
 """
 
 
-class SweepError(KLGRPOError):
-    """A bad sweep command line."""
-
-
-# ---------------------------------------------------------------------------------------------- parsing
-def split_values(text: str) -> list[str]:
-    """Split on commas outside brackets and quotes: ``0,[a,b],'x,y'`` -> ['0', '[a,b]', "'x,y'"]."""
-    out, depth, quote, cur = [], 0, "", ""
-    for ch in text:
-        if quote:
-            quote = "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-            continue
-        cur += ch
-    out.append(cur.strip())
-    return out
-
-
-def parse_grid(args: list[str]) -> list[tuple[str, list[str]]]:
-    """``["kl.coef=0,0.1", ...]`` -> [("kl.coef", ["0", "0.1"]), ...], each value checked against the field's type."""
-    from klgrpo.train.config import GRPOConfig
-
-    grid: list[tuple[str, list[str]]] = []
-    for arg in args:
-        key, eq, values_text = arg.partition("=")
-        key = key.strip().removeprefix("--")
-        if not eq or not key or not values_text.strip():
-            raise SweepError(f"--grid {arg!r}: write KEY=V1,V2,... e.g. --grid kl.coef=0,0.04")
-        if key in _RESERVED:
-            raise SweepError(f"--grid {arg!r}: {key} is set by the sweep for each run; use --seeds for seeds")
-        if any(k == key for k, _ in grid):
-            raise SweepError(f"--grid {arg!r}: {key} is already in another --grid; list all its values in one")
-        values = split_values(values_text)
-        if any(v == "" for v in values):
-            raise SweepError(f"--grid {arg!r}: an empty value; separate values by single commas")
-        if len(set(values)) != len(values):
-            raise SweepError(f"--grid {arg!r}: a value is repeated")
-        for v in values:
-            try:
-                GRPOConfig().override({key: v}, origin=f"--grid {arg}")
-            except KLGRPOError as exc:
-                raise SweepError(str(exc)) from None
-        grid.append((key, values))
-    return grid
-
-
-def cells_of(grid: list[tuple[str, list[str]]]) -> list[Cell]:
-    """The product of the grid in --grid order (the last key varies fastest)."""
-    keys = [k for k, _ in grid]
-    return [Cell(tuple(zip(keys, combo))) for combo in itertools.product(*[v for _, v in grid])]
-
-
-def parse_cell(arg: str) -> Cell:
-    """``"kl.controller=adaptive,kl.coef=0.04,seeds=[1]"`` -> a Cell with those overrides and seeds (1,)."""
-    from klgrpo.train.config import GRPOConfig
-
-    overrides: list[tuple[str, str]] = []
-    seeds: list[int] = []
-    for part in split_values(arg):
-        key, eq, value = part.partition("=")
-        key, value = key.strip().removeprefix("--"), value.strip()
-        if not eq or not key or not value:
-            raise SweepError(f"--cell {arg!r}: write KEY=VALUE,KEY=VALUE,... e.g. --cell kl.controller=adaptive,kl.coef=0.04")
-        if key == "seeds":
-            seeds = parse_seeds(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
-            continue
-        if key in _RESERVED:
-            raise SweepError(f"--cell {arg!r}: {key} is set by the sweep for each run; write seeds=[...] for seeds")
-        if any(k == key for k, _ in overrides):
-            raise SweepError(f"--cell {arg!r}: {key} is given twice")
-        try:
-            GRPOConfig().override({key: value}, origin=f"--cell {arg}")
-        except KLGRPOError as exc:
-            raise SweepError(str(exc)) from None
-        overrides.append((key, value))
-    if not overrides:
-        raise SweepError(f"--cell {arg!r}: give at least one KEY=VALUE besides seeds")
-    return Cell(tuple(overrides), tuple(seeds))
-
-
-def plan_runs(cells: list[Cell], seeds: list[int], out: Path) -> list[Run]:
-    """One run per cell and seed (a cell's own seeds, else ``seeds``), once per (setting, seed), in order."""
-    runs, seen = [], set()
-    for cell in cells:
-        for seed in cell.seeds or seeds:
-            if (cell.name, seed) not in seen:
-                seen.add((cell.name, seed))
-                runs.append(Run(cell, seed, out / cell.name / f"seed={seed}"))
-    return runs
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in split_values(text)]
-    except ValueError:
-        raise SweepError(f"--seeds {text!r}: write integers separated by commas, e.g. --seeds 0,1,2") from None
-    if len(set(seeds)) != len(seeds):
-        raise SweepError(f"--seeds {text!r}: a seed is repeated")
-    return seeds
-
-
-def _overrides_in(extra: list[str]) -> set[str]:
-    return {a[2:].partition("=")[0] for a in extra if a.startswith("--")}
-
-
 # ---------------------------------------------------------------------------------------------- running
 def train_argv_prefix() -> list[str]:
     """How a run starts (tests replace it with a fake trainer)."""
@@ -209,7 +98,7 @@ def sweep_defaults(config: str | None, grid_keys: list[str], extra: list[str]) -
     defaults = dict(SWEEP_DEFAULTS)
     if not config and "kl.coef" in grid_keys:
         defaults.update(DEMO_COEF_SWEEP_DEFAULTS)
-    user = _overrides_in(extra) | set(grid_keys)
+    user = overrides_in(extra) | set(grid_keys)
     return {k: v for k, v in defaults.items() if k not in user}
 
 
@@ -268,7 +157,6 @@ def _finished_identity(run_dir: Path) -> str | None:
 def execute(run: Run, argv: list[str], identity: str = "") -> None:
     """Run one training in a subprocess, its output into <run>/sweep.log; sets status, error, summary."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
     (run.run_dir / IDENTITY_FILE).write_text(json.dumps({"identity": identity, "argv": argv}))
     t0 = time.perf_counter()
     with open(run.run_dir / LOG_FILE, "w", encoding="utf-8") as log:
@@ -332,39 +220,68 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str]) -> list[Run]:
-    """The planned runs without training: finished ones (same resolved config) as "skipped", the others "missing"."""
-    runs = plan_runs(cells, seeds, out)
+def earlier_state(run: Run, identity: str) -> str:
+    """What ``run``'s folder holds from before: "finished" (a summary.json of this config: reused), "changed" (a
+    summary.json of another config, or with no sweep record of its config: the sweep's to keep, never to train
+    over), "failed" (a folder without a summary: a failed or killed run, trained again) or "new"."""
+    if _read_summary(run.run_dir) is not None:
+        return "finished" if _finished_identity(run.run_dir) == identity else "changed"
+    return "failed" if run.run_dir.exists() else "new"
+
+
+#: What a run whose folder is in each earlier_state becomes, and how the sweep's first line counts them.
+_EARLIER = {"finished": ("skipped", "finished before, skipped"),
+            "changed": ("changed", "finished with another config, left as they are"),
+            "failed": ("pending", "failed or incomplete before, run again")}
+
+
+def sort_runs(runs: list[Run], identities: dict[int, str]) -> tuple[list[Run], str]:
+    """Sets each run's status from its folder (earlier_state); returns the runs to train and what was found."""
+    counts = dict.fromkeys(_EARLIER, 0)
+    todo = []
     for run in runs:
-        summary = _read_summary(run.run_dir)
-        if summary is not None and _finished_identity(run.run_dir) == run_identity(run, config, extra):
-            run.status, run.summary = "skipped", summary
+        state = earlier_state(run, identities[id(run)])
+        if state in counts:
+            counts[state] += 1
+        run.status = _EARLIER.get(state, ("pending",))[0]
+        if run.status == "skipped":
+            run.summary = _read_summary(run.run_dir) or {}
+        elif run.status == "changed":
+            run.error = (f"finished with another config; left as it is (another --output-dir, or delete "
+                         f"{run.run_dir}, to train it again)")
         else:
-            run.status = "missing"
+            todo.append(run)
+    found = "; ".join(f"{n} {_EARLIER[state][1]}" for state, n in counts.items() if n)
+    return todo, found
+
+
+def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str]) -> list[Run]:
+    """The planned runs without training: finished ones (same resolved config) as "skipped", those finished with
+    another config as "changed", the others "missing"."""
+    runs = plan_runs(cells, seeds, out)
+    for run in sort_runs(runs, {id(run): run_identity(run, config, extra) for run in runs})[0]:
+        run.status = "missing"
     return runs
 
 
 def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
               log: Callable[[str], None] = print) -> list[Run]:
+    """Train the planned runs that have no result yet. A folder that holds a summary.json is never trained over
+    nor changed: reused when its config is the same, else named ("changed") and left as it is."""
     runs = plan_runs(cells, seeds, out)
-    todo = []
     identities = {id(run): run_identity(run, config, extra) for run in runs}
-    for run in runs:
-        summary = _read_summary(run.run_dir)
-        if summary is not None and _finished_identity(run.run_dir) == identities[id(run)]:
-            run.status, run.summary = "skipped", summary
-        else:
-            todo.append(run)
+    todo, found = sort_runs(runs, identities)
     done = len(runs) - len(todo)
     settings = len({run.cell.name for run in runs})
-    log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}"
-        + (f" ({done} finished before, skipped)" if done else ""))
+    log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}" + (f" ({found})" if found else ""))
+    for run in runs:
+        if run.status == "changed":
+            log(f"  {run.cell.name} seed={run.seed}: {run.error}")
     counter = itertools.count(done + 1)
 
     def one(run: Run) -> Run:
         from klgrpo.train.run_folder import holds_run
 
-        (run.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
         earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
         execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
         verdict = f"{run.seconds:.0f} s" if run.status == "finished" else f"FAILED ({run.error})"
@@ -421,7 +338,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1")
     if args.config and not Path(args.config).is_file():
         raise SweepError(f"--config {args.config}: no such file")
-    clash = _overrides_in(extra) & set(_RESERVED)
+    clash = overrides_in(extra) & set(RESERVED)
     if clash:
         raise SweepError(f"-- {' '.join(sorted(clash))}: set by the sweep for each run (use --seeds and --output-dir)")
     return args, extra
@@ -436,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         grid = parse_grid(args.grid)
         extra_cells = [parse_cell(arg) for arg in args.cell]
-        both = _overrides_in(extra) & ({k for k, _ in grid} | {k for c in extra_cells for k, _ in c.overrides})
+        both = overrides_in(extra) & ({k for k, _ in grid} | {k for c in extra_cells for k, _ in c.overrides})
         if both:
             raise SweepError(f"{', '.join(sorted(both))} is both in --grid and after --; keep it in one place")
         seeds = parse_seeds(args.seeds)
@@ -479,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a plot must not hide the table
             print(f"(no {name}: {type(exc).__name__}: {exc})")
     print(f"saved {out / 'table.md'}, {out / 'table.json'}" + "".join(f", {p}" for p in pictures if p))
-    return 1 if any(r.status == "failed" for r in runs) else 0
+    return 1 if any(r.status in ("failed", "changed") for r in runs) else 0
 
 
 @contextmanager

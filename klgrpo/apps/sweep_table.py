@@ -36,7 +36,8 @@ class Run:
     cell: Cell
     seed: int
     run_dir: Path
-    status: str = "pending"        # finished | skipped (finished before) | failed
+    status: str = "pending"        # finished | skipped (finished before) | failed | changed (finished with another
+    #                                config: kept, not in the table) | missing (--table-only: not run yet)
     error: str = ""
     summary: dict = field(default_factory=dict)
     seconds: float = 0.0
@@ -117,12 +118,13 @@ def build_table(runs: list[Run]) -> dict[str, Any]:
     cells: dict[str, dict[str, Any]] = {}
     for run in runs:
         entry = cells.setdefault(run.cell.name, {"setting": run.cell.name, "overrides": dict(run.cell.overrides),
-                                                 "seeds": [], "failed": [], "missing": [], "runs": []})
+                                                 "seeds": [], "failed": [], "missing": [], "changed": [],
+                                                 "runs": []})
         record = {"seed": run.seed, "run_dir": str(run.run_dir), "status": run.status}
         if run.status == "failed":
             entry["failed"].append({"seed": run.seed, "error": run.error, "log": str(run.run_dir / LOG_FILE)})
-        elif run.status == "missing":
-            entry["missing"].append(run.seed)
+        elif run.status in ("missing", "changed"):
+            entry[run.status].append(run.seed)
         else:
             record["values"] = run_values(run, trained, retention)
             if run.summary.get("stopped_early"):
@@ -170,7 +172,7 @@ def table_markdown(table: dict[str, Any], header: list[str]) -> str:
     cols += ["final KL"] + (["final beta"] if has_beta else []) + (["replay KL"] if has_replay else [])
     cols += ["wall s"] + (["process s"] if has_process else []) + ["steps"]
     lines = [*header, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    notes = []
+    notes, changed = [], []
     for c in table["cells"]:
         st = c["stats"]
         seeds = ",".join(map(str, c["seeds"])) or "-"
@@ -179,6 +181,9 @@ def table_markdown(table: dict[str, Any], header: list[str]) -> str:
             notes += [f"- {c['setting']} seed={f['seed']} failed: {f['error']} (log: {f['log']})" for f in c["failed"]]
         if c.get("missing"):
             seeds += f" (not run yet: {','.join(map(str, c['missing']))})"
+        if c.get("changed"):
+            seeds += f" (finished with another config: {','.join(map(str, c['changed']))})"
+            changed += [f"- {r['run_dir']}" for r in c["runs"] if r["status"] == "changed"]
         row = [c["setting"], seeds]
         for name in ([trained] if trained else []) + retention:
             row += [_fmt(st.get(f"{name}/after"), "pct"), _fmt(st.get(f"{name}/change"), "pts")]
@@ -192,6 +197,9 @@ def table_markdown(table: dict[str, Any], header: list[str]) -> str:
         lines += ["", before]
     if notes:
         lines += ["", "Failed runs (rerun the same command to retry them):", *notes]
+    if changed:
+        lines += ["", "Finished with another config, kept as they are and left out of the table (give another "
+                      "--output-dir, or delete these folders, to train them with this one):", *changed]
     return "\n".join(lines) + "\n"
 
 

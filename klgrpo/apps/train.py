@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"klgrpo train: error: {lost}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        from klgrpo.train.run_folder import Terminated
+        from klgrpo.train.stop_signals import Terminated
 
         if isinstance(exc, Terminated):
             print("klgrpo train: terminated (SIGTERM)", file=sys.stderr)

@@ -46,7 +46,7 @@ from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.backends.samplers import AUTO
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
-from klgrpo.train.state_io import StateFileError, load_state, save_state
+from klgrpo.train.state_io import StateFileError, folder_lock, load_state, save_state
 from klgrpo.train import metric_names as m
 from klgrpo.train.validation import validate_replay
 
@@ -129,18 +129,23 @@ class ReplayAnchor:
                 "seed": cfg.train.seed, "system_prompt": cfg.data.system_prompt,
                 "as_chat": bool(getattr(cfg.data, "as_chat", False)), "form": _form(r.estimator)}
         path = Path(run_dir) / CACHE_FILE
-        cache = _load_cache(path, meta, reference, device, log)
-        if cache is None:
-            t0 = time.perf_counter()
-            cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes, sampler)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_state(path.parent, CACHE_STEM, cache.to_dict())
-            kept = "full-vocabulary log-probs" if cache.ref_logsoftmax is not None else "per-token log-probs"
-            log(f"replay anchor: sampled {cache.size} reference completions ({r.completions_per_prompt} per replay "
-                f"prompt) in {time.perf_counter() - t0:.1f} s; cached with the reference's {kept} in {path}")
-            if r.estimator == "full" and cache.ref_logsoftmax is None:
-                log(f"replay anchor: the full-vocabulary cache would exceed {cache_budget_bytes / 2**20:.0f} MiB; "
-                    f"the reference's logits are recomputed for the replay batch each step")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Every rank of a launch builds the anchor: the first to get here samples and writes the cache, the
+        # others wait and load it (the same content: the sampling seed is the run's, not the rank's).
+        with folder_lock(path.parent, on_wait=lambda: log(f"replay anchor: waiting for another process to "
+                                                          f"write {path}")):
+            cache = _load_cache(path, meta, reference, device, log)
+            if cache is None:
+                t0 = time.perf_counter()
+                cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes, sampler)
+                save_state(path.parent, CACHE_STEM, cache.to_dict())
+                kept = "full-vocabulary log-probs" if cache.ref_logsoftmax is not None else "per-token log-probs"
+                log(f"replay anchor: sampled {cache.size} reference completions ({r.completions_per_prompt} per "
+                    f"replay prompt) in {time.perf_counter() - t0:.1f} s; cached with the reference's {kept} in "
+                    f"{path}")
+                if r.estimator == "full" and cache.ref_logsoftmax is None:
+                    log(f"replay anchor: the full-vocabulary cache would exceed {cache_budget_bytes / 2**20:.0f} "
+                        f"MiB; the reference's logits are recomputed for the replay batch each step")
         if r.estimator != "full":
             target = ESTIMATORS[r.estimator].gradient_target("loss", "off_policy_in_graph", level="token")
             if target != "reverse":

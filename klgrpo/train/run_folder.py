@@ -30,10 +30,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +41,8 @@ from klgrpo.errors import ConfigError, warn
 from klgrpo.train.config import safe_load_bounded
 from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
+# loop.py still imports sigterm_as_interrupt from here; it lives in stop_signals.py
+from klgrpo.train.stop_signals import sigterm_as_interrupt  # noqa: F401
 
 LOCK_FILE = ".klgrpo.lock"
 OWNED_FILE = ".klgrpo_owned.json"
@@ -60,10 +60,6 @@ RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints
                       "train.dist_timeout_s", "train.sharded_checkpoints",
                       "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
                       "model.fast_path", "model.lora.save_merged")
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's preemption, ``docker stop``): handled like Ctrl-C, the CLI exits 143."""
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -413,45 +409,5 @@ def _check_lock(run_dir: Path) -> None:
                           f"(if that process is gone, delete {Path(run_dir) / LOCK_FILE})")
 
 
-# --------------------------------------------------------------------------------------------- signals
-class DeferredStop:
-    """Signals received while several processes train: noted here, acted on at the next step boundary, where
-    the ranks agree to stop together (a rank that raised mid-step would leave the others in a collective)."""
-
-    def __init__(self):
-        self.signal: int | None = None
-
-    def interrupt(self) -> KeyboardInterrupt:
-        """What the trainer raises once the ranks agreed to stop (on a rank that saw no signal: Terminated, the
-        launcher's way of stopping a run)."""
-        return KeyboardInterrupt() if self.signal == signal.SIGINT else Terminated()
-
-
-@contextmanager
-def sigterm_as_interrupt(deferred: bool = False):
-    """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt), so the trainer saves the last
-    complete step as on Ctrl-C. ``deferred`` (several processes): SIGTERM and SIGINT are only noted in the
-    yielded ``DeferredStop`` and the trainer stops at the step boundary. Only the main thread can install
-    handlers; elsewhere this does nothing."""
-    stop = DeferredStop()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def _raise(signum, frame):
-        raise Terminated()
-
-    def _note(signum, frame):
-        stop.signal = stop.signal or signum
-
-    signals = (signal.SIGTERM, signal.SIGINT) if deferred else (signal.SIGTERM,)
-    previous = {s: signal.signal(s, _note if deferred else _raise) for s in signals}
-    try:
-        yield stop
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-__all__ = ["timestamped_run_dir", "resolve_auto_resume", "check_run_folder", "open_run_folder", "check_output_dir", "holds_run", "clear_run",
-           "discard_unstarted_run", "RunLock", "Terminated", "DeferredStop", "sigterm_as_interrupt", "RUN_FILES", "LOCK_FILE"]
+__all__ = ["timestamped_run_dir", "resolve_auto_resume", "check_run_folder", "open_run_folder", "check_output_dir",
+           "holds_run", "clear_run", "discard_unstarted_run", "RunLock", "RUN_FILES", "LOCK_FILE"]

@@ -20,8 +20,9 @@ import dataclasses
 import json
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -58,6 +59,33 @@ def save_state(folder: Path, stem: str, tree: Any) -> tuple[Path, Path]:
         write(tmp)
         os.replace(tmp, path)
     return weights, doc
+
+
+@contextmanager
+def folder_lock(folder: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (which must exist) while this process builds what other processes
+    (the ranks of a launch, a second run) then load instead of building it again. The lock is a flock on the
+    directory itself: nothing is written into the folder, and it goes with its process however that ends.
+    ``on_wait`` is called once if another process holds it. Where the platform or the file system has no flock
+    (Windows, some network file systems), nothing is locked: each process builds, and writes atomically."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no flock here
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def load_state(folder: Path, stem: str) -> Any:

@@ -152,6 +152,104 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     return warnings
 
 
+def estimate_step_memory(cfg: GRPOConfig, model_config, dtype_bytes: int, longest_prompt: int,
+                         world_size: int = 1) -> tuple[int, int]:
+    """Low estimates of the peak bytes one step of this rank needs beyond the loaded weights, (rollout, update):
+    the two phases never hold their tensors at the same time (the rollout's cache is freed before the update).
+
+    rollout: every sequence of the rank at once (train.micro_batch_size does not split it); the sampler's key/value
+        cache holds, per layer, keys and values of (longest prompt + rollout.max_new_tokens) positions per sequence
+        (klgrpo's KV loop allocates all of them before the first token; generate's cache grows to that).
+    update, per micro-batch: the logits of the completion positions (the forward keeps only those: logits_to_keep)
+        in the model's dtype, twice: token_logprobs keeps them for the backward, which allocates a gradient of the
+        same shape before it frees them; plus each layer's input over all positions, which autograd keeps for the
+        backward (RMSNorm/LayerNorm need it, with gradient checkpointing too).
+    Everything else (attention scores, MLP activations, the optimizer's moments) is left out: a refused step does
+    not fit once a batch holds the longest prompt and completions of full length, and one that passes may still
+    need more.
+    """
+    r = cfg.rollout
+    sequences = r.prompts_per_step * r.group_size // world_size
+    micro = min(cfg.train.micro_batch_size or sequences, sequences)
+    positions = longest_prompt + r.max_new_tokens
+
+    def field(name: str, default: int = 0) -> int:
+        value = getattr(model_config, name, None)
+        return value if isinstance(value, int) and value > 0 else default
+
+    layers, hidden, vocab = field("num_hidden_layers"), field("hidden_size"), field("vocab_size")
+    heads = field("num_attention_heads", 1)
+    head_dim = field("head_dim", hidden // heads)
+    kv_width = field("num_key_value_heads", heads) * head_dim
+    rollout = sequences * positions * layers * 2 * kv_width * dtype_bytes
+    update = micro * (2 * r.max_new_tokens * vocab + positions * layers * hidden) * dtype_bytes
+    return rollout, update
+
+
+def available_memory_bytes(device) -> int | None:
+    """Free memory where the step runs: CUDA's free device memory, or the host's available physical memory
+    (MemAvailable, else the free pages) on the CPU; None where it cannot be known (MPS, other devices)."""
+    import os
+
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def longest_prompt_tokens(tokenizer, prompts, cfg: GRPOConfig, candidates: int = 64) -> int:
+    """Tokens of the longest prompt as the rollout encodes it; only the ``candidates`` longest by characters are
+    tokenized (a large dataset costs no pass of the tokenizer), so a rare prompt could be longer: the estimate
+    stays low."""
+    from klgrpo.core.rollout import encode_prompts
+
+    longest = sorted(prompts, key=lambda p: len(str(p)), reverse=True)[:candidates]
+    if not longest:
+        return 0
+    texts = encode_prompts(tokenizer, longest, cfg.data.system_prompt, cfg.data.as_chat)
+    return max(len(ids) for ids in tokenizer(texts)["input_ids"])
+
+
+def check_step_memory(cfg: GRPOConfig, model, tokenizer, prompts, world_size: int = 1, device=None,
+                      available_bytes: int | None = None) -> None:
+    """Refuse, before the first rollout, a step that cannot fit (estimate_step_memory) in the memory left on
+    ``device`` (``available_bytes`` if given): without it such a run grinds in swap or dies without a word."""
+    weight = next(model.parameters())
+    device = device or weight.device
+    available = available_bytes if available_bytes is not None else available_memory_bytes(device)
+    if available is None:
+        return
+    longest = longest_prompt_tokens(tokenizer, prompts, cfg)
+    model_config = getattr(model, "config", None)
+    if hasattr(model_config, "get_text_config"):  # a multimodal model's language part holds these fields
+        model_config = model_config.get_text_config()
+    rollout, update = estimate_step_memory(cfg, model_config, weight.dtype.itemsize, longest, world_size)
+    r, gib = cfg.rollout, 2 ** 30
+    sequences = f"rollout.prompts_per_step={r.prompts_per_step} x rollout.group_size={r.group_size} sequences"
+    length = f"of up to {longest} prompt + rollout.max_new_tokens={r.max_new_tokens} tokens"
+    free = f"but {available / gib:.2f} GiB are free on {device}"
+    _need(rollout <= available,
+          f"the rollout needs at least {rollout / gib:.2f} GiB {free}: {sequences} {length}, all sampled at once; "
+          f"lower them (fewer sequences per step, shorter completions); train.micro_batch_size splits only the "
+          f"update, not the rollout")
+    _need(update <= available,
+          f"the update needs at least {update / gib:.2f} GiB {free}: {sequences} {length}; set "
+          f"train.micro_batch_size (sequences per forward/backward) or use fewer sequences per step")
+
+
 #: Float fields for which an infinity means something ("no upper bound").
 _INFINITY_ALLOWED = ("kl.beta_max",)
 #: (field, lowest allowed value, whether the bound itself is allowed, what the field means at its bound)

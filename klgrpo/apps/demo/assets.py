@@ -13,7 +13,9 @@ runs the SFT warm start, and stores the result under the user's cache folder::
         assets.json               manifest (written last)
 
 The folder is assembled under a temporary name and renamed into place, so an interrupted run never
-leaves a half-written cache; a second call with the same settings loads it without training.
+leaves a half-written cache; a second call with the same settings loads it without training. Processes that
+ask at the same time (every rank of ``accelerate launch``) take turns on a lock of ``demo/``: one builds, the
+others wait and load what it built.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from klgrpo.apps.demo.sft import SFTSettings, run_sft
 from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, SPLIT_SEED, make_splits, write_jsonl
 from klgrpo.apps.demo.tokenizer import CHARACTERS, build_char_tokenizer
 from klgrpo.backends.hf import default_cache_root
+from klgrpo.train.state_io import folder_lock
 
 #: Bump whenever the layout or the way the assets are produced changes: old caches are then ignored.
 FORMAT_VERSION = 1
@@ -111,15 +114,27 @@ def prepare_demo_assets(
     settings = settings if settings is not None else DEFAULT_SETTINGS
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()) / "demo"
     final = root / cache_key(seed, settings)
-    cached = _load(final)
+    cached = _cached(final, log)
     if cached is not None:
-        log(f"demo assets: loaded from cache {final}")
         return cached
+    root.mkdir(parents=True, exist_ok=True)
+    # One process builds (under `accelerate launch` every rank gets here at once); the others wait, then load.
+    with folder_lock(root, on_wait=lambda: log(f"demo assets: waiting for another process to build {final}")):
+        return _cached(final, log, " (built by another process)") or _build_into(final, root, seed, settings, log)
 
+
+def _cached(final: Path, log: Callable[[str], None], note: str = "") -> DemoAssets | None:
+    assets = _load(final)
+    if assets is not None:
+        log(f"demo assets: loaded from cache {final}{note}")
+    return assets
+
+
+def _build_into(final: Path, root: Path, seed: int, settings: DemoSettings, log: Callable[[str], None]) -> DemoAssets:
+    """Build the assets in a temporary folder beside ``final`` and rename it into place."""
     if final.exists():
         log(f"demo assets: {final} is incomplete; rebuilding it")
         shutil.rmtree(final)
-    root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     log(f"demo assets: building tokenizer, tiny model (seed {seed}), arithmetic data and SFT warm start in {final}")
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
@@ -128,7 +143,7 @@ def prepare_demo_assets(
         try:
             os.replace(tmp, final)
         except OSError:
-            # Another process finished the same assets first; keep theirs.
+            # Another process finished the same assets first (where folder_lock could not lock); keep theirs.
             if _load(final) is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,52 @@
+"""What a signal does to a training run: SIGTERM (a scheduler's preemption, ``docker stop``) stops it like Ctrl-C,
+after the trainer saved the last complete step; under a launcher, SIGTERM and SIGINT are noted and every rank
+stops together at the next step boundary (train/loop.py; docs/reliability.md)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, ``docker stop``): handled like Ctrl-C, the CLI exits 143."""
+
+
+class DeferredStop:
+    """Signals received while several processes train: noted here, acted on at the next step boundary, where
+    the ranks agree to stop together (a rank that raised mid-step would leave the others in a collective)."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def interrupt(self) -> KeyboardInterrupt:
+        """What the trainer raises once the ranks agreed to stop (on a rank that saw no signal: Terminated, the
+        launcher's way of stopping a run)."""
+        return KeyboardInterrupt() if self.signal == signal.SIGINT else Terminated()
+
+
+@contextmanager
+def sigterm_as_interrupt(deferred: bool = False):
+    """Within the block, SIGTERM raises ``Terminated`` (a KeyboardInterrupt), so the trainer saves the last
+    complete step as on Ctrl-C. ``deferred`` (several processes): SIGTERM and SIGINT are only noted in the
+    yielded ``DeferredStop`` and the trainer stops at the step boundary. Only the main thread can install
+    handlers; elsewhere this does nothing."""
+    stop = DeferredStop()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def _raise(signum, frame):
+        raise Terminated()
+
+    def _note(signum, frame):
+        stop.signal = stop.signal or signum
+
+    signals = (signal.SIGTERM, signal.SIGINT) if deferred else (signal.SIGTERM,)
+    previous = {s: signal.signal(s, _note if deferred else _raise) for s in signals}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
