@@ -135,3 +135,17 @@ def test_free_memory_is_known_on_the_cpu():
     free = available_memory_bytes(torch.device("cpu"))
     assert free is not None and free > 0
     assert available_memory_bytes(torch.device("meta")) is None
+
+
+def test_the_trainer_refuses_a_step_beyond_memory_before_writing_anything(tiny_model_dir, addition_file, tmp_path,
+                                                                         monkeypatch):
+    from tests.helpers.configs import make_config
+
+    from klgrpo.train.trainer import GRPOTrainer
+
+    # The trainer asks the machine how much is free; here the machine has 1 KiB.
+    monkeypatch.setattr("klgrpo.train.validation.available_memory_bytes", lambda device: 1024)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="the rollout needs at least .* rollout.group_size=4"):
+        GRPOTrainer(make_config(tiny_model_dir, addition_file, out), log=lambda m: None)
+    assert not out.exists()

@@ -17,7 +17,8 @@ from klgrpo.train.building import base_model_path
 from klgrpo.train.checkpoint import SHARDS_DIR
 from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume, sigterm_as_interrupt
+from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume
+from klgrpo.train.stop_signals import sigterm_as_interrupt
 from klgrpo.train.tally import StepTally
 
 

@@ -41,8 +41,6 @@ from klgrpo.errors import ConfigError, warn
 from klgrpo.train.config import safe_load_bounded
 from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
 from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
-# loop.py still imports sigterm_as_interrupt from here; it lives in stop_signals.py
-from klgrpo.train.stop_signals import sigterm_as_interrupt  # noqa: F401
 
 LOCK_FILE = ".klgrpo.lock"
 OWNED_FILE = ".klgrpo_owned.json"

@@ -53,6 +53,7 @@ from klgrpo.train.loop import run_training
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.state_io import to_device
 from klgrpo.train.terms import build_kl_controller, kl_term, policy_term
+from klgrpo.train.validation import check_step_memory
 
 
 class GRPOTrainer:
@@ -113,6 +114,11 @@ class GRPOTrainer:
         # The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy).
         self.reference = (build_reference(self.model, own_reference, adapter=cfg.model.lora.r > 0,
                                           fast_path=cfg.model.fast_path) if self.needs_reference else None)
+        # A step that cannot fit in the free memory is refused now, not after minutes of swapping.
+        prompts = getattr(self.dataset, "prompts", None)
+        check_step_memory(cfg, self.model, self.tokenizer,
+                          prompts if prompts is not None else [row["prompt"] for row in self.dataset],
+                          self.dist.world_size, self.device)
         # What trains the policy. The loss's forward runs the policy, or with train.compile its compiled wrapper
         # (same weights); sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
