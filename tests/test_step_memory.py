@@ -14,6 +14,12 @@ from klgrpo.train.validation import available_memory_bytes, check_step_memory, e
 GIB = 2 ** 30
 
 
+def _longest(tokenizer, prompts, cfg) -> int:
+    from klgrpo.core.rollout import longest_prompt_tokens
+
+    return longest_prompt_tokens(tokenizer, prompts, cfg.data.system_prompt, cfg.data.as_chat)
+
+
 def _cfg(prompts=2, group=4, new_tokens=3, micro=0) -> GRPOConfig:
     return GRPOConfig.from_dict({"rollout": {"prompts_per_step": prompts, "group_size": group,
                                              "max_new_tokens": new_tokens},
@@ -75,8 +81,8 @@ def demo_pieces(tmp_path_factory):
 
 def test_the_demo_passes_on_this_machine(demo_pieces):
     cfg, model, tokenizer, prompts = demo_pieces
-    check_step_memory(cfg, model, tokenizer, prompts)  # the machine's own free memory
-    check_step_memory(cfg, model, tokenizer, prompts, available_bytes=64 * 2 ** 20)  # and a 64 MiB budget
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg))  # the machine's own free memory
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=64 * 2 ** 20)  # and a 64 MiB budget
 
 
 def test_a_demo_rollout_far_beyond_memory_is_refused_in_one_line(demo_pieces):
@@ -87,7 +93,7 @@ def test_a_demo_rollout_far_beyond_memory_is_refused_in_one_line(demo_pieces):
     cfg.rollout.group_size = 100000
     cfg.train.micro_batch_size = 8
     with pytest.raises(ConfigError) as refused:
-        check_step_memory(cfg, model, tokenizer, prompts, available_bytes=16 * GIB)
+        check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=16 * GIB)
     message = str(refused.value)
     assert "\n" not in message
     for part in (f"the rollout needs at least {32 * 100000 * 10240 / GIB:.2f} GiB but 16.00 GiB are free",
@@ -107,12 +113,12 @@ def test_an_update_beyond_memory_points_at_micro_batches(tiny_model_dir):
     # rollout 64 x 9 x 1 x 2 x 32 x 4 = 147456; update 64 x (2 x 3 x 1000 + 9 x 32) x 4 = 1609728
     cfg, prompts = _cfg(prompts=8, group=8), ["12+34=", "1+2="]
     with pytest.raises(ConfigError, match="the update needs at least .*; set train.micro_batch_size"):
-        check_step_memory(cfg, model, tokenizer, prompts, available_bytes=1609727)
-    check_step_memory(cfg, model, tokenizer, prompts, available_bytes=1609728)
+        check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=1609727)
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=1609728)
     cfg.train.micro_batch_size = 8  # an eighth of the update: 201216
-    check_step_memory(cfg, model, tokenizer, prompts, available_bytes=201216)
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=201216)
     with pytest.raises(ConfigError, match="the rollout needs at least"):
-        check_step_memory(cfg, model, tokenizer, prompts, available_bytes=147455)
+        check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=147455)
 
 
 def test_a_tiny_budget_refuses_what_a_larger_one_accepts(tiny_model_dir):
@@ -124,9 +130,9 @@ def test_a_tiny_budget_refuses_what_a_larger_one_accepts(tiny_model_dir):
     # 6 tokens of "12+34=" (a character each) + 3 = 9 positions; one layer of 32, two heads of 16, float32;
     # rollout 8 x 9 x 1 x 2 x 32 x 4 = 18432; update 8 x (2 x 3 x vocab + 9 x 32) x 4
     need = max(18432, 8 * (6 * model.config.vocab_size + 9 * 32) * 4)  # the larger phase
-    check_step_memory(cfg, model, tokenizer, prompts, available_bytes=need)
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=need)
     with pytest.raises(ConfigError, match="rollout.group_size=4"):
-        check_step_memory(cfg, model, tokenizer, prompts, available_bytes=need - 1)
+        check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=need - 1)
 
 
 def test_free_memory_is_known_on_the_cpu():

@@ -130,3 +130,14 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         completions=completions,
     )
 
+
+def longest_prompt_tokens(tokenizer, prompts, system_prompt: str = "", as_chat: bool = False,
+                          candidates: int = 64) -> int:
+    """Tokens of the longest prompt as a rollout encodes it; only the ``candidates`` longest by characters are
+    tokenized (a large dataset costs no pass of the tokenizer), so a rare prompt could be longer: an estimate
+    built on it stays low."""
+    longest = sorted(prompts, key=lambda p: len(str(p)), reverse=True)[:candidates]
+    if not longest:
+        return 0
+    texts = encode_prompts(tokenizer, longest, system_prompt, as_chat)
+    return max(len(ids) for ids in tokenizer(texts)["input_ids"])

@@ -42,7 +42,7 @@ from klgrpo.math.full_kl import FULL_KL
 from klgrpo.core.loss_api import LossInput, call_loss, resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardSpec
-from klgrpo.core.rollout import SamplingParams, generate_groups
+from klgrpo.core.rollout import SamplingParams, generate_groups, longest_prompt_tokens
 from klgrpo.core.batch import StepBatch
 from klgrpo.train import metric_names as names
 from klgrpo.train.step_metrics import StepSums, step_metrics
@@ -111,14 +111,16 @@ class GRPOTrainer:
             log("building the reference model")
         own_reference = (load_reference_model(cfg.kl.reference, cfg.model, self.device, self.model)
                          if self.needs_reference and cfg.kl.reference else None)
+        # The longest prompt as the rollout encodes it: what a step's memory is estimated from.
+        prompts = getattr(self.dataset, "prompts", None)
+        longest_prompt = longest_prompt_tokens(
+            self.tokenizer, prompts if prompts is not None else [row["prompt"] for row in self.dataset],
+            cfg.data.system_prompt, cfg.data.as_chat)
         # The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy).
         self.reference = (build_reference(self.model, own_reference, adapter=cfg.model.lora.r > 0,
                                           fast_path=cfg.model.fast_path) if self.needs_reference else None)
-        # A step that cannot fit in the free memory is refused now, not after minutes of swapping.
-        prompts = getattr(self.dataset, "prompts", None)
-        check_step_memory(cfg, self.model, self.tokenizer,
-                          prompts if prompts is not None else [row["prompt"] for row in self.dataset],
-                          self.dist.world_size, self.device)
+        # A step beyond the free memory is refused here, not after minutes of swapping.
+        check_step_memory(cfg, self.model, longest_prompt, self.dist.world_size, self.device)
         # What trains the policy. The loss's forward runs the policy, or with train.compile its compiled wrapper
         # (same weights); sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model

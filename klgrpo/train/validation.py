@@ -210,29 +210,16 @@ def available_memory_bytes(device) -> int | None:
         return None
 
 
-def longest_prompt_tokens(tokenizer, prompts, cfg: GRPOConfig, candidates: int = 64) -> int:
-    """Tokens of the longest prompt as the rollout encodes it; only the ``candidates`` longest by characters are
-    tokenized (a large dataset costs no pass of the tokenizer), so a rare prompt could be longer: the estimate
-    stays low."""
-    from klgrpo.core.rollout import encode_prompts
-
-    longest = sorted(prompts, key=lambda p: len(str(p)), reverse=True)[:candidates]
-    if not longest:
-        return 0
-    texts = encode_prompts(tokenizer, longest, cfg.data.system_prompt, cfg.data.as_chat)
-    return max(len(ids) for ids in tokenizer(texts)["input_ids"])
-
-
-def check_step_memory(cfg: GRPOConfig, model, tokenizer, prompts, world_size: int = 1, device=None,
+def check_step_memory(cfg: GRPOConfig, model, longest: int, world_size: int = 1, device=None,
                       available_bytes: int | None = None) -> None:
     """Refuse, before the first rollout, a step that cannot fit (estimate_step_memory) in the memory left on
-    ``device`` (``available_bytes`` if given): without it such a run grinds in swap or dies without a word."""
+    ``device`` (``available_bytes`` if given): without it such a run grinds in swap or dies without a word.
+    ``longest``: the tokens of the longest prompt (core.rollout.longest_prompt_tokens)."""
     weight = next(model.parameters())
     device = device or weight.device
     available = available_bytes if available_bytes is not None else available_memory_bytes(device)
     if available is None:
         return
-    longest = longest_prompt_tokens(tokenizer, prompts, cfg)
     model_config = getattr(model, "config", None)
     if hasattr(model_config, "get_text_config"):  # a multimodal model's language part holds these fields
         model_config = model_config.get_text_config()
