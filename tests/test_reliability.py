@@ -423,9 +423,11 @@ def test_replay_cache_with_a_pickle_payload_is_resampled_not_run(tiny_model_dir,
     messages = []
     cfg = make_config(tiny_model_dir, addition_file, run, kl={"coef": 0.1, "replay": {
         "coef": 1.0, "source": str(addition_file), "num_prompts": 4, "batch_size": 4}}, **FAST)
-    GRPOTrainer(cfg, log=messages.append)
+    trainer = GRPOTrainer(cfg, log=messages.append)
     assert any("cannot read" in m and "sampling a new cache" in m for m in messages)
     assert not (tmp_path / "PWNED").exists()
+    assert (run / "replay_cache.json").read_bytes() == payload  # the folder is not the run's before train()
+    trainer.train()
     assert json.loads((run / "replay_cache.json").read_text())["format"] == 1
 
 

@@ -251,6 +251,25 @@ def test_trainer_logs_replay_and_resumes_identically(tiny_model_dir, addition_fi
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_refused_run_leaves_another_runs_replay_cache_alone(tiny_model_dir, addition_file, subtraction_file,
+                                                              tmp_path):
+    """GRPOTrainer(...) builds the anchor before train() opens the folder: in a folder that holds a run, a cache
+    sampled for other settings waits until the run may write there (--overwrite), and a refused run writes nothing."""
+    import json
+
+    groups = dict(train={"steps": 1}, kl={"coef": 0.1, "replay": {**REPLAY, "source": str(subtraction_file)}})
+    run = tmp_path / "run"
+    GRPOTrainer(make_config(tiny_model_dir, addition_file, run, **groups), log=quiet).train()
+    before = {p.name: p.read_bytes() for p in run.glob("replay_cache.*")}
+    assert sorted(before) == ["replay_cache.json", "replay_cache.safetensors"]
+    other = make_config(tiny_model_dir, addition_file, run, **groups).override({"kl.replay.num_prompts": 3})
+    with pytest.raises(ConfigError, match="already holds a run"):
+        GRPOTrainer(other, log=quiet).train()
+    assert {p.name: p.read_bytes() for p in run.glob("replay_cache.*")} == before
+    GRPOTrainer(other, log=quiet).train(overwrite=True)
+    assert json.loads((run / CACHE_FILE).read_text())["tree"]["meta"]["num_prompts"] == 3
+
+
 def test_replay_share_is_the_magnitude_share_in_0_1():
     from klgrpo.train.replay import replay_share
 

@@ -34,6 +34,8 @@ def run_training(trainer, resume: str | None = None, overwrite: bool = False,
         resume, overwrite = dist.agreed(lambda: resolve_auto_resume(trainer.run_dir, cfg), shared=True)
     lock = dist.agreed(lambda: open_run_folder(trainer.run_dir, cfg, resume, overwrite, log=trainer.log))
     trainer._run_lock = lock
+    if trainer.replay is not None and dist.is_main:
+        trainer.replay.write_cache()  # sampled before the folder was open: written now that it is this run's
     try:
         return _train(trainer, resume, summary_extras)
     finally:

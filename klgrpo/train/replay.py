@@ -103,6 +103,7 @@ class ReplayAnchor:
     def __init__(self, cache: ReplayCache, *, coef: float, estimator: str, batch_size: int, seed: int,
                  micro_batch_size: int = 0, log_ratio_clamp: float | None = 20.0, reference=None):
         self.cache = cache
+        self.unwritten: Path | None = None  # where build(write_now=False) will write the cache (write_cache)
         self.coef = float(coef)
         self.estimator = estimator
         self.batch_size = min(int(batch_size), cache.size)
@@ -117,9 +118,12 @@ class ReplayAnchor:
     # ------------------------------------------------------------------------------------------- build
     @classmethod
     def build(cls, cfg, model, tokenizer, reference, run_dir: str | Path, *, log: Callable[[str], None] = print,
-              cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, sampler: str = AUTO) -> "ReplayAnchor":
+              cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, sampler: str = AUTO,
+              write_now: bool = True) -> "ReplayAnchor":
         """Load ``<run_dir>/replay_cache.*`` when it matches these settings and this reference; else sample
-        the completions from the reference once, with ``sampler`` (the run's), and write the cache."""
+        the completions from the reference once, with ``sampler`` (the run's), and write the cache, or with
+        ``write_now=False`` keep it for ``write_cache`` (a folder that holds files is written only once the run
+        has opened it: it may be another run's, which nothing may change unasked)."""
         r = cfg.kl.replay
         _check_settings(cfg, reference)
         device = next(model.parameters()).device
@@ -134,15 +138,18 @@ class ReplayAnchor:
         # others wait and load it (the same content: the sampling seed is the run's, not the rank's).
         with folder_lock(path.parent, on_wait=lambda: log(f"replay anchor: waiting for another process to "
                                                           f"write {path}")):
-            cache = _load_cache(path, meta, reference, device, log)
+            cache, unwritten = _load_cache(path, meta, reference, device, log), None
             if cache is None:
                 t0 = time.perf_counter()
                 cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes, sampler)
-                save_state(path.parent, CACHE_STEM, cache.to_dict())
+                if write_now:
+                    save_state(path.parent, CACHE_STEM, cache.to_dict())
+                else:
+                    unwritten = path
                 kept = "full-vocabulary log-probs" if cache.ref_logsoftmax is not None else "per-token log-probs"
                 log(f"replay anchor: sampled {cache.size} reference completions ({r.completions_per_prompt} per "
                     f"replay prompt) in {time.perf_counter() - t0:.1f} s; cached with the reference's {kept} in "
-                    f"{path}")
+                    f"{path}{'' if write_now else ' once the run has opened its folder'}")
                 if r.estimator == "full" and cache.ref_logsoftmax is None:
                     log(f"replay anchor: the full-vocabulary cache would exceed {cache_budget_bytes / 2**20:.0f} "
                         f"MiB; the reference's logits are recomputed for the replay batch each step")
@@ -152,9 +159,17 @@ class ReplayAnchor:
                 warn(f"kl.replay.estimator={r.estimator} on reference samples (importance weight in the "
                      f"graph) has an expected gradient that follows {target!r}, not the reverse KL; use 'full', "
                      f"k1 or k3")
-        return cls(cache, coef=r.coef, estimator=r.estimator, batch_size=r.batch_size, seed=cfg.train.seed,
-                   micro_batch_size=cfg.train.micro_batch_size, log_ratio_clamp=cfg.kl.log_ratio_clamp,
-                   reference=reference)
+        anchor = cls(cache, coef=r.coef, estimator=r.estimator, batch_size=r.batch_size, seed=cfg.train.seed,
+                     micro_batch_size=cfg.train.micro_batch_size, log_ratio_clamp=cfg.kl.log_ratio_clamp,
+                     reference=reference)
+        anchor.unwritten = unwritten
+        return anchor
+
+    def write_cache(self) -> None:
+        """Write the cache ``build(write_now=False)`` kept (nothing if it was loaded or already written)."""
+        if self.unwritten is not None:
+            save_state(self.unwritten.parent, CACHE_STEM, self.cache.to_dict())
+            self.unwritten = None
 
     # -------------------------------------------------------------------------------------------- step
     def per_token_kl(self, logits_BTV: Tensor, rows: Tensor) -> Tensor:

@@ -136,8 +136,10 @@ class GRPOTrainer:
         if cfg.kl.replay.coef > 0 and (self.dist.is_main or self.engine.kind != "single"):
             from klgrpo.train.replay import ReplayAnchor
 
+            # A new or empty folder gets the cache now; one that holds files only once train() has opened it.
+            fresh = not self.run_dir.is_dir() or not any(self.run_dir.iterdir())
             self.replay = ReplayAnchor.build(cfg, self.model, self.tokenizer, self.reference, self.run_dir, log=log,
-                                             sampler=self.rollout_sampler)
+                                             sampler=self.rollout_sampler, write_now=fresh)
         if self.engine.kind != "single":
             self.train_forward, self.optimizer = self.engine.prepare(self.model, self.optimizer)
             self.engine.prepare_reference(self.reference)
