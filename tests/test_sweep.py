@@ -13,6 +13,7 @@ import pytest
 
 from klgrpo.apps import sweep, sweep_table
 from klgrpo.apps.sweep import Cell, Run, SweepError, aggregate, build_table, cells_of, parse_grid, run_sweep
+from klgrpo.apps.train import resolved_config
 
 FAKE_TRAIN = textwrap.dedent("""
     import json, pathlib, sys
@@ -223,7 +224,7 @@ def test_demo_override_equal_to_the_library_default_is_a_new_cell(fake_trainer, 
     run = Run(cells[0], 0, tmp_path / "r")
     assert sweep.run_identity(run, None, ["--kl.replay.coef", "1"]) == sweep.run_identity(run, None, [])
     argv = sweep.run_argv(run, None, [])[len(sweep.train_argv_prefix()):]
-    assert sweep.resolved_train_config(argv).kl.replay.coef == 1.0
+    assert resolved_config(argv).kl.replay.coef == 1.0
 
 
 def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):

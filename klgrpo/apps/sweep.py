@@ -53,6 +53,7 @@ from klgrpo.apps.sweep_plan import (RESERVED, SweepError, cells_of, overrides_in
 from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
                                      build_table, plot, plot_vs_beta, process_seconds, runs_span, skill_names,
                                      table_header, table_markdown)
+from klgrpo.apps.train import resolved_config
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
 
@@ -125,26 +126,12 @@ def run_identity(run: Run, config: str | None, extra: list[str]) -> str:
 
     argv = run_argv(run, config, extra)[len(train_argv_prefix()):]
     try:
-        resolved = resolved_train_config(argv).to_dict()
+        resolved = resolved_config(argv).to_dict()
         resolved["train"].pop("output_dir", None)
         payload = {"config": resolved}
     except KLGRPOError:
         payload = {"argv": argv[:-2]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def resolved_train_config(argv: list[str]):
-    """The config ``klgrpo train ARGV`` trains with: with no model configured, the demo's (its defaults and its
-    adaptations laid under the arguments; the assets are located, not built)."""
-    from klgrpo.apps.args import parse_args as parse_train_args
-
-    cfg = parse_train_args(argv)[0]
-    if cfg.model.name_or_path:
-        return cfg
-    from klgrpo.apps.demo.assets import planned_demo_assets
-    from klgrpo.apps.demo_run import demo_args
-
-    return demo_args(argv, planned_demo_assets(seed=cfg.train.seed), cfg.train.seed)[0]
 
 
 def _finished_identity(run_dir: Path) -> str | None:

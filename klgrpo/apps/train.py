@@ -67,6 +67,19 @@ def main(argv: list[str]) -> int:
         return 130
 
 
+def resolved_config(argv: list[str]):
+    """The config ``klgrpo train ARGV`` trains with: with no model configured, the demo's (its defaults and its
+    adaptations laid under the arguments; the assets are located, not built)."""
+    command = read_argv(argv)
+    cfg = command.config()
+    if cfg.model.name_or_path:
+        return cfg
+    from klgrpo.apps.demo.assets import planned_demo_assets
+    from klgrpo.apps.demo_run import demo_args
+
+    return demo_args(command, planned_demo_assets(seed=cfg.train.seed), cfg.train.seed, cfg)[0]
+
+
 def _lost_peer_message(exc: BaseException) -> str | None:
     if "torch" not in sys.modules:  # failed before any process group could exist
         return None
