@@ -464,3 +464,10 @@ def test_demo_coef_sweep_fixes_beta_unless_told(tmp_path):
     assert "fixed" not in told and "--kl.controller dual" in told
     other = Run(Cell((("kl.replay.coef", "1"),)), 0, tmp_path / "r")
     assert "--kl.controller" not in " ".join(sweep.run_argv(other, None, []))
+
+
+def test_a_grid_value_out_of_range_refuses_the_sweep_before_any_run(tmp_path):
+    cells = cells_of(parse_grid(["kl.coef=0,-1"]))
+    with pytest.raises(SweepError, match=r"kl.coef=-1 seed=0: kl.coef must be >= 0; nothing was run"):
+        run_sweep(cells, [0], tmp_path / "s", None, ["--train.steps", "2"], log=quiet)
+    assert not (tmp_path / "s").exists()

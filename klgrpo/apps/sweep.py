@@ -134,6 +134,16 @@ def run_identity(run: Run, config: str | None, extra: list[str]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def check_run_configs(runs: list[Run], config: str | None, extra: list[str]) -> None:
+    """Refuse the sweep, before any run starts, when a run's config does not resolve or validate (a --grid value
+    out of range, a misspelt field): one line naming the run, instead of a failure an hour into the sweep."""
+    for run in runs:
+        try:
+            resolved_config(run_argv(run, config, extra)[len(train_argv_prefix()):]).validate()
+        except KLGRPOError as exc:
+            raise SweepError(f"{run.cell.name} seed={run.seed}: {exc}; nothing was run") from None
+
+
 def _finished_identity(run_dir: Path) -> str | None:
     try:
         return json.loads((run_dir / IDENTITY_FILE).read_text()).get("identity")
@@ -258,6 +268,7 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
     runs = plan_runs(cells, seeds, out)
     identities = {id(run): run_identity(run, config, extra) for run in runs}
     todo, found = sort_runs(runs, identities)
+    check_run_configs(todo, config, extra)
     done = len(runs) - len(todo)
     settings = len({run.cell.name for run in runs})
     log(f"klgrpo sweep: {settings} settings, {len(runs)} runs in {out}" + (f" ({found})" if found else ""))
