@@ -119,8 +119,10 @@ class GRPOTrainer:
         # The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy).
         self.reference = (build_reference(self.model, own_reference, adapter=cfg.model.lora.r > 0,
                                           fast_path=cfg.model.fast_path) if self.needs_reference else None)
-        # A step beyond the free memory is refused here, not after minutes of swapping.
-        check_step_memory(cfg, self.model, longest_prompt, self.dist.world_size, self.device)
+        # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every
+        # rank gets its verdict: no rank is left waiting in a collective for one that refused).
+        self.dist.agreed(lambda: check_step_memory(cfg, self.model, longest_prompt, self.dist.world_size,
+                                                   self.device))
         # What trains the policy. The loss's forward runs the policy, or with train.compile its compiled wrapper
         # (same weights); sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
