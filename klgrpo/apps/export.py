@@ -29,7 +29,7 @@ def export(checkpoint: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from klgrpo.train.checkpoint import SHARDS_DIR
-    from klgrpo.train.engine import load_sharded_weights
+    from klgrpo.train.sharded_checkpoint import load_sharded_weights
 
     shards = checkpoint / SHARDS_DIR
     if not (checkpoint / "config.json").is_file():

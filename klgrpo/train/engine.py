@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.errors import ConfigError
+from klgrpo.train.sharded_checkpoint import load_sharded, save_sharded
 
 
 def _env_flag(name: str) -> bool:
@@ -145,10 +146,12 @@ class Engine:
         LoRA reference is the policy itself with adapters off, sharded with it."""
         from klgrpo.core.reference import FrozenCopyReference
 
-        if not self.shards_parameters or not isinstance(reference, FrozenCopyReference):
+        if not self.shards_parameters or reference is None:
+            return
+        reference.fast_path = False  # its forward must run the sharded module's hooks (also the LoRA policy's)
+        if not isinstance(reference, FrozenCopyReference):
             return
         model = reference.model
-        reference.fast_path = False  # its forward must run the sharded module's hooks
         if self.kind == "fsdp2":
             from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
@@ -270,29 +273,10 @@ class Engine:
         inner.load_state_dict(state)
 
     def save_sharded(self, folder: Path, model, optimizer) -> None:
-        """Every rank writes its shards of the weights and the AdamW moments into ``folder`` (safetensors files,
-        one per rank, with torch.distributed.checkpoint's sharding metadata in their headers: nothing pickled)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
-
-        flat, _, _ = _flat_state(model, optimizer)
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(
-            str(folder), save_distributed=torch.distributed.is_initialized()))
+        save_sharded(folder, model, optimizer)
 
     def load_sharded(self, folder: Path, model, optimizer) -> None:
-        """The inverse of ``save_sharded`` on any process count: torch.distributed.checkpoint reads the parts of
-        the saved shards that make up this rank's shards (every tensor must be in the checkpoint)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageReader
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        flat, optim_state, tied = _flat_state(model, optimizer)
-        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
-        model_state = {k.removeprefix("model."): v for k, v in flat.items() if k.startswith("model.")}
-        model_state.update({alias: model_state[kept] for alias, kept in tied.items()})
-        moments = {fqn: {k: flat[f"optimizer.{fqn}.{k}"] for k in s} for fqn, s in optim_state["state"].items()}
-        set_state_dict(model, getattr(optimizer, "optimizer", optimizer), model_state_dict=model_state,
-                       optim_state_dict={"state": moments, "param_groups": optim_state["param_groups"]})
+        load_sharded(folder, model, optimizer)
 
     def load_adapter(self, model, ckpt: Path) -> None:
         """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
@@ -334,49 +318,6 @@ def _check_complete_state(model, names, path: Path) -> None:
                 else f"holds {len(unexpected)} weights the model does not have (first: {unexpected[0]})")
         raise ConfigError(f"{path} {what}: it is not a checkpoint of this model; resume from an intact checkpoint "
                           f"of this run")
-
-
-def load_sharded_weights(model, folder: Path) -> None:
-    """The weights of a sharded checkpoint folder (``save_sharded``) into a whole model in this process (its
-    AdamW moments are not read)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    state = model.state_dict()
-    tied = _tied_names(state)
-    flat = {f"model.{k}": v for k, v in state.items() if k not in tied}
-    dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(folder)))
-    loaded = {k.removeprefix("model."): v for k, v in flat.items()}
-    model.load_state_dict({**loaded, **{alias: loaded[name] for alias, name in tied.items()}})
-
-
-def _tied_names(state: dict[str, Tensor]) -> dict[str, str]:
-    """{second name: first name} of the tensors that share storage and shape (tied weights; a DTensor by its
-    local shard): such a tensor is stored once, as save_pretrained does."""
-    first: dict[tuple, str] = {}
-    tied: dict[str, str] = {}
-    for name, value in state.items():
-        local = value.to_local() if hasattr(value, "to_local") else value
-        key = (local.data_ptr(), tuple(value.shape))
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
-    return tied
-
-
-def _flat_state(model, optimizer) -> tuple[dict[str, Tensor], dict, dict[str, str]]:
-    """{"model.<name>": weight, "optimizer.<name>.<exp_avg|exp_avg_sq|step>": moment} (this rank's shards under
-    FSDP2), the optimizer's state dict in torch's name-keyed form (its param_groups are kept from the live
-    optimizer: they follow from the config), and the tied weights' second names {alias: name kept} (a tensor
-    is stored once, as save_pretrained does)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
-    tied = _tied_names(model_state)
-    flat = {f"model.{k}": v for k, v in model_state.items() if k not in tied}
-    flat.update({f"optimizer.{fqn}.{k}": v for fqn, s in optim_state["state"].items() for k, v in s.items()})
-    return flat, optim_state, tied
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:
