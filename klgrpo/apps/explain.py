@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
         "source": source,
         "config": mapped.nested(),
         "gradient": {name: v.target for name, v in verdicts.items()},
-        "gradient_detail": {name: v.as_dict() for name, v in verdicts.items()},
+        "gradient_detail": {name: asdict(v) for name, v in verdicts.items()},
         "value": values[0] if len(values) == 1 else values,
         "controller": controller_rule(cfg),
         "aggregation": {"name": aggregation, "weighting": AGGREGATION_WEIGHTING[aggregation]},

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from klgrpo.apps.commands import command_parser
@@ -73,7 +74,7 @@ def _from_run(run_dir: str, json_path: str | None) -> int:
     stats = _or_error(lambda: analyse_run(run_dir))
     if stats is None:
         return 2
-    _show(format_stats(stats), json_path, lambda: {"run_dir": str(run_dir), "dumps": [s.as_dict() for s in stats]})
+    _show(format_stats(stats), json_path, lambda: {"run_dir": str(run_dir), "dumps": [asdict(s) for s in stats]})
     return 0
 
 

@@ -73,9 +73,6 @@ class CustomLossRow:
     norm_ratio: float         # ||g|| / ||grad KL(pi||ref)||
     policy_part: float
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class CustomLossReport:
@@ -96,7 +93,7 @@ class CustomLossReport:
 
     def as_dict(self) -> dict:
         return {"loss": self.loss, "signature": self.signature, "coefficient": self.coefficient,
-                "rows": [r.as_dict() for r in self.rows], "accepted": self.accepted,
+                "rows": [asdict(r) for r in self.rows], "accepted": self.accepted,
                 "accepted_on_policy": self.accepted_on_policy}
 
 

@@ -10,7 +10,7 @@ masked tokens, the mean, the 50/90/99th percentiles (linear interpolation betwee
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,9 +35,6 @@ class EstimatorStats:
     max: float
     frac_negative: float | None   # k1 only
     clamp_frac: float             # |log-ratio| > clamp (where k3 is clamped)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def quantile(sorted_x: Tensor, q: float) -> float:

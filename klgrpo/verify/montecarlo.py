@@ -15,7 +15,7 @@ seed should be re-run with a different seed before it is believed, a failure for
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -52,9 +52,6 @@ class MonteCarloCheck:
     max_z: float       # largest |mean - exact| / standard error (over coordinates for a gradient)
     threshold: float
     passed: bool
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _max_z(per_sample_ND: Tensor, exact_D: Tensor) -> float:

@@ -74,9 +74,6 @@ class OptimumResult(OptimumConfig):
     expected_exact: bool       # the sequence-level table declares the gradient exact (reverse, token sum)
     passed: bool
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def reference_theta() -> torch.Tensor:
     return torch.zeros(len(TOY.prefixes), 3, dtype=torch.float64)

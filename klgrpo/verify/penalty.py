@@ -31,7 +31,7 @@ normalisation (a large group's mean is a baseline with zero expected gradient; i
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -130,9 +130,6 @@ class GradientCheck:
     rel_err_forward: float   # ||g - grad_fwd|| / ||grad_rev||
     norm_ratio: float        # ||g|| / ||grad_rev||
     rtol: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from klgrpo.core.threads import torch_threads
 from klgrpo.math.kl import ESTIMATORS
@@ -36,14 +36,14 @@ class VerifyReport:
 
     def as_dict(self) -> dict:
         return {
-            "rows": [r.as_dict() for r in self.rows],
-            "first_epoch": [r.as_dict() for r in self.first_epoch],
-            "migration": [r.as_dict() for r in self.migration],
+            "rows": [asdict(r) for r in self.rows],
+            "first_epoch": [asdict(r) for r in self.first_epoch],
+            "migration": [asdict(r) for r in self.migration],
             "values": self.values,
-            "full_kl": [r.as_dict() for r in self.full_kl],
+            "full_kl": [asdict(r) for r in self.full_kl],
             "full_kl_values": self.full_kl_values,
-            "monte_carlo": [m.as_dict() for m in self.monte_carlo],
-            "optimum": [o.as_dict() for o in self.optimum],
+            "monte_carlo": [asdict(m) for m in self.monte_carlo],
+            "optimum": [asdict(o) for o in self.optimum],
             "seconds": self.seconds,
             "passed": self.passed,
         }

@@ -18,7 +18,7 @@ still acts through the graph), ``off_policy`` a later update (pi_old = mu != pi,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,9 +41,6 @@ class GradientVerdict:
     scale: float           # g = scale * sum(coef) * grad KL for reverse / forward; 0 otherwise
     cosine_reverse: float
     cosine_forward: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _problems(sampling: str):
