@@ -70,14 +70,15 @@ def demo_args(argv: list[str] | CommandLine, assets, seed: int,
 
 
 def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_config: bool = False,
-             overwrite: bool = False) -> int:
+             overwrite: bool = False, user: GRPOConfig | None = None) -> int:
     """The demo with the user's arguments: ``argv`` as given, or already read (``klgrpo train`` reads it once and
-    hands over its CommandLine, whose options then replace ``resume``, ``print_config`` and ``overwrite``)."""
+    hands over its CommandLine, whose options then replace ``resume``, ``print_config`` and ``overwrite``, with
+    ``user``, the arguments over klgrpo's defaults that it resolved already)."""
     t0 = time.perf_counter()
     command = _command(argv)
     if isinstance(argv, CommandLine):
         resume, print_config, overwrite = command.resume, command.print_config, command.overwrite
-    user = command.config()  # the user's arguments over klgrpo's defaults: the seed, and what the user chose
+    user = user or command.config()  # the user's arguments over klgrpo's defaults: the seed, what the user chose
     seed = user.train.seed
     # Under `accelerate launch` every process runs this: the banners and progress lines come from rank 0 only.
     say = print if os.environ.get("RANK", "0") == "0" else _silent

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
             from klgrpo.apps.demo_run import run_demo
 
             _early_checks_of_demo(cfg, opts)
-            return run_demo(command)
+            return run_demo(command, user=cfg)  # the config resolved once, above
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0

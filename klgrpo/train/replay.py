@@ -101,9 +101,10 @@ class ReplayAnchor:
     """coef * KL(pi || ref) on cached reference completions of replay prompts; see the module docstring."""
 
     def __init__(self, cache: ReplayCache, *, coef: float, estimator: str, batch_size: int, seed: int,
-                 micro_batch_size: int = 0, log_ratio_clamp: float | None = 20.0, reference=None):
+                 micro_batch_size: int = 0, log_ratio_clamp: float | None = 20.0, reference=None,
+                 unwritten: Path | None = None):
         self.cache = cache
-        self.unwritten: Path | None = None  # where build(write_now=False) will write the cache (write_cache)
+        self.unwritten = unwritten  # where write_cache writes a cache that build(write_now=False) kept
         self.coef = float(coef)
         self.estimator = estimator
         self.batch_size = min(int(batch_size), cache.size)
@@ -159,11 +160,9 @@ class ReplayAnchor:
                 warn(f"kl.replay.estimator={r.estimator} on reference samples (importance weight in the "
                      f"graph) has an expected gradient that follows {target!r}, not the reverse KL; use 'full', "
                      f"k1 or k3")
-        anchor = cls(cache, coef=r.coef, estimator=r.estimator, batch_size=r.batch_size, seed=cfg.train.seed,
-                     micro_batch_size=cfg.train.micro_batch_size, log_ratio_clamp=cfg.kl.log_ratio_clamp,
-                     reference=reference)
-        anchor.unwritten = unwritten
-        return anchor
+        return cls(cache, coef=r.coef, estimator=r.estimator, batch_size=r.batch_size, seed=cfg.train.seed,
+                   micro_batch_size=cfg.train.micro_batch_size, log_ratio_clamp=cfg.kl.log_ratio_clamp,
+                   reference=reference, unwritten=unwritten)
 
     def write_cache(self) -> None:
         """Write the cache ``build(write_now=False)`` kept (nothing if it was loaded or already written)."""

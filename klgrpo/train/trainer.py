@@ -111,18 +111,12 @@ class GRPOTrainer:
             log("building the reference model")
         own_reference = (load_reference_model(cfg.kl.reference, cfg.model, self.device, self.model)
                          if self.needs_reference and cfg.kl.reference else None)
-        # The longest prompt as the rollout encodes it: what a step's memory is estimated from.
-        prompts = getattr(self.dataset, "prompts", None)
-        longest_prompt = longest_prompt_tokens(
-            self.tokenizer, prompts if prompts is not None else [row["prompt"] for row in self.dataset],
-            cfg.data.system_prompt, cfg.data.as_chat)
         # The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy).
         self.reference = (build_reference(self.model, own_reference, adapter=cfg.model.lora.r > 0,
                                           fast_path=cfg.model.fast_path) if self.needs_reference else None)
         # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every
         # rank gets its verdict: no rank is left waiting in a collective for one that refused).
-        self.dist.agreed(lambda: check_step_memory(cfg, self.model, longest_prompt, self.dist.world_size,
-                                                   self.device))
+        self.dist.agreed(self._check_step_memory)
         # What trains the policy. The loss's forward runs the policy, or with train.compile its compiled wrapper
         # (same weights); sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
@@ -153,6 +147,15 @@ class GRPOTrainer:
         self._eval_before: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ pieces
+    def _check_step_memory(self) -> None:
+        """Refuse a step that cannot fit in the free memory, estimated from the longest prompt as the rollout
+        encodes it."""
+        prompts = getattr(self.dataset, "prompts", None)
+        longest = longest_prompt_tokens(
+            self.tokenizer, prompts if prompts is not None else [row["prompt"] for row in self.dataset],
+            self.cfg.data.system_prompt, self.cfg.data.as_chat)
+        check_step_memory(self.cfg, self.model, longest, self.dist.world_size, self.device)
+
     def _kl_term(self) -> KLTerm:
         return kl_term(self.cfg.kl, self.controller.value)
 
