@@ -63,7 +63,7 @@ def variants(trainer, batch, data):
 
     custom = load_loss_function(f"{EXAMPLE}:compute_grpo_kl_loss_fixed")
     beta = trainer.controller.value
-    kl = trainer._kl_term()
+    kl = trainer.grpo_step.kl_term()
 
     def typed(inp):
         return grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
@@ -71,8 +71,8 @@ def variants(trainer, batch, data):
 
     def trainer_step(loss_fn):
         def run():
-            trainer.loss_fn = loss_fn
-            trainer.accumulate_gradients(batch)
+            trainer.grpo_step.loss_fn = loss_fn
+            trainer.grpo_step.accumulate_gradients(batch)
         return run
 
     model = trainer.model

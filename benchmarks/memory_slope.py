@@ -61,18 +61,18 @@ def main() -> None:
     })
     trainer = trainer_module.GRPOTrainer(cfg, log=lambda *_: None)
     kept, samples = [], []
-    real_step = trainer.train_step
+    real_step = trainer.run.train_step
     every = max(args.steps // 20, 1)
 
     def measured_step():
-        metrics = real_step()
+        metrics, observation = real_step()
         if args.keep_rows:
             kept.append(dict(metrics))
         if trainer.step % every == 0 and trainer.step >= args.steps // 5:  # after the warm-up allocations
             samples.append((trainer.step, tracemalloc.get_traced_memory()[0], rss_mb()))
-        return metrics
+        return metrics, observation
 
-    trainer.train_step = measured_step
+    trainer.run.train_step = measured_step
     tracemalloc.start()
     trainer.train()
     steps = [s for s, _, _ in samples]

@@ -34,7 +34,7 @@ def worker(config_file: str, out_file: str) -> None:
         trainer.train_step()  # AdamW moments exist
         proc, times, peaks = psutil.Process(), [], []
         for i in range(3):
-            trainer.step = 10 + i
+            trainer.grpo_step.completed = 10 + i
             base, peak, stop = proc.memory_info().rss, [0], threading.Event()
 
             def sample():

@@ -60,14 +60,15 @@ def check_exactness(shape_dir, data, root: Path, args, variants) -> list[list]:
     for label, package, extra in variants:
         trainer = _trainer(shape_dir, data, root / "check" / label.replace(" ", "_"), args, package, extra)
         completions, metrics = [], []
-        original = trainer.make_batch
+        owner = getattr(trainer, "grpo_step", trainer)  # the step's owner: GRPOStep, or an older trainer itself
+        original = owner.make_batch
 
         def make_batch(original=original, completions=completions):
             batch = original()
             completions.append(batch.rollout.completion_ids.clone())
             return batch
 
-        trainer.make_batch = make_batch
+        owner.make_batch = make_batch
         for _ in range(args.check_steps):
             metrics.append(trainer.train_step())
         params = torch.cat([p.detach().reshape(-1).double() for p in trainer.model.parameters()])

@@ -53,15 +53,15 @@ def trainer64(tiny_model_dir, addition_file, tmp_path):
 
 def _accumulate(trainer, batch, loss_fn=None, micro=0):
     trainer.model.zero_grad(set_to_none=True)
-    trainer.loss_fn, trainer.cfg.train.micro_batch_size = loss_fn, micro
-    sums = trainer.accumulate_gradients(batch)[0]
+    trainer.grpo_step.loss_fn, trainer.cfg.train.micro_batch_size = loss_fn, micro
+    sums = trainer.grpo_step.accumulate_gradients(batch)[0]
     return _grads(trainer.model), sums
 
 
 # ---------------------------------------------------------------------------------------------- trainer
 def test_typed_loss_that_rebuilds_the_builtin_objective_gives_its_gradient(trainer64):
     trainer, batch = trainer64
-    kl = trainer._kl_term()
+    kl = trainer.grpo_step.kl_term()
 
     def rebuilt(inp: LossInput):
         out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from klgrpo.train import trainer as trainer_module
+from klgrpo.train import step as step_module
 from klgrpo.train.metrics import MetricsLogger
 from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
@@ -31,16 +31,16 @@ def data_path() -> list[tuple[str, str, str]]:
 
 #: The doc's function name -> how to watch it on a built trainer: (object getter, attribute).
 WATCH = {
-    "PromptSampler.next_indices": (lambda t: t.sampler, "next_indices"),
-    "generate_groups": (lambda t: trainer_module, "generate_groups"),
-    "RewardComputer": (lambda t: t, "rewards"),
+    "PromptSampler.next_indices": (lambda t: t.grpo_step.prompt_order, "next_indices"),
+    "generate_groups": (lambda t: step_module, "generate_groups"),
+    "RewardComputer": (lambda t: t.grpo_step, "rewards"),
     "Reference.logprobs": (lambda t: t.reference, "logprobs"),
-    "kl_penalized_scores": (lambda t: trainer_module, "kl_penalized_scores"),
-    "group_advantages": (lambda t: trainer_module, "group_advantages"),
-    "completion_logprobs": (lambda t: trainer_module, "completion_logprobs"),
-    "grpo_objective": (lambda t: trainer_module, "grpo_objective"),
+    "kl_penalized_scores": (lambda t: step_module, "kl_penalized_scores"),
+    "group_advantages": (lambda t: step_module, "group_advantages"),
+    "completion_logprobs": (lambda t: step_module, "completion_logprobs"),
+    "grpo_objective": (lambda t: step_module, "grpo_objective"),
     "Engine.backward": (lambda t: t.engine, "backward"),
-    "step_metrics": (lambda t: trainer_module, "step_metrics"),
+    "step_metrics": (lambda t: step_module, "step_metrics"),
     "KLController.observe": (lambda t: t.controller, "observe"),
     "MetricsLogger.log": (lambda t: MetricsLogger, "log"),
 }

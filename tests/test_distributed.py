@@ -98,7 +98,7 @@ def single_process_update(cfg_dict, tmp_path):
     torch.manual_seed(0)
     batch = single.make_batch()
     assert batch.advantages.abs().sum() > 0
-    prompts = [single.dataset[i]["prompt"] for i in range(4)]
+    prompts = [single.grpo_step.dataset[i]["prompt"] for i in range(4)]
     torch.save({"batch": batch, "prompts": prompts}, tmp_path / "batch.pt")
     completions = [sample_slice(single, prompts[2 * r:2 * r + 2], r) for r in range(2)]
     metrics = update_metrics(single, batch)

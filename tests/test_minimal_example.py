@@ -47,8 +47,8 @@ def test_example_step_equals_the_trainers(tiny_model_dir, addition_file, tmp_pat
     _perturb(trainer.model)
     policy = copy.deepcopy(trainer.model)
     batches = []
-    make_batch = trainer.make_batch
-    trainer.make_batch = lambda: batches.append(make_batch()) or batches[-1]  # keep the batch the trainer drew
+    make_batch = trainer.grpo_step.make_batch
+    trainer.grpo_step.make_batch = lambda: batches.append(make_batch()) or batches[-1]  # keep the batch it drew
     metrics = trainer.train_step()
     batch = batches[0]
 

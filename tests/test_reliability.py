@@ -167,14 +167,14 @@ def test_a_second_trainer_in_the_same_process_is_refused(tiny_model_dir, additio
     first = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}), log=quiet)
     second = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 2}), log=quiet)
     inside, release, results = threading.Event(), threading.Event(), []
-    step = first.train_step
+    step = first.run.train_step
 
     def held_step():
         inside.set()
         release.wait(120)
         return step()
 
-    first.train_step = held_step
+    first.run.train_step = held_step
     thread = threading.Thread(target=lambda: results.append(first.train()))
     thread.start()
     try:
@@ -252,19 +252,19 @@ def test_orphans_are_cleaned_and_only_those(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- 2. non-finite steps
-def _poison(trainer, monkeypatch, at_steps, what):
-    real = trainer.accumulate_gradients
+def _poison(step, monkeypatch, at_steps, what):
+    real = step.accumulate_gradients
 
     def poisoned(batch, keep_logp=False):
         sums, logp = real(batch, keep_logp)
-        if trainer.step + 1 in at_steps:
+        if step.completed + 1 in at_steps:
             if what == "loss":
                 sums.loss = sums.loss * float("nan")
             else:  # a finite loss with an infinite gradient
-                next(p for p in trainer.model.parameters() if p.grad is not None).grad[0] = float("inf")
+                next(p for p in step.model.parameters() if p.grad is not None).grad[0] = float("inf")
         return sums, logp
 
-    monkeypatch.setattr(trainer, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
 
 
 @pytest.mark.parametrize("what", ["loss", "grad"])
@@ -273,28 +273,28 @@ def test_non_finite_step_is_skipped_before_the_weights_change(tiny_model_dir, ad
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 3, "save_every": 1,
                                                                           "keep_checkpoints": 0}, **FAST)
     trainer = GRPOTrainer(cfg, log=quiet)
-    _poison(trainer, monkeypatch, {2}, what)
+    _poison(trainer.grpo_step, monkeypatch, {2}, what)
     trainer.train()
     w1, w2, w3 = (_weights(tmp_path / "r", s) for s in (1, 2, 3))
     assert all(torch.equal(w1[k], w2[k]) for k in w1)  # step 2 was skipped: the weights did not move
     assert any(not torch.equal(w2[k], w3[k]) for k in w1)  # step 3 trained again
     rows = [r for r in read_metrics(tmp_path / "r") if "train/loss" in r]
     assert [r["train/skipped_steps"] for r in rows] == [0, 1, 1]
-    assert trainer.scheduler.last_epoch == 2  # the scheduler skipped the step too
+    assert trainer.grpo_step.scheduler.last_epoch == 2  # the scheduler skipped the step too
 
 
 def test_consecutive_non_finite_steps_stop_the_run_non_zero(tiny_model_dir, addition_file, tmp_path, monkeypatch,
                                                             capsys):
-    from klgrpo.train import trainer as trainer_module
+    from klgrpo.train.step import GRPOStep
 
-    real_update = trainer_module.GRPOTrainer._update
+    real_update = GRPOStep.update
 
-    def nan_from_step_2(self, batch):
-        if self.step >= 1:
-            _poison(self, monkeypatch, {self.step + 1}, "loss")
-        return real_update(self, batch)
+    def nan_from_step_2(self, batch, *rest):
+        if self.completed >= 1:
+            _poison(self, monkeypatch, {self.completed + 1}, "loss")
+        return real_update(self, batch, *rest)
 
-    monkeypatch.setattr(trainer_module.GRPOTrainer, "_update", nan_from_step_2)
+    monkeypatch.setattr(GRPOStep, "update", nan_from_step_2)
     out = tmp_path / "r"
     code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--train.steps", "10",
                                    "--train.max_skipped_steps", "2"), capsys)
@@ -480,7 +480,7 @@ def test_full_disk_during_save_says_so_and_keeps_the_old_checkpoint(tiny_model_d
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_state", full)
-    trainer.step = 2
+    trainer.grpo_step.completed = 2
     with pytest.raises(KLGRPOError) as err:
         trainer.save()
     assert "no space left" in str(err.value) and "step_1" in str(err.value)
@@ -490,16 +490,16 @@ def test_full_disk_during_save_says_so_and_keeps_the_old_checkpoint(tiny_model_d
 # --------------------------------------------------------------------------------------------- 7. SIGTERM
 def test_sigterm_saves_the_last_complete_step_and_exits_143(tiny_model_dir, addition_file, tmp_path, capsys,
                                                             monkeypatch):
-    from klgrpo.train import trainer as trainer_module
+    from klgrpo.train.step import GRPOStep
 
-    real_update = trainer_module.GRPOTrainer._update
+    real_update = GRPOStep.update
 
-    def terminate_on_second(self, batch):
-        if self.step == 1:
+    def terminate_on_second(self, batch, *rest):
+        if self.completed == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_update(self, batch)
+        return real_update(self, batch, *rest)
 
-    monkeypatch.setattr(trainer_module.GRPOTrainer, "_update", terminate_on_second)
+    monkeypatch.setattr(GRPOStep, "update", terminate_on_second)
     out = tmp_path / "r"
     code, _, err = _cli(_base_args(tiny_model_dir, addition_file, out, "--train.steps", "3"), capsys)
     assert code == 143 and "SIGTERM" in err

@@ -87,7 +87,7 @@ def test_micro_batch_invariance(tiny_model_dir, addition_file, tmp_path, aggrega
         with torch.no_grad():  # move the policy off the reference so the KL terms are non-zero
             for p in trainer.model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
-        s = trainer.accumulate_gradients(batch)[0]
+        s = trainer.grpo_step.accumulate_gradients(batch)[0]
         grads.append(torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None]))
         sums.append({"loss": s.loss.double(), "entropy": s.entropy.double(), "token_kl": s.token_kl.double(),
                      **{k: v.double() for k, v in s.objective.present().items()}})  # token_kl is [2, B, T]
@@ -131,14 +131,14 @@ def test_ctrl_c_saves_last_complete_step_and_resumes_identically(tiny_model_dir,
     GRPOTrainer(make_config(tiny_model_dir, addition_file, tmp_path / "a", train={"steps": 3}), log=quiet).train()
 
     trainer = GRPOTrainer(make_config(tiny_model_dir, addition_file, tmp_path / "b", train={"steps": 3}), log=quiet)
-    real_update = trainer._update
+    real_update = trainer.grpo_step.update
 
-    def interrupt_on_third(batch):
+    def interrupt_on_third(batch, *rest):
         if trainer.step == 2:
             raise KeyboardInterrupt  # after the step's batch was generated: its side effects must be undone
-        return real_update(batch)
+        return real_update(batch, *rest)
 
-    monkeypatch.setattr(trainer, "_update", interrupt_on_third)
+    monkeypatch.setattr(trainer.grpo_step, "update", interrupt_on_third)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert (tmp_path / "b" / "checkpoints" / "step_2").is_dir()
@@ -259,7 +259,7 @@ def test_kl_min_and_mean_logps_equal_the_batch_computed_by_hand(tiny_model_dir, 
         logp, _ = completion_logprobs(trainer.model, batch.rollout, cfg.rollout.temperature)
     mask = batch.loss_mask.bool()
     l_BT = logp - batch.ref_logp
-    metrics, _ = trainer._update(batch)
+    metrics, _ = trainer.grpo_step.update(batch)
     n = mask.sum().item()
     assert metrics["logp/policy_mean"] == pytest.approx(logp[mask].sum().item() / n, rel=1e-5)
     assert metrics["logp/reference_mean"] == pytest.approx(batch.ref_logp[mask].sum().item() / n, rel=1e-5)

@@ -44,7 +44,7 @@ def test_trainer_kl_term_is_the_exact_kl_of_the_logits(tiny_model_dir, addition_
     batch = trainer.make_batch()
     batch.advantages = torch.zeros_like(batch.advantages)  # only the KL term is left in the loss
     trainer.model.zero_grad(set_to_none=True)
-    sums = trainer.accumulate_gradients(batch)[0].objective
+    sums = trainer.grpo_step.accumulate_gradients(batch)[0].objective
     got_grads = [p.grad.clone() for p in trainer.model.parameters()]
 
     trainer.model.zero_grad(set_to_none=True)
@@ -71,7 +71,7 @@ def test_a_reference_whose_head_does_not_give_its_logprobs_is_refused(tiny_model
     batch = trainer.make_batch()
     batch.ref_logp = 1.5 * batch.ref_logp
     with pytest.raises(ConfigError, match="kl.estimator=full: the reference's output layer"):
-        trainer.accumulate_gradients(batch)
+        trainer.grpo_step.accumulate_gradients(batch)
 
 
 @pytest.mark.parametrize("groups,field", [
@@ -95,9 +95,9 @@ def test_full_kl_with_lora_reads_the_adapter_disabled_reference(tiny_model_dir, 
     trainer.train()  # one step, then the sync: the reference adapter exists and equals the policy's
     assert trainer.reference.synced
     trainer.model.train()
-    trainer._update(trainer.make_batch())  # one more update without a sync: the policy moves away
+    trainer.grpo_step.update(trainer.make_batch())  # one more update without a sync: the policy moves away
     batch = trainer.make_batch()
-    sums = trainer.accumulate_gradients(batch)[0].objective
+    sums = trainer.grpo_step.accumulate_gradients(batch)[0].objective
     with torch.no_grad():
         with trainer.reference.sampling_model() as model:
             ref_logits = _completion_logits(model, batch.rollout).double()

@@ -24,7 +24,7 @@ def test_sequence_score_enters_the_score_before_normalising(tiny_model_dir, addi
     trainer.train()  # move the policy away from the reference so the KL is non-zero
     batch = trainer.make_batch()
     with torch.no_grad():
-        old = completion_logprobs(trainer.train_forward, batch.rollout, cfg.rollout.temperature)[0]
+        old = completion_logprobs(trainer.grpo_step.train_forward, batch.rollout, cfg.rollout.temperature)[0]
     torch.testing.assert_close(batch.old_logp, old, rtol=0, atol=1e-6)
     seq_kl = (kl_estimate(old, batch.ref_logp, "k1") * batch.loss_mask).sum(-1)
     assert float(seq_kl.abs().max()) > 1e-3
@@ -32,7 +32,7 @@ def test_sequence_score_enters_the_score_before_normalising(tiny_model_dir, addi
                                 cfg.loss.std_eps, cfg.loss.std_ddof)
     torch.testing.assert_close(batch.advantages, expected, rtol=1e-5, atol=1e-5)
     # the per-token reward-to-go is not added on top inside the objective
-    metrics, _ = trainer._update(batch)
+    metrics, _ = trainer.grpo_step.update(batch)
     assert math.isfinite(metrics["train/loss"])
 
 

@@ -1,5 +1,5 @@
 """The training-side parts of a GRPOTrainer: AdamW and its schedule, the seeds, the run folder's name
-(klgrpo/train/trainer.py composes them with the policy of backends/policy.py and the reference of
+(klgrpo/train/step_build.py composes them with the policy of backends/policy.py and the reference of
 core/reference.py)."""
 
 from __future__ import annotations

@@ -58,27 +58,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
+def step_folder(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of step ``step`` lives (or will)."""
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def is_sharded(checkpoint: Path) -> bool:
+    """The checkpoint holds every rank's shards (train.sharded_checkpoints) instead of whole weights."""
+    return (Path(checkpoint) / SHARDS_DIR).is_dir()
+
+
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
                     reference=None, keep: int = 0, model_state: dict | None = None,
-                    reference_state: dict | None = None) -> Path:
+                    reference_state: dict | None = None, sharded: bool = False) -> Path:
     """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``
     (``reference_state``): the full state dict of a sharded model (reference), gathered by the engine, saved
-    instead of the module's own.
+    instead of the module's own. ``sharded``: every rank has written its shards into ``shard_folder`` already;
+    the checkpoint gets the architecture and the trainer state beside them.
 
     Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
     folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
-    sharded = model_state is SHARDS_DIR  # the shards are in the temporary folder already (``shard_folder``)
     if not sharded:
         check_finite_weights(model if model_state is None else model_state, step)
     root = Path(run_dir) / "checkpoints"
-    final = root / f"step_{step}"
+    final = step_folder(run_dir, step)
     tmp = shard_folder(run_dir, step).parent
     try:
         root.mkdir(parents=True, exist_ok=True)
         if not sharded:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state)
+        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state,
+                          sharded)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
@@ -94,8 +105,9 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
 
 
 def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
-                      model_state: dict | None = None, reference_state: dict | None = None) -> None:
-    if model_state is SHARDS_DIR:
+                      model_state: dict | None = None, reference_state: dict | None = None,
+                      sharded: bool = False) -> None:
+    if sharded:
         model.config.save_pretrained(folder)  # the architecture, for `klgrpo export`
     elif hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
         model.save_pretrained(folder, safe_serialization=True, selected_adapters=["default"], state_dict=model_state)
@@ -208,11 +220,6 @@ def resume_candidates(resume: str, run_dir: Path) -> list[Path]:
         raise ConfigError(f"--resume {resume}: not a checkpoint folder (no {STATE_FILE}); "
                           f"pass a checkpoints/step_N folder or 'latest'")
     return [path]
-
-
-def resolve_resume(resume: str, run_dir: Path) -> Path:
-    """``latest`` -> the newest checkpoint of run_dir; otherwise a checkpoint folder path."""
-    return resume_candidates(resume, run_dir)[0]
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:

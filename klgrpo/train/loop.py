@@ -1,151 +1,254 @@
-"""The run around the steps: the run folder's lock, evaluation before and after, the metrics sinks, the stop
-rules (non-finite steps, wall clock), checkpoints (every save_every steps, at the end, on Ctrl-C / SIGTERM) and
-the summary. ``GRPOTrainer.train`` runs it; klgrpo/train/trainer.py has the step itself."""
+"""The run around the steps: the run folder's lock, evaluation before and after, the metrics sinks, the KL
+warning signs, the stop rules (non-finite steps, wall clock), checkpoints (every save_every steps, at the end, on
+Ctrl-C / SIGTERM) and the summary. ``TrainingRun`` holds them; the step itself is train/step.py's ``GRPOStep``,
+and checkpoints are read and written only through train/checkpoint.py and train/resume.py."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.train import metric_names as names
-from klgrpo.train.building import base_model_path
-from klgrpo.train.checkpoint import SHARDS_DIR
+from klgrpo.train.building import base_model_path, seed_everything
+from klgrpo.train.checkpoint import is_sharded, rng_state, save_checkpoint, set_rng_state, shard_folder, step_folder
+from klgrpo.train.evaluation import evaluate_sets
 from klgrpo.train.guard import NonFiniteError
+from klgrpo.train.kl_watch import KLWatch
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
+from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume
+from klgrpo.train.step import GRPOStep
 from klgrpo.train.stop_signals import sigterm_as_interrupt
 from klgrpo.train.tally import StepTally
 
 
-def run_training(trainer, resume: str | None = None, overwrite: bool = False,
-                 summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
-    """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
-    ("latest", a checkpoint folder, or "auto": latest if there is one, else a fresh start) continues one
-    (run_folder.py). ``summary_extras(summary)`` returns fields to add to the summary before summary.json is
-    written (the demo's)."""
-    dist, cfg = trainer.dist, trainer.cfg
-    # Rank 0 decides; a refusal reaches every rank before any collective of the run, so none is left waiting.
-    if resume == "auto":
-        resume, overwrite = dist.agreed(lambda: resolve_auto_resume(trainer.run_dir, cfg), shared=True)
-    lock = dist.agreed(lambda: open_run_folder(trainer.run_dir, cfg, resume, overwrite, log=trainer.log))
-    trainer._run_lock = lock
-    if trainer.replay is not None and dist.is_main:
-        trainer.replay.write_cache()  # sampled before the folder was open: written now that it is this run's
-    try:
-        return _train(trainer, resume, summary_extras)
-    finally:
-        if lock is not None:
-            lock.release()
+class TrainingRun:
+    """A run of ``step`` in ``run_dir``: ``train()`` to train.steps, ``save()``, ``resume()``, ``evaluate()``."""
 
+    def __init__(self, step: GRPOStep, run_dir: Path, eval_sets: dict[str, Any], log: Callable = print):
+        self.grpo_step, self.run_dir, self.eval_sets, self.log = step, Path(run_dir), eval_sets, log
+        self.cfg, self.dist = step.cfg, step.dist
+        kl = self.cfg.kl
+        self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
+        self.lock = None  # rank 0's, while train() runs
+        self.stop_reason = ""
+        self.eval_before: dict[str, float] = {}  # measured before the first step; a resumed run keeps it
 
-def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
-    cfg, main = trainer.cfg, trainer.dist.is_main
-    if resume:
-        trainer.resume(resume)
-        if trainer._run_lock is not None:
-            trainer._run_lock.config_after_resume(trainer.log)
-    start = time.perf_counter()
-    # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
-    evaluate = bool(trainer.eval_sets) and (main or trainer.engine.shards_parameters)
-    if evaluate and trainer.step == 0:
-        trainer._eval_before = trainer.evaluate()
-    eval_before = trainer._eval_before  # a resumed run keeps the numbers measured before its first step
-    history = StepTally()  # what the summary needs, not every row (constant memory per step)
-    logger = (MetricsLogger(trainer.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
-                            progress=cfg.logging.progress, start_step=trainer.step, report_to=cfg.logging.report_to,
-                            project=cfg.logging.project, config=cfg.to_dict()) if main else SilentLogger())
-    with logger:
-        if eval_before and trainer.step == 0:
-            logger.log(0, eval_before)
-        with sigterm_as_interrupt(deferred=trainer.dist.enabled) as signals, save_on_interrupt(trainer, logger):
-            while trainer.step < cfg.train.steps:
-                metrics = trainer.train_step()
-                step = trainer.step
-                if evaluate and cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.train.steps:
-                    metrics.update(trainer.evaluate())
-                logger.log(trainer.step, metrics)
-                for line in trainer.kl_watch.observe(trainer.step, metrics.get(names.RAW_KL)):
+    # ------------------------------------------------------------------------------------------- a step
+    def train_step(self) -> tuple[dict[str, float], Any]:
+        """One step of the run (the KL dump of kl.dump_every written into the run folder when due); returns the
+        step's metrics and the KL observation."""
+        every = self.cfg.kl.dump_every
+        due = bool(every and (self.grpo_step.completed + 1) % every == 0)
+        return self.grpo_step.advance(dump_kl=self._dump_kl if due else None)
+
+    def _dump_kl(self, logp: torch.Tensor, batch) -> None:
+        from klgrpo.core.kl_dump import DUMP_DIR, save_dump
+
+        step = self.grpo_step.completed + 1
+        folder = self.run_dir / DUMP_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        save_dump(folder / f"step_{step:06d}.safetensors", step, logp, batch.ref_logp, batch.loss_mask)
+
+    def evaluate(self) -> dict[str, float]:
+        """Rank 0 evaluates; with sharded parameters every rank enters (to gather the weights) and waits."""
+        step = self.grpo_step
+        with step.engine.full_weights(step.model):
+            return evaluate_sets(step.model, step.tokenizer, self.eval_sets, self.cfg) if self.dist.is_main else {}
+
+    # ------------------------------------------------------------------------------------------ the run
+    def train(self, resume: str | None = None, overwrite: bool = False,
+              summary_extras: Callable[[dict], dict] | None = None) -> dict[str, Any]:
+        """Run to train.steps. A fresh run refuses a folder that holds a run unless ``overwrite``; ``resume``
+        ("latest", a checkpoint folder, or "auto": latest if there is one, else a fresh start) continues one
+        (run_folder.py). ``summary_extras(summary)`` returns fields to add to the summary before summary.json is
+        written (the demo's)."""
+        dist, cfg = self.dist, self.cfg
+        # Rank 0 decides; a refusal reaches every rank before any collective of the run, so none is left waiting.
+        if resume == "auto":
+            resume, overwrite = dist.agreed(lambda: resolve_auto_resume(self.run_dir, cfg), shared=True)
+        self.lock = dist.agreed(lambda: open_run_folder(self.run_dir, cfg, resume, overwrite, log=self.log))
+        if self.grpo_step.replay is not None and dist.is_main:
+            self.grpo_step.replay.write_cache()  # sampled before the folder was open: written now that it is ours
+        try:
+            if resume:
+                self.resume(resume)
+                if self.lock is not None:
+                    self.lock.config_after_resume(self.log)
+            return self._train(summary_extras)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _train(self, summary_extras=None) -> dict[str, Any]:
+        cfg, step, main = self.cfg, self.grpo_step, self.dist.is_main
+        start = time.perf_counter()
+        # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
+        evaluate = bool(self.eval_sets) and (main or step.engine.shards_parameters)
+        if evaluate and step.completed == 0:
+            self.eval_before = self.evaluate()
+        history = StepTally()  # what the summary needs, not every row (constant memory per step)
+        logger = (MetricsLogger(self.run_dir, cfg.train.steps, tensorboard=cfg.logging.tensorboard,
+                                progress=cfg.logging.progress, start_step=step.completed,
+                                report_to=cfg.logging.report_to, project=cfg.logging.project,
+                                config=cfg.to_dict()) if main else SilentLogger())
+        with logger:
+            if self.eval_before and step.completed == 0:
+                logger.log(0, self.eval_before)
+            self._steps(logger, history, start, evaluate)
+            if self.stop_reason:
+                logger.message(f"stopped at step {step.completed}: {self.stop_reason}")
+            eval_after = self.evaluate() if evaluate else {}
+            if eval_after:
+                logger.log(step.completed, eval_after)
+        self._finish_checkpoints()
+        summary = self.summary(history, eval_after, time.perf_counter() - start)
+        if main:
+            if summary_extras is not None:
+                summary.update(summary_extras(summary))
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+            if cfg.logging.plots:
+                from klgrpo.train.report import make_plots
+
+                make_plots(self.run_dir)
+        self.dist.barrier()
+        if step.guard.exhausted:
+            raise NonFiniteError(step.guard.stop_message(step.completed))
+        return summary
+
+    def _steps(self, logger, history: StepTally, start: float, evaluate: bool) -> None:
+        cfg, step = self.cfg, self.grpo_step
+        with sigterm_as_interrupt(deferred=self.dist.enabled) as signals, save_on_interrupt(self, logger):
+            while step.completed < cfg.train.steps:
+                metrics, observation = self.train_step()
+                done = step.completed
+                if evaluate and cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
+                    metrics.update(self.evaluate())
+                logger.log(done, metrics)
+                kl = observation.token_mean if step.reference is not None else None  # no reference: no KL seen
+                for line in self.kl_watch.observe(done, kl):
                     logger.message(line)
-                    logger.text("warnings/kl", line, trainer.step)
+                    logger.text("warnings/kl", line, done)
                 history.append(metrics)
-                stop = should_stop(trainer, start, signals)
-                if cfg.train.save_every and trainer.step % cfg.train.save_every == 0 and not stop:
-                    trainer.save()
+                stop = self.should_stop(start, signals)
+                if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop:
+                    self.save()
                 if stop:
                     break
-        if trainer._stop_reason:
-            logger.message(f"stopped at step {trainer.step}: {trainer._stop_reason}")
-        eval_after = trainer.evaluate() if evaluate else {}
-        if eval_after:
-            logger.log(trainer.step, eval_after)
-    last = trainer.run_dir / "checkpoints" / f"step_{trainer.step}"
-    if not last.exists() or (last / SHARDS_DIR).is_dir():
-        trainer.save(whole=True)  # the last checkpoint is always whole (sharded or missing: written now)
-    if main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
-        from klgrpo.backends.lora import export_merged
 
-        export_merged(trainer.run_dir / "checkpoints" / f"step_{trainer.step}", trainer.run_dir / "merged",
-                      base_model=base_model_path(cfg.model) or None)
-    summary = run_summary(trainer, history, eval_before, eval_after, time.perf_counter() - start)
-    if main and summary_extras is not None:
-        summary.update(summary_extras(summary))
-    if main:
-        (trainer.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-        if cfg.logging.plots:
-            from klgrpo.train.report import make_plots
+    def _finish_checkpoints(self) -> None:
+        """The last checkpoint is always whole (sharded or missing: written now); with model.lora.save_merged the
+        merged model is exported beside it."""
+        cfg, done = self.cfg, self.grpo_step.completed
+        last = step_folder(self.run_dir, done)
+        if not last.exists() or is_sharded(last):
+            self.save(whole=True)
+        if self.dist.is_main and cfg.model.lora.r > 0 and cfg.model.lora.save_merged:
+            from klgrpo.backends.lora import export_merged
 
-            make_plots(trainer.run_dir)
-    trainer.dist.barrier()
-    if trainer.guard.exhausted:
-        raise NonFiniteError(trainer.guard.stop_message(trainer.step))
-    return summary
+            export_merged(last, self.run_dir / "merged", base_model=base_model_path(cfg.model) or None)
 
+    def should_stop(self, start: float, signals=None) -> bool:
+        """Decided identically on every rank (the wall-clock verdict of rank 0 is shared). ``signals``: a
+        ``DeferredStop`` (several processes); a signal any rank received stops all of them here, raising the
+        interrupt that saves the step just completed."""
+        cfg, dist, guard = self.cfg, self.dist, self.grpo_step.guard
+        if guard.exhausted:
+            self.stop_reason = guard.stop_message(self.grpo_step.completed)
+            return True
+        over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
+        if dist.enabled:
+            noted = signals is not None and signals.signal is not None
+            verdict = dist.max(torch.tensor([float(over and dist.is_main), float(noted)], device=self.grpo_step.device))
+            over = bool(verdict[0].item())
+            if verdict[1].item():
+                raise signals.interrupt()
+        if over:
+            self.stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
+        return over
 
-def should_stop(trainer, start: float, signals=None) -> bool:
-    """Decided identically on every rank (the wall-clock verdict of rank 0 is shared). ``signals``: a
-    ``DeferredStop`` (several processes); a signal any rank received stops all of them here, raising the
-    interrupt that saves the step just completed."""
-    cfg = trainer.cfg
-    if trainer.guard.exhausted:
-        trainer._stop_reason = trainer.guard.stop_message(trainer.step)
-        return True
-    over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
-    if trainer.dist.enabled:
-        noted = signals is not None and signals.signal is not None
-        verdict = trainer.dist.max(torch.tensor([float(over and trainer.dist.is_main), float(noted)],
-                                                device=trainer.device))
-        over = bool(verdict[0].item())
-        if verdict[1].item():
-            raise signals.interrupt()
-    if over:
-        trainer._stop_reason = f"train.max_wall_seconds={cfg.train.max_wall_seconds:g} reached"
-    return over
+    def summary(self, history: StepTally, eval_after: dict, wall: float) -> dict[str, Any]:
+        """The run summary: what `klgrpo train` prints and summary.json holds."""
+        last, step = history.last, self.grpo_step
+        return {
+            "steps": step.completed,
+            "wall_seconds": round(wall, 2),
+            "seconds_per_step": history.mean(names.TIME_STEP, digits=4),
+            "eval_before": {k.removeprefix(names.EVAL_PREFIX): v for k, v in self.eval_before.items()},
+            "eval_after": {k.removeprefix(names.EVAL_PREFIX): v for k, v in eval_after.items()},
+            "final_kl": last.get(names.RAW_KL),
+            "final_replay_kl": last.get(names.KL_REPLAY),
+            "final_beta": step.controller.value,
+            "final_reward": last.get(names.REWARD),
+            "kl_estimator": self.cfg.kl.estimator,
+            "kl_placement": self.cfg.kl.placement,
+            "stopped_early": self.stop_reason or None,
+            "world_size": self.dist.world_size,
+            "run_dir": str(self.run_dir),
+        }
 
+    # ------------------------------------------------------------------------------------ checkpoints
+    def save(self, whole: bool = False) -> Path:
+        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint, into which, with
+        train.sharded_checkpoints (unless ``whole``), every rank first writes its shards."""
+        step, dist = self.grpo_step, self.dist
+        rng = dist.gather_objects(rng_state())
+        sharded = self.cfg.train.sharded_checkpoints and not whole
+        model_state = None
+        if sharded:
+            folder = shard_folder(self.run_dir, step.completed, dist.broadcast_object(os.getpid()))
+            if dist.is_main:
+                shutil.rmtree(folder.parent, ignore_errors=True)
+                folder.mkdir(parents=True)
+            dist.barrier()
+            step.engine.save_sharded(folder, step.model, step.optimizer)
+            state = step.state_dict(with_optimizer=False)
+        else:
+            state = step.state_dict()
+            model_state = step.engine.full_state_dict(step.model)  # collectives
+        reference_state = None
+        if isinstance(step.reference, FrozenCopyReference) and step.reference.synced:  # kl.sync_every's weights
+            reference_state = step.engine.full_state_dict(step.reference.model)  # a collective under FSDP2
+        path = step_folder(self.run_dir, step.completed)
+        if dist.is_main:
+            path = save_checkpoint(self.run_dir, step.completed, model=step.model, tokenizer=step.tokenizer,
+                                   trainer_state={**state, **self.state_dict(), "rng_by_rank": rng},
+                                   model_state=model_state, reference=step.reference,
+                                   keep=self.cfg.train.keep_checkpoints, reference_state=reference_state,
+                                   sharded=sharded)
+        dist.barrier()
+        return path
 
-def run_summary(trainer, history: StepTally, eval_before: dict, eval_after: dict, wall: float) -> dict[str, Any]:
-    """The run summary: what `klgrpo train` prints and summary.json holds."""
-    last = history.last
-    return {
-        "steps": trainer.step,
-        "wall_seconds": round(wall, 2),
-        "seconds_per_step": history.mean(names.TIME_STEP, digits=4),
-        "eval_before": {k.removeprefix(names.EVAL_PREFIX): v for k, v in eval_before.items()},
-        "eval_after": {k.removeprefix(names.EVAL_PREFIX): v for k, v in eval_after.items()},
-        "final_kl": last.get(names.RAW_KL),
-        "final_replay_kl": last.get(names.KL_REPLAY),
-        "final_beta": trainer.controller.value,
-        "final_reward": last.get(names.REWARD),
-        "kl_estimator": trainer.cfg.kl.estimator,
-        "kl_placement": trainer.cfg.kl.placement,
-        "stopped_early": trainer._stop_reason or None,
-        "world_size": trainer.dist.world_size,
-        "run_dir": str(trainer.run_dir),
-    }
+    def state_dict(self) -> dict[str, Any]:
+        """The run's own part of a checkpoint (the step's is ``GRPOStep.state_dict``)."""
+        return {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict()}
+
+    def resume(self, resume: str) -> None:
+        """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
+        skipped for an older one)."""
+        ckpt, _ = load_resumable_checkpoint(self.grpo_step, self.run_dir, resume, apply=self._load_state)
+        self.log(f"resumed from {ckpt} at step {self.grpo_step.completed}")
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        dist = self.dist
+        same_layout = len(state.get("rng_by_rank", [None])) == dist.world_size
+        self.grpo_step.load_state_dict(state, same_layout=same_layout)
+        self.kl_watch.load_state_dict(state.get("kl_watch"))
+        rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
+        if len(rng_by_rank) == dist.world_size:
+            set_rng_state(rng_by_rank[dist.rank])
+        else:  # another world size: resumes correctly but not bit-identically
+            seed_everything(self.cfg.train.seed + dist.rank + 7919 * int(state["step"]))
+        self.eval_before = state.get("eval_before") or {}
 
 
 class SilentLogger:
@@ -168,7 +271,7 @@ class SilentLogger:
 
 
 @contextmanager
-def save_on_interrupt(trainer, logger):
+def save_on_interrupt(run: TrainingRun, logger):
     """Ctrl-C: write a checkpoint of the last completed step, then stop (exit code 130 from the CLI)."""
     try:
         yield
@@ -176,8 +279,8 @@ def save_on_interrupt(trainer, logger):
         # A second Ctrl-C (or a SIGTERM) must not cut the save short.
         previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            trainer._rollback_partial_step()
-            path = trainer.save()
+            run.grpo_step.rollback()
+            path = run.save()
             logger.message(f"interrupted: saved {path}; continue with --resume latest")
         finally:
             for s, handler in previous.items():

@@ -19,16 +19,16 @@ class CheckpointLoadError(KLGRPOError):
     """A checkpoint's file cannot be read."""
 
 
-def load_resumable_checkpoint(trainer, resume: str, apply=None) -> tuple[Path, dict[str, Any]]:
-    """Load the weights (policy and reference) of the first candidate that loads into ``trainer``'s models,
-    and ``apply(state)`` its trainer state (optimizer, scheduler, ...): a state of the wrong shape or types
-    counts as a checkpoint that does not load. Returns that checkpoint and its trainer state."""
-    candidates = resume_candidates(resume, trainer.run_dir)
+def load_resumable_checkpoint(step, run_dir: Path, resume: str, apply=None) -> tuple[Path, dict[str, Any]]:
+    """Load the weights (policy and reference) of the first candidate that loads into ``step``'s models (a
+    GRPOStep), and ``apply(state)`` its trainer state (optimizer, scheduler, ...): a state of the wrong shape or
+    types counts as a checkpoint that does not load. Returns that checkpoint and its trainer state."""
+    candidates = resume_candidates(resume, run_dir)
     failures = []
     for ckpt in candidates:
         try:
             state = load_trainer_state(ckpt)
-            _load_weights(trainer, ckpt)
+            _load_weights(step, ckpt)
             if apply is not None:
                 _apply_state(apply, state, ckpt)
         except KLGRPOError as exc:
@@ -55,42 +55,42 @@ def _apply_state(apply, state: dict, ckpt: Path) -> None:
                                   f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
-def _load_reference(trainer, ckpt: Path) -> None:
+def _load_reference(step, ckpt: Path) -> None:
     """The reference's synced weights (kl.sync_every) when the checkpoint has them; a sharded frozen copy
     (FSDP2) loads them through the engine, which shards the full tensors."""
     from klgrpo.core.reference import FrozenCopyReference
 
-    reference = trainer.reference
+    reference = step.reference
     path = ckpt / "reference" / "model.safetensors"
-    if isinstance(reference, FrozenCopyReference) and trainer.engine.kind == "fsdp2":
+    if isinstance(reference, FrozenCopyReference) and step.engine.kind == "fsdp2":
         if path.exists():
-            trainer.engine.load_model_file(reference.model, path, trainer.device)
+            step.engine.load_model_file(reference.model, path, step.device)
             reference.synced = True
         return
     reference.load(ckpt)
 
 
-def _load_weights(trainer, ckpt: Path) -> None:
+def _load_weights(step, ckpt: Path) -> None:
     adapter = ckpt / "adapter_model.safetensors"
     target = adapter if adapter.exists() else ckpt / "model.safetensors"
     shards = ckpt / SHARDS_DIR
     try:
         if shards.is_dir() and not target.exists():
             target = shards
-            trainer.engine.load_sharded(shards, trainer.model, trainer.optimizer)  # weights and AdamW moments
+            step.engine.load_sharded(shards, step.model, step.optimizer)  # weights and AdamW moments
         elif adapter.exists():
-            trainer.engine.load_adapter(trainer.model, ckpt)
+            step.engine.load_adapter(step.model, ckpt)
         elif target.exists():
-            trainer.engine.load_model_file(trainer.model, target, trainer.device)
+            step.engine.load_model_file(step.model, target, step.device)
         else:
             raise CheckpointLoadError(f"{target} is missing")
     except KLGRPOError:
         raise
     except Exception as exc:  # safetensors and torch raise several types for a truncated or foreign file
         raise CheckpointLoadError(f"{target} cannot be read ({first_line(exc)})") from None
-    if trainer.reference is not None:
+    if step.reference is not None:
         try:
-            _load_reference(trainer, ckpt)
+            _load_reference(step, ckpt)
         except KLGRPOError:
             raise
         except Exception as exc:

@@ -57,7 +57,7 @@ def full_weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def update_metrics(trainer, batch) -> dict[str, float]:
-    metrics, _ = trainer._update(batch)
+    metrics, _ = trainer.grpo_step.update(batch)
     return {k: v for k, v in metrics.items() if not k.startswith("time/")}
 
 

@@ -1,0 +1,328 @@
+"""One GRPO optimizer step. It composes the arrows of docs/design.md and computes nothing itself:
+
+    prompts --rollout--> completions --rewards--> rewards --reference--> ref logp (once per batch)
+            --advantages--> A --objective--> loss (micro-batched, global normaliser) --AdamW--> controller
+
+A "step" is one optimizer update (TRL's convention): a batch of prompts_per_step x group_size completions
+is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between.
+
+``GRPOStep`` holds what a step needs (policy, reference, optimizer, scheduler, KL controller, non-finite guard,
+the batch being reused) and knows nothing of folders, locks or logs: ``make_batch()``, ``update(batch)``,
+``advance()`` (both, as a run calls them) and ``state_dict()`` / ``load_state_dict()``. It is built by
+``train/step_build.py``; the run around the steps is ``train/loop.py``'s ``TrainingRun``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from klgrpo.core.batch import StepBatch
+from klgrpo.core.data import PromptSampler
+from klgrpo.core.forward import completion_logprobs
+from klgrpo.core.full_kl import completion_logprobs_and_full_kl
+from klgrpo.core.loss_api import LossInput, call_loss
+from klgrpo.core.rewards import RewardComputer
+from klgrpo.core.rollout import SamplingParams, generate_groups
+from klgrpo.math.advantages import group_advantages, kl_penalized_scores
+from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.full_kl import FULL_KL
+from klgrpo.math.kl_control import KLController, KLObservation
+from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
+from klgrpo.train import metric_names as names
+from klgrpo.train.checkpoint import rng_state, set_rng_state
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.distributed import Distributed
+from klgrpo.train.engine import Engine
+from klgrpo.train.guard import NonFiniteGuard
+from klgrpo.train.state_io import to_device
+from klgrpo.train.step_metrics import StepSums, step_metrics
+from klgrpo.train.terms import kl_term, policy_term
+from klgrpo.train.timing import phase_timer as _timed
+
+
+def micro_slices(n: int, size: int) -> list[slice]:
+    """Rows 0..n in slices of ``size`` (0: one slice of all rows)."""
+    size = size or n
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+@dataclass
+class GRPOStep:
+    """One optimizer update at a time on the configured policy; ``completed`` counts the updates done.
+
+    ``train_forward`` runs the loss's forward: the policy itself, its compiled wrapper (train.compile) or the
+    engine's wrapped module (same weights); sampling, evaluation and checkpoints use ``model``."""
+
+    cfg: GRPOConfig
+    dist: Distributed
+    engine: Engine
+    device: torch.device
+    dataset: Any
+    prompt_order: PromptSampler
+    rewards: RewardComputer
+    loss_fn: Callable | None
+    tokenizer: Any
+    model: Any
+    sampler: str
+    reference: Any
+    train_forward: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    controller: KLController
+    guard: NonFiniteGuard
+    replay: Any = None
+    loss_fast_path: bool = True
+    completed: int = 0
+    batch: StepBatch | None = None
+    #: the data position, RNG and pending batch before the step in progress (``rollback``)
+    _started: tuple | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------------------------------ the batch
+    def sampling_params(self) -> SamplingParams:
+        cfg = self.cfg
+        return SamplingParams(group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                              system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat,
+                              compiled=cfg.train.compile, sampler=self.sampler)
+
+    def kl_term(self) -> KLTerm:
+        return kl_term(self.cfg.kl, self.controller.value)
+
+    def make_batch(self) -> StepBatch:
+        """Sample the next prompts' groups, score them, and compute the reference log-probs and advantages."""
+        cfg, timings = self.cfg, {}
+        indices = self.prompt_order.next_indices()  # the same global indices on every rank
+        local = indices[self.dist.local_slice(len(indices))]
+        rows = [self.dataset[i] for i in local]
+        prompts = [r["prompt"] for r in rows]
+        check_context(self.model, self.tokenizer, prompts, local, cfg)
+        with _timed(timings, names.TIME_GENERATE), self.engine.full_weights(self.model):
+            rollout = generate_groups(self.model, self.tokenizer, prompts, self.sampling_params())
+        with _timed(timings, names.TIME_REWARD):
+            columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
+                       for k in rows[0] if k != "prompt"}
+            result = self.rewards(rollout.prompts, rollout.completions, columns)
+        rewards = result.total.to(self.device)
+        loss_mask = rollout.completion_mask
+        if cfg.rollout.mask_truncated:
+            loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
+        ref_logp = old_logp = None
+        with _timed(timings, names.TIME_REFERENCE):
+            if self.reference is not None:
+                ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
+        scores, kl = rewards, self.kl_term()
+        if ref_logp is not None and kl.in_reward and kl.reward_mode == "sequence_score" and kl.coef > 0:
+            old_logp = self._rollout_logprobs(rollout)  # pi_old: the KL must be in the score before normalising
+            scores = kl_penalized_scores(rewards, reward_kl(old_logp, ref_logp, kl), loss_mask, kl.coef)
+        all_scores = self.dist.gather(scores)  # groups never straddle ranks; "batch" scale needs them all
+        advantages = group_advantages(all_scores, cfg.rollout.group_size, cfg.loss.advantage_scale,
+                                      cfg.loss.std_eps, cfg.loss.std_ddof)[self.dist.local_slice(all_scores.numel())]
+        return StepBatch(rollout=rollout, rewards=rewards, reward_columns=result.per_function,
+                         advantages=advantages, loss_mask=loss_mask,
+                         normalizer=Normalizer(num_sequences=float(all_scores.numel()),
+                                               num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
+                                               max_len=float(cfg.rollout.max_new_tokens)),
+                         ref_logp=ref_logp, old_logp=old_logp, timings=timings)
+
+    def _micro_slices(self, n: int) -> list[slice]:
+        return micro_slices(n, self.cfg.train.micro_batch_size)
+
+    def _rollout_logprobs(self, rollout) -> torch.Tensor:
+        """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
+        with torch.no_grad():
+            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl,
+                                                  fast_path=self.loss_fast_path)[0]
+                              for sl in self._micro_slices(rollout.size)])
+
+    # ----------------------------------------------------------------------------------------- the update
+    def accumulate_gradients(self, batch: StepBatch, keep_logp: bool = False) -> tuple[StepSums, torch.Tensor | None]:
+        """Forward/backward over micro-batches; the loss is normalised globally, so .grad is the full-batch
+        gradient whatever the micro-batch size. Returns (this rank's sums for the metrics, logp or None)."""
+        kl = self.kl_term()
+        objective, loss_sum, custom_sums = None, torch.zeros((), device=self.device), {}
+        entropy_sum = torch.zeros((), device=self.device)
+        logp_sum = torch.zeros((), device=self.device)  # logp/policy_mean
+        kept, token_kl = [], []
+        for sl in self._micro_slices(batch.rollout.size):
+            loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
+            self.engine.backward(loss)
+            objective = out.sums if objective is None else objective + out.sums
+            for k, v in custom.items():
+                custom_sums[k] = custom_sums.get(k, 0.0) + v.detach()
+            loss_sum = loss_sum + loss.detach()
+            logp_sum = logp_sum + (logp.detach() * batch.loss_mask[sl]).sum()
+            entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
+            if out.token_kl is not None:  # per-token values for the KL percentiles
+                token_kl.append(out.token_kl)
+            if keep_logp:
+                kept.append(logp.detach())
+        sums = StepSums(loss=loss_sum, entropy=entropy_sum, objective=objective, custom=custom_sums,
+                        logp_policy=logp_sum,
+                        token_kl=torch.cat(token_kl, 1) if token_kl else None)  # [2, B, T], micro-batches joined
+        return sums, (torch.cat(kept) if keep_logp else None)
+
+    def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
+        """(loss to backpropagate, ObjectiveOut, logp, entropy, custom metrics) of rows ``sl``. With a custom loss
+        the built-in objective still runs, without gradient, for the KL monitors."""
+        cfg = self.cfg
+        ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
+        full_kl = None
+        if kl.estimator == FULL_KL and self.reference is not None:  # the reference re-runs here (core.full_kl)
+            logp, entropy, full_kl = completion_logprobs_and_full_kl(
+                self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
+        else:
+            logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
+                                                with_entropy=True, fast_path=self.loss_fast_path)
+        old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
+        with torch.set_grad_enabled(self.loss_fn is None):
+            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
+                                 policy=policy_term(cfg.loss), kl=kl, aggregation=cfg.loss.aggregation,
+                                 normalizer=batch.normalizer, full_kl_BT=full_kl)
+        if self.loss_fn is None:
+            return out.loss, out, logp, entropy, {}
+        rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
+        loss, custom = call_loss(self.loss_fn, LossInput(
+            logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
+            cfg.loss.aggregation, rollout.completion_ids[sl], rollout.input_ids[sl, prompt],
+            rollout.attention_mask[sl, prompt]))
+        return loss, out, logp, entropy, custom
+
+    def update(self, batch: StepBatch, dump_kl: Callable | None = None) -> tuple[dict[str, float], KLObservation]:
+        """One optimizer step on ``batch``: gradients, clipping, AdamW, scheduler. ``dump_kl(logp, batch)``, when
+        given, receives the policy's log-probs of this update (kl.dump_every)."""
+        cfg = self.cfg
+        beta = self.controller.value
+        timings: dict[str, float] = {}
+        if batch.ref_logp is None:
+            dump_kl = None  # nothing to compare the policy with
+        # The first update of a batch runs at the sampling policy, so its log-probs ARE pi_old: later updates of
+        # the same batch reuse them instead of paying a separate no-grad forward.
+        keep_old = batch.old_logp is None and cfg.train.num_iterations > 1
+        self.optimizer.zero_grad(set_to_none=True)
+        with _timed(timings, names.TIME_UPDATE):
+            sums, logp = self.accumulate_gradients(batch, keep_logp=dump_kl is not None or keep_old)
+            if keep_old:
+                batch.old_logp = logp
+            replay_metrics = (self._replay_gradients(sums.loss) if self.replay is not None else {})
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            # A non-finite loss or gradient norm never reaches the weights: the step is skipped and counted.
+            loss_sum = self.dist.sum(sums.loss) if self.dist.enabled else sums.loss  # ranks decide alike
+            grad_norm, applied = self.engine.step(self.model, self.optimizer, max_norm,
+                                                  allow=lambda norm: self.guard.allows_update(loss_sum, norm))
+            if applied:
+                self.scheduler.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+        if dump_kl is not None:
+            dump_kl(logp, batch)
+        metrics, observation = step_metrics(batch, sums, grad_norm, beta, self.scheduler.get_last_lr()[0], timings,
+                                            self.dist, self.device)
+        metrics.update(replay_metrics)
+        metrics.update(self._custom_metrics(sums.custom, batch))
+        metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
+        return metrics, observation
+
+    def _custom_metrics(self, custom: dict[str, torch.Tensor], batch: StepBatch) -> dict[str, float]:
+        """The custom loss's metrics, averaged over the step's micro-batches (on every rank)."""
+        keys = sorted(custom)
+        if not keys:
+            return {}
+        total = self.dist.sum(torch.stack([custom[k].to(self.device, torch.float32) for k in keys]))
+        count = len(self._micro_slices(batch.rollout.size)) * self.dist.world_size
+        return {names.custom(k): v / count for k, v in zip(keys, total.tolist())}
+
+    def _replay_gradients(self, main_loss) -> dict[str, float]:
+        if self.engine.kind == "single":
+            return self.replay.accumulate_gradients(self.model, main_loss=main_loss)
+        # The replay batch is the same on every rank: its gradient is taken once (see Engine.backward).
+        return self.replay.accumulate_gradients(
+            self.train_forward, main_loss=self.dist.sum(main_loss),
+            backward=lambda loss: self.engine.backward(loss, same_on_every_rank=True))
+
+    # ------------------------------------------------------------------------------------------ a whole step
+    def advance(self, dump_kl: Callable | None = None) -> tuple[dict[str, float], KLObservation]:
+        """Generate when needed, then one optimizer update and the controller's; returns the step's metrics and
+        the KL the controller observed. ``rollback()`` undoes a call that did not return."""
+        t0 = time.perf_counter()
+        self._started = (self.prompt_order.state_dict(), rng_state(), self.batch,
+                         self.batch.iterations_done if self.batch else 0)
+        generated = self.batch is None
+        if generated:
+            self.batch = self.make_batch()
+        batch = self.batch
+        metrics, observation = self.update(batch, dump_kl)
+        batch.iterations_done += 1
+        if batch.iterations_done >= self.cfg.train.num_iterations:
+            self.batch = None
+        if generated:
+            metrics.update(batch.timings)
+        if self.guard.consecutive == 0 and math.isfinite(observation.token_mean):  # a skipped step leaves beta
+            self.controller.observe(observation)
+        self.completed += 1
+        if self.reference is not None and self.cfg.kl.sync_every and self.completed % self.cfg.kl.sync_every == 0:
+            self.engine.sync_reference(self.reference, self.model, self.cfg.kl.sync_alpha)
+        self._started = None
+        metrics[names.TIME_STEP] = time.perf_counter() - t0
+        return metrics, observation
+
+    def rollback(self) -> None:
+        """Undo the data and RNG side effects of a step that did not finish (Ctrl-C mid-step)."""
+        if self._started is None:
+            return
+        order, rng, batch, iterations_done = self._started
+        self.prompt_order.load_state_dict(order)
+        set_rng_state(rng)
+        self.batch = batch
+        if batch is not None:
+            batch.iterations_done = iterations_done
+        self._started = None
+
+    # ---------------------------------------------------------------------------------------------- state
+    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """Everything a resume needs from the step but the weights; ``with_optimizer=False``: the AdamW moments
+        travel with a sharded checkpoint's shards."""
+        optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+                "controller": self.controller.state_dict(), "sampler": self.prompt_order.state_dict(),
+                "pending_batch": self.batch, "replay": self.replay.state_dict() if self.replay else None,
+                "guard": self.guard.state_dict(), "step": self.completed}
+
+    def load_state_dict(self, state: dict[str, Any], same_layout: bool = True) -> None:
+        """Restore ``state_dict()``'s output; ``same_layout=False`` (another world size) drops a half-used batch,
+        which belongs to the old process layout."""
+        if state["optimizer"] is not None:  # None: a sharded checkpoint's moments, loaded with its weights
+            self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.controller.load_state_dict(state["controller"])
+        self.prompt_order.load_state_dict(state["sampler"])
+        batch = state.get("pending_batch")
+        self.batch = to_device(batch, self.device) if batch is not None and same_layout else None
+        self.guard.load_state_dict(state.get("guard"))
+        if self.replay is not None and state.get("replay") is not None:
+            self.replay.load_state_dict(state["replay"])
+        self.completed = int(state["step"])
+
+
+def check_context(model, tokenizer, prompts, indices, cfg) -> None:
+    """A prompt plus rollout.max_new_tokens must fit the model's context (transformers only warns, then samples
+    from positions the model never saw)."""
+    from klgrpo.core.rollout import encode_prompts
+    from klgrpo.errors import ConfigError
+
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    texts = encode_prompts(tokenizer, prompts, cfg.data.system_prompt, cfg.data.as_chat)
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    need = lengths[worst] + cfg.rollout.max_new_tokens
+    if need > limit:
+        raise ConfigError(f"prompt {int(indices[worst])} of {cfg.data.source} has {lengths[worst]} tokens: with "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it needs {need} positions, more than "
+                          f"the model's context of {limit} (max_position_embeddings); shorten or drop that prompt "
+                          f"(data.limit, or a filtered file) or lower rollout.max_new_tokens")

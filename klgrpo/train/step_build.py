@@ -1,0 +1,110 @@
+"""Building a GRPOStep from the config, in the order of the rooms it draws on: the data and rewards (core/), the
+policy and its sampler (backends/), the reference (core/), then what trains the policy (train/building.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from klgrpo.backends.hf import resolve_device
+from klgrpo.backends.policy import load_policy, load_reference_model
+from klgrpo.backends.samplers import sampler_for_run
+from klgrpo.core.data import PromptSampler, load_prompts
+from klgrpo.core.loss_api import resolve_loss_function
+from klgrpo.core.reference import FrozenCopyReference, build_reference
+from klgrpo.core.rewards import RewardComputer, RewardSpec
+from klgrpo.core.rollout import longest_prompt_tokens
+from klgrpo.errors import warn
+from klgrpo.train.building import build_optimizer, make_scheduler
+from klgrpo.train.config import GRPOConfig
+from klgrpo.train.distributed import Distributed
+from klgrpo.train.engine import Engine
+from klgrpo.train.guard import NonFiniteGuard
+from klgrpo.train.step import GRPOStep
+from klgrpo.train.terms import build_kl_controller
+from klgrpo.train.validation import check_step_memory
+
+
+def needs_reference(cfg: GRPOConfig) -> bool:
+    """A reference is built when the KL enters the loss or the reward, is monitored, is controlled or anchors
+    the replay."""
+    return cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed" or cfg.kl.replay.coef > 0
+
+
+def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path, *, model=None, tokenizer=None,
+               train_dataset=None, loss_fn=None, log: Callable = print) -> GRPOStep:
+    """The step of a run whose folder is ``run_dir`` (the replay anchor's cache lives there)."""
+    main_log = log if dist.is_main else None
+    dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
+                                            columns=cfg.data.columns, split=cfg.data.split,
+                                            limit=cfg.data.limit or None)
+    prompt_order = PromptSampler(len(dataset), cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=cfg.data.shuffle)
+    loss_fn = resolve_loss_function(cfg.loss.function, loss_fn, warn=warn if dist.is_main else None)  # None: built-in
+    rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
+    device = resolve_device(cfg.model.device)
+    if dist.device is not None and cfg.model.device == "auto":
+        device = dist.device
+    tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
+    sampler, why = sampler_for_run(cfg.rollout.sampler, model, device, cfg.model.fast_path,
+                                   cfg.rollout.generate_cache)
+    if main_log:
+        main_log(f"sampler: {sampler} ({why})")
+    reference = _reference(cfg, model, device, main_log)
+    # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every rank gets
+    # its verdict: no rank is left waiting in a collective for one that refused).
+    dist.agreed(lambda: _check_step_memory(cfg, dataset, tokenizer, model, dist.world_size, device))
+    return _trainable_step(cfg, dist, engine, run_dir, log, device=device, dataset=dataset,
+                           prompt_order=prompt_order, rewards=rewards, loss_fn=loss_fn, tokenizer=tokenizer,
+                           model=model, sampler=sampler, reference=reference)
+
+
+def _reference(cfg: GRPOConfig, model, device: torch.device, log: Callable | None):
+    """The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy)."""
+    if not needs_reference(cfg):
+        return None
+    if log:
+        log("building the reference model")
+    own = load_reference_model(cfg.kl.reference, cfg.model, device, model) if cfg.kl.reference else None
+    return build_reference(model, own, adapter=cfg.model.lora.r > 0, fast_path=cfg.model.fast_path)
+
+
+def _check_step_memory(cfg: GRPOConfig, dataset, tokenizer, model, world_size: int, device: torch.device) -> None:
+    """Refuse a step that cannot fit in the free memory, estimated from the longest prompt as the rollout
+    encodes it."""
+    prompts = getattr(dataset, "prompts", None)
+    longest = longest_prompt_tokens(tokenizer, prompts if prompts is not None else [row["prompt"] for row in dataset],
+                                    cfg.data.system_prompt, cfg.data.as_chat)
+    check_step_memory(cfg, model, longest, world_size, device)
+
+
+def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path, log: Callable,
+                    **parts: Any) -> GRPOStep:
+    """What trains the policy: the loss's forward (the policy, or with train.compile its compiled wrapper),
+    AdamW and its schedule, the replay anchor, and the engine's wrapping."""
+    model, reference = parts["model"], parts["reference"]
+    train_forward = model
+    if cfg.train.compile:
+        train_forward = torch.compile(model)
+        if isinstance(reference, FrozenCopyReference):
+            reference.compile()
+    optimizer = build_optimizer(model, cfg.optim, parts["device"])
+    scheduler = make_scheduler(optimizer, cfg)
+    replay = None
+    # One process: rank 0 alone adds the anchor's gradient. Under an engine every rank computes the same anchor loss
+    # (a sharded model needs every rank in its forward) and its gradient is taken once.
+    if cfg.kl.replay.coef > 0 and (dist.is_main or engine.kind != "single"):
+        from klgrpo.train.replay import ReplayAnchor
+
+        # A new or empty folder gets the cache now; one that holds files only once the run has opened it.
+        fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
+        replay = ReplayAnchor.build(cfg, model, parts["tokenizer"], reference, run_dir, log=log,
+                                    sampler=parts["sampler"], write_now=fresh)
+    if engine.kind != "single":
+        train_forward, optimizer = engine.prepare(model, optimizer)
+        engine.prepare_reference(reference)
+    return GRPOStep(cfg=cfg, dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
+                    scheduler=scheduler, controller=build_kl_controller(cfg.kl),
+                    guard=NonFiniteGuard(cfg.train.max_skipped_steps), replay=replay,
+                    loss_fast_path=cfg.model.fast_path and not engine.fast_path_outside_loss_only, **parts)
