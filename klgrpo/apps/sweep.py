@@ -43,7 +43,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Callable
@@ -56,6 +55,7 @@ from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Ru
 from klgrpo.apps.train import resolved_config
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
+from klgrpo.train.stop_signals import sigterm_as_interrupt
 
 PLOT_FILE = "accuracy_vs_retention.png"
 BETA_PLOT_FILE = "accuracy_vs_beta.png"
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     try:
-        with _interrupt_on_sigterm():
+        with sigterm_as_interrupt():  # SIGTERM stops the sweep (and its live runs) like Ctrl-C
             if args.table_only:
                 runs = finished_runs(cells, seeds, out, args.config, extra)
             else:
@@ -395,24 +395,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(no {name}: {type(exc).__name__}: {exc})")
     print(f"saved {out / 'table.md'}, {out / 'table.json'}" + "".join(f", {p}" for p in pictures if p))
     return 1 if any(r.status in ("failed", "changed") for r in runs) else 0
-
-
-@contextmanager
-def _interrupt_on_sigterm():
-    """While the sweep runs, SIGTERM (kill PID, a job scheduler) stops it like Ctrl-C: the live runs are stopped
-    too, instead of going on without their sweep. The previous handler is back afterwards (``main`` may be called
-    from a program that has its own)."""
-    import signal
-    import threading
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -10,6 +10,13 @@ from klgrpo.core.rollout import RolloutBatch
 from klgrpo.math.aggregation import Normalizer
 
 
+
+def micro_slices(n: int, size: int) -> list[slice]:
+    """Rows 0..n in slices of ``size`` (0: one slice of all rows): the micro-batches of an update, a reference
+    pass or a replay pass."""
+    size = size or n
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
 @dataclass
 class StepBatch:
     """A generated batch and everything computed once for it, reused for num_iterations updates."""

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from klgrpo.backends.lora import (ADAPTER_WEIGHTS, REFERENCE_ADAPTER, adapter_params, is_up_factor, keep_requires_grad,
                                   load_adapter_file, require_peft_model)
+from klgrpo.core.batch import micro_slices
 from klgrpo.core.forward import completion_logprobs, position_ids_from_mask
 from klgrpo.core.full_kl import capture_head_inputs
 from klgrpo.core.rollout import RolloutBatch
@@ -42,12 +43,6 @@ class Reference(Protocol):
     def save(self, folder: Path) -> None: ...
 
     def load(self, folder: Path) -> None: ...
-
-
-def _micro_slices(n: int, size: int):
-    size = size or n
-    for start in range(0, n, size):
-        yield slice(start, min(start + size, n))
 
 
 class FrozenCopyReference:
@@ -76,7 +71,7 @@ class FrozenCopyReference:
         with torch.inference_mode():
             parts = [completion_logprobs(self.forward_model, batch, temperature, rows=sl,
                                          fast_path=self.fast_path)[0]
-                     for sl in _micro_slices(batch.size, micro_batch_size)]
+                     for sl in micro_slices(batch.size, micro_batch_size)]
             out = torch.cat(parts, dim=0)
         return out.clone()
 
@@ -152,11 +147,9 @@ class AdapterDisabledReference:
 
     @torch.no_grad()
     def logprobs(self, batch: "RolloutBatch", temperature: float, micro_batch_size: int = 0) -> Tensor:
-        size = micro_batch_size or batch.size
         with self.sampling_model() as model:
-            parts = [completion_logprobs(model, batch, temperature, rows=slice(s, min(s + size, batch.size)),
-                                         fast_path=self.fast_path)[0]
-                     for s in range(0, batch.size, size)]
+            parts = [completion_logprobs(model, batch, temperature, rows=sl, fast_path=self.fast_path)[0]
+                     for sl in micro_slices(batch.size, micro_batch_size)]
         return torch.cat(parts, dim=0)
 
     @torch.no_grad()

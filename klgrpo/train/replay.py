@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from klgrpo.core.batch import micro_slices
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.errors import ConfigError, warn
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
@@ -203,9 +204,8 @@ class ReplayAnchor:
         t_max = max(int(self._lengths[indices].max()), 1)  # positions past every row's EOS carry no KL
         n_tok = c.completion_mask[rows, :t_max].sum().clamp(min=1)
         kl_sum = torch.zeros((), device=c.input_ids.device)
-        size = self.micro_batch_size or len(rows)
-        for start in range(0, len(rows), size):
-            sub = rows[start:start + size]
+        for sl in micro_slices(len(rows), self.micro_batch_size):
+            sub = rows[sl]
             logits = _completion_logits(lambda i, a: model(input_ids=i, attention_mask=a,
                                                            position_ids=position_ids_from_mask(a),
                                                            use_cache=False).logits, c, sub, t_max)
@@ -364,9 +364,11 @@ def _load_cache(path: Path, meta: dict, reference, device, log) -> ReplayCache |
         return None
     try:
         data = load_state(path.parent, CACHE_STEM)
-        assert isinstance(data, dict) and isinstance(data.get("meta"), dict)
-    except (StateFileError, AssertionError) as exc:  # a truncated or foreign file: resample rather than fail
-        log(f"replay anchor: cannot read {path} ({exc or 'not a replay cache'}); sampling a new cache")
+    except StateFileError as exc:  # a truncated or foreign file: resample rather than fail
+        log(f"replay anchor: cannot read {path} ({exc}); sampling a new cache")
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
+        log(f"replay anchor: cannot read {path} (not a replay cache); sampling a new cache")
         return None
     old = {k: v for k, v in data.get("meta", {}).items() if k != "vocab"}
     if data.get("version") != _VERSION or old != meta:

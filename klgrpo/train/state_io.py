@@ -98,9 +98,10 @@ def load_state(folder: Path, stem: str) -> Any:
             raise StateFileError(f"{path} is missing")
     try:
         data = json.loads(doc.read_text(encoding="utf-8"))
-        assert isinstance(data, dict) and "tree" in data
-    except (ValueError, AssertionError, UnicodeDecodeError, RecursionError):
-        raise StateFileError(f"{doc} is not a klgrpo state file (unreadable JSON)") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        data = None
+    if not isinstance(data, dict) or "tree" not in data:
+        raise StateFileError(f"{doc} is not a klgrpo state file (unreadable JSON)")
     if data.get("format") != FORMAT:
         raise StateFileError(f"{doc} has format {data.get('format')!r}; this klgrpo reads format {FORMAT}")
     try:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from klgrpo.core.batch import StepBatch
+from klgrpo.core.batch import StepBatch, micro_slices
 from klgrpo.core.data import PromptSampler
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
@@ -43,12 +43,6 @@ from klgrpo.train.state_io import to_device
 from klgrpo.train.step_metrics import StepSums, step_metrics
 from klgrpo.train.terms import kl_term, policy_term
 from klgrpo.train.timing import phase_timer as _timed
-
-
-def micro_slices(n: int, size: int) -> list[slice]:
-    """Rows 0..n in slices of ``size`` (0: one slice of all rows)."""
-    size = size or n
-    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
 @dataclass

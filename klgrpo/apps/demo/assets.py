@@ -38,6 +38,7 @@ from klgrpo.apps.demo.sft import SFTSettings, run_sft
 from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, SPLIT_SEED, make_splits, write_jsonl
 from klgrpo.apps.demo.tokenizer import CHARACTERS, build_char_tokenizer
 from klgrpo.backends.hf import default_cache_root
+from klgrpo.errors import KLGRPOError
 from klgrpo.train.state_io import folder_lock
 
 #: Bump whenever the layout or the way the assets are produced changes: old caches are then ignored.
@@ -151,7 +152,8 @@ def _build_into(final: Path, root: Path, seed: int, settings: DemoSettings, log:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     assets = _load(final)
-    assert assets is not None, f"demo assets in {final} did not load back"
+    if assets is None:  # written a moment ago: a disk that lost it, or another process that removed it
+        raise KLGRPOError(f"demo assets in {final} did not load back after writing; remove the folder and retry")
     assets.from_cache = False
     log(f"demo assets: ready in {time.perf_counter() - start:.1f} s")
     return assets
