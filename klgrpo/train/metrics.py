@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from klgrpo.errors import KLGRPOError
 from klgrpo.train import metric_names as names
+from klgrpo.train.trackers import active_trackers
 from klgrpo.train.metric_names import GLOSSARY  # noqa: F401  (re-exported: the glossary's public home)
 from klgrpo.train.trackers import TB_DIR
 
@@ -125,8 +126,7 @@ class MetricsLogger:
         self._file = self.path.open("a", encoding="utf-8")
 
         # The trackers (accelerate's): report_to, or TensorBoard alone; logging.tensorboard false drops TensorBoard.
-        wanted = [n for n in (report_to if report_to is not None else ["tensorboard"])
-                  if n != "tensorboard" or tensorboard]
+        wanted = active_trackers(None if report_to is None else list(report_to), tensorboard)
         self._trackers = None
         if wanted:
             from klgrpo.train.trackers import RunTrackers

@@ -38,6 +38,13 @@ STATE_FILE = "trackers.json"
 TB_DIR = "tb"
 
 
+def active_trackers(report_to: list | None, tensorboard: bool = True) -> list:
+    """The trackers a run reports to: ``report_to`` (None: TensorBoard alone), without TensorBoard when
+    logging.tensorboard is false."""
+    names = report_to if report_to is not None else ["tensorboard"]
+    return [n for n in names if n != "tensorboard" or tensorboard]
+
+
 def check_report_to(names: list, field: str = "logging.report_to") -> None:
     """Unknown names and trackers whose package is missing: one line each, with the install command."""
     if not isinstance(names, list):

@@ -274,8 +274,10 @@ _LOWER_BOUNDS = (
 
 def active_trackers(cfg: GRPOConfig) -> list:
     """logging.report_to, without tensorboard when logging.tensorboard is false."""
+    from klgrpo.train.trackers import active_trackers as trackers_of
+
     names = cfg.logging.report_to
-    return [n for n in names if n != "tensorboard" or cfg.logging.tensorboard] if isinstance(names, list) else names
+    return trackers_of(names, cfg.logging.tensorboard) if isinstance(names, list) else names
 
 
 def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
