@@ -49,9 +49,9 @@ def test_one_training_step_on_cuda_with_each_sampler(tiny_model_dir, addition_fi
     trainer = GRPOTrainer(cfg, log=lines.append)
     summary = trainer.train()
     assert summary["steps"] == 1
-    assert trainer.grpo_step.sampler == ("generate_static" if sampler == "auto" else sampler)
+    assert trainer.grpo_step.sampler.name == ("generate_static" if sampler == "auto" else sampler)
     assert next(trainer.model.parameters()).device.type == "cuda"
-    assert any(line.startswith(f"sampler: {trainer.grpo_step.sampler} ") for line in lines)
+    assert any(line.startswith(f"sampler: {trainer.grpo_step.sampler.name} ") for line in lines)
 
 
 def test_static_generate_draws_the_dynamic_generate_tokens_from_one_seed():

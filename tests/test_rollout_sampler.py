@@ -319,7 +319,7 @@ def test_auto_takes_the_loop_on_the_cpu_and_static_generate_on_cuda():
     reproduce the model or model.fast_path is off, the compiled static-cache generate on a CUDA device."""
     from types import SimpleNamespace
 
-    from klgrpo.backends.samplers import auto_sampler, choose_sampler
+    from klgrpo.backends.samplers import SAMPLERS, auto_sampler, pick_sampler
 
     llama = _llama()
     assert auto_sampler(llama) == "kv_loop"
@@ -328,8 +328,11 @@ def test_auto_takes_the_loop_on_the_cpu_and_static_generate_on_cuda():
     assert auto_sampler(llama) == "generate"
     on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
     assert auto_sampler(on_cuda) == "generate_static"
-    assert choose_sampler("auto", _llama(), legacy_generate_cache="static") == "generate_static"
-    assert choose_sampler("kv_loop", on_cuda) == "kv_loop"  # a named sampler is taken as named
+    sampler, why = pick_sampler("auto", _llama(), legacy_generate_cache="static")
+    assert (sampler.name, why) == ("generate_static", "rollout.generate_cache")
+    sampler, why = pick_sampler("kv_loop", _llama())  # a named sampler is taken as named
+    assert sampler is SAMPLERS["kv_loop"] and why == "rollout.sampler"
+    assert pick_sampler("auto", _llama()) == (SAMPLERS["kv_loop"], "auto for cpu")
 
 
 def test_the_loop_hands_over_to_generate_where_it_cannot_reproduce_the_call():

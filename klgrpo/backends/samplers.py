@@ -42,7 +42,7 @@ class SamplingParams:
     system_prompt   system message prepended to chat prompts
     as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
     compiled        run the KV-cached loop's steps through torch.compile where the model allows it
-    sampler         a name in SAMPLERS, or "auto" (``auto_sampler``)
+    sampler         the Sampler (a run's, from ``pick_sampler``), a name in SAMPLERS, or "auto" (``auto_sampler``)
     """
 
     group_size: int
@@ -53,11 +53,14 @@ class SamplingParams:
     system_prompt: str = ""
     as_chat: bool = False
     compiled: bool = False
-    sampler: str = AUTO
+    sampler: "Sampler | str" = AUTO
 
 
 class Sampler(Protocol):
-    """Draws ``params.group_size`` completions for each of the (left-padded) prompts given once each."""
+    """Draws ``params.group_size`` completions for each of the (left-padded) prompts given once each; ``name`` is
+    the name it is registered under (rollout.sampler)."""
+
+    name: str
 
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
         """Whether this sampler reproduces ``model``'s distribution over ``total_len`` positions."""
@@ -73,6 +76,8 @@ SAMPLERS: Registry[Sampler] = Registry("sampler")
 
 class KVLoopSampler:
     """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache."""
+
+    name = "kv_loop"
 
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
         return params.temperature > 0 and decoder_parts(model, total_len) is not None
@@ -95,8 +100,8 @@ class GenerateSampler:
     """transformers' ``generate`` (do_sample) on the prompts repeated G times; ``cache`` is its
     cache_implementation (None: the dynamic cache); ``bucket``: left-pad the prompts to a multiple of it."""
 
-    def __init__(self, cache: str | None = None, bucket: int = 0):
-        self.cache, self.bucket = cache, bucket
+    def __init__(self, name: str, cache: str | None = None, bucket: int = 0):
+        self.name, self.cache, self.bucket = name, cache, bucket
 
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
         return True
@@ -115,9 +120,9 @@ class GenerateSampler:
         return out[:, prompt_ids.shape[1]:]
 
 
-SAMPLERS.register("kv_loop", KVLoopSampler())
-SAMPLERS.register("generate", GenerateSampler())
-SAMPLERS.register("generate_static", GenerateSampler("static", bucket=STATIC_PROMPT_BUCKET))
+for _sampler in (KVLoopSampler(), GenerateSampler("generate"),
+                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET)):
+    SAMPLERS.register(_sampler.name, _sampler)
 
 
 def auto_sampler(model, fast_path: bool = True) -> str:
@@ -136,30 +141,28 @@ def auto_sampler(model, fast_path: bool = True) -> str:
 LEGACY_GENERATE_CACHES = {"dynamic": AUTO, "static": "generate_static"}
 
 
-def choose_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "") -> str:
-    """The registered sampler a run takes: ``name`` (rollout.sampler), "auto" resolved by ``auto_sampler``, and a
-    deprecated rollout.generate_cache honoured while rollout.sampler is "auto"."""
-    if name == AUTO and legacy_generate_cache:
-        name = LEGACY_GENERATE_CACHES[legacy_generate_cache]
-    return auto_sampler(model, fast_path) if name == AUTO else name
-
-
-def sampler_for_run(name: str, model, device: torch.device, fast_path: bool = True,
-                    legacy_generate_cache: str = "") -> tuple[str, str]:
-    """(the sampler a training run takes, why: what its log line says). A sampler that compiles on CUDA keeps its
-    kernels in klgrpo's cache folder, so the next run on this machine starts in seconds."""
-    chosen = choose_sampler(name, model, fast_path, legacy_generate_cache)
+def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "") -> tuple[Sampler, str]:
+    """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
+    name, or "auto" (``auto_sampler``; a deprecated rollout.generate_cache is honoured while it is "auto"). A
+    sampler that compiles on CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine
+    starts in seconds."""
+    device = next(model.parameters()).device
     why = f"auto for {device.type}" if name == AUTO else "rollout.sampler"
-    if device.type == "cuda" and chosen == "generate_static":
+    if name == AUTO and legacy_generate_cache:
+        name, why = LEGACY_GENERATE_CACHES[legacy_generate_cache], "rollout.generate_cache"
+    sampler = SAMPLERS[auto_sampler(model, fast_path) if name == AUTO else name]
+    if device.type == "cuda" and sampler.name == "generate_static":
         enable_compile_cache(default_cache_root() / "torch_compile")
         why += "; compiles once per process, ~20 s the first time on this machine, seconds after that"
-    return chosen, why
+    return sampler, why
 
 
-def resolve_sampler(name: str, model, total_len: int, params: SamplingParams) -> Sampler:
-    """The sampler ``name`` names ("auto": ``auto_sampler``), or transformers' generate where it cannot
-    reproduce this call (the loop with a sliding window shorter than ``total_len``, or greedy decoding)."""
-    sampler = SAMPLERS[auto_sampler(model) if name == AUTO else name]
+def resolve_sampler(sampler: Sampler | str, model, total_len: int, params: SamplingParams) -> Sampler:
+    """The sampler of one call: ``sampler`` itself (a name: the one it names, "auto": ``auto_sampler``), or
+    transformers' generate where it cannot reproduce this call (the loop with a sliding window shorter than
+    ``total_len``, or greedy decoding)."""
+    if isinstance(sampler, str):
+        sampler = SAMPLERS[auto_sampler(model) if sampler == AUTO else sampler]
     return sampler if sampler.supports(model, total_len, params) else SAMPLERS["generate"]
 
 

@@ -13,9 +13,21 @@ import torch
 from torch import Tensor
 
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
+from klgrpo.errors import ConfigError
 
-__all__ = ["RolloutBatch", "SamplingParams", "completion_mask_from_ids", "encode_prompts", "eos_token_ids",
-           "generate_groups"]
+__all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "completion_mask_from_ids", "encode_prompts",
+           "eos_token_ids", "generate_groups"]
+
+
+class PromptTooLong(ConfigError):
+    """A prompt plus max_new_tokens does not fit the model's context (transformers only warns, then samples from
+    positions the model never saw). ``index``: the prompt's position in the call's list."""
+
+    def __init__(self, index: int, tokens: int, max_new_tokens: int, limit: int):
+        self.index, self.tokens, self.max_new_tokens, self.limit = index, tokens, max_new_tokens, limit
+        super().__init__(f"a prompt has {tokens} tokens: with max_new_tokens={max_new_tokens} it needs "
+                         f"{tokens + max_new_tokens} positions, more than the model's context of {limit} "
+                         f"(max_position_embeddings)")
 
 
 @dataclass
@@ -88,6 +100,15 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tupl
     return mask, truncated
 
 
+def _check_context(model, lengths: list[int], max_new_tokens: int) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0 or not lengths:
+        return
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[worst] + max_new_tokens > limit:
+        raise PromptTooLong(worst, int(lengths[worst]), max_new_tokens, limit)
+
+
 @torch.no_grad()
 def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
     """Sample ``params.group_size`` completions for each prompt with ``params.sampler``; returns the padded batch
@@ -95,6 +116,7 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     p = params
     texts = encode_prompts(tokenizer, prompts, p.system_prompt, p.as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
+    _check_context(model, enc["attention_mask"].sum(-1).tolist(), p.max_new_tokens)
     device = next(model.parameters()).device
     unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     prompt_ids = unique_ids.repeat_interleave(p.group_size, dim=0)

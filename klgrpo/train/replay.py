@@ -45,7 +45,7 @@ from klgrpo.errors import ConfigError, warn
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
-from klgrpo.backends.samplers import AUTO
+from klgrpo.backends.samplers import AUTO, Sampler
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
 from klgrpo.train.state_io import StateFileError, folder_lock, load_state, save_state
 from klgrpo.train import metric_names as m
@@ -120,7 +120,7 @@ class ReplayAnchor:
     # ------------------------------------------------------------------------------------------- build
     @classmethod
     def build(cls, cfg, model, tokenizer, reference, run_dir: str | Path, *, log: Callable[[str], None] = print,
-              cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, sampler: str = AUTO,
+              cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, sampler: Sampler | str = AUTO,
               write_now: bool = True) -> "ReplayAnchor":
         """Load ``<run_dir>/replay_cache.*`` when it matches these settings and this reference; else sample
         the completions from the reference once, with ``sampler`` (the run's), and write the cache, or with
@@ -287,7 +287,7 @@ def _same_module(a, b) -> bool:
     return get is not None and get() is a
 
 
-def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: int, sampler: str) -> ReplayCache:
+def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: int, sampler: Sampler | str) -> ReplayCache:
     r = cfg.kl.replay
     chunk = max(1, cfg.rollout.prompts_per_step)
     params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],

@@ -27,7 +27,9 @@ from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.core.loss_api import LossInput, call_loss
 from klgrpo.core.rewards import RewardComputer
-from klgrpo.core.rollout import SamplingParams, generate_groups
+from klgrpo.backends.samplers import Sampler
+from klgrpo.core.rollout import PromptTooLong, SamplingParams, generate_groups
+from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
@@ -62,7 +64,7 @@ class GRPOStep:
     loss_fn: Callable | None
     tokenizer: Any
     model: Any
-    sampler: str
+    sampler: Sampler
     reference: Any
     train_forward: Any
     optimizer: torch.optim.Optimizer
@@ -94,9 +96,15 @@ class GRPOStep:
         local = indices[self.dist.local_slice(len(indices))]
         rows = [self.dataset[i] for i in local]
         prompts = [r["prompt"] for r in rows]
-        check_context(self.model, self.tokenizer, prompts, local, cfg)
         with _timed(timings, names.TIME_GENERATE), self.engine.full_weights(self.model):
-            rollout = generate_groups(self.model, self.tokenizer, prompts, self.sampling_params())
+            try:
+                rollout = generate_groups(self.model, self.tokenizer, prompts, self.sampling_params())
+            except PromptTooLong as exc:  # said in the run's terms: which row of which file, and the remedy
+                raise ConfigError(
+                    f"prompt {int(local[exc.index])} of {cfg.data.source} has {exc.tokens} tokens: with "
+                    f"rollout.max_new_tokens={exc.max_new_tokens} it needs {exc.tokens + exc.max_new_tokens} "
+                    f"positions, more than the model's context of {exc.limit} (max_position_embeddings); shorten "
+                    f"or drop that prompt (data.limit, or a filtered file) or lower rollout.max_new_tokens") from None
         with _timed(timings, names.TIME_REWARD):
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -301,22 +309,3 @@ class GRPOStep:
             self.replay.load_state_dict(state["replay"])
         self.completed = int(state["step"])
 
-
-def check_context(model, tokenizer, prompts, indices, cfg) -> None:
-    """A prompt plus rollout.max_new_tokens must fit the model's context (transformers only warns, then samples
-    from positions the model never saw)."""
-    from klgrpo.core.rollout import encode_prompts
-    from klgrpo.errors import ConfigError
-
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0:
-        return
-    texts = encode_prompts(tokenizer, prompts, cfg.data.system_prompt, cfg.data.as_chat)
-    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
-    worst = max(range(len(lengths)), key=lengths.__getitem__)
-    need = lengths[worst] + cfg.rollout.max_new_tokens
-    if need > limit:
-        raise ConfigError(f"prompt {int(indices[worst])} of {cfg.data.source} has {lengths[worst]} tokens: with "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it needs {need} positions, more than "
-                          f"the model's context of {limit} (max_position_embeddings); shorten or drop that prompt "
-                          f"(data.limit, or a filtered file) or lower rollout.max_new_tokens")

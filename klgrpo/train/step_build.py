@@ -10,7 +10,7 @@ import torch
 
 from klgrpo.backends.hf import resolve_device
 from klgrpo.backends.policy import load_policy, load_reference_model
-from klgrpo.backends.samplers import sampler_for_run
+from klgrpo.backends.samplers import pick_sampler
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.core.loss_api import resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
@@ -47,10 +47,9 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     if dist.device is not None and cfg.model.device == "auto":
         device = dist.device
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
-    sampler, why = sampler_for_run(cfg.rollout.sampler, model, device, cfg.model.fast_path,
-                                   cfg.rollout.generate_cache)
+    sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache)
     if main_log:
-        main_log(f"sampler: {sampler} ({why})")
+        main_log(f"sampler: {sampler.name} ({why})")
     reference = _reference(cfg, model, device, main_log)
     # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every rank gets
     # its verdict: no rank is left waiting in a collective for one that refused).
