@@ -41,7 +41,7 @@ from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.core.loss_api import LossInput, call_loss, resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
-from klgrpo.core.rewards import RewardComputer, RewardSpec
+from klgrpo.core.rewards import RewardComputer, RewardModelContext, RewardSpec
 from klgrpo.core.rollout import SamplingParams, generate_groups, longest_prompt_tokens
 from klgrpo.core.batch import StepBatch
 from klgrpo.train import metric_names as names
@@ -96,7 +96,9 @@ class GRPOTrainer:
                                      shuffle=cfg.data.shuffle)
         self.loss_fn = resolve_loss_function(  # None: the built-in objective
             cfg.loss.function, loss_fn, warn=warn if self.dist.is_main else None)
-        self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
+        # Reward models' configs are checked here; their weights load after the memory check below.
+        self.rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions],
+                                      trust_remote_code=cfg.model.trust_remote_code)
         # The policy on its device, how it samples, and the reference's own weights (kl.reference) if any.
         self.device = resolve_device(cfg.model.device)
         if self.dist.device is not None and cfg.model.device == "auto":
@@ -117,6 +119,7 @@ class GRPOTrainer:
         # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every
         # rank gets its verdict: no rank is left waiting in a collective for one that refused).
         self.dist.agreed(self._check_step_memory)
+        self._load_reward_models()
         # What trains the policy. The loss's forward runs the policy, or with train.compile its compiled wrapper
         # (same weights); sampling, evaluation and checkpoints always use the model itself.
         self.train_forward = self.model
@@ -154,7 +157,20 @@ class GRPOTrainer:
         longest = longest_prompt_tokens(
             self.tokenizer, prompts if prompts is not None else [row["prompt"] for row in self.dataset],
             self.cfg.data.system_prompt, self.cfg.data.as_chat)
-        check_step_memory(self.cfg, self.model, longest, self.dist.world_size, self.device)
+        check_step_memory(self.cfg, self.model, longest, self.dist.world_size, self.device,
+                          reward_model_bytes=self.rewards.reward_model_bytes(self._reward_model_context()))
+
+    def _reward_model_context(self) -> RewardModelContext:
+        """Reward models score on the policy's device, in its dtype, with the prompt settings the policy saw."""
+        return RewardModelContext(device=self.device, dtype=next(self.model.parameters()).dtype,
+                                  system_prompt=self.cfg.data.system_prompt, as_chat=self.cfg.data.as_chat)
+
+    def _load_reward_models(self) -> None:
+        """Each process loads its own copy, once; it is not trained, prepared by the engine or checkpointed."""
+        if self.dist.is_main:
+            for reward_model in self.rewards.reward_models:
+                self.log(f"loading the reward model {reward_model.spec.model}")
+        self.rewards.load_models(self._reward_model_context())
 
     def _kl_term(self) -> KLTerm:
         return kl_term(self.cfg.kl, self.controller.value)
@@ -180,6 +196,9 @@ class GRPOTrainer:
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
+        if self.rewards.reward_models:  # their own phase: time/reward keeps the other functions' time
+            timings[names.TIME_REWARD] -= result.model_seconds
+            timings[names.TIME_REWARD_MODEL] = result.model_seconds
         rewards = result.total.to(self.device)
         loss_mask = rollout.completion_mask
         if cfg.rollout.mask_truncated:
