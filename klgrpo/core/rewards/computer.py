@@ -163,6 +163,8 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
                           f"(e.g. {{{missing[0]}: <dataset column>}}) or add it to the reward's kwargs")
     if not bound.accepts_any:
         available = {k: v for k, v in available.items() if k in bound.accepted}
+    if isinstance(bound.fn, RewardModel):  # klgrpo's own: its errors are already one line about the model
+        return _as_floats(bound.fn(prompts, completions), len(completions), bound.display, completions)
     try:
         result = bound.fn(prompts, completions, **available)
     except SystemExit as e:  # would end the run with its exit code (0: "success") and no message
