@@ -123,6 +123,21 @@ def test_a_folder_that_is_not_a_sequence_classifier_is_refused_in_one_line(tiny_
         RewardComputer([{"model": str(tmp_path / "missing" / "rm")}])
 
 
+def test_a_checkpoint_without_its_head_is_refused_when_it_loads(rm_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "headless"
+    shutil.copytree(rm_dir, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if not k.startswith("score")}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    model = RewardModel(RewardModelSpec(str(folder)))  # the config is a sequence classifier's
+    with pytest.raises(ConfigError, match="its weights lack score.weight, which would start random"):
+        model.load(RewardModelContext())
+
+
 @pytest.mark.parametrize("entry, message", [
     ({"model": "x", "batch_size": 0}, r"rewards.functions\[0\]: reward model 'x': batch_size must be an integer >= 1"),
     ({"model": "x", "dtype": "fp8"}, "dtype is 'fp8'; choose one of: auto, float32, bfloat16, float16"),

@@ -196,7 +196,7 @@ class GRPOTrainer:
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
-        if self.rewards.reward_models:  # their own phase: time/reward keeps the other functions' time
+        if result.model_seconds is not None:  # the reward models' own phase: time/reward keeps the others' time
             timings[names.TIME_REWARD] -= result.model_seconds
             timings[names.TIME_REWARD_MODEL] = result.model_seconds
         rewards = result.total.to(self.device)

@@ -34,12 +34,12 @@ REWARD_LIMIT = 1e12
 @dataclass
 class RewardResult:
     """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N];
-    model_seconds: the wall seconds the reward models took (part of the call's time)."""
+    model_seconds: the wall seconds the reward models took (part of the call's time); None without one."""
 
     total: Tensor
     per_function: dict[str, Tensor]
     weights: dict[str, float]
-    model_seconds: float = 0.0
+    model_seconds: float | None = None
 
 
 @dataclass
@@ -112,7 +112,7 @@ class RewardComputer:
                                   f"values once per completion")
         per_function: dict[str, Tensor] = {}
         total = torch.zeros(n, dtype=torch.float64)
-        model_seconds = 0.0
+        model_seconds = 0.0 if self.reward_models else None
         for bound in self._bound:
             t0 = time.perf_counter()
             values = _call(bound, prompts, completions, columns)
