@@ -94,8 +94,7 @@ class RewardModel:
     def __call__(self, prompts: list, completions: list[str], **_: Any) -> list[float]:
         if self.model is None:
             self.load(self.context)
-        ids = [self._encode(text, templated, i) for i, (text, templated)
-               in enumerate(self.render(prompts, completions))]
+        ids = self._encode(self.render(prompts, completions))
         scores = []
         with torch.no_grad():
             for start in range(0, len(ids), self.spec.batch_size):
@@ -130,9 +129,19 @@ class RewardModel:
                                    f"it scores conversations as their messages' contents joined by newlines")
         return "\n".join(str(m["content"]) for m in messages), False
 
-    def _encode(self, text: str, templated: bool, row: int) -> list[int]:
-        """Token ids; a chat template writes its special tokens itself, plain text gets the tokenizer's."""
-        ids = self.tokenizer(text, add_special_tokens=not templated)["input_ids"]
+    def _encode(self, rendered: list[tuple[str, bool]]) -> list[list[int]]:
+        """Token ids per row; a chat template writes its special tokens itself, plain text gets the tokenizer's."""
+        ids: list[list[int]] = [[] for _ in rendered]
+        for templated in (True, False):  # one tokenizer call for each kind
+            rows = [i for i, (_, t) in enumerate(rendered) if t == templated]
+            if rows:
+                encoded = self.tokenizer([rendered[i][0] for i in rows], add_special_tokens=not templated)
+                for i, row_ids in zip(rows, encoded["input_ids"]):
+                    ids[i] = self._truncated(row_ids, i)
+        return ids
+
+    def _truncated(self, ids: list[int], row: int) -> list[int]:
+        """``ids`` within the context: tokens dropped from the left, after the leading special tokens."""
         limit = self.max_length
         if limit is None or len(ids) <= limit:
             return ids
