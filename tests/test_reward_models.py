@@ -24,7 +24,7 @@ from klgrpo.train.trainer import GRPOTrainer
 from klgrpo.train.validation import check_step_memory
 from tests.helpers.configs import make_config, quiet
 from tests.helpers.reward_model import (
-    CHAT_TEMPLATE, PREFERRED, build_reward_model, prefers_token, rm_tokenizer, save_reward_model,
+    CHAT_TEMPLATE, build_reward_model, prefers_token, rm_tokenizer, save_reward_model,
 )
 
 PROMPTS = ["12+3=", "7-4=", "99+1=", "0+0=", "5-5="]
@@ -240,7 +240,7 @@ def test_the_trainer_scores_each_completion_once_and_checkpoints_without_the_rew
 
 
 def test_grpo_learns_to_emit_the_token_the_reward_model_prefers(tiny_model_dir, addition_file, tmp_path):
-    """The reward model scores the last character: 1 for PREFERRED, its embedding's cosine for the others."""
+    """The reward model scores the last character: 1 for "7", its embedding's cosine for the others."""
     tokenizer = rm_tokenizer()
     folder = save_reward_model(tmp_path / "rm7", prefers_token(build_reward_model(tokenizer), tokenizer), tokenizer)
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", rewards={"functions": [{"model": folder}]},
