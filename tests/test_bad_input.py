@@ -201,6 +201,12 @@ CASES = [
      ["prompt 0 of", "more than the model's context of 32", "rollout.max_new_tokens"]),
     ("reward_weight_text", lambda c: c.base("--rewards.functions", "[{name: exact_match, weight: heavy}]"),
      ["weight", "heavy"]),
+    ("reward_model_not_a_classifier", lambda c: c.base("--rewards.functions", f"[{{model: {c.model}}}]"),
+     ["is not a sequence classifier", "architectures LlamaForCausalLM", "AutoModelForSequenceClassification"]),
+    ("reward_model_several_labels", lambda c: c.base("--rewards.functions", f"[{{model: {_reward_model(c, 2)}}}]"),
+     ["has a head of 2 labels", "set label in its rewards.functions entry"]),
+    ("reward_model_batch_size", lambda c: c.base("--rewards.functions", "[{model: rm, batch_size: 0}]"),
+     ["rewards.functions[0]", "batch_size must be an integer >= 1"]),
     # ---- checkpoints
     ("checkpoint_truncated_weights", lambda c: c.base("--resume", str(_corrupt(c, "model.safetensors", 50))),
      ["step_1/model.safetensors cannot be read", "intact checkpoint"]),
@@ -218,6 +224,13 @@ _PICKLE = b"\x80\x04\x95\x0b\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94K\x01s
 def _link(path: Path, target: Path) -> Path:
     path.symlink_to(target)
     return path
+
+
+def _reward_model(c: Ctx, num_labels: int) -> Path:
+    from tests.helpers.reward_model import build_reward_model, rm_tokenizer, save_reward_model
+
+    tokenizer = rm_tokenizer()
+    return Path(save_reward_model(c.root / "rm", build_reward_model(tokenizer, num_labels=num_labels), tokenizer))
 
 
 def _model_with(c: Ctx, weights: bytes, name: str = "model.safetensors") -> Path:

@@ -12,7 +12,8 @@ from klgrpo.train import metric_names as m
 from klgrpo.train.metrics import describe, read_metrics
 from klgrpo.train.trainer import GRPOTrainer
 from tests.conftest import write_jsonl
-from tests.helpers.configs import make_config, quiet
+from tests.helpers.configs import HAS_ZERO, make_config, quiet
+from tests.helpers.reward_model import build_reward_model, rm_tokenizer, save_reward_model
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -40,7 +41,10 @@ def _is_documented_in_docs(name: str, documented: set[str]) -> bool:
 @pytest.fixture(scope="module")
 def logged(tiny_model_dir, addition_file, tmp_path_factory):
     """Every name one short run logs with the optional metrics switched on: the KL in the loss and the reward,
-    the clip shaping, the replay anchor, an evaluation set and a custom loss that returns a metric."""
+    the clip shaping, the replay anchor, an evaluation set, a reward model and a custom loss that returns a
+    metric."""
+    tokenizer = rm_tokenizer()
+    reward_model = save_reward_model(tmp_path_factory.mktemp("rm"), build_reward_model(tokenizer), tokenizer)
     replay_file = write_jsonl(tmp_path_factory.mktemp("replay") / "sub.jsonl",
                               [{"prompt": f"{a:02d}-{b:02d}="} for a in range(50, 90, 7) for b in range(0, 40, 13)])
     out = tmp_path_factory.mktemp("names")
@@ -48,7 +52,8 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
                       kl={"coef": 0.1, "placement": "both", "shaping": "clip",
                           "replay": {"coef": 1.0, "source": str(replay_file), "num_prompts": 4,
                                      "completions_per_prompt": 1, "batch_size": 4}},
-                      eval={"sets": [{"name": "add", "source": str(addition_file), "limit": 4}]})
+                      eval={"sets": [{"name": "add", "source": str(addition_file), "limit": 4}]},
+                      rewards={"functions": [HAS_ZERO, {"model": reward_model}]})
 
     def custom_loss(inp):
         loss = -(inp.advantages.unsqueeze(-1) * inp.logp * inp.mask).sum() / inp.normalizer.num_sequences
@@ -61,7 +66,8 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
 
 def test_every_logged_name_is_in_the_glossary_and_the_docs(logged):
     documented = documented_names()
-    assert {m.LOSS, m.KL_REPLAY, m.KL_SHAPING_CLIP_FRAC, m.eval_set("add"), m.custom("token_count")} <= logged
+    assert {m.LOSS, m.KL_REPLAY, m.KL_SHAPING_CLIP_FRAC, m.eval_set("add"), m.custom("token_count"),
+            m.TIME_REWARD_MODEL} <= logged
     assert [n for n in sorted(logged) if describe(n) is None] == []
     assert [n for n in sorted(logged) if not _is_documented_in_docs(n, documented)] == []
 

@@ -101,7 +101,9 @@ class RolloutConfig:
 class RewardsConfig:
     functions: list = _f([{"name": "exact_match"}], "reward functions: names or {name, weight, kwargs} entries; a "
                                                     f"name is a built-in ({', '.join(BUILTIN_REWARDS)}), "
-                                                    "'module:function' or 'file.py:function'")
+                                                    "'module:function' or 'file.py:function'; a reward model is "
+                                                    "{model: FOLDER_OR_HUB_NAME, weight, batch_size, dtype, label, "
+                                                    "max_length} (docs/reward_models.md)")
 
 
 @dataclass

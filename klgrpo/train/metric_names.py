@@ -49,6 +49,7 @@ LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
 TIME_GENERATE = "time/generate"
 TIME_REWARD = "time/reward"
+TIME_REWARD_MODEL = "time/reward_model"
 TIME_REFERENCE = "time/reference"
 TIME_REPLAY = "time/replay"
 TIME_UPDATE = "time/update"
@@ -157,7 +158,9 @@ GLOSSARY: dict[str, str] = {
                    "train.max_skipped_steps in a row",
     # timing
     TIME_GENERATE: "wall seconds spent sampling the step's completions",
-    TIME_REWARD: "wall seconds spent in the reward functions",
+    TIME_REWARD: "wall seconds spent in the reward functions (the reward models' time is time/reward_model)",
+    TIME_REWARD_MODEL: "wall seconds the reward models spent scoring the step's completions (logged when "
+                       "rewards.functions has a reward model)",
     TIME_REFERENCE: "wall seconds spent computing the reference log-probs",
     TIME_REPLAY: "wall seconds of the replay anchor's forward/backward",
     TIME_UPDATE: "wall seconds of the policy forward/backward passes and optimizer step(s)",

@@ -109,6 +109,9 @@ class GRPOStep:
             columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
+        if result.model_seconds is not None:  # the reward models' own phase: time/reward keeps the others' time
+            timings[names.TIME_REWARD] -= result.model_seconds
+            timings[names.TIME_REWARD_MODEL] = result.model_seconds
         rewards = result.total.to(self.device)
         loss_mask = rollout.completion_mask
         if cfg.rollout.mask_truncated:

@@ -14,7 +14,7 @@ from klgrpo.backends.samplers import pick_sampler
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.core.loss_api import resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
-from klgrpo.core.rewards import RewardComputer, RewardSpec
+from klgrpo.core.rewards import RewardComputer, RewardModelContext, RewardSpec
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
 from klgrpo.train.building import build_optimizer, make_scheduler
@@ -42,7 +42,9 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
                                             limit=cfg.data.limit or None)
     prompt_order = PromptSampler(len(dataset), cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=cfg.data.shuffle)
     loss_fn = resolve_loss_function(cfg.loss.function, loss_fn, warn=warn if dist.is_main else None)  # None: built-in
-    rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions])
+    # Reward models' configs are checked here; their weights load after the memory check below.
+    rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions],
+                             trust_remote_code=cfg.model.trust_remote_code)
     device = resolve_device(cfg.model.device)
     if dist.device is not None and cfg.model.device == "auto":
         device = dist.device
@@ -53,7 +55,14 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     reference = _reference(cfg, model, device, main_log)
     # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every rank gets
     # its verdict: no rank is left waiting in a collective for one that refused).
-    dist.agreed(lambda: _check_step_memory(cfg, dataset, tokenizer, model, dist.world_size, device))
+    scoring = RewardModelContext(device=device, dtype=next(model.parameters()).dtype,
+                                 system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat)
+    dist.agreed(lambda: _check_step_memory(cfg, dataset, tokenizer, model, dist.world_size, device,
+                                           rewards.reward_model_bytes(scoring)))
+    # Each process loads its own reward models, once: not trained, prepared by the engine or checkpointed.
+    for reward_model in rewards.reward_models if main_log else ():
+        main_log(f"loading the reward model {reward_model.spec.model}")
+    rewards.load_models(scoring)
     return _trainable_step(cfg, dist, engine, run_dir, log, device=device, dataset=dataset,
                            prompt_order=prompt_order, rewards=rewards, loss_fn=loss_fn, tokenizer=tokenizer,
                            model=model, sampler=sampler, reference=reference)
@@ -69,13 +78,14 @@ def _reference(cfg: GRPOConfig, model, device: torch.device, log: Callable | Non
     return build_reference(model, own, adapter=cfg.model.lora.r > 0, fast_path=cfg.model.fast_path)
 
 
-def _check_step_memory(cfg: GRPOConfig, dataset, tokenizer, model, world_size: int, device: torch.device) -> None:
+def _check_step_memory(cfg: GRPOConfig, dataset, tokenizer, model, world_size: int, device: torch.device,
+                       reward_model_bytes: int) -> None:
     """Refuse a step that cannot fit in the free memory, estimated from the longest prompt as the rollout
-    encodes it."""
+    encodes it (the reward models' weights counted)."""
     prompts = getattr(dataset, "prompts", None)
     longest = longest_prompt_tokens(tokenizer, prompts if prompts is not None else [row["prompt"] for row in dataset],
                                     cfg.data.system_prompt, cfg.data.as_chat)
-    check_step_memory(cfg, model, longest, world_size, device)
+    check_step_memory(cfg, model, longest, world_size, device, reward_model_bytes=reward_model_bytes)
 
 
 def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path, log: Callable,

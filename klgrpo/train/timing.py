@@ -1,4 +1,4 @@
-"""Phase timers of a training step: time/generate, time/reward, time/reference, time/update.
+"""Phase timers of a training step: time/generate, time/reward, time/reward_model, time/reference, time/update.
 
 On a GPU, kernels run asynchronously, so a timer read right after a phase measures mostly its kernel launches
 and the next phase's timer absorbs the wait. ``synchronize_timers(True)`` makes every phase timer wait for the

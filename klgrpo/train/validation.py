@@ -211,10 +211,11 @@ def available_memory_bytes(device) -> int | None:
 
 
 def check_step_memory(cfg: GRPOConfig, model, longest: int, world_size: int = 1, device=None,
-                      available_bytes: int | None = None) -> None:
+                      available_bytes: int | None = None, reward_model_bytes: int = 0) -> None:
     """Refuse, before the first rollout, a step that cannot fit (estimate_step_memory) in the memory left on
     ``device`` (``available_bytes`` if given): without it such a run grinds in swap or dies without a word.
-    ``longest``: the tokens of the longest prompt (core.rollout.longest_prompt_tokens)."""
+    ``longest``: the tokens of the longest prompt (core.rollout.longest_prompt_tokens). ``reward_model_bytes``: the
+    weights of the reward models, loaded after this check and held through every phase."""
     weight = next(model.parameters())
     device = device or weight.device
     available = available_bytes if available_bytes is not None else available_memory_bytes(device)
@@ -228,13 +229,17 @@ def check_step_memory(cfg: GRPOConfig, model, longest: int, world_size: int = 1,
     sequences = f"rollout.prompts_per_step={r.prompts_per_step} x rollout.group_size={r.group_size} sequences"
     length = f"of up to {longest} prompt + rollout.max_new_tokens={r.max_new_tokens} tokens"
     free = f"but {available / gib:.2f} GiB are free on {device}"
-    _need(rollout <= available,
-          f"the rollout needs at least {rollout / gib:.2f} GiB {free}: {sequences} {length}, all sampled at once; "
-          f"lower them (fewer sequences per step, shorter completions); train.micro_batch_size splits only the "
-          f"update, not the rollout")
-    _need(update <= available,
-          f"the update needs at least {update / gib:.2f} GiB {free}: {sequences} {length}; set "
-          f"train.micro_batch_size (sequences per forward/backward) or use fewer sequences per step")
+    _need(reward_model_bytes <= available,
+          f"the reward models' weights need {reward_model_bytes / gib:.2f} GiB {free}; give a reward model a "
+          f"smaller dtype (dtype in its rewards.functions entry) or use a smaller one")
+    rm = f" (with the reward models' {reward_model_bytes / gib:.2f} GiB)" if reward_model_bytes else ""
+    _need(rollout + reward_model_bytes <= available,
+          f"the rollout needs at least {(rollout + reward_model_bytes) / gib:.2f} GiB{rm} {free}: {sequences} "
+          f"{length}, all sampled at once; lower them (fewer sequences per step, shorter completions); "
+          f"train.micro_batch_size splits only the update, not the rollout")
+    _need(update + reward_model_bytes <= available,
+          f"the update needs at least {(update + reward_model_bytes) / gib:.2f} GiB{rm} {free}: {sequences} {length}; "
+          f"set train.micro_batch_size (sequences per forward/backward) or use fewer sequences per step")
 
 
 #: Float fields for which an infinity means something ("no upper bound").
@@ -313,6 +318,9 @@ def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
     need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
     need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")
     for i, f in enumerate(cfg.rewards.functions):
+        if isinstance(f, dict) and "model" in f:
+            check_reward_model_entry(i, f)
+            continue
         weight = f.get("weight", 1.0) if isinstance(f, dict) else 1.0
         if isinstance(weight, str):
             try:
@@ -321,6 +329,16 @@ def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
                 pass
         need(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
              f"rewards.functions[{i}].weight must be a finite number, got {weight!r}")
+
+
+def check_reward_model_entry(index: int, entry: dict) -> None:
+    """A reward model's entry (its keys and values; the model itself is checked when the rewards are built)."""
+    from klgrpo.core.rewards import RewardModelSpec
+
+    try:
+        RewardModelSpec.from_entry(entry)
+    except ConfigError as err:
+        raise ConfigError(f"rewards.functions[{index}]: {err.message}") from None
 
 
 def _leaves(node, prefix: str = ""):

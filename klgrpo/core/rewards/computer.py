@@ -14,8 +14,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import re
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -23,78 +23,28 @@ from torch import Tensor
 
 from klgrpo.errors import ConfigError, RewardError
 from klgrpo.core.rewards.loading import _describe, display_name, load_reward_function
+from klgrpo.core.rewards.model import RewardModel, RewardModelContext
+from klgrpo.core.rewards.specs import RESERVED_ARGUMENTS, RewardModelSpec, RewardSpec
 
 #: Largest |reward| accepted: the group variance of float32 rewards of this size stays far from overflow
 #: (float32 squares overflow above ~1.8e19) and keeps 7 significant digits of the centred rewards.
 REWARD_LIMIT = 1e12
-#: A number in scientific notation without a dot (1e-3), which YAML 1.1 leaves as text.
-_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-#: Column names the reward functions take as their first two arguments.
-RESERVED_ARGUMENTS = ("prompts", "completions")
-
-
-@dataclass
-class RewardSpec:
-    """One reward function in the weighted sum.
-
-    name: a built-in name, "module.path:function" or "path/to/file.py:function".
-    weight: its factor in the total reward.
-    kwargs: extra keyword arguments for every call (e.g. {"pattern": "<answer>.*</answer>"} for "format").
-    """
-
-    name: str
-    weight: float = 1.0
-    kwargs: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if isinstance(self.weight, str) and _SCIENTIFIC.match(self.weight.strip()):
-            self.weight = float(self.weight)  # YAML 1.1 reads 1e-3 (no dot) as text; other text stays refused
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError(f"a reward function needs a non-empty name, got {self.name!r}")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
-            raise ConfigError(f"reward function {self.name!r}: weight must be a finite number, got {self.weight!r}")
-        self.weight = float(self.weight)
-        if self.kwargs is None:
-            self.kwargs = {}
-        if not isinstance(self.kwargs, dict):
-            raise ConfigError(f"reward function {self.name!r}: kwargs must be a mapping of argument names to "
-                              f"values, got {self.kwargs!r}")
-        for reserved in RESERVED_ARGUMENTS:
-            if reserved in self.kwargs:
-                raise ConfigError(f"reward function {self.name!r}: {reserved!r} cannot be a kwarg (the function "
-                                  f"receives the batch's {reserved} itself); remove it")
-
-    @classmethod
-    def parse(cls, entry: Any) -> "RewardSpec":
-        """A spec from a config entry: a name, a {name, weight, kwargs} mapping, or an object with those fields."""
-        if isinstance(entry, RewardSpec):
-            return entry
-        if isinstance(entry, str):
-            return cls(entry)
-        if isinstance(entry, dict):
-            unknown = set(entry) - {"name", "weight", "kwargs"}
-            if unknown or "name" not in entry:
-                raise ConfigError(f"a reward function entry needs 'name' and may have 'weight' and 'kwargs', got "
-                                  f"{entry!r}")
-            return cls(entry["name"], entry.get("weight", 1.0), dict(entry.get("kwargs") or {}))
-        if hasattr(entry, "name"):
-            return cls(entry.name, getattr(entry, "weight", 1.0), dict(getattr(entry, "kwargs", None) or {}))
-        raise ConfigError(f"a reward function entry must be a name or a {{name, weight, kwargs}} mapping, "
-                          f"got {entry!r}")
 
 
 @dataclass
 class RewardResult:
-    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N]."""
+    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N];
+    model_seconds: the wall seconds the reward models took (part of the call's time); None without one."""
 
     total: Tensor
     per_function: dict[str, Tensor]
     weights: dict[str, float]
+    model_seconds: float | None = None
 
 
 @dataclass
 class _Bound:
-    spec: RewardSpec
+    spec: RewardSpec | RewardModelSpec
     fn: Callable
     display: str
     accepts_any: bool  # has **kwargs
@@ -103,17 +53,25 @@ class _Bound:
 
 
 class RewardComputer:
-    """Calls every reward function on a batch and forms the weighted total (module docstring)."""
+    """Calls every reward function on a batch and forms the weighted total (module docstring).
 
-    def __init__(self, specs: list[RewardSpec]):
+    A reward model's entry is checked when the computer is built (its config, not its weights); ``load_models``
+    loads the weights once, on the policy's device (a call before it loads them on the CPU in float32).
+    """
+
+    def __init__(self, specs: list[RewardSpec | RewardModelSpec], trust_remote_code: bool = False):
         specs = [RewardSpec.parse(s) for s in specs]
         if not specs:
             raise ConfigError("rewards.functions is empty; add at least one reward function, e.g. exact_match")
         self._bound: list[_Bound] = []
         taken: set[str] = set()
         for spec in specs:
-            fn = load_reward_function(spec.name)
-            display = display_name(spec.name)
+            if isinstance(spec, RewardModelSpec):
+                fn = RewardModel(spec, trust_remote_code)
+                display = fn.display
+            else:
+                fn = load_reward_function(spec.name)
+                display = display_name(spec.name)
             base, k = display, 2
             while display in taken:  # the same function twice (e.g. two format patterns): format, format_2
                 display, k = f"{base}_{k}", k + 1
@@ -124,6 +82,19 @@ class RewardComputer:
     def names(self) -> list[str]:
         """Display names, in spec order (the keys of ``RewardResult.per_function``)."""
         return [b.display for b in self._bound]
+
+    @property
+    def reward_models(self) -> list[RewardModel]:
+        return [b.fn for b in self._bound if isinstance(b.fn, RewardModel)]
+
+    def reward_model_bytes(self, context: RewardModelContext) -> int:
+        """Bytes the reward models' weights take once loaded in ``context`` (counted without loading them)."""
+        return sum(m.weight_bytes(context) for m in self.reward_models)
+
+    def load_models(self, context: RewardModelContext) -> None:
+        """Load every reward model's weights and tokenizer (once; a loaded one stays as it is)."""
+        for model in self.reward_models:
+            model.load(context)
 
     def __call__(self, prompts: list, completions: list[str], columns: dict[str, list] | None = None) -> RewardResult:
         columns = dict(columns or {})
@@ -141,8 +112,12 @@ class RewardComputer:
                                   f"values once per completion")
         per_function: dict[str, Tensor] = {}
         total = torch.zeros(n, dtype=torch.float64)
+        model_seconds = 0.0 if self.reward_models else None
         for bound in self._bound:
+            t0 = time.perf_counter()
             values = _call(bound, prompts, completions, columns)
+            if isinstance(bound.fn, RewardModel):
+                model_seconds += time.perf_counter() - t0
             per_function[bound.display] = torch.tensor(values, dtype=torch.float32)
             total += bound.spec.weight * torch.tensor(values, dtype=torch.float64)
         if n and float(total.abs().max()) > REWARD_LIMIT:
@@ -150,10 +125,11 @@ class RewardComputer:
             raise RewardError(f"the weighted total reward is {float(total[i]):g} at index {i}; it must lie within "
                               f"+-{REWARD_LIMIT:g}: lower the rewards.functions weights or rescale the rewards")
         weights = {b.display: b.spec.weight for b in self._bound}
-        return RewardResult(total=total.to(torch.float32), per_function=per_function, weights=weights)
+        return RewardResult(total=total.to(torch.float32), per_function=per_function, weights=weights,
+                            model_seconds=model_seconds)
 
 
-def _bind(spec: RewardSpec, fn: Callable, display: str) -> _Bound:
+def _bind(spec: RewardSpec | RewardModelSpec, fn: Callable, display: str) -> _Bound:
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -187,6 +163,8 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
                           f"(e.g. {{{missing[0]}: <dataset column>}}) or add it to the reward's kwargs")
     if not bound.accepts_any:
         available = {k: v for k, v in available.items() if k in bound.accepted}
+    if isinstance(bound.fn, RewardModel):  # klgrpo's own: its errors are already one line about the model
+        return _as_floats(bound.fn(prompts, completions), len(completions), bound.display, completions)
     try:
         result = bound.fn(prompts, completions, **available)
     except SystemExit as e:  # would end the run with its exit code (0: "success") and no message
