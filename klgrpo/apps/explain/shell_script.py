@@ -109,16 +109,20 @@ def commands(text: str, origin: str) -> list[LaunchCommand]:
                 variables[assignment.group(1)] = _substitute(tokens[0], variables)
             continue
         framework = next((name for name in LAUNCHERS if launchers_in(stripped) == {name}), None)
-        if framework is not None:
-            found.append(_command(framework, number, _tokens(line, origin, number), variables, arrays))
+        command = None if framework is None else _command(framework, number, _tokens(line, origin, number),
+                                                          variables, arrays)
+        if command is not None:
+            found.append(command)
     return found
 
 
-def _command(framework: str, number: int, tokens: list[str], variables: dict, arrays: dict) -> LaunchCommand:
+def _command(framework: str, number: int, tokens: list[str], variables: dict, arrays: dict) -> LaunchCommand | None:
     modules = LAUNCHERS[framework]
-    start = next(i for i, token in enumerate(tokens) if any(token.endswith(m) for m in modules)) + 1
+    starts = [i for i, token in enumerate(tokens) if any(token.endswith(m) for m in modules)]
+    if not starts:  # the module named inside another word (an echo, a JSON argument): no launch
+        return None
     command = LaunchCommand(framework, number, [])
-    for token in tokens[start:]:
+    for token in tokens[starts[0] + 1:]:
         used = _ARRAY_USE.match(token)
         expanded = arrays.get(used.group(1), [token]) if used else [token]
         for item in expanded:

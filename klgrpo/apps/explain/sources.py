@@ -31,6 +31,7 @@ KLGRPO_GROUPS = tuple(f.name for f in GRPOConfig.__dataclass_fields__.values())
 _OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w.]*=")
 #: What a launch script passes on from its own command line.
 _SCRIPT_ARGUMENTS = ("$@", "$*", "${@}", "${*}")
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _SHELL = re.compile(r"^#!.*\b(ba|z|da)?sh\b")
 
 
@@ -49,9 +50,12 @@ def _override_value(text: str, origin: str) -> Any:
     if not text.strip():
         return None
     try:
-        return load_yaml(text, origin)
+        value = load_yaml(text, origin)
     except ConfigError:
         return text
+    if isinstance(value, str) and _NUMBER.match(value):  # Hydra reads 1e-6 as a number, YAML 1.1 as text
+        return float(value)
+    return value
 
 
 def _overrides(text: str, origin: str) -> dict[str, Any] | None:

@@ -34,6 +34,13 @@ NO_LORA_COUNTERPART = {"use_rslora": "klgrpo's LoRA scales by alpha / r, not alp
                                                                                            "weights",
                        "lora_modules_to_save": "klgrpo's LoRA trains the adapters only",
                        "lora_target_parameters": "klgrpo's LoRA adapts modules, not parameters"}
+#: Fields whose klgrpo counterpart is written differently: named, with where it goes.
+OTHER_COUNTERPARTS = {
+    "reward_funcs": "TRL's reward functions by name; klgrpo's are rewards.functions (built-in names or "
+                    "module:function)",
+    "reward_model_name_or_path": "a reward model; klgrpo's rewards are functions (rewards.functions)",
+    "chat_template_kwargs": "klgrpo applies the tokenizer's chat template without extra arguments (data.as_chat)",
+}
 #: Fields that change speed, memory, I/O, logging or the hub, never the loss.
 NOT_THE_OBJECTIVE = frozenset((
     "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "bf16", "fp16", "tf32", "per_device_train_batch_size",
@@ -134,10 +141,14 @@ def map_trl_config(data: dict, origin: str, adaptive: bool) -> Mapped:
     mapped = map_trl(objective)
     _map_model_and_data(data, mapped)
     for key in data:
-        if key in NOT_THE_OBJECTIVE or key in PARSER_KEYS:
+        if key in objective:
+            continue
+        if key in OTHER_COUNTERPARTS:
+            mapped.unmapped.setdefault(key, OTHER_COUNTERPARTS[key])
+        elif key in NOT_THE_OBJECTIVE or key in PARSER_KEYS:
             if key not in mapped.unmapped and key not in _mapped_fields(data):
                 mapped.ignored.append(key)
-        elif key not in objective and key not in mapped.unmapped:
+        elif key not in mapped.unmapped:
             mapped.unmapped[key] = "not read by the mapping: check that it does not change the objective"
     return mapped
 
