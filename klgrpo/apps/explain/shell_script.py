@@ -22,6 +22,8 @@ LAUNCHERS = {"verl": ("verl.trainer.main_ppo", "verl.trainer.main_ppo.py", "verl
 _ASSIGNMENT = re.compile(r"^(?:export\s+|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$")
 _ARRAY = re.compile(r"^([A-Za-z_]\w*)=\($")
 _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
+#: What is left for the shell to expand: $1, $@, ${X:-y}, $(cmd), $((a * b)), $HOME.
+_SHELL_EXPANSION = re.compile(r"\$(\(\(.*?\)\)|\(.*?\)|\{[^}]*\}|\w+|[@*#?])")
 _ARRAY_USE = re.compile(r"^\$\{([A-Za-z_]\w*)\[[@*]\]\}$")
 
 
@@ -128,9 +130,9 @@ def _command(framework: str, number: int, tokens: list[str], variables: dict, ar
         for item in expanded:
             item = _substitute(item, variables)
             command.arguments.append(item)
-            left = _VARIABLE.search(item) or ("$" in item and item)
+            left = _SHELL_EXPANSION.search(item)
             if left:
-                command.unresolved[item] = left.group(0) if isinstance(left, re.Match) else item
+                command.unresolved[item] = left.group(0)
     return command
 
 

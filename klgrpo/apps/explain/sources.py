@@ -139,6 +139,9 @@ def load_source(text: str, origin: str, source: str | None = None, call: int | N
         return _from_script(text, origin, source, call)
     if source is None:
         found = _candidates(shape, data)
+        if not found:
+            raise ConfigError(f"{origin} is none of the formats klgrpo explain reads ({WHAT_EXPLAIN_READS}); its "
+                              f"top-level keys: {', '.join(sorted(map(str, data)))[:80]}")
         if len(found) != 1:
             keys = ", ".join(sorted(map(str, data)))[:80] if shape == "mapping" else shape
             raise ConfigError(f"{origin} could be {' or '.join(found) or 'none of the formats'} (top-level keys: "
