@@ -313,3 +313,36 @@ def test_json_into_a_folder_that_is_not_there_or_onto_the_input_is_one_line(tmp_
     assert captured.out == "" and captured.err.count("\n") == 1
     assert message.format(tmp=tmp_path) in captured.err, captured.err
     assert src.read_text() == "beta: 0.04\n"
+
+
+# ------------------------------------------------------------------------------------------------------ the docs
+def _doc_commands() -> list[tuple[str, list[str]]]:
+    """(command, the lines the page shows under it) for every ``$ klgrpo explain`` block of docs/explain.md."""
+    text = (ROOT / "docs" / "explain.md").read_text()
+    out = []
+    for block in text.split("```")[1::2]:
+        lines = block.strip("\n").splitlines()
+        if lines and lines[0].startswith("$ klgrpo explain "):
+            out.append((lines[0][2:], lines[1:]))
+    return out
+
+
+def test_the_docs_worked_examples_are_the_commands_output(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    commands = _doc_commands()
+    assert len(commands) >= 10
+    for command, shown in commands:
+        argv = command.split()[2:]
+        assert main(argv) == 0, command
+        printed = capsys.readouterr().out.splitlines()
+        cut = next((i for i, line in enumerate(printed) if line.startswith("  klgrpo config (--write")), len(printed))
+        assert printed[:cut] == shown, command
+
+
+def test_every_example_explains_and_the_docs_show_them_verbatim(tmp_path):
+    docs = (ROOT / "docs" / "explain.md").read_text()
+    for path in sorted(p for p in EXAMPLES.iterdir() if p.is_file()):
+        _report(tmp_path, path)
+        if path.name != "unsloth_train.py":  # the docs name it; its verdict is unsloth_dynamic.yaml's (tested above)
+            assert path.read_text().rstrip() in docs, path.name
+    assert (ROOT / "docs" / "explain_run.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -139,6 +139,9 @@ def _run(args: argparse.Namespace) -> int:
         settings = GRPOConfig.from_yaml(log.config_file).kl
     else:
         static, settings = None, GRPOConfig().kl
+        if log.kind == "trl":
+            log.notes.append("training_args.bin is a pickle and is not read: pass --config FILE for the run's "
+                             "settings")
     summary = summarise(log, settings, {"warn_above": args.warn_above, "warn_below": args.warn_below})
     summary["config_verdict"] = static
     print(format_run(summary))
@@ -157,9 +160,10 @@ def _explain_files(args: argparse.Namespace) -> int:
         report = explain_file(path, args)
         print(format_report(report["origin"], report))
         if args.write:
-            header = "".join(f"# no counterpart: {_one_line(k)}: {_one_line(v)}\n" for k, v in report["unmapped"].items())
-            _write("--write", args.write, f"# klgrpo config for {_one_line(report['origin'])} (klgrpo explain)\n{header}"
-                   + yaml.safe_dump(report["config"], sort_keys=False))
+            header = "".join(f"# no counterpart: {_one_line(k)}: {_one_line(v)}\n"
+                             for k, v in report["unmapped"].items())
+            _write("--write", args.write, f"# klgrpo config for {_one_line(report['origin'])} (klgrpo explain)\n"
+                   f"{header}" + yaml.safe_dump(report["config"], sort_keys=False))
         if args.json:
             _write("--json", args.json, json.dumps(report, indent=2) + "\n")
         if args.strict and report["gradient"]["token_on_policy"] != "reverse":

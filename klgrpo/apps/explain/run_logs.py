@@ -65,9 +65,7 @@ def read_run(folder: str) -> RunLog:
     if state is None:
         raise ConfigError(f"{folder} holds neither metrics.jsonl (a klgrpo run) nor {TRL_STATE} (a TRL output_dir "
                           "or checkpoint-N folder); pass the run's folder")
-    log = RunLog(folder, "trl", state, _trl_rows(state))
-    log.notes.append("training_args.bin is a pickle and is not read: pass --config FILE for the run's settings")
-    return log
+    return RunLog(folder, "trl", state, _trl_rows(state))
 
 
 def _check_size(file: Path) -> None:
