@@ -57,9 +57,28 @@ FLAT_NAMES = {
 }
 #: Flags without a value (store_true).
 SWITCHES = ("algo.kl.use_loss",)
-#: Flags of the groups that hold the objective; another flag there is a typo.
-OBJECTIVE_PREFIXES = ("algo.kl.", "algo.advantage.", "actor.eps", "actor.dual", "actor.policy_loss")
-OTHER_OBJECTIVE_FLAGS = ("algo.advantage.gamma", "algo.advantage.lambd", "algo.advantage.no_std_norm")
+#: Unknown flags under these prefixes could change the KL term or its aggregation: refused (a typo, or a flag of a
+#: later OpenRLHF whose effect on the verdict is unknown). Other unknown flags go to ``unmapped`` with a reason.
+KL_PREFIXES = ("algo.kl.", "actor.policy_loss")
+#: Flags of OpenRLHF 0.11 outside the table, with why they leave the KL term as it is.
+NOT_THE_KL_TERM = {
+    "algo.advantage.gamma": "the return's discount (the KL in the reward is summed with gamma 1: read below)",
+    "algo.advantage.lambd": "GAE's lambda: the advantages, not the KL term",
+    "algo.advantage.no_std_norm": "the advantages' normalisation, not the KL term",
+    "algo.advantage.is_correction_enable": "vLLM's importance-sampling correction weighs the policy term, not the "
+                                           "KL term",
+    "algo.advantage.is_correction_threshold": "the vLLM importance-sampling correction's bounds (policy term)",
+    "algo.advantage.is_correction_type": "the vLLM importance-sampling correction's kind (policy term)",
+    "algo.dynamic_filtering_enable": "drops prompts whose group rewards are all equal: which samples train, not "
+                                     "the KL term",
+    "algo.dynamic_filtering_range": "the rewards range of the dynamic filtering (which samples train)",
+    "actor.aux_loss_coef": "a mixture-of-experts load-balancing loss beside the objective",
+}
+_GROUP_REASONS = {"reward.": "changes the rewards, not the KL term",
+                  "algo.advantage.": "changes the advantages, not the KL term",
+                  "algo.": "not in klgrpo's OpenRLHF 0.11 table: the verdict assumes it leaves the KL term as it is",
+                  "actor.eps": "changes the policy term's clip, not the KL term",
+                  "actor.dual": "changes the policy term's clip, not the KL term"}
 ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGES = {"group_norm": ("group", 1e-9), "dr_grpo": ("none", 1e-9)}
 POLICY_LOSSES = {"ppo": ("ppo_clip", "token_mean"), "gspo": ("gspo", "seq_mean_token_mean")}
@@ -112,14 +131,21 @@ def map_openrlhf(values: dict[str, Any], origin: str = "command line") -> Mapped
     for name, value in values.items():
         if name in OPENRLHF_DEFAULTS:
             typed[name] = _typed(name, value, origin)
-        elif name.startswith(OBJECTIVE_PREFIXES) and name not in OTHER_OBJECTIVE_FLAGS:
-            close = difflib.get_close_matches(name, sorted(OPENRLHF_DEFAULTS), n=1)
+        elif name.startswith(KL_PREFIXES):
+            close = difflib.get_close_matches(name[:100], sorted(OPENRLHF_DEFAULTS), n=1)
             hint = f"; did you mean --{close[0]}?" if close else ""
-            raise ConfigError(f"{origin}: unknown OpenRLHF flag --{name}{hint}")
-        elif name in OTHER_OBJECTIVE_FLAGS or name.startswith(("reward.", "algo.")):
-            out.unmapped[name] = "not read by the mapping: check that it does not change the objective"
+            raise ConfigError(f"{origin}: unknown OpenRLHF flag --{name[:100]}{hint} (a flag there could change the "
+                              "KL term)")
+        elif name in NOT_THE_KL_TERM:
+            out.unmapped[name] = NOT_THE_KL_TERM[name]
+        elif name.startswith(tuple(_GROUP_REASONS)):
+            out.unmapped[name] = next(why for prefix, why in _GROUP_REASONS.items() if name.startswith(prefix))
         else:
             out.ignored.append(name)
+    gamma = values.get("algo.advantage.gamma", 1.0)
+    if not typed.get("algo.kl.use_loss") and _typed("algo.advantage.gamma", gamma, origin) != 1.0:
+        raise ConfigError(f"{origin}: --algo.advantage.gamma {gamma} discounts the KL in the reward, which klgrpo "
+                          "sums with gamma 1; the verdict would not hold (use gamma 1.0, or --algo.kl.use_loss)")
     v = {**OPENRLHF_DEFAULTS, **typed}
     _map_policy(v, out)
     _map_kl(v, out)

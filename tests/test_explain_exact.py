@@ -302,7 +302,7 @@ def test_unsloth_fields_map_as_the_bridge_maps_them(fields, tmp_path):
     pytest.importorskip("trl")
     import yaml
 
-    from klgrpo.apps.explain_sources import load_source
+    from klgrpo.apps.explain.sources import load_source
     from klgrpo.trl import GRPOConfig, build_kl_controller, klgrpo_config
 
     source, mapped = load_source(yaml.safe_dump(fields), "unsloth.yaml")

@@ -1,26 +1,13 @@
-"""``klgrpo explain``: which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, proven, and the klgrpo
-config that reproduces it.
-
-    klgrpo explain FILE|- [--from trl|verl|openrlhf|unsloth|klgrpo] [--write klgrpo.yaml] [--json OUT] [--strict]
-
-The format is detected (klgrpo.apps.explain_sources) and mapped through the tables of klgrpo.trl_mapping,
-klgrpo.verl_mapping and klgrpo.openrlhf_mapping. The gradient verdicts are computed by verify-kl's exact oracles
-on the mapped KL terms (klgrpo.verify.verdict), the value verdict by its value checks. Exit status: 0, 2 for bad
-input, 3 with --strict when the token-level gradient of the first update does not follow the reverse KL.
-"""
+"""The explanation of a mapped config: the gradient verdicts (verify-kl's exact oracles on the mapped KL terms,
+klgrpo.verify.verdict), the value verdict, beta's rule, the aggregation, the risks, and the printed lines."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from klgrpo.apps.commands import command_parser
 from klgrpo.errors import ConfigError
 from klgrpo.mapping import Mapped
 from klgrpo.math.objective import KLTerm
@@ -35,19 +22,6 @@ AGGREGATION_WEIGHTING = {
     "seq_mean_token_sum": "each completion's summed KL weighs the same (the sequence KL's own weighting)",
     "constant": "every token weighs 1 / (completions x max length), whatever the lengths",
 }
-STRICT_EXIT = 3
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = command_parser("explain", "The verdicts come from verify-kl's exact oracles.")
-    p.add_argument("files", nargs="+", metavar="FILE", help="the config file(s), or - for standard input")
-    p.add_argument("--from", dest="source", choices=("trl", "verl", "openrlhf", "unsloth", "klgrpo"),
-                   help="the format (default: detected)")
-    p.add_argument("--write", metavar="YAML", help="write the klgrpo config to YAML (one FILE)")
-    p.add_argument("--json", metavar="OUT", help="write the explanation as JSON to OUT (one FILE)")
-    p.add_argument("--strict", action="store_true",
-                   help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
-    return p
 
 
 def kl_parts(kl, extra: list[dict[str, Any]]) -> list[KLTerm]:
@@ -167,40 +141,9 @@ def format_report(origin: str, report: dict) -> str:
         lines.append(f"  no counterpart: {name}: {why}")
     if report["ignored"]:
         lines.append(f"  ignored (speed, memory, logging): {', '.join(report['ignored'])}")
+    lines += [f"  note: {note}" for note in report.get("notes", ())]
     lines += [f"  risk: {risk}" for risk in report["risks"]]
     lines.append("  klgrpo config (--write FILE saves it; every other key at klgrpo's default):")
     config = yaml.safe_dump(report["config"], sort_keys=False, default_flow_style=None, width=110)
     lines += [f"    {line}" for line in config.splitlines()]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from klgrpo.apps.explain_sources import load_source, read_text
-
-    args = _parser().parse_args(argv)
-    if (args.write or args.json) and len(args.files) != 1:
-        print("klgrpo explain: --write and --json take one FILE; explain the files one at a time", file=sys.stderr)
-        return 2
-    status = 0
-    for path in args.files:
-        try:
-            text, origin = read_text(path)
-            source, mapped = load_source(text, origin, args.source)
-            report = explain(source, mapped)
-        except ConfigError as err:
-            print(f"klgrpo explain: {err}", file=sys.stderr)
-            return 2
-        print(format_report(origin, report))
-        if args.write:
-            header = "".join(f"# no counterpart: {k}: {v}\n" for k, v in report["unmapped"].items())
-            Path(args.write).write_text(f"# klgrpo config for {origin} (klgrpo explain)\n{header}"
-                                        + yaml.safe_dump(report["config"], sort_keys=False))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        if args.strict and report["gradient"]["token_on_policy"] != "reverse":
-            status = STRICT_EXIT
-    return status
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

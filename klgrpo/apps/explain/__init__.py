@@ -1,0 +1,17 @@
+"""``klgrpo explain``: which KL a TRL, verl, OpenRLHF, Unsloth or klgrpo config optimises, proven, and the klgrpo
+config that reproduces it; with ``--run``, what a run's KL actually did.
+
+    command.py        the command: arguments, outputs (never over an input or, for --write, an existing file)
+    reading.py        bounded reading: size, text, plain data, nesting
+    sources.py        the format, detected, and its mapping (klgrpo.trl_mapping, verl_mapping, openrlhf_mapping)
+    trl_config.py     what ``trl grpo --config`` reads, from trl_fields.py (TRL's fields as data, no TRL import)
+    python_script.py  a training script's GRPOConfig(...) call, read with ``ast`` (never run)
+    shell_script.py   a verl or OpenRLHF launch script's command, read as text (never run)
+    report.py         the verdicts (verify-kl's exact oracles), the risks and the printed lines
+    run_logs.py       --run: a run's KL trajectory, its bands, beta, reward, and the plot
+"""
+
+from klgrpo.apps.explain.command import STRICT_EXIT, main
+from klgrpo.apps.explain.report import explain
+
+__all__ = ["STRICT_EXIT", "explain", "main"]

@@ -1,0 +1,220 @@
+"""``klgrpo explain --run FOLDER``: what a run's KL actually did, from its logs.
+
+Two kinds of folder: a klgrpo run (``metrics.jsonl``, and the ``config.yaml`` it ran with) and a TRL
+``output_dir`` or ``checkpoint-N`` folder (``trainer_state.json``'s ``log_history``; of an ``output_dir`` without
+one, the newest checkpoint's). TRL's ``training_args.bin`` is a pickle: it is never read, so a TRL run's config
+comes only from ``--config``.
+
+The KL's windows are judged as the trainer's KL watch judges them (klgrpo.train.kl_watch): consecutive windows of
+``kl.warn_window`` logged steps; "drifting" when a window's mean is above ``kl.warn_above`` and above the previous
+window's, "not learning" when it is below ``kl.warn_below`` from the second window on. Every value printed or
+written is the log's own number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from klgrpo.apps.explain.reading import MAX_BYTES
+from klgrpo.errors import ConfigError
+from klgrpo.train import metric_names as names
+from klgrpo.train.config import KLConfig
+from klgrpo.train.kl_watch import DRIFTING, NOT_LEARNING
+
+#: Logs larger than this are no run of a size explain can summarise in seconds.
+MAX_LOG_BYTES = 256 * MAX_BYTES
+#: (what, the metric names that hold it, first found wins) for each kind of run.
+SERIES = {
+    "klgrpo": {"kl": (names.RAW_KL,), "beta": (names.BETA,), "reward": (names.REWARD,),
+               "clip_ratio": (names.CLIP_RATIO,), "entropy": (names.ENTROPY,)},
+    "trl": {"kl": ("kl", names.RAW_KL), "beta": (names.BETA, "beta"), "reward": ("reward",),
+            "clip_ratio": ("clip_ratio/region_mean", "clip_ratio"), "entropy": ("entropy",)},
+}
+TRL_STATE = "trainer_state.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class RunLog:
+    folder: str
+    kind: str  # "klgrpo" or "trl"
+    log_file: Path
+    rows: list[dict]
+    config_file: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def read_run(folder: str) -> RunLog:
+    """The folder's log rows, or one ConfigError naming the folder and what --run reads."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ConfigError(f"{folder} is not a folder; --run reads a klgrpo run folder (metrics.jsonl) or a TRL "
+                          f"output_dir / checkpoint-N folder ({TRL_STATE})")
+    if (path / "metrics.jsonl").is_file():
+        log = RunLog(folder, "klgrpo", path / "metrics.jsonl", _klgrpo_rows(path / "metrics.jsonl", folder))
+        if (path / "config.yaml").is_file():
+            log.config_file = path / "config.yaml"
+        return log
+    state = _trl_state_file(path)
+    if state is None:
+        raise ConfigError(f"{folder} holds neither metrics.jsonl (a klgrpo run) nor {TRL_STATE} (a TRL output_dir "
+                          "or checkpoint-N folder); pass the run's folder")
+    return RunLog(folder, "trl", state, _trl_rows(state))
+
+
+def _check_size(file: Path) -> None:
+    if file.stat().st_size > MAX_LOG_BYTES:
+        raise ConfigError(f"{file} is {file.stat().st_size} bytes, more than the {MAX_LOG_BYTES} explain --run reads")
+
+
+def _klgrpo_rows(file: Path, folder: str) -> list[dict]:
+    from klgrpo.train.metrics import read_metrics
+
+    _check_size(file)
+    try:
+        return read_metrics(file)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file} is not UTF-8 text; a klgrpo run's metrics.jsonl is JSON lines") from None
+
+
+def _trl_state_file(path: Path) -> Path | None:
+    if (path / TRL_STATE).is_file():
+        return path / TRL_STATE
+    checkpoints = sorted((int(m.group(1)), child) for child in path.iterdir()
+                         if (m := _CHECKPOINT.match(child.name)) and (child / TRL_STATE).is_file())
+    return checkpoints[-1][1] / TRL_STATE if checkpoints else None
+
+
+def _trl_rows(file: Path) -> list[dict]:
+    _check_size(file)
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ConfigError(f"{file} is not valid JSON ({type(err).__name__}); TRL writes it as JSON") from None
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ConfigError(f"{file} has no log_history list; is it TRL's {TRL_STATE}?")
+    return [row for row in history if isinstance(row, dict) and isinstance(row.get("step"), int)]
+
+
+def series(log: RunLog, what: str) -> tuple[str, list[tuple[int, float]]] | None:
+    """(metric name, [(step, value)]) of the first name that the log holds, finite values only."""
+    for name in SERIES[log.kind][what]:
+        points = [(row["step"], row[name]) for row in log.rows
+                  if isinstance(row.get(name), (int, float)) and not isinstance(row.get(name), bool)
+                  and math.isfinite(row[name])]
+        if points:
+            return name, points
+    return None
+
+
+def trajectory(points: list[tuple[int, float]]) -> dict[str, Any]:
+    values = [value for _, value in points]
+    peak = max(points, key=lambda point: point[1])
+    return {"points": len(points), "first": {"step": points[0][0], "value": points[0][1]},
+            "median": statistics.median(values), "last": {"step": points[-1][0], "value": points[-1][1]},
+            "max": {"step": peak[0], "value": peak[1]}, "min": min(values)}
+
+
+def band_windows(points: list[tuple[int, float]], warn_above: float, warn_below: float,
+                 window: int) -> list[dict[str, Any]]:
+    """Every complete window of ``window`` logged KL values that lies in a band (the KL watch's rule)."""
+    out, previous = [], None
+    window = max(1, int(window))
+    for index in range(len(points) // window):
+        chunk = points[index * window:(index + 1) * window]
+        mean = sum(value for _, value in chunk) / window
+        bands = []
+        if warn_above > 0 and mean > warn_above and previous is not None and mean > previous:
+            bands.append(DRIFTING)
+        if warn_below > 0 and mean < warn_below and index > 0:
+            bands.append(NOT_LEARNING)
+        out += [{"band": band, "first_step": chunk[0][0], "last_step": chunk[-1][0], "mean": mean}
+                for band in bands]
+        previous = mean
+    return out
+
+
+def summarise(log: RunLog, kl_settings: KLConfig, overrides: dict[str, float | None]) -> dict[str, Any]:
+    """The --run part of the --json document."""
+    bands = {"warn_above": kl_settings.warn_above, "warn_below": kl_settings.warn_below,
+             "window": kl_settings.warn_window}
+    bands.update({k: v for k, v in overrides.items() if v is not None})
+    out: dict[str, Any] = {"folder": log.folder, "kind": log.kind, "log": str(log.log_file), "notes": list(log.notes)}
+    for what in SERIES[log.kind]:
+        found = series(log, what)
+        out[what] = None if found is None else {"metric": found[0], **trajectory(found[1])}
+        if what == "beta" and found is not None:
+            out[what]["changes"] = sum(1 for a, b in zip(found[1], found[1][1:]) if a[1] != b[1])
+    kl = series(log, "kl")
+    if kl is None:
+        raise ConfigError(f"{log.log_file} logs no KL ({' or '.join(SERIES[log.kind]['kl'])}): the run had no "
+                          "reference model, or logged nothing yet")
+    out["bands"] = {**bands, "windows": band_windows(kl[1], bands["warn_above"], bands["warn_below"],
+                                                     int(bands["window"]))}
+    if out["beta"] is None:
+        out["notes"].append("beta is not logged: TRL's beta is fixed at GRPOConfig.beta" if log.kind == "trl"
+                            else "beta is not logged")
+    return out
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def format_run(summary: dict[str, Any]) -> str:
+    kind = {"klgrpo": "klgrpo run", "trl": "TRL run"}[summary["kind"]]
+    kl = summary["kl"]
+    lines = [f"{summary['folder']}: {kind} ({summary['log']}, {kl['points']} steps with a KL)",
+             f"  KL ({kl['metric']}): first {_number(kl['first']['value'])} at step {kl['first']['step']}, median "
+             f"{_number(kl['median'])}, last {_number(kl['last']['value'])} at step {kl['last']['step']}, max "
+             f"{_number(kl['max']['value'])} at step {kl['max']['step']}"]
+    bands = summary["bands"]
+    crossed = "; ".join(f"steps {w['first_step']}-{w['last_step']} {w['band'].replace('_', ' ')} (mean "
+                        f"{_number(w['mean'])})" for w in bands["windows"]) or "no window in either band"
+    lines.append(f"  bands (warn_above {bands['warn_above']:g}, warn_below {bands['warn_below']:g}, windows of "
+                 f"{bands['window']} steps): {crossed}")
+    beta = summary["beta"]
+    if beta is not None:
+        moved = (f"{_number(beta['first']['value'])} throughout" if beta["changes"] == 0 else
+                 f"from {_number(beta['first']['value'])} to {_number(beta['last']['value'])} (min "
+                 f"{_number(beta['min'])}, max {_number(beta['max']['value'])}, changed at {beta['changes']} steps)")
+        lines.append(f"  beta ({beta['metric']}): {moved}")
+    for what in ("reward", "clip_ratio", "entropy"):
+        part = summary[what]
+        if part is not None:
+            lines.append(f"  {what.replace('_', ' ')} ({part['metric']}): first {_number(part['first']['value'])}, "
+                         f"last {_number(part['last']['value'])}, max {_number(part['max']['value'])} at step "
+                         f"{part['max']['step']}")
+    lines += [f"  note: {note}" for note in summary["notes"]]
+    return "\n".join(lines)
+
+
+def plot(log: RunLog, out: Path) -> None:
+    """KL, beta and reward against the step, one panel each (those the log holds), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = [(what, series(log, what)) for what in ("kl", "beta", "reward")]
+    found = [(what, s) for what, s in found if s is not None]
+    figure, axes = plt.subplots(len(found), 1, figsize=(7, 2.4 * len(found)), sharex=True, squeeze=False)
+    for axis, (what, (name, points)) in zip(axes[:, 0], found):
+        axis.plot([s for s, _ in points], [v for _, v in points], lw=1.2)
+        axis.set_ylabel(what)
+        axis.set_title(name, fontsize=9)
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    figure.suptitle(log.folder, fontsize=10)
+    figure.tight_layout()
+    try:
+        figure.savefig(out, format="png", dpi=100)
+    finally:
+        plt.close(figure)

@@ -1,0 +1,162 @@
+"""A verl or OpenRLHF launch script, read as text (never run): the arguments of its ``python3 -m
+verl.trainer.main_ppo`` or ``openrlhf.cli.train_ppo_ray`` command.
+
+What the reader follows: line continuations, comments, ``NAME=value`` and ``export NAME=value`` assignments with
+literal values (substituted where the command uses ``$NAME`` / ``${NAME}``), bash arrays (``ARGS=( ... )`` used
+as ``"${ARGS[@]}"``), ``ray job submit ... -- python3 -m ...``. A value that still holds a ``$`` after that (an
+argument of the script, ``$HOME``, a command substitution) is kept as text: the caller names it when the setting
+matters.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from klgrpo.apps.explain.reading import refuse
+from klgrpo.errors import ConfigError
+
+LAUNCHERS = {"verl": ("verl.trainer.main_ppo", "verl.trainer.main_ppo.py", "verl/trainer/main_ppo.py"),
+             "openrlhf": ("openrlhf.cli.train_ppo_ray", "openrlhf/cli/train_ppo_ray.py")}
+_ASSIGNMENT = re.compile(r"^(?:export\s+|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$")
+_ARRAY = re.compile(r"^([A-Za-z_]\w*)=\($")
+_VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
+#: What is left for the shell to expand: $1, $@, ${X:-y}, $(cmd), $((a * b)), $HOME.
+_SHELL_EXPANSION = re.compile(r"\$(\(\(.*?\)\)|\(.*?\)|\{[^}]*\}|\w+|[@*#?])")
+_ARRAY_USE = re.compile(r"^\$\{([A-Za-z_]\w*)\[[@*]\]\}$")
+
+
+@dataclass
+class LaunchCommand:
+    """The arguments after the launcher's module, with where the command starts."""
+
+    framework: str
+    line: int
+    arguments: list[str]
+    unresolved: dict[str, str] = field(default_factory=dict)  # argument -> the variable it still holds
+
+
+def launchers_in(text: str) -> set[str]:
+    """The frameworks whose launcher module the text names (cheap: no tokenising)."""
+    return {name for name, modules in LAUNCHERS.items() if any(module in text for module in modules)}
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, line) with backslash continuations joined and whole-line comments dropped."""
+    out, pending, start = [], "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.rstrip()
+        if not pending and line.lstrip().startswith("#"):
+            continue
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        out.append((start, pending + line))
+        pending = ""
+    if pending:
+        out.append((start, pending))
+    return out
+
+
+def _tokens(line: str, origin: str, number: int) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError as err:
+        raise ConfigError(f"{origin}: line {number}: {err} (an unclosed quote?)") from None
+
+
+def _substitute(token: str, variables: dict[str, str]) -> str:
+    def value(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        return variables.get(name, match.group(0))
+
+    return _VARIABLE.sub(value, token)
+
+
+def _read_array(lines: list[tuple[int, str]], index: int, origin: str) -> tuple[list[str], int]:
+    """Tokens of a multi-line ``NAME=(`` ... ``)`` array starting after line ``index``; returns the next index."""
+    tokens: list[str] = []
+    for position in range(index + 1, len(lines)):
+        number, line = lines[position]
+        if line.strip() == ")":
+            return tokens, position + 1
+        tokens += _tokens(line, origin, number)
+    raise ConfigError(f"{origin}: line {lines[index][0]}: the array is not closed with ')'")
+
+
+def commands(text: str, origin: str) -> list[LaunchCommand]:
+    """Every launcher command of the script, its variables and arrays substituted where they are literal."""
+    variables: dict[str, str] = {}
+    arrays: dict[str, list[str]] = {}
+    found: list[LaunchCommand] = []
+    lines = _logical_lines(text)
+    index = 0
+    while index < len(lines):
+        number, line = lines[index]
+        stripped = line.strip()
+        array = _ARRAY.match(stripped)
+        if array:
+            arrays[array.group(1)], index = _read_array(lines, index, origin)
+            continue
+        index += 1
+        assignment = _ASSIGNMENT.match(stripped)
+        if assignment and not launchers_in(stripped):
+            tokens = _tokens(assignment.group(2), origin, number) or [""]
+            if assignment.group(2).startswith("(") and stripped.endswith(")"):
+                arrays[assignment.group(1)] = _tokens(assignment.group(2)[1:-1], origin, number)
+            elif len(tokens) == 1:
+                variables[assignment.group(1)] = _substitute(tokens[0], variables)
+            continue
+        framework = next((name for name in LAUNCHERS if launchers_in(stripped) == {name}), None)
+        command = None if framework is None else _command(framework, number, _tokens(line, origin, number),
+                                                          variables, arrays)
+        if command is not None:
+            found.append(command)
+    return found
+
+
+def _command(framework: str, number: int, tokens: list[str], variables: dict, arrays: dict) -> LaunchCommand | None:
+    modules = LAUNCHERS[framework]
+    starts = [i for i, token in enumerate(tokens) if any(token.endswith(m) for m in modules)]
+    if not starts:  # the module named inside another word (an echo, a JSON argument): no launch
+        return None
+    command = LaunchCommand(framework, number, [])
+    for token in tokens[starts[0] + 1:]:
+        used = _ARRAY_USE.match(token)
+        expanded = arrays.get(used.group(1), [token]) if used else [token]
+        for item in expanded:
+            item = _substitute(item, variables)
+            command.arguments.append(item)
+            left = _SHELL_EXPANSION.search(item)
+            if left:
+                command.unresolved[item] = left.group(0)
+    return command
+
+
+def launch_command(text: str, origin: str, line: int | None = None) -> LaunchCommand:
+    """The script's one launcher command (or the one starting at ``line``); a script with none, with several, or
+    with both frameworks' launchers is refused in one line."""
+    found = commands(text, origin)
+    if line is not None:
+        chosen = [c for c in found if c.line == line]
+        if not chosen:
+            raise ConfigError(f"{origin}: no launcher command starts at line {line}; the commands start at lines "
+                              f"{', '.join(str(c.line) for c in found) or '(none)'}")
+        return chosen[0]
+    if not found:
+        raise refuse(origin, "runs neither verl.trainer.main_ppo nor openrlhf.cli.train_ppo_ray")
+    if len({c.framework for c in found}) > 1:
+        raise ConfigError(f"{origin} launches both verl and OpenRLHF (lines "
+                          f"{', '.join(str(c.line) for c in found)}); pass --call LINE to pick one")
+    if len(found) > 1:
+        raise ConfigError(f"{origin} launches {len(found)} runs (lines {', '.join(str(c.line) for c in found)}); "
+                          "pass --call LINE to pick one")
+    return found[0]
+
+
+def flag_tokens(text: str, origin: str) -> list[str]:
+    """The tokens of a bare command line (``--flag value`` lines, continuations and comments allowed)."""
+    return [token for number, line in _logical_lines(text) for token in _tokens(line, origin, number)]

@@ -1,0 +1,236 @@
+"""Read an input of ``klgrpo explain``: detect its format and map it onto klgrpo's config.
+
+    trl        a YAML/JSON mapping of what ``trl grpo --config`` reads (GRPOConfig, ModelConfig, the script and
+               dataset arguments), or a Python script's ``GRPOConfig(...)`` call (read with ``ast``, never run)
+    unsloth    the same with the adaptive-KL fields (kl_adaptation_method, kl_target, ...)
+    verl       verl's Hydra YAML (actor_rollout_ref:, algorithm:, ...), key=value overrides one per line, or a
+               launch script running ``python3 -m verl.trainer.main_ppo key=value ...``
+    openrlhf   an OpenRLHF command line (``--algo.kl.init_coef 0.01 --algo.kl.use_loss ...``) in a text file or
+               a launch script
+    klgrpo     a klgrpo config (model:, kl:, loss:, ...)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from klgrpo.apps.explain import python_script, shell_script
+from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
+from klgrpo.apps.explain.trl_config import map_trl_config
+from klgrpo.errors import ConfigError
+from klgrpo.mapping import Mapped
+from klgrpo.openrlhf_mapping import OPENRLHF_DEFAULTS, map_openrlhf, parse_flags
+from klgrpo.train.config import GRPOConfig, all_field_paths
+from klgrpo.trl_mapping import ADAPTIVE_KL_DEFAULTS
+from klgrpo.verl_mapping import ROOTS as VERL_ROOTS
+from klgrpo.verl_mapping import VERL_DEFAULTS, map_verl
+
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "klgrpo")
+KLGRPO_GROUPS = tuple(f.name for f in GRPOConfig.__dataclass_fields__.values())
+_OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w.]*=")
+#: What a launch script passes on from its own command line.
+_SCRIPT_ARGUMENTS = ("$@", "$*", "${@}", "${*}")
+_NUMBER = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_SHELL = re.compile(r"^#!.*\b(ba|z|da)?sh\b")
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _override_value(text: str, origin: str) -> Any:
+    """A Hydra override's value as YAML (``True``, ``1e-6``, ``['a', 'b']``); text that is no YAML stays text."""
+    if not text.strip():
+        return None
+    try:
+        value = load_yaml(text, origin)
+    except ConfigError:
+        return text
+    if isinstance(value, str) and _NUMBER.match(value):  # Hydra reads 1e-6 as a number, YAML 1.1 as text
+        return float(value)
+    return value
+
+
+def _overrides(text: str, origin: str) -> dict[str, Any] | None:
+    """key=value lines (comments and blank lines skipped) -> {key: YAML value}, or None if not that format."""
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    if not lines or not all(_OVERRIDE.match(line) for line in lines):
+        return None
+    out = {}
+    for line in lines:
+        key, value = line.lstrip("+").split("=", 1)
+        out[key.strip()] = _override_value(value, origin)
+    return out
+
+
+def _shape(text: str, origin: str) -> str:
+    """"python", "script" (a verl or OpenRLHF launch script), "overrides", "flags" or "mapping"."""
+    first = text.lstrip().split("\n", 1)[0]
+    if suffix(origin) == ".py" or first.startswith("#!") and "python" in first:
+        return "python"
+    if suffix(origin) in (".sh", ".bash") or _SHELL.match(first) or shell_script.launchers_in(text):
+        return "script"
+    if _overrides(text, origin) is not None:
+        return "overrides"
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if lines and lines[0].startswith("--"):
+        return "flags"
+    return "python" if _is_python(text, origin) else "mapping"
+
+
+def _is_python(text: str, origin: str) -> bool:
+    """A script without the .py suffix: it imports something and parses as Python with an import, a definition
+    or a GRPOConfig call (a YAML line such as ``beta: 0.1`` also parses as Python)."""
+    if not re.search(r"^\s*(from|import)\s+[\w.]+", text, re.M):
+        return False
+    try:
+        return python_script.looks_like_python(python_script.parse(text, origin))
+    except ConfigError:
+        return False
+
+
+def _parse(text: str, origin: str) -> tuple[str, Any]:
+    """(shape, parsed) by the text's shape."""
+    shape = _shape(text, origin)
+    if shape == "overrides":
+        return shape, _overrides(text, origin)
+    if shape == "flags":
+        return shape, shell_script.flag_tokens(text, origin)
+    if shape in ("python", "script"):
+        return shape, text
+    data = load_yaml(text, origin)
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{origin} is none of the formats klgrpo explain reads ({WHAT_EXPLAIN_READS})")
+    return "mapping", data
+
+
+def _candidates(shape: str, data: Any) -> list[str]:
+    if shape == "flags":
+        return ["openrlhf"]
+    if shape == "overrides":
+        return ["verl"]
+    top = set(data)
+    nested = all(isinstance(value, dict) for value in data.values())
+    found = []
+    if nested and top <= set(KLGRPO_GROUPS):
+        found.append("klgrpo")
+    if top & set(VERL_ROOTS) and {str(key).split(".")[0] for key in top} <= set(VERL_ROOTS):
+        found.append("verl")
+    if not nested:
+        found.append("unsloth" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
+    return found
+
+
+def load_source(text: str, origin: str, source: str | None = None, call: int | None = None) -> tuple[str, Mapped]:
+    """(format, mapped config) of the text; ``source`` forces the format, ``call`` picks the GRPOConfig call or
+    launcher command that starts on that line."""
+    shape, data = _parse(text, origin)
+    if shape == "python":
+        return _from_python(text, origin, source, call)
+    if shape == "script":
+        return _from_script(text, origin, source, call)
+    if source is None:
+        found = _candidates(shape, data)
+        if not found:
+            raise ConfigError(f"{origin} is none of the formats klgrpo explain reads ({WHAT_EXPLAIN_READS}); its "
+                              f"top-level keys: {', '.join(sorted(map(str, data)))[:80]}")
+        if len(found) != 1:
+            keys = ", ".join(sorted(map(str, data)))[:80] if shape == "mapping" else shape
+            raise ConfigError(f"{origin} could be {' or '.join(found) or 'none of the formats'} (top-level keys: "
+                              f"{keys}); pass --from {'|'.join(found or FORMATS)}")
+        source = found[0]
+    if source == "openrlhf":
+        if shape != "flags":
+            raise ConfigError(f"{origin} holds no --flags; an OpenRLHF config is its command line")
+        return source, map_openrlhf(parse_flags(data, origin), origin)
+    if shape == "flags":
+        raise ConfigError(f"{origin} is a command line; only --from openrlhf reads one")
+    if source == "verl":
+        return source, map_verl(data if shape == "overrides" else _flatten(data), origin)
+    if shape == "overrides":
+        raise ConfigError(f"{origin} holds key=value lines; only --from verl reads them")
+    if source == "klgrpo":
+        return source, _klgrpo(data, origin)
+    return source, map_trl_config(data, origin, adaptive=source == "unsloth")
+
+
+def _from_python(text: str, origin: str, source: str | None, line: int | None) -> tuple[str, Mapped]:
+    if source not in (None, "trl", "unsloth"):
+        raise ConfigError(f"{origin} is a Python script; explain reads a GRPOConfig(...) call there (--from trl "
+                          "or unsloth)")
+    call = python_script.config_call(text, origin, line)
+    where = f"{origin}: line {call.line}"
+    adaptive = source == "unsloth" or source is None and (
+        bool(set(call.keywords) & set(ADAPTIVE_KL_DEFAULTS)) or call.imported_from.startswith("klgrpo"))
+    mapped = map_trl_config(call.keywords, where, adaptive=adaptive)
+    for keyword, why in call.computed.items():
+        mapped.unmapped.setdefault(keyword, why)
+    return ("unsloth" if adaptive else "trl"), mapped
+
+
+def _from_script(text: str, origin: str, source: str | None, line: int | None) -> tuple[str, Mapped]:
+    command = shell_script.launch_command(text, origin, line)
+    if source not in (None, command.framework):
+        raise ConfigError(f"{origin}: line {command.line} launches {command.framework}, not {source}")
+    where = f"{origin}: line {command.line}"
+    if command.framework == "verl":
+        return "verl", _verl_from_script(command, where)
+    return "openrlhf", _openrlhf_from_script(command, where)
+
+
+def _unresolved_note(variable: str, default: Any, framework: str) -> str:
+    return (f"set by {variable} when the script runs (not a literal in the script): the verdict uses "
+            f"{framework}'s default, {default!r}")
+
+
+def _verl_from_script(command: shell_script.LaunchCommand, where: str) -> Mapped:
+    values: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for argument in command.arguments:
+        if argument in _SCRIPT_ARGUMENTS:
+            notes[argument] = "arguments given to the script when it runs: not seen here"
+            continue
+        if argument.startswith("-") or "=" not in argument:  # Hydra's own flags (--config-name=...)
+            continue
+        key, value = argument.lstrip("+~").split("=", 1)
+        if argument in command.unresolved and key in VERL_DEFAULTS:
+            notes[key] = _unresolved_note(command.unresolved[argument], VERL_DEFAULTS[key], "verl")
+            continue
+        values[key] = value if argument in command.unresolved else _override_value(value, where)
+    mapped = map_verl(values, where)
+    for key, why in notes.items():
+        mapped.unmapped.setdefault(key, why)
+    return mapped
+
+
+def _openrlhf_from_script(command: shell_script.LaunchCommand, where: str) -> Mapped:
+    arguments = [a for a in command.arguments if a not in _SCRIPT_ARGUMENTS]
+    flags = parse_flags(arguments, where)
+    notes = {}
+    for name, value in list(flags.items()):
+        words = value if isinstance(value, list) else [value]
+        held = [command.unresolved[w] for w in words if isinstance(w, str) and w in command.unresolved]
+        if held and name in OPENRLHF_DEFAULTS:
+            notes[name] = _unresolved_note(held[0], OPENRLHF_DEFAULTS[name], "OpenRLHF")
+            del flags[name]
+    mapped = map_openrlhf(flags, where)
+    for name, why in notes.items():
+        mapped.unmapped.setdefault(name, why)
+    if len(arguments) < len(command.arguments):
+        mapped.unmapped["$@"] = "arguments given to the script when it runs: not seen here"
+    return mapped
+
+
+def _klgrpo(data: dict, origin: str) -> Mapped:
+    cfg = GRPOConfig.from_dict(data, origin=origin)  # unknown keys and wrong types: one line each
+    values = dict(_flatten(cfg.to_dict()))
+    keys = [path for path, _ in all_field_paths() if path.startswith(("kl.", "loss.", "train.num_iterations"))]
+    return Mapped(config={key: values[key] for key in keys}, off_policy=cfg.train.num_iterations > 1)
