@@ -65,6 +65,18 @@ def encode_prompts(tokenizer, prompts: list, system_prompt: str = "", as_chat: b
     return texts
 
 
+def context_overflow(model, tokenizer, texts: list[str], max_new_tokens: int) -> tuple[int, int, int] | None:
+    """(index of the longest text, its tokens, the model's context) when that text plus ``max_new_tokens`` needs
+    more positions than the model has (max_position_embeddings: transformers only warns, then samples from
+    positions the model never saw); None when everything fits or the model names no limit."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0 or not texts:
+        return None
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    return (worst, lengths[worst], limit) if lengths[worst] + max_new_tokens > limit else None
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     """The ids that end a completion, for sampling and greedy evaluation alike: every id in
     ``model.generation_config.eos_token_id`` (one id or a list, as chat models have) and

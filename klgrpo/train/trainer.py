@@ -434,17 +434,14 @@ class GRPOTrainer:
 def _check_context(model, tokenizer, prompts, indices, cfg) -> None:
     """A prompt plus rollout.max_new_tokens must fit the model's context (transformers only warns, then samples
     from positions the model never saw)."""
-    from klgrpo.core.rollout import encode_prompts
+    from klgrpo.core.rollout import context_overflow, encode_prompts
 
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0:
-        return
     texts = encode_prompts(tokenizer, prompts, cfg.data.system_prompt, cfg.data.as_chat)
-    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
-    worst = max(range(len(lengths)), key=lengths.__getitem__)
-    need = lengths[worst] + cfg.rollout.max_new_tokens
-    if need > limit:
-        raise ConfigError(f"prompt {int(indices[worst])} of {cfg.data.source} has {lengths[worst]} tokens: with "
+    over = context_overflow(model, tokenizer, texts, cfg.rollout.max_new_tokens)
+    if over is not None:
+        worst, tokens, limit = over
+        need = tokens + cfg.rollout.max_new_tokens
+        raise ConfigError(f"prompt {int(indices[worst])} of {cfg.data.source} has {tokens} tokens: with "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} it needs {need} positions, more than "
                           f"the model's context of {limit} (max_position_embeddings); shorten or drop that prompt "
                           f"(data.limit, or a filtered file) or lower rollout.max_new_tokens")
