@@ -138,8 +138,8 @@ def verify_checksums(checkpoint: Path) -> None:
         if not path.is_file():
             raise StateFileError(f"{path} is missing (it is listed in {STATE_FILE})")
         if file_sha256(path) != digest:
-            raise StateFileError(f"{path} does not match its checksum in {STATE_FILE}: its bytes changed since "
-                                 f"it was saved (a disk error or an edit)")
+            raise StateFileError(f"{path} cannot be read as saved: its sha256 differs from the one in {STATE_FILE} "
+                                 f"(a disk error, a cut copy or an edit)")
 
 
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")

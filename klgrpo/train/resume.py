@@ -29,9 +29,9 @@ def load_resumable_checkpoint(trainer, resume: str, apply=None) -> tuple[Path, d
     failures = []
     for ckpt in candidates:
         try:
+            verify_checksums(ckpt)  # first: every rank reads the same files, so all reach the same verdict
             state = load_trainer_state(ckpt)
             _load_weights(trainer, ckpt)
-            verify_checksums(ckpt)  # after the loads, whose errors name a truncated file more precisely
             if apply is not None:
                 _apply_state(apply, state, ckpt)
         except KLGRPOError as exc:
