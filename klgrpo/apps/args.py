@@ -72,7 +72,9 @@ def read_argv(argv: list[str]) -> CommandLine:
             config_file = value
         elif key == "resume":
             opts["resume"] = value
-        elif key == "output-dir":
+        elif key in ("output-dir", "train.output_dir"):
+            if not value.strip():  # "" would mean the default runs/<run_name>, not what was typed
+                raise KLGRPOError(f"--{key} is empty; pass the run folder (or leave --{key} out for runs/<name>)")
             overrides["train.output_dir"] = value
         else:
             overrides[key] = value
