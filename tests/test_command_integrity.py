@@ -163,7 +163,7 @@ CASES = [
     ("train_resume_run_with_empty_config",
      lambda c: ["train", "--resume", "latest", "--output-dir", str(empty_config(c.run())), "--train.steps", "3"],
      ["config.yaml is missing or empty", "--config"]),
-    ("kl_max_new_tokens_beyond_context", lambda c: _kl(c, c.model_dir, c.model_dir, "--max-new-tokens", "1000000000"),
+    ("kl_max_new_tokens_beyond_context", lambda c: _kl(c, c.model_dir, c.model_dir, "--max-new-tokens", "1e9"),
      ["--max-new-tokens 1000000000", "context of", "lower --max-new-tokens"]),
     ("eval_max_new_tokens_beyond_context", lambda c: _eval(c, c.model_dir, "--eval.max_new_tokens", "1000000000"),
      ["eval set add", "context of", "lower eval.max_new_tokens"]),
@@ -171,6 +171,8 @@ CASES = [
      ["--json", "does not exist"]),
     ("kl_json_into_missing_folder", lambda c: _kl(c, c.model_dir, c.model_dir, "--json", str(c.root / "no/r.json")),
      ["--json", "does not exist"]),
+    ("kl_max_new_tokens_not_whole", lambda c: _kl(c, c.model_dir, c.model_dir, "--max-new-tokens", "2.5"),
+     ["--max-new-tokens: '2.5' is not a whole number", "klgrpo kl --help"]),
     ("eval_json_is_a_folder", lambda c: _eval(c, c.model_dir, "--json", str(c.root)), ["is not a file name"]),
 ]
 

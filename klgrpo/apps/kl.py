@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from klgrpo.apps.commands import command_parser
+from klgrpo.apps.commands import command_parser, whole_number
 from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
@@ -36,15 +36,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, metavar="FILE",
                    help="prompts: a .jsonl/.csv/.parquet file or dataset (as data.source)")
     p.add_argument("--prompt-column", default="prompt", help="column holding the prompt (default prompt)")
-    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
-    p.add_argument("--samples", type=int, default=4, help="completions sampled per prompt (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="completion length limit (default 64)")
+    p.add_argument("--limit", type=whole_number, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument("--samples", type=whole_number, default=4, help="completions sampled per prompt (default 4)")
+    p.add_argument("--max-new-tokens", type=whole_number, default=64, help="completion length limit (default 64)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature; both models' distributions are taken at it (default 1)")
     p.add_argument("--as-chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
     p.add_argument("--system-prompt", default="", help="system message for --as-chat prompts")
-    p.add_argument("--batch-size", type=int, default=32, help="completions per forward (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--batch-size", type=whole_number, default=32, help="completions per forward (default 32)")
+    p.add_argument("--seed", type=whole_number, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default="auto", help="device (default auto: cuda when present)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from klgrpo.apps.commands import command_parser
+from klgrpo.apps.commands import command_parser, whole_number
 from klgrpo.errors import ConfigError, KLGRPOError, first_line
 
 SUMMARY = "sft_summary.json"
@@ -32,10 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, help="where the fine-tuned model and tokenizer are written")
     p.add_argument("--answer-column", default="answer", help="the column holding the target answer")
     p.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1)")
-    p.add_argument("--steps", type=int, default=0, help="optimizer steps; overrides --epochs (0: use epochs)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step (default 8)")
+    p.add_argument("--steps", type=whole_number, default=0, help="optimizer steps; overrides --epochs (0: use epochs)")
+    p.add_argument("--batch-size", type=whole_number, default=8, help="rows per optimizer step (default 8)")
     p.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (default 2e-5, TRL's)")
-    p.add_argument("--max-length", type=int, default=1024, help="truncate prompt + answer to this many tokens")
+    p.add_argument("--max-length", type=whole_number, default=1024, help="truncate prompt + answer to this many tokens")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --output-dir")
     return p
 
