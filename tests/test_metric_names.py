@@ -15,6 +15,13 @@ from tests.conftest import write_jsonl
 from tests.helpers.configs import make_config, quiet
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+# A time-bounded reward (as math_verify): every other completion "ran out of time".
+BOUNDED_REWARD = """
+from klgrpo.core.rewards.builtins import TimedScores
+
+def bounded(prompts, completions, **kw):
+    return TimedScores([0.0] * len(completions), [i % 2 == 0 for i in range(len(completions))])
+"""
 
 def documented_names() -> set[str]:
     """The names in the first column of docs/metrics.md's "| name | formula / meaning |" tables (a cell
@@ -44,7 +51,10 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
     replay_file = write_jsonl(tmp_path_factory.mktemp("replay") / "sub.jsonl",
                               [{"prompt": f"{a:02d}-{b:02d}="} for a in range(50, 90, 7) for b in range(0, 40, 13)])
     out = tmp_path_factory.mktemp("names")
+    (out / "bounded.py").write_text(BOUNDED_REWARD)
     cfg = make_config(tiny_model_dir, addition_file, out / "run", train={"steps": 1},
+                      rewards={"functions": [{"name": "format", "kwargs": {"pattern": "0"}},
+                                             {"name": f"{out / 'bounded.py'}:bounded"}]},
                       kl={"coef": 0.1, "placement": "both", "shaping": "clip",
                           "replay": {"coef": 1.0, "source": str(replay_file), "num_prompts": 4,
                                      "completions_per_prompt": 1, "batch_size": 4}},
@@ -61,7 +71,8 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
 
 def test_every_logged_name_is_in_the_glossary_and_the_docs(logged):
     documented = documented_names()
-    assert {m.LOSS, m.KL_REPLAY, m.KL_SHAPING_CLIP_FRAC, m.eval_set("add"), m.custom("token_count")} <= logged
+    assert {m.LOSS, m.KL_REPLAY, m.KL_SHAPING_CLIP_FRAC, m.eval_set("add"), m.custom("token_count"),
+            m.REWARD_TIMEOUTS_PREFIX + "bounded"} <= logged
     assert [n for n in sorted(logged) if describe(n) is None] == []
     assert [n for n in sorted(logged) if not _is_documented_in_docs(n, documented)] == []
 
@@ -84,4 +95,4 @@ def test_the_checks_fail_on_an_undocumented_name():
 
 def test_constants_spell_the_glossary_names():
     constants = {v for k, v in vars(m).items() if k.isupper() and isinstance(v, str)}
-    assert constants - {m.REWARD_PREFIX, m.EVAL_PREFIX, m.CUSTOM_PREFIX} == set(m.GLOSSARY)
+    assert constants - {m.REWARD_PREFIX, m.EVAL_PREFIX, m.CUSTOM_PREFIX, m.REWARD_TIMEOUTS_PREFIX} == set(m.GLOSSARY)

@@ -29,6 +29,8 @@ from klgrpo.core.rewards.loading import _describe, display_name, load_reward_fun
 REWARD_LIMIT = 1e12
 #: A number in scientific notation without a dot (1e-3), which YAML 1.1 leaves as text.
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+#: The key of RewardResult.per_function that holds a function's timed-out rows (1.0: not checked in time).
+TIMED_OUT_SUFFIX = "#timed_out"
 #: Column names the reward functions take as their first two arguments.
 RESERVED_ARGUMENTS = ("prompts", "completions")
 
@@ -85,7 +87,8 @@ class RewardSpec:
 
 @dataclass
 class RewardResult:
-    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N]."""
+    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N], and for a
+    function that reports the rows whose check ran out of time (``TimedScores``), "<name>#timed_out" -> 0/1 [N]."""
 
     total: Tensor
     per_function: dict[str, Tensor]
@@ -142,8 +145,10 @@ class RewardComputer:
         per_function: dict[str, Tensor] = {}
         total = torch.zeros(n, dtype=torch.float64)
         for bound in self._bound:
-            values = _call(bound, prompts, completions, columns)
+            values, timed_out = _call(bound, prompts, completions, columns)
             per_function[bound.display] = torch.tensor(values, dtype=torch.float32)
+            if timed_out is not None:  # a function that bounds its time: which rows ran out of it
+                per_function[bound.display + TIMED_OUT_SUFFIX] = torch.tensor(timed_out, dtype=torch.float32)
             total += bound.spec.weight * torch.tensor(values, dtype=torch.float64)
         if n and float(total.abs().max()) > REWARD_LIMIT:
             i = int(total.abs().argmax())
@@ -196,7 +201,11 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
         where = _user_frame(e, bound.fn)
         raise RewardError(f"reward function {bound.display!r} raised {_describe(e)}"
                           + (f" (at {where})" if where else "")) from e
-    return _as_floats(result, len(completions), bound.display, completions)
+    timed_out = getattr(result, "timed_out", None)
+    if timed_out is not None and len(timed_out) != len(completions):
+        raise RewardError(f"reward function {bound.display!r} returned {len(timed_out)} timed_out flags for "
+                          f"{len(completions)} completions")
+    return _as_floats(result, len(completions), bound.display, completions), timed_out
 
 
 def _user_frame(error: BaseException, fn: Callable) -> str:
