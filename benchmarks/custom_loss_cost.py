@@ -67,7 +67,8 @@ def variants(trainer, batch, data):
 
     def typed(inp):
         return grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                              KLTerm(coef=inp.beta, estimator=kl.estimator), inp.aggregation, inp.normalizer).loss, {}
+                              kl=KLTerm(coef=inp.beta, estimator=kl.estimator), aggregation=inp.aggregation,
+                              normalizer=inp.normalizer).loss, {}
 
     def trainer_step(loss_fn):
         def run():

@@ -194,3 +194,28 @@ def test_sigkill_of_rank_1_mid_save_keeps_a_complete_checkpoint(sharded, tiny_mo
     trainer = GRPOTrainer(GRPOConfig.from_dict(cfg), log=lambda *_: None)
     trainer.resume("latest")
     assert trainer.step == int(complete[-1].removeprefix("step_"))
+
+
+@pytest.mark.slow
+def test_a_changed_shard_of_a_two_process_checkpoint_falls_back_on_every_rank(tiny_model_dir, addition_file,
+                                                                               tmp_path):
+    """FSDP2 with train.sharded_checkpoints: one shard of the newest checkpoint has a flipped byte. Every rank
+    checks the same sha256 before loading anything, so both skip it together and continue from the one before;
+    the run finishes with every step logged once."""
+    import shutil
+
+    run = tmp_path / "run"
+    cfg = fault_config(tiny_model_dir, addition_file, run, steps=3)
+    cfg["train"].update(save_every=1, keep_checkpoints=0, sharded_checkpoints=True)
+    config_file = write(tmp_path, cfg)
+    assert finish(Launch(cli("fsdp2", config_file)), "first run").returncode == 0
+    shutil.rmtree(run / "checkpoints" / "step_3")  # the last checkpoint is whole: step_2 (sharded) is the newest
+    shard = sorted((run / "checkpoints" / "step_2" / "sharded").glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    done = finish(Launch(cli("fsdp2", config_file, "--resume", "latest")), "resume")
+    assert done.returncode == 0, done.output[-4000:]
+    assert f"checkpoint step_2 cannot be loaded: {shard} cannot be read as saved" in done.output, done.output[-4000:]
+    assert f"resuming from {run / 'checkpoints' / 'step_1'} instead" in done.output
+    assert metrics_steps(run) == [1, 2, 3]

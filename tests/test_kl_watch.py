@@ -71,3 +71,22 @@ def test_a_sign_reaches_the_console_and_tensorboard(tiny_model_dir, addition_fil
     texts = events.Tensors("warnings/kl/text_summary")
     assert [t.step for t in texts] == [2]
     assert texts[0].tensor_proto.string_val[0].decode() == lines[0]
+
+
+def test_the_demos_drift_threshold_lies_between_its_default_runs_and_its_runs_without_a_penalty():
+    """The committed sweep tables: every default demo run ends below kl.warn_above (the warning stays quiet),
+    every kl.coef 0 run ends above it (the warning speaks)."""
+    import json
+    from pathlib import Path
+
+    from klgrpo.apps.demo_run import DEMO_WARN_ABOVE
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+    def final_kls(table: str, setting: str) -> list[float]:
+        cells = json.loads((results / table / "table.json").read_text())["cells"]
+        return [r["values"]["final_kl"] for c in cells if c["setting"] == setting for r in c["runs"]]
+
+    default, unpenalised = final_kls("demo_seeds", "kl.replay.coef=1"), final_kls("ablation", "kl.coef=0")
+    assert len(default) == 3 and len(unpenalised) == 2
+    assert max(default) < DEMO_WARN_ABOVE < min(unpenalised)

@@ -16,6 +16,13 @@ from tests.helpers.configs import HAS_ZERO, make_config, quiet
 from tests.helpers.reward_model import build_reward_model, rm_tokenizer, save_reward_model
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+# A time-bounded reward (as math_verify): every other completion "ran out of time".
+BOUNDED_REWARD = """
+from klgrpo.core.rewards.builtins import TimedScores
+
+def bounded(prompts, completions, **kw):
+    return TimedScores([0.0] * len(completions), [i % 2 == 0 for i in range(len(completions))])
+"""
 
 def documented_names() -> set[str]:
     """The names in the first column of docs/metrics.md's "| name | formula / meaning |" tables (a cell
@@ -48,12 +55,14 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
     replay_file = write_jsonl(tmp_path_factory.mktemp("replay") / "sub.jsonl",
                               [{"prompt": f"{a:02d}-{b:02d}="} for a in range(50, 90, 7) for b in range(0, 40, 13)])
     out = tmp_path_factory.mktemp("names")
+    (out / "bounded.py").write_text(BOUNDED_REWARD)
     cfg = make_config(tiny_model_dir, addition_file, out / "run", train={"steps": 1},
                       kl={"coef": 0.1, "placement": "both", "shaping": "clip",
                           "replay": {"coef": 1.0, "source": str(replay_file), "num_prompts": 4,
                                      "completions_per_prompt": 1, "batch_size": 4}},
                       eval={"sets": [{"name": "add", "source": str(addition_file), "limit": 4}]},
-                      rewards={"functions": [HAS_ZERO, {"model": reward_model}]})
+                      rewards={"functions": [HAS_ZERO, {"model": reward_model},
+                                             {"name": f"{out / 'bounded.py'}:bounded"}]})
 
     def custom_loss(inp):
         loss = -(inp.advantages.unsqueeze(-1) * inp.logp * inp.mask).sum() / inp.normalizer.num_sequences
@@ -67,7 +76,7 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
 def test_every_logged_name_is_in_the_glossary_and_the_docs(logged):
     documented = documented_names()
     assert {m.LOSS, m.KL_REPLAY, m.KL_SHAPING_CLIP_FRAC, m.eval_set("add"), m.custom("token_count"),
-            m.TIME_REWARD_MODEL} <= logged
+            m.TIME_REWARD_MODEL, m.REWARD_TIMEOUTS_PREFIX + "bounded"} <= logged
     assert [n for n in sorted(logged) if describe(n) is None] == []
     assert [n for n in sorted(logged) if not _is_documented_in_docs(n, documented)] == []
 
@@ -90,4 +99,4 @@ def test_the_checks_fail_on_an_undocumented_name():
 
 def test_constants_spell_the_glossary_names():
     constants = {v for k, v in vars(m).items() if k.isupper() and isinstance(v, str)}
-    assert constants - {m.REWARD_PREFIX, m.EVAL_PREFIX, m.CUSTOM_PREFIX} == set(m.GLOSSARY)
+    assert constants - {m.REWARD_PREFIX, m.EVAL_PREFIX, m.CUSTOM_PREFIX, m.REWARD_TIMEOUTS_PREFIX} == set(m.GLOSSARY)

@@ -552,6 +552,9 @@ def test_a_checkpoint_missing_weights_is_refused_and_the_older_one_used(tiny_mod
                                                                  "keep_checkpoints": 0}, **FAST)
     GRPOTrainer(cfg, log=quiet).train()
     save_file({}, str(run / "checkpoints" / "step_2" / "model.safetensors"))
+    # As a checkpoint written before weights checksums were recorded: the load itself must refuse it.
+    doc = run / "checkpoints" / "step_2" / "trainer_state.json"
+    doc.write_text(json.dumps({k: v for k, v in json.loads(doc.read_text()).items() if k != "weights_sha256"}))
     trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=quiet)
     with pytest.warns(KLGRPOWarning) as record:
         trainer.resume("latest")

@@ -127,6 +127,15 @@ def test_main_error_paths_print_one_line_and_return_2(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "line 2" in lines[0] and "Traceback" not in lines[0]
 
+    binary = tmp_path / "binary_run"
+    binary.mkdir()
+    (binary / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2}\n\x89PNG\xff\xfe\x00\n')
+    before = (binary / "metrics.jsonl").read_bytes()
+    assert main([str(binary)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "metrics.jsonl, line 3: not UTF-8 text" in lines[0], lines
+    assert (binary / "metrics.jsonl").read_bytes() == before and sorted(binary.iterdir()) == [binary / "metrics.jsonl"]
+
 
 def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
     from klgrpo.train.report import _controller_target

@@ -428,3 +428,57 @@ def test_math_verify_needs_its_package_and_a_readable_answer(monkeypatch):
     pytest.importorskip("math_verify")
     with pytest.raises(ValueError, match="the answer at index 0 .* holds no expression"):
         BUILTIN_REWARDS["math_verify"](["p"], ["\\boxed{1}"], answer=[""])
+
+
+# ------------------------------------------------------------------ time-bounded rewards (math_verify's budget)
+class _FakeClock:
+    """A clock that only the scorer advances: the budget's arithmetic, without sleeping."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_step_budget_bounds_the_whole_batch_and_counts_what_ran_out():
+    from klgrpo.core.rewards.builtins import score_within_budget
+
+    clock, limits = _FakeClock(), []
+
+    def score(i, limit):  # every check runs into its limit, as a comparison that never finishes
+        limits.append(limit)
+        clock.now += limit
+        return 1.0
+
+    scores = score_within_budget(16, score, step_budget_s=12.0, per_item_s=5, clock=clock)
+    # 5 s, 5 s, then the 2 whole seconds left; the other 13 completions are not checked at all
+    assert limits == [5, 5, 2] and clock.now == 12.0
+    assert list(scores) == [1.0, 1.0, 1.0] + [0.0] * 13 and scores.timed_out == [True] * 16
+
+
+def test_checks_within_their_limits_are_not_counted():
+    from klgrpo.core.rewards.builtins import score_within_budget
+
+    clock = _FakeClock()
+
+    def score(i, limit):
+        clock.now += 0.5 if i != 2 else limit  # completion 2 runs into its limit
+        return float(i % 2)
+
+    scores = score_within_budget(4, score, step_budget_s=60.0, per_item_s=5, clock=clock)
+    assert list(scores) == [0.0, 1.0, 0.0, 1.0] and scores.timed_out == [False, False, True, False]
+
+
+def test_the_computer_reports_a_functions_timed_out_rows(tmp_path):
+    from klgrpo.core.rewards import RewardComputer, RewardSpec
+    from klgrpo.core.rewards.computer import TIMED_OUT_SUFFIX
+
+    (tmp_path / "bounded.py").write_text(
+        "from klgrpo.core.rewards.builtins import TimedScores\n"
+        "def bounded(prompts, completions, **kw):\n"
+        "    return TimedScores([1.0, 0.0, 0.0], [False, True, True])\n")
+    result = RewardComputer([RewardSpec(f"{tmp_path / 'bounded.py'}:bounded")])(["p"] * 3, ["a", "b", "c"])
+    assert result.per_function["bounded"].tolist() == [1.0, 0.0, 0.0]
+    assert result.per_function["bounded" + TIMED_OUT_SUFFIX].tolist() == [0.0, 1.0, 1.0]
+    assert result.total.tolist() == [1.0, 0.0, 0.0]

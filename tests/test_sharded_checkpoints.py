@@ -98,3 +98,32 @@ def test_sharded_checkpoints_under_fsdp2_resume_on_two_and_one_and_from_one(tiny
     resumed = GRPOTrainer(two_run_cfg, log=quiet)
     resumed.resume(str(tmp_path / "two" / "checkpoints" / "step_1"))
     _assert_same(_state(resumed), out["two_at_step_1"], "2 -> 1")
+
+
+def _flip_a_shard_byte(checkpoint) -> None:
+    shard = sorted((checkpoint / "sharded").glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # inside the last tensor: the file still parses, only its numbers changed
+    shard.write_bytes(bytes(data))
+
+
+def test_a_changed_shard_is_skipped_by_resume_and_refused_by_export(tiny_model_dir, addition_file, tmp_path):
+    """A shard whose bytes changed since it was saved fails its sha256: ``--resume latest`` goes on from the
+    checkpoint before it (one warning names the shard), ``klgrpo export`` refuses it in one line."""
+    from klgrpo.apps.cli import main
+    from klgrpo.errors import KLGRPOWarning
+
+    run = tmp_path / "run"
+    cfg = make_config(tiny_model_dir, addition_file, run, train={"steps": 3, "save_every": 1, "keep_checkpoints": 0,
+                                                                 "sharded_checkpoints": True}, **FAST)
+    GRPOTrainer(cfg, log=quiet).train()
+    shutil.rmtree(run / "checkpoints" / "step_3")  # the last one is whole: make the sharded step_2 the newest
+    _flip_a_shard_byte(run / "checkpoints" / "step_2")
+    assert main(["export", str(run / "checkpoints" / "step_2"), str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+    trainer = GRPOTrainer(cfg, log=quiet)
+    with pytest.warns(KLGRPOWarning) as record:
+        trainer.resume("latest")
+    messages = [str(w.message) for w in record]
+    assert any("checkpoint step_2 cannot be loaded" in m and "/sharded/" in m and "sha256" in m for m in messages)
+    assert trainer.step == 1

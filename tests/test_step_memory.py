@@ -155,3 +155,41 @@ def test_the_trainer_refuses_a_step_beyond_memory_before_writing_anything(tiny_m
     with pytest.raises(ConfigError, match="the rollout needs at least .* rollout.group_size=4"):
         GRPOTrainer(make_config(tiny_model_dir, addition_file, out), log=lambda m: None)
     assert not out.exists()
+
+
+def test_the_address_space_limit_counts(tmp_path, monkeypatch):
+    """``ulimit -v``: what RLIMIT_AS leaves beside the process's virtual size bounds the free memory."""
+    import resource
+
+    import torch
+
+    from klgrpo.train.validation import address_space_left
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t 9000000 kB\nVmSize:\t 1048576 kB\n")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert address_space_left(str(status)) is None  # no limit set
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (3 * 2 ** 30, resource.RLIM_INFINITY))
+    assert address_space_left(str(status)) == 2 * 2 ** 30  # 3 GiB limit - 1 GiB already mapped
+    assert available_memory_bytes(torch.device("cpu")) <= 3 * 2 ** 30
+
+
+def test_the_cgroup_memory_limit_counts(tmp_path):
+    from klgrpo.train.validation import cgroup_memory_left
+
+    own = tmp_path / "cgroup"
+    own.write_text("0::/job/42\n")
+    v2 = tmp_path / "v2" / "job" / "42"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("4294967296\n")
+    (v2 / "memory.current").write_text("1073741824\n")
+    assert cgroup_memory_left(str(tmp_path / "v2"), str(own)) == 3 * 2 ** 30
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_memory_left(str(tmp_path / "v2"), str(own)) is None  # no limit set
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("2147483648\n")
+    (v1 / "memory.usage_in_bytes").write_text("536870912\n")
+    assert cgroup_memory_left(str(tmp_path / "v1"), str(tmp_path / "none")) == 1536 * 2 ** 20
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_memory_left(str(tmp_path / "v1"), str(tmp_path / "none")) is None

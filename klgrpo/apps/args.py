@@ -72,7 +72,9 @@ def read_argv(argv: list[str]) -> CommandLine:
             config_file = value
         elif key == "resume":
             opts["resume"] = value
-        elif key == "output-dir":
+        elif key in ("output-dir", "train.output_dir"):
+            if not value.strip():  # "" would mean the default runs/<run_name>, not what was typed
+                raise KLGRPOError(f"--{key} is empty; pass the run folder (or leave --{key} out for runs/<name>)")
             overrides["train.output_dir"] = value
         else:
             overrides[key] = value
@@ -91,6 +93,7 @@ def _run_config(resume: str, output_dir: str | None) -> str | None:
     from pathlib import Path
 
     from klgrpo.errors import ConfigError
+    from klgrpo.train.run_folder import run_config_file
 
     if resume in ("latest", "auto"):
         if not output_dir:
@@ -98,10 +101,10 @@ def _run_config(resume: str, output_dir: str | None) -> str | None:
         home = Path(output_dir)
     else:
         home = Path(resume).parent.parent
-    path = home / "config.yaml"
-    if path.is_file():
+    path = run_config_file(home)
+    if path is not None:
         return str(path)
     if resume != "auto" and (home / "checkpoints").is_dir():  # a run without its config: never guess one
-        raise ConfigError(f"--resume {resume}: {path} is missing, so the run's settings are unknown; pass the run's "
-                          f"config with --config")
+        raise ConfigError(f"--resume {resume}: {home / 'config.yaml'} is missing or empty, so the run's settings are "
+                          f"unknown; pass the run's config with --config")
     return None

@@ -21,7 +21,27 @@ COMMANDS = {
 
 
 def command_parser(name: str, details: str = "") -> argparse.ArgumentParser:
-    """The parser of ``klgrpo NAME``: its description is the command's summary as a sentence, then ``details``."""
+    """The parser of ``klgrpo NAME``: its description is the command's summary as a sentence, then ``details``.
+    A bad option is one KLGRPOError line (``klgrpo NAME: error: ...``), not argparse's usage dump."""
+    from klgrpo.errors import KLGRPOError
+
     summary = COMMANDS[name][1]
-    return argparse.ArgumentParser(prog=f"klgrpo {name}",
-                                   description=" ".join(filter(None, [summary[0].upper() + summary[1:] + ".", details])))
+    parser = argparse.ArgumentParser(prog=f"klgrpo {name}", description=" ".join(
+        filter(None, [summary[0].upper() + summary[1:] + ".", details])))
+
+    def error(message: str):
+        raise KLGRPOError(f"{message.replace('argument ', '')}; see klgrpo {name} --help")
+
+    parser.error = error
+    return parser
+
+
+def whole_number(text: str) -> int:
+    """An integer option's value, also written as 1e9 or 64.0 (as config fields accept them)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)

@@ -9,7 +9,6 @@ inside a run folder (``<run>/checkpoints/step_N``) uses the run's config.yaml.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from klgrpo.errors import ConfigError
 
@@ -82,16 +81,26 @@ def parse(argv: list[str]):
 
 def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.apps.models import load_model_for_inference
+    from klgrpo.apps.outputs import check_writable_file, write_text_file
+    from klgrpo.core.rollout import context_overflow, encode_prompts
     from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 
     model_path, cfg, source, chosen, json_path = parse(argv)
     if chosen:
         cfg.eval.sets = [s for s in cfg.eval.sets if s["name"] in chosen]
     sets = load_eval_sets(cfg)
+    if json_path is not None:
+        check_writable_file(json_path, "--json")
     model, tokenizer = load_model_for_inference(model_path, cfg.model, field="CHECKPOINT_OR_MODEL")
     cfg.logging.progress = False
-    results = evaluate_sets(model, tokenizer, sets, cfg)
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    for name, s in sets.items():
+        texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
+        if (over := context_overflow(model, tokenizer, texts, max_new)) is not None:
+            raise ConfigError(f"prompt {over[0]} of eval set {name} has {over[1]} tokens: with {max_new} new tokens "
+                              f"(eval.max_new_tokens, else rollout.max_new_tokens) it needs more positions than the "
+                              f"model's context of {over[2]} (max_position_embeddings); lower eval.max_new_tokens")
+    results = evaluate_sets(model, tokenizer, sets, cfg)
     out(f"klgrpo eval {model_path}  (eval.sets of {source}; greedy, {max_new} new tokens)")
     width = max(len(n) for n in sets)
     out(f"  {'set':<{width}}  prompts  accuracy")
@@ -100,6 +109,6 @@ def run(argv: list[str], out=print) -> dict | None:
     if json_path:
         payload = {"model": model_path, "config": source, "max_new_tokens": max_new,
                    "results": results, "prompts": {n: len(s["prompts"]) for n, s in sets.items()}}
-        Path(json_path).write_text(json.dumps(payload, indent=2))
+        write_text_file(json_path, json.dumps(payload, indent=2), "--json")
         out(f"  written to {json_path}")
     return results

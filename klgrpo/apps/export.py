@@ -7,6 +7,8 @@ left behind either way).
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,36 +22,72 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder: runs/<name>/checkpoints/step_N")
     parser.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.out.strip():  # Path("") is the current folder
+        raise KLGRPOError("OUT is empty; pass the folder to write (new, or empty)")
     export(Path(args.checkpoint), Path(args.out))
     print(f"klgrpo export: wrote {args.out}")
     return 0
 
 
 def export(checkpoint: Path, out: Path) -> None:
+    from klgrpo.apps.models import verify_checkpoint
+
+    _check_paths(checkpoint, out)
+    verify_checkpoint(checkpoint)
+    model, tokenizer = _load(checkpoint)
+    _write_whole(out, model, tokenizer)
+
+
+def _check_paths(checkpoint: Path, out: Path) -> None:
+    if not (checkpoint / "config.json").is_file():
+        raise KLGRPOError(f"{checkpoint} is not a checkpoint folder (no config.json); pass "
+                          f"runs/<name>/checkpoints/step_N")
+    inside = out.resolve() == checkpoint.resolve() or checkpoint.resolve() in out.resolve().parents
+    if inside:
+        raise KLGRPOError(f"OUT {out} is inside the checkpoint {checkpoint} it reads; pass a folder outside it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise KLGRPOError(f"{out} exists and is not an empty folder; pass a new folder as OUT")
+
+
+def _load(checkpoint: Path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from klgrpo.backends.hf import pretrained_causal_lm
     from klgrpo.train.checkpoint import SHARDS_DIR
     from klgrpo.train.sharded_checkpoint import load_sharded_weights
 
     shards = checkpoint / SHARDS_DIR
-    if not (checkpoint / "config.json").is_file():
-        raise KLGRPOError(f"{checkpoint} is not a checkpoint folder (no config.json); pass "
-                          f"runs/<name>/checkpoints/step_N")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise KLGRPOError(f"{out} exists and is not an empty folder; pass a new folder as OUT")
+    whole = any((checkpoint / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
     try:
         if shards.is_dir():
             config = AutoConfig.from_pretrained(checkpoint)
             model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
             load_sharded_weights(model, shards)
+        elif whole:  # every weight there and nothing else (a missing one would be exported at random)
+            model = pretrained_causal_lm(str(checkpoint), "", f"{checkpoint} cannot be read", strict=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    except KLGRPOError:
+        raise
     except Exception as exc:  # torch.distributed.checkpoint, safetensors and transformers raise several types
         raise KLGRPOError(f"{checkpoint} cannot be read ({type(exc).__name__}: {first_line(exc)}); pass an intact "
                           f"checkpoint folder") from None
+    return model, tokenizer
+
+
+def _write_whole(out: Path, model, tokenizer) -> None:
+    """Write into a temporary sibling renamed into place: a full disk or a kill leaves no half-written OUT."""
+    tmp = out.with_name(f".{out.name}.tmp_{os.getpid()}")
     try:
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-    except OSError as exc:
-        raise KLGRPOError(f"cannot write {out} ({exc.strerror or exc}); pass a writable folder") from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except Exception as exc:  # an OSError, or safetensors' own error wrapping one (a full disk)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
+        reason = getattr(exc, "strerror", None) or first_line(exc)
+        raise KLGRPOError(f"cannot write {out} ({reason}); nothing was left there: pass a writable folder with "
+                          f"free space") from None

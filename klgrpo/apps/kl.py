@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 import torch
 
-from klgrpo.apps.commands import command_parser
+from klgrpo.apps.commands import command_parser, whole_number
 from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
@@ -37,15 +36,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, metavar="FILE",
                    help="prompts: a .jsonl/.csv/.parquet file or dataset (as data.source)")
     p.add_argument("--prompt-column", default="prompt", help="column holding the prompt (default prompt)")
-    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
-    p.add_argument("--samples", type=int, default=4, help="completions sampled per prompt (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="completion length limit (default 64)")
+    p.add_argument("--limit", type=whole_number, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument("--samples", type=whole_number, default=4, help="completions sampled per prompt (default 4)")
+    p.add_argument("--max-new-tokens", type=whole_number, default=64, help="completion length limit (default 64)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature; both models' distributions are taken at it (default 1)")
     p.add_argument("--as-chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
     p.add_argument("--system-prompt", default="", help="system message for --as-chat prompts")
-    p.add_argument("--batch-size", type=int, default=32, help="completions per forward (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--batch-size", type=whole_number, default=32, help="completions per forward (default 32)")
+    p.add_argument("--seed", type=whole_number, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     p.add_argument("--device", default="auto", help="device (default auto: cuda when present)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -53,11 +52,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    from klgrpo.apps.outputs import check_writable_file, write_text_file
+
     args = _parser().parse_args(argv)
+    if args.json is not None:
+        check_writable_file(args.json, "--json")
     report = measure(args)
     print(format_report(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_text_file(args.json, json.dumps(report, indent=2), "--json")
         print(f"written to {args.json}")
     return 0
 
@@ -80,12 +83,13 @@ def measure(args) -> dict:
     model_cfg = ModelConfig(name_or_path=args.policy, dtype=args.dtype, device=args.device)
     policy, tokenizer = load_model_for_inference(args.policy, model_cfg, field="POLICY")
     ref_cfg = ModelConfig(name_or_path=args.reference, dtype=args.dtype, device=args.device)
-    ref_model, _ = load_model_for_inference(args.reference, ref_cfg, field="REFERENCE")
+    ref_model, ref_tokenizer = load_model_for_inference(args.reference, ref_cfg, field="REFERENCE")
     ref_model.to(next(policy.parameters()).device)
     if policy.get_output_embeddings().weight.shape[0] != ref_model.get_output_embeddings().weight.shape[0]:
         raise ConfigError(f"POLICY and REFERENCE have different vocabularies ({policy.get_output_embeddings().weight.shape[0]} "
                           f"vs {ref_model.get_output_embeddings().weight.shape[0]} outputs): the KL needs one tokenizer")
     data = load_prompts(args.prompts, prompt_column=args.prompt_column, limit=args.limit or None, field="--prompts")
+    _check_prompts_fit(policy, tokenizer, ref_tokenizer, data.prompts, args)
     reference = FrozenCopyReference(ref_model)
     torch.manual_seed(args.seed)
     params = SamplingParams(group_size=args.samples, max_new_tokens=args.max_new_tokens,
@@ -110,6 +114,25 @@ def measure(args) -> dict:
         "per_sequence": {n: _mean_std_sem(torch.cat(per_sequence[n])) for n in ESTIMATES},
     }
     return report
+
+
+def _check_prompts_fit(policy, tokenizer, ref_tokenizer, prompts: list, args) -> None:
+    """Both models read the same ids (the reference is scored on the policy's tokens), and every prompt plus
+    --max-new-tokens fits the policy's context."""
+    from klgrpo.core.rollout import context_overflow, encode_prompts
+
+    texts = encode_prompts(tokenizer, prompts, args.system_prompt, args.as_chat)
+    for text in texts:
+        ids, ref_ids = tokenizer(text)["input_ids"], ref_tokenizer(text)["input_ids"]
+        if ids != ref_ids:
+            raise ConfigError(f"POLICY and REFERENCE have different tokenizers: they encode the prompt {text[:40]!r} "
+                              f"to different ids ({ids[:8]} vs {ref_ids[:8]}); the KL compares the two models on one "
+                              f"tokenization: pass models that share their tokenizer")
+    if (over := context_overflow(policy, tokenizer, texts, args.max_new_tokens)) is not None:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: prompt {over[0]} of {args.prompts} has {over[1]} "
+                          f"tokens, and with the completion it needs more positions than the model's context of "
+                          f"{over[2]} (max_position_embeddings); lower --max-new-tokens to at most "
+                          f"{over[2] - over[1]}")
 
 
 @torch.no_grad()

@@ -336,10 +336,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1")
     if args.config and not Path(args.config).is_file():
         raise SweepError(f"--config {args.config}: no such file")
+    if args.output_dir is not None:
+        check_sweep_folder(args.output_dir)
     clash = overrides_in(extra) & set(RESERVED)
     if clash:
         raise SweepError(f"-- {' '.join(sorted(clash))}: set by the sweep for each run (use --seeds and --output-dir)")
     return args, extra
+
+
+def check_sweep_folder(output_dir: str) -> None:
+    """--output-dir names a folder for the sweep's runs, never one that holds a ``klgrpo train`` run (the
+    sweep's folders and tables would be written into it)."""
+    from klgrpo.train.run_folder import CONFIG_FILE, OWNED_FILE, holds_run
+
+    if not output_dir.strip():
+        raise SweepError("--output-dir is empty; pass the sweep folder (or leave it out for runs/sweep-<time>)")
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise SweepError(f"--output-dir {out} is a file; pass a folder")
+    if out.is_dir() and (holds_run(out) or (out / CONFIG_FILE).exists() or (out / OWNED_FILE).exists()):
+        raise SweepError(f"--output-dir {out} holds a klgrpo train run, which the sweep would write into; pass "
+                         f"another folder for the sweep")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,34 +225,59 @@ class LoadSettings(Protocol):
 
 
 def load_causal_lm(name_or_path: str, cfg: LoadSettings, device: torch.device, dtype: torch.dtype,
-                   gguf_file: str = "", field: str = "model.name_or_path"):
+                   gguf_file: str = "", field: str = "model.name_or_path", strict: bool = False):
     """The model at ``name_or_path`` in ``dtype`` on ``device``; a GGUF file (``gguf_file``, or a .gguf path) is
-    dequantized to ``dtype`` and loads as the plain transformers model it describes."""
+    dequantized to ``dtype`` and loads as the plain transformers model it describes. ``strict``: a weights file
+    that lacks one of the model's weights or holds others is refused (see ``pretrained_causal_lm``)."""
     folder, gguf_file = split_gguf(name_or_path, gguf_file)
     check_local_model_path(folder, field)
     access = hub_access(folder, field)  # a hub name offline or unreachable: refused here, before any download
     model = pretrained_causal_lm(folder, gguf_file, f"cannot load a causal LM from {name_or_path!r} ({field})",
-                                 dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access)
+                                 strict=strict, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **access)
     return model.to(device)
 
 
-def pretrained_causal_lm(folder: str, gguf_file: str, failure: str, fix: str = "", **kwargs):
+_STRICT_FIX = "restore the model folder, or pass a folder whose weights were saved from this model"
+
+
+def pretrained_causal_lm(folder: str, gguf_file: str, failure: str, fix: str = "", strict: bool = False, **kwargs):
     """``AutoModelForCausalLM.from_pretrained(folder, **kwargs)``, a GGUF file dequantized to a plain model; a
-    load error becomes one ConfigError line, "<failure>: <the library's first line><fix>"."""
+    load error becomes one ConfigError line, "<failure>: <the library's first line><fix>". ``strict``: missing,
+    unexpected or reshaped weights (transformers would initialise them at random) and a floating-point weight
+    stored as an integer type are refused in one line naming them."""
     from transformers import AutoModelForCausalLM
 
+    if strict:
+        kwargs.update(output_loading_info=True, ignore_mismatched_sizes=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs, **gguf_kwargs(folder, gguf_file))
+        loaded = AutoModelForCausalLM.from_pretrained(folder, **kwargs, **gguf_kwargs(folder, gguf_file))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{failure}: {first_line(exc, limit=None)}{fix}") from None
     except Exception as exc:  # a truncated safetensors file, a pickle that torch's weights_only loader refuses
+        if type(exc).__name__ == "RuntimeError" and "mismatched" in str(exc):  # a header's shape altered
+            raise ConfigError(f"{failure}: a weight in its weights file has another shape than config.json gives "
+                              f"it; {_STRICT_FIX}") from None
         if type(exc).__name__ not in ("SafetensorError", "UnpicklingError"):
             raise
         raise ConfigError(f"{failure}: its weights file cannot be read ({type(exc).__name__}: {first_line(exc)}); "
                           f"restore the model folder (safetensors weights; a pickled file is not loaded)") from None
+    model = loaded[0] if strict else loaded
+    if strict:
+        _check_strict_load(model, loaded[1], folder, gguf_file)
     if gguf_file:
         forget_gguf_origin(model)
     return model
+
+
+def _check_strict_load(model, info: dict, folder: str, gguf_file: str) -> None:
+    from klgrpo.backends.weights import check_float_weights, check_weight_report
+
+    mismatched = [m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys") or ()]
+    where = Path(folder) / gguf_file if gguf_file else folder
+    check_weight_report(where, missing=info.get("missing_keys") or (), unexpected=info.get("unexpected_keys") or (),
+                        mismatched=mismatched, total=len(model.state_dict()), fix=_STRICT_FIX)
+    if Path(folder).is_dir() and not gguf_file:
+        check_float_weights(model, Path(folder), _STRICT_FIX)
 
 
 def forget_gguf_origin(model) -> None:

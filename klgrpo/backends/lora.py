@@ -117,6 +117,22 @@ def load_adapter_file(model, path: Path, adapter: str) -> None:
             raise RuntimeError(f"adapter tensor {k} did not load exactly from {path}")
 
 
+def check_adapter_file(model, ckpt_dir: Path) -> None:
+    """The adapter file of ``ckpt_dir`` holds exactly the tensors of ``model``'s adapter (peft would leave a
+    missing one at its initial value without an error)."""
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    from klgrpo.backends.weights import check_weight_report
+
+    path = Path(ckpt_dir) / ADAPTER_WEIGHTS
+    with safe_open(str(path), framework="pt") as f:
+        saved = set(f.keys())
+    expected = set(get_peft_model_state_dict(model).keys())
+    check_weight_report(path, missing=expected - saved, unexpected=saved - expected, total=len(expected),
+                        fix="restore the checkpoint folder, or pass an intact checkpoint")
+
+
 def load_adapter_weights(peft_model, ckpt_dir) -> None:
     """Load the trainable adapter written by ``save_pretrained`` into the live PeftModel, bitwise, in place
     (the optimizer keeps pointing at the same tensors)."""

@@ -77,6 +77,28 @@ def encode_prompts(tokenizer, prompts: list, system_prompt: str = "", as_chat: b
     return texts
 
 
+def context_overflow(model, tokenizer, texts: list[str], max_new_tokens: int) -> tuple[int, int, int] | None:
+    """(index of the longest text, its tokens, the model's context) when that text plus ``max_new_tokens`` needs
+    more positions than the model has (max_position_embeddings: transformers only warns, then samples from
+    positions the model never saw); None when everything fits or the model names no limit."""
+    if _context_limit(model) is None or not texts:
+        return None
+    return _overflow(model, [len(ids) for ids in tokenizer(texts)["input_ids"]], max_new_tokens)
+
+
+def _context_limit(model) -> int | None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def _overflow(model, lengths: list[int], max_new_tokens: int) -> tuple[int, int, int] | None:
+    limit = _context_limit(model)
+    if limit is None or not lengths:
+        return None
+    worst = max(range(len(lengths)), key=lengths.__getitem__)
+    return (worst, int(lengths[worst]), limit) if lengths[worst] + max_new_tokens > limit else None
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     """The ids that end a completion, for sampling and greedy evaluation alike: every id in
     ``model.generation_config.eos_token_id`` (one id or a list, as chat models have) and
@@ -100,15 +122,6 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tupl
     return mask, truncated
 
 
-def _check_context(model, lengths: list[int], max_new_tokens: int) -> None:
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0 or not lengths:
-        return
-    worst = max(range(len(lengths)), key=lengths.__getitem__)
-    if lengths[worst] + max_new_tokens > limit:
-        raise PromptTooLong(worst, int(lengths[worst]), max_new_tokens, limit)
-
-
 @torch.no_grad()
 def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
     """Sample ``params.group_size`` completions for each prompt with ``params.sampler``; returns the padded batch
@@ -116,7 +129,8 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     p = params
     texts = encode_prompts(tokenizer, prompts, p.system_prompt, p.as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
-    _check_context(model, enc["attention_mask"].sum(-1).tolist(), p.max_new_tokens)
+    if (over := _overflow(model, enc["attention_mask"].sum(-1).tolist(), p.max_new_tokens)) is not None:
+        raise PromptTooLong(*over[:2], p.max_new_tokens, over[2])
     device = next(model.parameters()).device
     unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     prompt_ids = unique_ids.repeat_interleave(p.group_size, dim=0)

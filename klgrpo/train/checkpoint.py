@@ -2,7 +2,8 @@
 
     checkpoints/step_N/   model (save_pretrained, safetensors), tokenizer, trainer_state.safetensors +
                           trainer_state.json (optimizer, scheduler, RNG states, controller, data position,
-                          pending batch, step; see state_io: nothing is pickled), reference/ once synced
+                          pending batch, step; see state_io: nothing is pickled; the sha256 of every weights
+                          file, checked by ``verify_checksums`` before a load), reference/ once synced
 
 A checkpoint is written to a temporary sibling folder (.tmp_step_N_<pid>) and renamed into place, so step_N
 either exists whole or not at all; pruning renames a folder to .trash_step_N_<pid> before deleting it.
@@ -23,11 +24,13 @@ import torch
 
 from klgrpo.errors import ConfigError, KLGRPOError, first_line
 from klgrpo.train.guard import check_finite_weights
-from klgrpo.train.state_io import StateFileError, load_state, save_state, state_files
+from klgrpo.train.state_io import (StateFileError, file_sha256, load_state, read_state_doc, save_state,
+                                   state_files)
 
 STATE_STEM = "trainer_state"
 STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io
 LEGACY_STATE_FILE = "trainer_state.pt"
+WEIGHTS_SUMS = "weights_sha256"  # in trainer_state.json: {file inside the checkpoint: sha256}
 SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weights and AdamW moments
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
@@ -117,7 +120,38 @@ def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: 
         tokenizer.save_pretrained(folder)
     if reference is not None:
         reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
-    save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step})
+    save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step},
+               extra={WEIGHTS_SUMS: weights_checksums(folder)})
+
+
+def _weights_files(folder: Path) -> list[Path]:
+    """The files holding a checkpoint's weights: the model's (or adapter's), the reference's, every shard."""
+    folder = Path(folder)
+    found = [p for pattern in ("*.safetensors", "reference/*.safetensors", f"{SHARDS_DIR}/*")
+             for p in folder.glob(pattern) if p.is_file()]
+    return sorted(p for p in found if p.name != f"{STATE_STEM}.safetensors")
+
+
+def weights_checksums(folder: Path) -> dict[str, str]:
+    """{path inside the checkpoint: sha256} of every weights file in ``folder``."""
+    return {p.relative_to(folder).as_posix(): file_sha256(p) for p in _weights_files(folder)}
+
+
+def verify_checksums(checkpoint: Path) -> None:
+    """The weights files of ``checkpoint`` are byte for byte those it was saved with (the sha256 recorded in
+    its trainer_state.json); a checkpoint written before checksums were recorded passes unchecked. Raises
+    StateFileError naming the first file that is missing or changed."""
+    checkpoint = Path(checkpoint)
+    sums = read_state_doc(checkpoint, STATE_STEM).get(WEIGHTS_SUMS)
+    if not isinstance(sums, dict):
+        return
+    for name, digest in sorted(sums.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            raise StateFileError(f"{path} is missing (it is listed in {STATE_FILE})")
+        if file_sha256(path) != digest:
+            raise StateFileError(f"{path} cannot be read as saved: its sha256 differs from the one in {STATE_FILE} "
+                                 f"(a disk error, a cut copy or an edit)")
 
 
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from klgrpo.backends.weights import check_weight_names
 from klgrpo.errors import ConfigError
 from klgrpo.train.sharded_checkpoint import load_sharded, save_sharded
 
@@ -293,31 +294,13 @@ class Engine:
         from safetensors.torch import load_file
 
         weights = load_file(str(path), device=str(device))
-        _check_complete_state(model, weights.keys(), path)
+        check_weight_names(model, weights.keys(), path, fix="resume from an intact checkpoint of this run")
         if self.kind != "fsdp2":
             model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def _check_complete_state(model, names, path: Path) -> None:
-    """``names`` (a checkpoint's tensors) cover every entry of the model's state dict, counting a tied weight
-    as present when any of its names is, and name nothing else."""
-    names = set(names)
-    aliases: dict[int, set[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), set()).add(name)
-    expected = set(model.state_dict().keys())
-    tied = {n: group for group in aliases.values() for n in group}
-    missing = sorted(n for n in expected - names if not (tied.get(n, set()) & names))
-    unexpected = sorted(names - expected)
-    if missing or unexpected:
-        what = (f"lacks {len(missing)} of the model's {len(expected)} weights (first: {missing[0]})" if missing
-                else f"holds {len(unexpected)} weights the model does not have (first: {unexpected[0]})")
-        raise ConfigError(f"{path} {what}: it is not a checkpoint of this model; resume from an intact checkpoint "
-                          f"of this run")
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:

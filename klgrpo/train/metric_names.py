@@ -57,6 +57,8 @@ TIME_STEP = "time/step"
 
 REWARD_PREFIX, EVAL_PREFIX, CUSTOM_PREFIX = "rewards/", "eval/", "custom/"
 REWARD_FUNCTION = REWARD_PREFIX + "<function>"
+REWARD_TIMEOUTS_PREFIX = "reward_timeouts/"
+REWARD_TIMEOUTS = REWARD_TIMEOUTS_PREFIX + "<function>"
 EVAL_SET = EVAL_PREFIX + "<name>"
 CUSTOM = CUSTOM_PREFIX + "<name>"
 
@@ -64,6 +66,13 @@ CUSTOM = CUSTOM_PREFIX + "<name>"
 def reward_function(name: str) -> str:
     """The metric of one reward function: rewards/<function>."""
     return REWARD_PREFIX + name
+
+
+def reward_metric(column: str) -> str:
+    """The metric of a reward column: rewards/<function>, or reward_timeouts/<function> for the column of the
+    rows whose check ran out of time ("<function>#timed_out", see core/rewards)."""
+    base, _, flag = column.partition("#")
+    return REWARD_TIMEOUTS_PREFIX + base if flag == "timed_out" else REWARD_PREFIX + column
 
 
 def eval_set(name: str) -> str:
@@ -98,6 +107,8 @@ GLOSSARY: dict[str, str] = {
     REWARD_STD: "mean over the B prompts of the std of the G total rewards within each group "
                 "(ddof as the advantages); 0 means no group had a learning signal",
     REWARD_FUNCTION: "mean over the step's completions of one reward function's unweighted value",
+    REWARD_TIMEOUTS: "share of the step's completions a time-bounded reward function (math_verify) did not "
+                     "check in time (its per-completion limit or the step's budget): scored 0",
     ADVANTAGE_ABS: "mean over completions of |A_i|, the group-normalised advantage "
                    "(before any KL-in-reward term)",
     CUSTOM: "one per metric a custom loss (loss.function) returns: its values averaged over the step's "

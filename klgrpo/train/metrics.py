@@ -220,7 +220,12 @@ def _decode(row: dict) -> dict:
 
 def _read_rows(path: Path) -> list[dict]:
     """Raw rows (non-finite values still as strings); a truncated last line is skipped."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise MetricsFileError(f"{path}, line {line}: not UTF-8 text (a binary or damaged file); it is not the "
+                               f"metrics.jsonl a klgrpo run writes: restore it, or fix or delete that line") from None
     lines = text.split("\n")
     # A crash mid-write leaves a last line without its newline; text ending in "\n" leaves "" last.
     rows = []

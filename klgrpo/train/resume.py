@@ -1,8 +1,9 @@
 """Resume from the newest checkpoint that loads.
 
 ``--resume latest`` tries the run's complete checkpoints newest first: a checkpoint whose trainer state or
-weights cannot be read (a truncated file, a disk error) is named in a warning and the next older one is
-used. ``--resume <folder>`` names one checkpoint; if it does not load, the error names the file.
+weights cannot be read (a truncated file, a disk error, a weights file whose sha256 no longer matches the one
+saved with it) is named in a warning and the next older one is used. ``--resume <folder>`` names one
+checkpoint; if it does not load, the error names the file.
 Everything is read before anything is applied, except the weights, which the next candidate overwrites.
 """
 
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.errors import ConfigError, KLGRPOError, first_line, warn
-from klgrpo.train.checkpoint import SHARDS_DIR, STATE_FILE, load_trainer_state, resume_candidates
+from klgrpo.train.checkpoint import (SHARDS_DIR, STATE_FILE, load_trainer_state, resume_candidates,
+                                    verify_checksums)
 
 
 class CheckpointLoadError(KLGRPOError):
@@ -27,6 +29,7 @@ def load_resumable_checkpoint(step, run_dir: Path, resume: str, apply=None) -> t
     failures = []
     for ckpt in candidates:
         try:
+            verify_checksums(ckpt)  # first: every rank reads the same files, so all reach the same verdict
             state = load_trainer_state(ckpt)
             _load_weights(step, ckpt)
             if apply is not None:

@@ -184,9 +184,22 @@ def _config_home(run_dir: Path, resume: str) -> Path:
     """The folder whose config.yaml a resume continues: the run folder, or the run of a checkpoint path."""
     if resume != "latest":
         home = Path(resume).resolve().parent.parent
-        if (home / CONFIG_FILE).is_file():
+        if run_config_file(home) is not None:
             return home
     return run_dir
+
+
+def run_config_file(run_dir: Path) -> Path | None:
+    """The run's config.yaml, or None when it is missing or empty: an empty file (or one holding only comments
+    or ``null``) names no settings, and reading it as the defaults would continue a run under another config."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        empty = safe_load_bounded(path.read_text(encoding="utf-8"), str(path)) is None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return path  # not empty: whoever reads it names what is wrong
+    return None if empty else path
 
 
 def saved_config(run_dir: Path) -> dict | None:

@@ -11,12 +11,15 @@ the dataclasses listed in ``_DATACLASSES``: a file can describe data, never name
 
 Tensors are saved bit for bit in their own dtype, Python floats as JSON numbers (``repr`` round-trips
 exactly; NaN and infinities as JSON's NaN/Infinity), so a resumed run continues bit-identically. Both files
-carry the same random token; a pair whose tokens differ (a crash between the two writes) is refused.
+carry the same random token; a pair whose tokens differ (a crash between the two writes) is refused. The JSON
+also holds the sha256 of the tensors file (a flipped bit in it is refused) and whatever ``extra`` the caller
+adds (a checkpoint's weights checksums), which ``read_state_doc`` returns without reading the tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -44,21 +47,46 @@ def state_files(folder: Path, stem: str) -> tuple[Path, Path]:
     return Path(folder) / f"{stem}.safetensors", Path(folder) / f"{stem}.json"
 
 
-def save_state(folder: Path, stem: str, tree: Any) -> tuple[Path, Path]:
-    """Write ``tree`` as ``<stem>.safetensors`` + ``<stem>.json`` in ``folder`` (each via a temporary name)."""
+def save_state(folder: Path, stem: str, tree: Any, extra: dict | None = None) -> tuple[Path, Path]:
+    """Write ``tree`` as ``<stem>.safetensors`` + ``<stem>.json`` in ``folder`` (each via a temporary name);
+    ``extra``: more JSON-ready keys for the JSON file's top level."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode(tree, tensors)
     token = secrets.token_hex(8)
     weights, doc = state_files(folder, stem)
-    for path, write in ((weights, lambda p: save_file(tensors, str(p), metadata={"token": token})),
-                        (doc, lambda p: p.write_text(json.dumps({"format": FORMAT, "token": token,
-                                                                  "tree": encoded})))):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write(tmp)
-        os.replace(tmp, path)
+    tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"token": token})
+    os.replace(tmp, weights)
+    tmp = doc.with_name(f".{doc.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**(extra or {}), "format": FORMAT, "token": token, "sha256": file_sha256(weights),
+                               "tree": encoded}))
+    os.replace(tmp, doc)
     return weights, doc
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_state_doc(folder: Path, stem: str) -> dict:
+    """The JSON file of a state (its tree still encoded): for the keys a caller put there with ``extra``."""
+    doc = state_files(folder, stem)[1]
+    try:
+        data = json.loads(doc.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StateFileError(f"{doc} is missing") from None
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError):
+        raise StateFileError(f"{doc} is not a klgrpo state file (unreadable JSON)") from None
+    if not isinstance(data, dict) or "tree" not in data:
+        raise StateFileError(f"{doc} is not a klgrpo state file (unreadable JSON)")
+    return data
 
 
 @contextmanager
@@ -112,6 +140,9 @@ def load_state(folder: Path, stem: str) -> Any:
         raise StateFileError(f"{weights} cannot be read ({first_line(exc)})") from None
     if token != data.get("token"):
         raise StateFileError(f"{weights} and {doc} were not written together (a save was cut short)")
+    if "sha256" in data and file_sha256(weights) != data["sha256"]:
+        raise StateFileError(f"{weights} cannot be read as saved: its sha256 differs from the one in {doc.name} "
+                             f"(a disk error, a cut copy or an edit)")
     try:
         return _decode(data["tree"], tensors, doc)
     except RecursionError:
@@ -193,4 +224,5 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-__all__ = ["save_state", "load_state", "to_device", "state_files", "StateFileError", "FORMAT"]
+__all__ = ["save_state", "load_state", "read_state_doc", "file_sha256", "to_device", "state_files", "StateFileError",
+           "FORMAT"]

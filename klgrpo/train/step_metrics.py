@@ -76,7 +76,7 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
         m.CLIP_RATIO: (obj_f.clip_low + obj_f.clip_high) / n_tok_safe,
         m.ENTROPY: st["entropy"] / max(st["completion_tokens"], 1.0), m.GRAD_NORM: float(grad_norm),
     }
-    metrics.update({m.reward_function(name): v / n_seq for name, v in reward_f.items()})
+    metrics.update({m.reward_metric(name): v / n_seq for name, v in reward_f.items()})
     if "logp_policy" in st:
         metrics[m.LOGP_POLICY_MEAN] = st["logp_policy"] / n_tok_safe
     has_kl = batch.ref_logp is not None

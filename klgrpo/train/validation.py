@@ -187,16 +187,23 @@ def estimate_step_memory(cfg: GRPOConfig, model_config, dtype_bytes: int, longes
 
 
 def available_memory_bytes(device) -> int | None:
-    """Free memory where the step runs: CUDA's free device memory, or the host's available physical memory
-    (MemAvailable, else the free pages) on the CPU; None where it cannot be known (MPS, other devices)."""
-    import os
-
+    """Free memory where the step runs: CUDA's free device memory, or on the CPU the least of the host's
+    available physical memory (MemAvailable, else the free pages), what this process's address-space limit
+    (RLIMIT_AS, ``ulimit -v``) leaves and what its cgroup's memory limit leaves (a container's); None where it
+    cannot be known (MPS, other devices)."""
     if device.type == "cuda":
         import torch
 
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
+    found = [v for v in (_host_available(), address_space_left(), cgroup_memory_left()) if v is not None]
+    return min(found) if found else None
+
+
+def _host_available() -> int | None:
+    import os
+
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -208,6 +215,56 @@ def available_memory_bytes(device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def address_space_left(status: str = "/proc/self/status") -> int | None:
+    """RLIMIT_AS's soft limit minus this process's virtual size (VmSize); None without a limit."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY or limit < 0:
+        return None
+    return max(limit - (_status_kib(status, "VmSize:") or 0) * 1024, 0)
+
+
+def cgroup_memory_left(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int | None:
+    """This process's cgroup memory limit minus its usage (cgroup v2 memory.max / memory.current, else v1's
+    memory.limit_in_bytes / memory.usage_in_bytes); None without a limit or a readable cgroup."""
+    from pathlib import Path
+
+    path = ""
+    try:
+        for line in Path(own).read_text().splitlines():
+            if line.startswith("0::"):
+                path = line[3:].strip().lstrip("/")
+    except OSError:
+        pass
+    for folder, limit_file, usage_file in ((Path(root) / path, "memory.max", "memory.current"),
+                                           (Path(root), "memory.max", "memory.current"),
+                                           (Path(root) / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")):
+        try:
+            limit = (folder / limit_file).read_text().strip()
+            usage = int((folder / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit.isdigit() or int(limit) >= 2 ** 60:  # "max", or v1's "no limit" (about 2**63)
+            return None
+        return max(int(limit) - usage, 0)
+    return None
+
+
+def _status_kib(status: str, key: str) -> int | None:
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_step_memory(cfg: GRPOConfig, model, longest: int, world_size: int = 1, device=None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from typing import Any
 
 from klgrpo.math.registry import Registry
@@ -142,26 +143,65 @@ def format_match(prompts: list, completions: list[str], pattern: str, **_: Any) 
     return [1.0 if regex.search(completion) else 0.0 for completion in completions]
 
 
+class TimedScores(list):
+    """A reward function's values (a list, one per completion) with ``timed_out``: per completion, whether its
+    check ran out of time and scored 0.0. The reward computer logs their share as reward_timeouts/<function>."""
+
+    def __init__(self, values, timed_out):
+        super().__init__(values)
+        self.timed_out = [bool(t) for t in timed_out]
+
+
+def score_within_budget(n: int, score_one, step_budget_s: float, per_item_s: int,
+                        clock=time.monotonic) -> TimedScores:
+    """``score_one(i, limit_s)`` for i in range(n), each given at most ``per_item_s`` whole seconds and all of
+    them together ``step_budget_s``: once the budget is spent the rest score 0.0 unchecked. A row counts as
+    timed out when it was skipped or its call took its whole limit (the checker's alarm ended it)."""
+    deadline = clock() + step_budget_s
+    values, timed_out = [], []
+    for i in range(n):
+        remaining = deadline - clock()
+        if remaining < 1.0:  # the checker's alarm counts whole seconds
+            values.append(0.0)
+            timed_out.append(True)
+            continue
+        limit = max(1, min(per_item_s, int(remaining)))
+        start = clock()
+        values.append(score_one(i, limit))
+        timed_out.append(clock() - start >= limit)
+    return TimedScores(values, timed_out)
+
+
 @BUILTIN_REWARDS.register("math_verify")
-def math_verify_match(prompts: list, completions: list[str], answer: list, **_: Any) -> list[float]:
+def math_verify_match(prompts: list, completions: list[str], answer: list, step_budget_s: float = 60.0,
+                      timeout_s: int = 5, **_: Any) -> list[float]:
     """1.0 where math-verify's ``verify(parse(answer), parse(completion))`` holds, else 0.0 (the check open-r1's
     and TRL's accuracy rewards use).
 
     ``parse`` extracts the final answer (the last \\boxed{...}, a $...$ expression or a plain number) and
     ``verify`` compares symbolically: 2/4 = \\frac{1}{2} = 0.5, (x+1)^2 = x^2+2x+1, \\{2,1\\} = \\{1,2\\}. The
     reference answer may be plain LaTeX without $ ("x^2+2x+1") or GSM8K's "... #### 42" (the text after the
-    last "####"). A completion with no parseable answer scores 0.0; a reference without one is an error."""
+    last "####"). A completion with no parseable answer scores 0.0; a reference without one is an error.
+
+    Time is bounded: each completion's parse and comparison get ``timeout_s`` seconds (math-verify's own
+    alarm), the whole batch ``step_budget_s`` (the reward's kwargs); a completion not checked in time scores
+    0.0 and is counted in reward_timeouts/math_verify."""
     from math_verify import parse, verify
 
     _check_column("answer", answer, completions)
-    rewards = []
-    for i, (completion, gold) in enumerate(zip(completions, answer)):
+    golds = []
+    for i, gold in enumerate(answer):
         text = str(gold).rsplit("####", 1)[-1].strip() if gold is not None else ""
         gold_parsed = parse(text) or parse(f"${text}$")
         if not gold_parsed:
             raise ValueError(f"the answer at index {i} ({gold!r}) holds no expression math-verify can read")
-        rewards.append(1.0 if verify(gold_parsed, parse(completion)) else 0.0)
-    return rewards
+        golds.append(gold_parsed)
+
+    def score(i: int, limit: int) -> float:
+        target = parse(completions[i], parsing_timeout=limit)
+        return 1.0 if verify(golds[i], target, timeout_seconds=limit) else 0.0
+
+    return score_within_budget(len(completions), score, step_budget_s, timeout_s)
 
 
 #: The package a built-in needs beyond klgrpo's own dependencies (checked when the reward is loaded).

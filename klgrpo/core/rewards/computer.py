@@ -29,11 +29,14 @@ from klgrpo.core.rewards.specs import RESERVED_ARGUMENTS, RewardModelSpec, Rewar
 #: Largest |reward| accepted: the group variance of float32 rewards of this size stays far from overflow
 #: (float32 squares overflow above ~1.8e19) and keeps 7 significant digits of the centred rewards.
 REWARD_LIMIT = 1e12
+#: The key of RewardResult.per_function that holds a function's timed-out rows (1.0: not checked in time).
+TIMED_OUT_SUFFIX = "#timed_out"
 
 
 @dataclass
 class RewardResult:
-    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N];
+    """total: float32 [N], the weighted sum; per_function: display name -> unweighted float32 [N], and for a
+    function that reports the rows whose check ran out of time (``TimedScores``), "<name>#timed_out" -> 0/1 [N];
     model_seconds: the wall seconds the reward models took (part of the call's time); None without one."""
 
     total: Tensor
@@ -115,10 +118,12 @@ class RewardComputer:
         model_seconds = 0.0 if self.reward_models else None
         for bound in self._bound:
             t0 = time.perf_counter()
-            values = _call(bound, prompts, completions, columns)
+            values, timed_out = _call(bound, prompts, completions, columns)
             if isinstance(bound.fn, RewardModel):
                 model_seconds += time.perf_counter() - t0
             per_function[bound.display] = torch.tensor(values, dtype=torch.float32)
+            if timed_out is not None:  # a function that bounds its time: which rows ran out of it
+                per_function[bound.display + TIMED_OUT_SUFFIX] = torch.tensor(timed_out, dtype=torch.float32)
             total += bound.spec.weight * torch.tensor(values, dtype=torch.float64)
         if n and float(total.abs().max()) > REWARD_LIMIT:
             i = int(total.abs().argmax())
@@ -149,7 +154,9 @@ def _bind(spec: RewardSpec | RewardModelSpec, fn: Callable, display: str) -> _Bo
     return _Bound(spec, fn, display, accepts_any, accepted, required)
 
 
-def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[str, list]) -> list[float]:
+def _call(bound: _Bound, prompts: list, completions: list[str],
+          columns: dict[str, list]) -> tuple[list[float], list | None]:
+    """The function's scores, and its timed-out flags where it reports them (else None)."""
     clash = sorted(set(columns) & set(bound.spec.kwargs))
     if clash:
         raise RewardError(f"reward function {bound.display!r}: {', '.join(clash)} is both a dataset column and a "
@@ -164,7 +171,7 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
     if not bound.accepts_any:
         available = {k: v for k, v in available.items() if k in bound.accepted}
     if isinstance(bound.fn, RewardModel):  # klgrpo's own: its errors are already one line about the model
-        return _as_floats(bound.fn(prompts, completions), len(completions), bound.display, completions)
+        return _as_floats(bound.fn(prompts, completions), len(completions), bound.display, completions), None
     try:
         result = bound.fn(prompts, completions, **available)
     except SystemExit as e:  # would end the run with its exit code (0: "success") and no message
@@ -174,7 +181,11 @@ def _call(bound: _Bound, prompts: list, completions: list[str], columns: dict[st
         where = _user_frame(e, bound.fn)
         raise RewardError(f"reward function {bound.display!r} raised {_describe(e)}"
                           + (f" (at {where})" if where else "")) from e
-    return _as_floats(result, len(completions), bound.display, completions)
+    timed_out = getattr(result, "timed_out", None)
+    if timed_out is not None and len(timed_out) != len(completions):
+        raise RewardError(f"reward function {bound.display!r} returned {len(timed_out)} timed_out flags for "
+                          f"{len(completions)} completions")
+    return _as_floats(result, len(completions), bound.display, completions), timed_out
 
 
 def _user_frame(error: BaseException, fn: Callable) -> str:
