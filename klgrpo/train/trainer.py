@@ -52,7 +52,8 @@ from klgrpo.train.kl_watch import KLWatch
 from klgrpo.train.loop import run_training
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.state_io import to_device
-from klgrpo.train.terms import build_kl_controller, kl_term, policy_term
+from klgrpo.train.terms import (build_entropy_controller, build_kl_controller, entropy_in_use, entropy_term, kl_term,
+                                 policy_term)
 from klgrpo.train.validation import check_step_memory
 
 
@@ -83,6 +84,7 @@ class GRPOTrainer:
         seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
         self.run_dir = Path(self.dist.gather_objects(str(run_dir_for(cfg)))[0])  # rank 0's name (it has a timestamp)
         self.controller = build_kl_controller(cfg.kl)
+        self.entropy_controller = build_entropy_controller(cfg.loss)  # the entropy bonus's coefficient
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
@@ -216,7 +218,7 @@ class GRPOTrainer:
         objective, loss_sum, custom_sums = None, torch.zeros((), device=self.device), {}
         entropy_sum = torch.zeros((), device=self.device)
         logp_sum = torch.zeros((), device=self.device)  # logp/policy_mean
-        kept, token_kl = [], []
+        kept, token_kl, token_entropy = [], [], []
         for sl in self._micro_slices(batch.rollout.size):
             loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
             self.engine.backward(loss)
@@ -225,13 +227,17 @@ class GRPOTrainer:
                 custom_sums[k] = custom_sums.get(k, 0.0) + v.detach()
             loss_sum = loss_sum + loss.detach()
             logp_sum = logp_sum + (logp.detach() * batch.loss_mask[sl]).sum()
-            entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
+            if entropy is not None:  # the percentiles pool the completion tokens' entropies (0 elsewhere)
+                token_entropy.append(entropy.detach() * batch.rollout.completion_mask[sl])
+                entropy_sum = entropy_sum + token_entropy[-1].sum()
             if out.token_kl is not None:  # per-token values for the KL percentiles
                 token_kl.append(out.token_kl)
             if keep_logp:
                 kept.append(logp.detach())
-        sums = StepSums(loss=loss_sum, entropy=entropy_sum, objective=objective, custom=custom_sums,
-                        logp_policy=logp_sum, token_kl=torch.cat(token_kl, 1) if token_kl else None)  # [2, B, T], micro-batches joined
+        sums = StepSums(loss=loss_sum, entropy=entropy_sum if token_entropy else None, objective=objective,
+                        custom=custom_sums, logp_policy=logp_sum,
+                        token_kl=torch.cat(token_kl, 1) if token_kl else None,  # [2, B, T], micro-batches joined
+                        token_entropy=torch.cat(token_entropy) if token_entropy else None)
         return sums, (torch.cat(kept) if keep_logp else None)
 
     def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
@@ -245,12 +251,16 @@ class GRPOTrainer:
                 self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
         else:
             logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                with_entropy=True, fast_path=self.loss_fast_path)
+                                                with_entropy=cfg.train.entropy_metrics or entropy_in_use(cfg.loss),
+                                                fast_path=self.loss_fast_path)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
+        in_loss = entropy_in_use(cfg.loss)
         with torch.set_grad_enabled(self.loss_fn is None):
             out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
                                  policy=policy_term(cfg.loss), kl=kl, aggregation=cfg.loss.aggregation,
-                                 normalizer=batch.normalizer, full_kl_BT=full_kl)
+                                 normalizer=batch.normalizer, full_kl_BT=full_kl,
+                                 entropy_BT=entropy if in_loss else None,
+                                 entropy=entropy_term(cfg.loss, self.entropy_controller.applied))
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
         rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
@@ -288,6 +298,8 @@ class GRPOTrainer:
             self._dump_kl(logp, batch)
         metrics, observation = step_metrics(batch, sums, grad_norm, beta, self.scheduler.get_last_lr()[0], timings,
                                             self.dist, self.device)
+        if entropy_in_use(cfg.loss):
+            metrics[names.ENTROPY_COEF] = self.entropy_controller.applied
         metrics.update(replay_metrics)
         metrics.update(self._custom_metrics(sums.custom, batch))
         metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
@@ -341,6 +353,8 @@ class GRPOTrainer:
             metrics.update(batch.timings)
         if self.guard.consecutive == 0 and math.isfinite(observation.token_mean):  # a skipped step leaves beta
             self.controller.observe(observation)
+        if self.guard.consecutive == 0 and observation.entropy is not None and math.isfinite(observation.entropy):
+            self.entropy_controller.observe(observation.entropy)
         self.step += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.step % self.cfg.kl.sync_every == 0:
             self.engine.sync_reference(self.reference, self.model, self.cfg.kl.sync_alpha)
@@ -365,6 +379,7 @@ class GRPOTrainer:
         optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None  # None: sharded
         return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.sampler.state_dict(),
+                "entropy_controller": self.entropy_controller.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
                 "eval_before": self._eval_before, "guard": self.guard.state_dict(),
                 "kl_watch": self.kl_watch.state_dict()}
@@ -405,6 +420,8 @@ class GRPOTrainer:
             self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
+        if state.get("entropy_controller") is not None:  # absent in checkpoints written before the entropy bonus
+            self.entropy_controller.load_state_dict(state["entropy_controller"])
         self.sampler.load_state_dict(state["sampler"])
         self._batch = state.get("pending_batch")
         if self._batch is not None:
