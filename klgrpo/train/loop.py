@@ -72,6 +72,9 @@ def _train(trainer, resume: str | None, summary_extras=None) -> dict[str, Any]:
                 for line in trainer.kl_watch.observe(trainer.step, metrics.get(names.RAW_KL)):
                     logger.message(line)
                     logger.text("warnings/kl", line, trainer.step)
+                for line in trainer.entropy_watch.observe(trainer.step, metrics.get(names.ENTROPY)):
+                    logger.message(line)
+                    logger.text("warnings/entropy", line, trainer.step)
                 history.append(metrics)
                 stop = should_stop(trainer, start, signals)
                 if cfg.train.save_every and trainer.step % cfg.train.save_every == 0 and not stop:

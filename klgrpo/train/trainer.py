@@ -48,7 +48,7 @@ from klgrpo.train import metric_names as names
 from klgrpo.train.step_metrics import StepSums, step_metrics
 from klgrpo.train.timing import phase_timer as _timed
 from klgrpo.train.guard import NonFiniteGuard
-from klgrpo.train.kl_watch import KLWatch
+from klgrpo.train.kl_watch import EntropyWatch, KLWatch
 from klgrpo.train.loop import run_training
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.state_io import to_device
@@ -87,6 +87,7 @@ class GRPOTrainer:
         self.entropy_controller = build_entropy_controller(cfg.loss)  # the entropy bonus's coefficient
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)
         self.kl_watch = KLWatch(cfg.kl.warn_above, cfg.kl.warn_below, cfg.kl.warn_window)
+        self.entropy_watch = EntropyWatch(cfg.train.entropy_warn_below, cfg.train.entropy_warn_window)
         self.needs_reference = (cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed"
                                 or cfg.kl.replay.coef > 0)
         self.eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
@@ -382,7 +383,7 @@ class GRPOTrainer:
                 "entropy_controller": self.entropy_controller.state_dict(),
                 "pending_batch": self._batch, "replay": self.replay.state_dict() if self.replay else None,
                 "eval_before": self._eval_before, "guard": self.guard.state_dict(),
-                "kl_watch": self.kl_watch.state_dict()}
+                "kl_watch": self.kl_watch.state_dict(), "entropy_watch": self.entropy_watch.state_dict()}
 
     def save(self, whole: bool = False) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint, into which, with
@@ -428,6 +429,7 @@ class GRPOTrainer:
             self._batch = to_device(self._batch, self.device)
         self.guard.load_state_dict(state.get("guard"))
         self.kl_watch.load_state_dict(state.get("kl_watch"))
+        self.entropy_watch.load_state_dict(state.get("entropy_watch"))
         if self._batch is not None and len(state.get("rng_by_rank", [None])) != self.dist.world_size:
             self._batch = None  # a half-used batch belongs to the old process layout: draw a new one
         if self.replay is not None and state.get("replay") is not None:
