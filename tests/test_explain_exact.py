@@ -485,3 +485,29 @@ def test_sequence_verdict_scales_token_mean_and_rejects_length_normalisation():
     assert (summed.target, mean.target, per_length.target) == ("reverse", "reverse", "neither")
     assert summed.scale == pytest.approx(1.0, abs=1e-9) and 0 < mean.scale < 1
     assert math.isfinite(mean.scale)
+
+
+def test_every_trl_entropy_mask_and_loss_field_maps(tmp_path):
+    """A TRL config setting every entropy, mask and SAPO / VESPO field goes through ``klgrpo explain`` and the TRL
+    bridge's config with nothing in ``unmapped``, each value where its loss.* key says."""
+    pytest.importorskip("trl")
+    import yaml
+
+    from klgrpo.apps.explain_sources import load_source
+    from klgrpo.trl import GRPOConfig, klgrpo_config
+
+    fields = {"entropy_coef": 0.02, "use_adaptive_entropy": True, "entropy_target": 0.7, "entropy_coef_delta": 0.01,
+              "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "top_entropy_quantile": 0.2,
+              "off_policy_mask_threshold": 0.5, "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2,
+              "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5}
+    for loss_type in ("sapo", "vespo"):
+        source, mapped = load_source(yaml.safe_dump({**fields, "loss_type": loss_type, "beta": 0.04}), "trl.yaml")
+        assert source == "trl" and not mapped.unmapped
+        loss = mapped.klgrpo_config().loss
+        assert loss.policy_loss == loss_type and loss.entropy_controller == "adaptive"
+        for name, value in fields.items():
+            if name != "use_adaptive_entropy":
+                assert getattr(loss, name) == value, name
+        bridge = klgrpo_config(GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], loss_type=loss_type,
+                                          beta=0.04, **fields))
+        assert bridge.loss == loss
