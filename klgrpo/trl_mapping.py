@@ -68,8 +68,8 @@ TRL_FIELDS = (
     FieldMapping("entropy_coef_delta", ("loss.entropy_coef_delta",), 0.005, "same value"),
     FieldMapping("entropy_coef_min", ("loss.entropy_coef_min",), 0.0, "same value"),
     FieldMapping("entropy_coef_max", ("loss.entropy_coef_max",), 1.0, "same value"),
-    FieldMapping("top_entropy_quantile", ("loss.top_entropy_quantile",), 1.0, "same value; at "
-                                                                              "importance_sampling_level sequence: none"),
+    FieldMapping("top_entropy_quantile", ("loss.top_entropy_quantile",), 1.0,
+                 "same value; at importance_sampling_level sequence: none"),
     FieldMapping("off_policy_mask_threshold", ("loss.off_policy_mask_threshold",), None,
                  "unset: 0 (off); a value > 0: same value"),
     FieldMapping("sapo_temperature_pos", ("loss.sapo_temperature_pos",), 1.0, "same value"),

@@ -13,7 +13,9 @@ from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import ObjectiveSums
 from klgrpo.train import metric_names as m
 from klgrpo.train.distributed import Distributed
-from klgrpo.train.metric_names import ENTROPY_QUANTILE_NAMES, ENTROPY_QUANTILES, PERCENTILE_NAMES, PERCENTILES  # noqa: F401
+from klgrpo.train.metric_names import (  # noqa: F401  (PERCENTILE_NAMES, PERCENTILES re-exported)
+    ENTROPY_QUANTILE_NAMES, ENTROPY_QUANTILES, PERCENTILE_NAMES, PERCENTILES,
+)
 
 
 @dataclass
