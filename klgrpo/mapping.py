@@ -15,7 +15,7 @@ from torch import Tensor
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.objective import ObjectiveOut, grpo_objective
 from klgrpo.train.config import GRPOConfig
-from klgrpo.train.terms import kl_term, policy_term
+from klgrpo.train.terms import entropy_term, kl_term, policy_term
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,14 @@ def render_table(rows: tuple[FieldMapping, ...], source: str) -> str:
 
 
 def mapped_objective(cfg: GRPOConfig, beta: float, logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None,
-                     advantages: Tensor, mask_BT: Tensor, normalizer: Normalizer) -> ObjectiveOut:
+                     advantages: Tensor, mask_BT: Tensor, normalizer: Normalizer, *, entropy_BT: Tensor | None = None,
+                     entropy_coef: float | None = None, entropy_cut: Tensor | None = None,
+                     sampling_logp_BT: Tensor | None = None) -> ObjectiveOut:
     """klgrpo's objective of one micro-batch under the mapped ``cfg`` at beta ``beta``: the one place the TRL
-    bridge and the exactness tests of ``klgrpo explain`` call it."""
+    bridge and the exactness tests of ``klgrpo explain`` call it. ``entropy_coef`` is the bonus's applied
+    coefficient (None: ``loss.entropy_coef``); the entropy arguments as grpo_objective's."""
+    coef = cfg.loss.entropy_coef if entropy_coef is None else entropy_coef
     return grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages, mask_BT, kl=kl_term(cfg.kl, beta),
-                          policy=policy_term(cfg.loss), aggregation=cfg.loss.aggregation, normalizer=normalizer)
+                          policy=policy_term(cfg.loss), aggregation=cfg.loss.aggregation, normalizer=normalizer,
+                          entropy_BT=entropy_BT, entropy=entropy_term(cfg.loss, coef), entropy_cut=entropy_cut,
+                          sampling_logp_BT=sampling_logp_BT)

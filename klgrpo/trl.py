@@ -8,8 +8,9 @@ does and hands TRL's tensors to :func:`klgrpo.math.objective.grpo_objective`, th
 trainer and ``klgrpo verify-kl`` use; beta comes from a klgrpo controller updated once per optimizer step.
 Generation (vLLM included), data, rewards, accelerate / DeepSpeed / FSDP, logging and checkpoints stay TRL's.
 With the defaults (kl_adaptation_method "none", estimator k3, the importance weight TRL's
-``use_bias_correction_kl`` selects) loss and gradient equal stock TRL's for loss_type grpo, bnpo, dr_grpo, dapo,
-luspo and cispo, with delta and importance_sampling_level "sequence" (GSPO); klgrpo.trl_mapping holds the one
+``use_bias_correction_kl`` selects) loss and gradient equal stock TRL's for every loss_type (grpo, bnpo, dr_grpo,
+dapo, luspo, cispo, sapo, vespo), with delta, importance_sampling_level "sequence" (GSPO), the entropy bonus and
+its adaptive controller, the top-entropy and the off-policy masks; klgrpo.trl_mapping holds the one
 table from TRL's and the adaptive-KL fields to klgrpo's config. docs/trl.md has the details.
 """
 
@@ -52,6 +53,8 @@ from klgrpo.math.kl_control import CONTROLLERS, KLController  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
 from klgrpo.train.config import GRPOConfig as KlgrpoConfig  # noqa: E402
+from klgrpo.math.objective import entropy_threshold  # noqa: E402
+from klgrpo.train.terms import build_entropy_controller  # noqa: E402
 from klgrpo.train.terms import build_kl_controller as build_controller_from_config  # noqa: E402
 from klgrpo.trl_mapping import (  # noqa: E402
     ADAPTIVE_KL_DEFAULTS, ADAPTIVE_KL_FIELDS, LOSS_TYPES, TRL_DEFAULTS, map_trl, resolved_controller,
@@ -191,7 +194,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.klgrpo_config = klgrpo_config(args)
         self.kl_controller = build_kl_controller(args)
+        self.entropy_controller = build_entropy_controller(self.klgrpo_config.loss)
         self._kl_window: torch.Tensor | None = None  # [raw KL sum, tokens, sequences] of this optimizer step
+        self._entropy_window: torch.Tensor | None = None  # [entropy sum, tokens] of this optimizer step
         self._last_reward: float | None = None
 
     # ---- rewards feed the dynamic controller -------------------------------------------------------------
@@ -214,9 +219,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         old_logps = logps.detach() if old_logps is None else old_logps
         ref_logps = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         beta = self.kl_controller.value
-        weight = self._policy_token_weight(inputs, logps, old_logps, entropies, mask, advantages)
-        out = mapped_objective(self.klgrpo_config, beta, logps, old_logps, ref_logps, advantages * weight, mask,
-                               self._normalizer(inputs, mask, mode))
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            # TRL's vLLM importance ratio c >= 0 multiplies the policy term only; folded into the advantages:
+            # -min(r A c, clip(r) A c) = c * -min(r A, clip(r) A), so the KL term stays unweighted, as in TRL
+            advantages = advantages * inputs["importance_sampling_ratio"]
+        entropy_coef = self.entropy_controller.applied
+        out = mapped_objective(self.klgrpo_config, beta, logps, old_logps, ref_logps, advantages, mask,
+                               self._normalizer(inputs, mask, mode), entropy_BT=entropies, entropy_coef=entropy_coef,
+                               entropy_cut=self._entropy_cut(entropies, mask),
+                               sampling_logp_BT=inputs.get("sampling_per_token_logps"))
         loss = out.loss
         if self.aux_loss_enabled:
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
@@ -225,6 +236,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._log_step_metrics(mode, out.sums, logps, old_logps, advantages, entropies, mask, beta)
         if mode == "train" and out.sums.raw_kl is not None:
             self._update_controller(out.sums.raw_kl, mask)
+        if mode == "train" and self.klgrpo_config.loss.entropy_controller != "fixed":
+            self._update_entropy_controller(out.sums.acted_entropy, out.sums.acted_tokens)
+        if mode == "train" and self._entropy_bonus_enabled and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_controller.value)  # TRL's name and value
         return loss
 
     def _policy_logps(self, model, inputs):
@@ -242,26 +257,21 @@ class GRPOTrainer(trl.GRPOTrainer):
                 "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")},
         )
 
-    def _policy_token_weight(self, inputs, logps, old_logps, entropies, mask, advantages):
-        """TRL's non-negative per-token factors on the policy term only (entropy mask, off-policy sequence mask,
-        vLLM importance ratio), or 1. Folded into the advantages: -min(r A c, clip(r) A c) = c * -min(r A,
-        clip(r) A) for every c >= 0, so the KL term stays unweighted, as in TRL."""
-        weight = torch.ones_like(mask, dtype=logps.dtype)
-        if self.top_entropy_quantile < 1.0:
-            weight = weight * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        if self.off_policy_mask_threshold is not None:
-            weight = weight * self.get_off_policy_mask(
-                advantages=advantages, per_token_logps=logps,
-                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps), mask=mask,
-                off_policy_threshold=self.off_policy_mask_threshold)
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            weight = weight * inputs["importance_sampling_ratio"]
-        return weight
+    def _entropy_cut(self, entropies, mask):
+        """The top-entropy mask's threshold over every process's loss-mask tokens, as TRL pools them (None with
+        one process or the mask off: the objective takes this micro-batch's tokens)."""
+        if self.top_entropy_quantile >= 1.0 or self.accelerator.num_processes == 1:
+            return None
+        pad = -1e9  # entropies are >= 0: the sentinel never collides with a value
+        local = entropies.detach()[mask.bool()].float()
+        pooled = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=pad))
+        pooled = pooled[pooled != pad]
+        return entropy_threshold(pooled, torch.ones_like(pooled), self.top_entropy_quantile)
 
     def _normalizer(self, inputs, mask, mode: str) -> Normalizer:
         """The global counts that make klgrpo's aggregation equal TRL's normalisation of this loss_type."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        if self.loss_type in ("dapo", "cispo"):  # the accumulation window's tokens on all processes, per process
+        if self.loss_type in ("dapo", "cispo", "vespo"):  # the window's tokens on all processes, per process
             tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 tokens = tokens * accumulation / self.args.steps_per_generation
@@ -302,12 +312,26 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.kl_controller.update(observed, n_steps=int(total[2].item()), reward=self._last_reward)
             self._kl_window = None
 
+    def _update_entropy_controller(self, entropy_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        """As TRL: add this micro-batch's entropy over the tokens the bonus acts on; at the optimizer step feed the
+        window's global mean to the entropy controller (TRL's own attributes follow it, for its checkpoints)."""
+        stats = torch.stack([entropy_sum.detach().float(), tokens.detach().float()])
+        self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+        if self.accelerator.sync_gradients:
+            total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+            self.entropy_controller.observe((total[0] / total[1].clamp(min=1.0)).item())
+            self.entropy_coef, self._last_world_entropy = (self.entropy_controller.value,
+                                                           self.entropy_controller.last_entropy)
+            self._entropy_window = None
+
     # ---- checkpoints: the controller's state as JSON ---------------------------------------------------------
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            state = {"controller": self.args.resolved_kl_controller, "state": self.kl_controller.state_dict()}
+            state = {"controller": self.args.resolved_kl_controller, "state": self.kl_controller.state_dict(),
+                     "entropy_controller": self.klgrpo_config.loss.entropy_controller,
+                     "entropy_state": self.entropy_controller.state_dict()}
             with open(os.path.join(folder, CONTROLLER_FILE), "w") as f:
                 json.dump(state, f)
 
@@ -327,6 +351,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ConfigError(f"{path} holds the state of kl_controller={saved.get('controller')!r} but this run "
                               f"uses {self.args.resolved_kl_controller!r}; resume with the same kl settings")
         self.kl_controller.load_state_dict(saved["state"])
+        if saved.get("entropy_controller") == self.klgrpo_config.loss.entropy_controller:
+            self.entropy_controller.load_state_dict(saved["entropy_state"])
+            self.entropy_coef = self.entropy_controller.value
+            self._last_world_entropy = self.entropy_controller.last_entropy
+        elif "entropy_controller" in saved:
+            raise ConfigError(f"{path} holds the state of entropy controller {saved['entropy_controller']!r} but "
+                              f"this run uses {self.klgrpo_config.loss.entropy_controller!r}; resume with the same "
+                              f"use_adaptive_entropy")
 
 
 __all__ = ["ADAPTIVE_KL_FIELDS", "GRPOConfig", "GRPOTrainer", "KL_ADAPTATION_METHODS", "LOSS_TYPES", "SUPPORTED_TRL"]

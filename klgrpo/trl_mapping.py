@@ -19,7 +19,8 @@ from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP
 TRL_VERSION = "1.16"
 
 #: TRL loss_type -> (loss.policy_loss, loss.aggregation). The aggregation's normaliser carries the rest: bnpo
-#: divides by the micro-batch's tokens, dapo and cispo by the accumulation window's (equal with one micro-batch).
+#: divides by the micro-batch's tokens, dapo, cispo and vespo by the accumulation window's (equal with one
+#: micro-batch).
 LOSS_TYPES = {
     "grpo": ("ppo_clip", "seq_mean_token_mean"),
     "bnpo": ("ppo_clip", "token_mean"),
@@ -27,22 +28,19 @@ LOSS_TYPES = {
     "dapo": ("ppo_clip", "token_mean"),
     "luspo": ("ppo_clip", "seq_mean_token_sum"),
     "cispo": ("cispo", "token_mean"),
+    "sapo": ("sapo", "seq_mean_token_mean"),
+    "vespo": ("vespo", "token_mean"),
 }
-_POLICY_LOSSES = "klgrpo's policy losses are ppo_clip, gspo and cispo"
-#: TRL loss types whose policy term klgrpo's math does not have, with the reason.
-LOSS_TYPES_WITHOUT_COUNTERPART = {
-    "sapo": f"its policy term is a soft sigmoid gate on the ratio (sapo_temperature_pos/neg), not a clip; "
-            f"{_POLICY_LOSSES}",
-    "vespo": f"its policy term weights each sequence by a Gamma function of its ratio (vespo_k_*, vespo_lambda_*); "
-             f"{_POLICY_LOSSES}",
-}
+#: The policy losses whose TRL form takes no clip settings (delta is TRL's ppo_clip guard only).
+_UNCLIPPED = ("sapo", "vespo")
 
 TRL_FIELDS = (
     FieldMapping("beta", ("kl.coef", "kl.monitor"), 0.0, "kl.coef = beta; beta 0: no reference model, "
                                                           "kl.monitor false"),
     FieldMapping("loss_type", ("loss.policy_loss", "loss.aggregation"), "dapo",
                  "grpo: seq_mean_token_mean, bnpo and dapo: token_mean, dr_grpo: constant, luspo: "
-                 "seq_mean_token_sum (ppo_clip); cispo: policy_loss cispo, token_mean; sapo, vespo: none"),
+                 "seq_mean_token_sum (ppo_clip); cispo: policy_loss cispo, token_mean; sapo: policy_loss sapo, "
+                 "seq_mean_token_mean; vespo: policy_loss vespo, token_mean"),
     FieldMapping("epsilon", ("loss.eps_low",), 0.2, "eps_low = epsilon; cispo: 1 (TRL's cispo has no lower clip)"),
     FieldMapping("epsilon_high", ("loss.eps_high",), None, "unset: epsilon; cispo: epsilon_high - 1 (TRL caps "
                                                            "the ratio at epsilon_high itself)"),
@@ -63,6 +61,23 @@ TRL_FIELDS = (
                  "true: kl.sync_every = ref_model_sync_steps, kl.sync_alpha = ref_model_mixup_alpha"),
     FieldMapping("ref_model_sync_steps", ("kl.sync_every",), 512, "read when sync_ref_model is true"),
     FieldMapping("ref_model_mixup_alpha", ("kl.sync_alpha",), 0.6, "read when sync_ref_model is true"),
+    FieldMapping("entropy_coef", ("loss.entropy_coef",), 0.0, "same value (the bonus's mean per-token entropy, as "
+                                                              "TRL's, whatever the loss_type)"),
+    FieldMapping("use_adaptive_entropy", ("loss.entropy_controller",), False, "true: adaptive, false: fixed"),
+    FieldMapping("entropy_target", ("loss.entropy_target",), 0.2, "same value"),
+    FieldMapping("entropy_coef_delta", ("loss.entropy_coef_delta",), 0.005, "same value"),
+    FieldMapping("entropy_coef_min", ("loss.entropy_coef_min",), 0.0, "same value"),
+    FieldMapping("entropy_coef_max", ("loss.entropy_coef_max",), 1.0, "same value"),
+    FieldMapping("top_entropy_quantile", ("loss.top_entropy_quantile",), 1.0,
+                 "same value; at importance_sampling_level sequence: none"),
+    FieldMapping("off_policy_mask_threshold", ("loss.off_policy_mask_threshold",), None,
+                 "unset: 0 (off); a value > 0: same value"),
+    FieldMapping("sapo_temperature_pos", ("loss.sapo_temperature_pos",), 1.0, "same value"),
+    FieldMapping("sapo_temperature_neg", ("loss.sapo_temperature_neg",), 1.05, "same value"),
+    FieldMapping("vespo_k_pos", ("loss.vespo_k_pos",), 2.0, "same value"),
+    FieldMapping("vespo_lambda_pos", ("loss.vespo_lambda_pos",), 3.0, "same value"),
+    FieldMapping("vespo_k_neg", ("loss.vespo_k_neg",), 3.0, "same value"),
+    FieldMapping("vespo_lambda_neg", ("loss.vespo_lambda_neg",), 2.0, "same value"),
 )
 
 ADAPTIVE_KL_FIELDS = (
@@ -85,8 +100,7 @@ ADAPTIVE_KL_FIELDS = (
 
 #: TRL 1.16's defaults of the fields the mapping reads beyond the tables.
 TRL_OTHER_DEFAULTS = {
-    "gradient_accumulation_steps": 1, "steps_per_generation": None, "top_entropy_quantile": 1.0,
-    "off_policy_mask_threshold": None, "entropy_coef": 0.0, "use_adaptive_entropy": False, "use_vllm": False,
+    "gradient_accumulation_steps": 1, "steps_per_generation": None, "use_vllm": False,
     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
     "multi_objective_aggregation": "sum_then_normalize", "reward_weights": None,
 }
@@ -94,8 +108,7 @@ TRL_DEFAULTS = {**{row.field: row.default for row in TRL_FIELDS}, **TRL_OTHER_DE
 ADAPTIVE_KL_DEFAULTS = {row.field: row.default for row in ADAPTIVE_KL_FIELDS}
 #: Fields TRL's trainer applies around the loss that klgrpo's own trainer has no counterpart for; the bridge
 #: keeps TRL's (it runs inside TRL's trainer), ``klgrpo explain`` names them.
-TRL_RUNTIME_FIELDS = ("top_entropy_quantile", "off_policy_mask_threshold", "steps_per_generation", "use_vllm",
-                      "multi_objective_aggregation", "reward_weights")
+TRL_RUNTIME_FIELDS = ("steps_per_generation", "use_vllm", "multi_objective_aggregation", "reward_weights")
 SCALE_REWARDS = {"group": "group", True: "group", "true": "group", "batch": "batch", "none": "none", False: "none",
                  "false": "none"}
 
@@ -142,9 +155,6 @@ def _map_kl(v: dict, out: Mapped) -> None:
 
 def _map_policy(v: dict, out: Mapped) -> None:
     loss_type, sequence = v["loss_type"], v["importance_sampling_level"] == "sequence"
-    if loss_type in LOSS_TYPES_WITHOUT_COUNTERPART:
-        out.unmapped["loss_type"] = LOSS_TYPES_WITHOUT_COUNTERPART[loss_type]
-        return
     if loss_type not in LOSS_TYPES:
         out.unmapped["loss_type"] = f"not a TRL {TRL_VERSION} loss type; choose one of: {', '.join(LOSS_TYPES)}"
         return
@@ -153,26 +163,48 @@ def _map_policy(v: dict, out: Mapped) -> None:
     eps_low, delta = v["epsilon"], v["delta"]
     if policy == "cispo":  # TRL: weight = sg(min(ratio, epsilon_high)), no lower bound
         eps_low, eps_high, delta = 1.0, eps_high - 1.0, None
+    if policy in _UNCLIPPED:
+        delta = None
     if sequence:
         _sequence_level(v, policy, out)
-        policy = "gspo"
+        policy = "vespo" if policy == "vespo" else "gspo"  # vespo's weight is its own sequence ratio
     out.config.update({"loss.policy_loss": policy, "loss.aggregation": aggregation, "loss.eps_low": float(eps_low),
                        "loss.eps_high": float(eps_high), "loss.delta": float(delta or 0.0)})
-    if v["entropy_coef"] != 0.0 or v["use_adaptive_entropy"]:
-        out.unmapped["entropy_coef"] = "klgrpo's objective has no entropy bonus (set entropy_coef 0.0 and " \
-                                       "use_adaptive_entropy false)"
+    if policy == "vespo" and v["use_vllm"] and v["vllm_importance_sampling_correction"]:
+        out.unmapped["use_vllm"] = ("TRL's vespo folds vLLM's importance ratio into its Gamma weight; klgrpo samples "
+                                    "with the policy it trains (set vllm_importance_sampling_correction false)")
+    _map_entropy_and_masks(v, out)
+
+
+def _map_entropy_and_masks(v: dict, out: Mapped) -> None:
+    """The entropy bonus and its controller, the top-entropy and off-policy masks, SAPO's and VESPO's settings."""
+    out.config.update({
+        "loss.entropy_coef": float(v["entropy_coef"]),
+        "loss.entropy_controller": "adaptive" if v["use_adaptive_entropy"] else "fixed",
+        **{f"loss.{name}": float(v[name]) for name in (
+            "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max", "top_entropy_quantile",
+            "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+            "vespo_lambda_neg")},
+    })
+    threshold = v["off_policy_mask_threshold"]
+    if threshold is not None and threshold <= 0:
+        out.unmapped["off_policy_mask_threshold"] = ("klgrpo's loss.off_policy_mask_threshold 0 is off; give a "
+                                                     "threshold > 0 (DeepSeek-V3.2 suggests about 0.5), or None")
+    else:
+        out.config["loss.off_policy_mask_threshold"] = float(threshold or 0.0)
 
 
 def _sequence_level(v: dict, policy: str, out: Mapped) -> None:
     """importance_sampling_level 'sequence' is klgrpo's gspo where TRL's and klgrpo's terms agree."""
     why = {
-        "loss_type": (policy == "cispo", "klgrpo's cispo weights each token by its own ratio, not the sequence's"),
+        "loss_type": (policy in ("cispo", "sapo"), f"klgrpo's {policy} weights each token by its own ratio, not "
+                                                   f"the sequence's"),
         "delta": (v["delta"] is not None, "klgrpo's gspo has no delta cap (set delta to None)"),
         "use_bias_correction_kl": (
             v["beta"] != 0.0 and v["kl_importance_weight"] is None and v["use_bias_correction_kl"],
             "at importance_sampling_level 'sequence' TRL weights the KL term by the sequence ratio; klgrpo's KL "
             "weight is per token (set use_bias_correction_kl false, or kl_importance_weight to accept klgrpo's)"),
-        "top_entropy_quantile": (v["top_entropy_quantile"] < 1.0,
+        "top_entropy_quantile": (v["top_entropy_quantile"] < 1.0 and policy != "vespo",
                                  "TRL's entropy mask is per token; klgrpo's gspo takes per-sequence factors only"),
         "vllm_importance_sampling_mode": (
             v["use_vllm"] and v["vllm_importance_sampling_correction"]
@@ -200,9 +232,6 @@ def _map_rest(v: dict, out: Mapped) -> None:
     steps_per_generation = v["steps_per_generation"] or accumulation
     out.off_policy = v["num_iterations"] > 1 or steps_per_generation > accumulation
     runtime = {
-        "top_entropy_quantile": (v["top_entropy_quantile"] < 1.0, "klgrpo's trainer has no entropy mask"),
-        "off_policy_mask_threshold": (v["off_policy_mask_threshold"] is not None,
-                                      "klgrpo's trainer has no off-policy sequence mask"),
         "steps_per_generation": (steps_per_generation > accumulation,
                                  "one generation feeds several optimizer steps on different completions; "
                                  "klgrpo's train.num_iterations reuses the whole batch"),

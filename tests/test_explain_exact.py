@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
 import torch
@@ -36,44 +36,74 @@ def _inputs(seed: int = 0, off_policy: bool = True, scale: float = 0.3):
     return logp, old, ref, adv, mask
 
 
-def _ours(fields_or_mapped, logp, old, ref, adv, mask, normalizer=None, beta=None):
+def _ours(fields_or_mapped, logp, old, ref, adv, mask, normalizer=None, beta=None, entropy=None, entropy_coef=None):
+    """klgrpo's mapped objective: (loss, gradient in logp) or, given ``entropy``, (loss, (d logp, d entropy),
+    the objective's sums)."""
     mapped = fields_or_mapped if not isinstance(fields_or_mapped, dict) else map_trl(fields_or_mapped)
     cfg = mapped.klgrpo_config()
     leaf = logp.clone().requires_grad_(True)
+    ent = None if entropy is None else entropy.clone().requires_grad_(True)
     old_logp = leaf.detach() if old is None else old
     out = mapped_objective(cfg, cfg.kl.coef if beta is None else beta, leaf, old_logp,
-                           ref if cfg.kl.coef else None, adv, mask, normalizer or Normalizer.of(mask, MAX_LEN))
-    (grad,) = torch.autograd.grad(out.loss, leaf)
-    return out.loss.detach(), grad
+                           ref if cfg.kl.coef else None, adv, mask, normalizer or Normalizer.of(mask, MAX_LEN),
+                           entropy_BT=ent, entropy_coef=entropy_coef)
+    if ent is None:
+        (grad,) = torch.autograd.grad(out.loss, leaf)
+        return out.loss.detach(), grad
+    grads = torch.autograd.grad(out.loss, (leaf, ent), allow_unused=True)
+    return out.loss.detach(), tuple(torch.zeros_like(logp) if g is None else g for g in grads), out.sums
 
 
 # ------------------------------------------------------------------------------------------------------------ TRL
-def _trl(fields: dict, logp, old, ref, adv, mask):
-    """TRL 1.16's own GRPOTrainer._compute_loss on a minimal trainer object holding the user's fields."""
+#: TRL 1.16's GRPOConfig defaults of the fields _compute_loss reads beyond the KL and the clip.
+TRL_LOSS_DEFAULTS = {"top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "entropy_coef": 0.0,
+                     "use_adaptive_entropy": False, "entropy_target": 0.2, "entropy_coef_delta": 0.005,
+                     "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "sapo_temperature_pos": 1.0,
+                     "sapo_temperature_neg": 1.05, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+                     "vespo_lambda_neg": 2.0}
+
+
+def _trl(fields: dict, logp, old, ref, adv, mask, entropy=None, last_entropy=math.inf):
+    """TRL 1.16's own GRPOTrainer._compute_loss on a minimal trainer object holding the user's fields.
+
+    Without ``entropy``: (loss, gradient in logp). With it (a leaf too, as the model's entropies are):
+    (loss, (d logp, d entropy), the trainer object after the step: its entropy controller's state).
+    ``last_entropy`` is the adaptive controller's entropy of the previous step."""
     trl = pytest.importorskip("trl")
     args = {**{"beta": 0.0, "loss_type": "dapo", "epsilon": 0.2, "epsilon_high": None, "delta": None,
-               "importance_sampling_level": "token", "use_bias_correction_kl": True}, **fields}
+               "importance_sampling_level": "token", "use_bias_correction_kl": True}, **TRL_LOSS_DEFAULTS, **fields}
     eps_high = args["epsilon"] if args["epsilon_high"] is None else args["epsilon_high"]
     leaf = logp.clone().requires_grad_(True)
+    ent = torch.zeros_like(leaf) if entropy is None else entropy.clone().requires_grad_(True)
     fake = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (leaf, torch.zeros_like(leaf), None),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (leaf, ent, None),
+        aux_loss_enabled=False, top_entropy_quantile=args["top_entropy_quantile"],
+        off_policy_mask_threshold=args["off_policy_mask_threshold"],
         importance_sampling_level=args["importance_sampling_level"], beta=args["beta"],
         loss_type=args["loss_type"], epsilon_low=args["epsilon"], epsilon_high=eps_high, use_vllm=False,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=OneProcessAccelerator(),
-        _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        max_completion_length=MAX_LEN,
+        _entropy_bonus_enabled=args["entropy_coef"] != 0.0 or args["use_adaptive_entropy"],
+        entropy_coef=args["entropy_coef"], use_adaptive_entropy=args["use_adaptive_entropy"],
+        _last_world_entropy=last_entropy, _entropy_window_stats=None,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        max_completion_length=MAX_LEN, get_off_policy_mask=trl.GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=trl.GRPOTrainer.get_gamma_weights,
         args=SimpleNamespace(use_bias_correction_kl=args["use_bias_correction_kl"], delta=args["delta"],
-                             steps_per_generation=1),
+                             steps_per_generation=1,
+                             **{k: args[k] for k in TRL_LOSS_DEFAULTS if k.startswith(("entropy_", "sapo", "vespo"))}),
     )
+    fake.get_high_entropy_mask = MethodType(trl.GRPOTrainer.get_high_entropy_mask, fake)
     inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": adv, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
     if old is not None:
         inputs["old_per_token_logps"] = old
     loss = trl.GRPOTrainer._compute_loss(fake, None, inputs)
-    (grad,) = torch.autograd.grad(loss, leaf)
-    return loss.detach(), grad
+    if entropy is None:
+        (grad,) = torch.autograd.grad(loss, leaf)
+        return loss.detach(), grad
+    grads = torch.autograd.grad(loss, (leaf, ent), allow_unused=True)
+    return loss.detach(), tuple(torch.zeros_like(logp) if g is None else g for g in grads), fake
 
 
 TRL_CONFIGS = [  # (fields, off-policy: num_iterations 2 hands TRL old log-probs of an earlier policy)
@@ -110,6 +140,116 @@ def test_a_wrong_trl_mapping_is_caught():
     expected_loss, _ = _trl({"beta": 0.04, "loss_type": "grpo"}, logp, old, ref, adv, mask)
     loss, _ = _ours({"beta": 0.04, "loss_type": "dapo"}, logp, old, ref, adv, mask)
     assert abs(float(loss - expected_loss)) > 1e-4
+
+
+# The entropy bonus (fixed; adaptive applied and not), the top-entropy mask, the off-policy sequence mask, all at
+# once, and SAPO / VESPO with their own settings: in every TRL loss_type (TRL allows each option in each), on and
+# off policy, against TRL's _compute_loss with the entropy as a leaf of its own (value and both gradients).
+ALL_TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+ENTROPY_OPTIONS = {  # name -> (fields, the adaptive controller's entropy of the previous step)
+    "bonus": ({"entropy_coef": 0.07}, math.inf),
+    "adaptive_applied": ({"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 1.5}, 0.9),
+    "adaptive_idle": ({"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 1.5}, math.inf),
+    "top_entropy": ({"top_entropy_quantile": 0.4}, math.inf),
+    "top_entropy_one": ({"top_entropy_quantile": 0.0}, math.inf),
+    "off_policy_mask": ({"off_policy_mask_threshold": 0.02}, math.inf),
+    "everything": ({"entropy_coef": 0.03, "top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.02,
+                    "sapo_temperature_pos": 0.8, "sapo_temperature_neg": 1.3, "vespo_k_pos": 1.5,
+                    "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.0, "vespo_lambda_neg": 1.5, "epsilon_high": 0.28}, 0.1),
+}
+
+
+def _entropies(seed: int = 1):
+    return torch.rand(B, T, generator=torch.Generator().manual_seed(seed), dtype=F64) * 2.0 + 0.05
+
+
+@pytest.mark.parametrize("loss_type", ALL_TRL_LOSS_TYPES)
+@pytest.mark.parametrize("option", sorted(ENTROPY_OPTIONS))
+@pytest.mark.parametrize("off_policy", (False, True))
+def test_entropy_and_mask_options_equal_trl_compute_loss(loss_type, option, off_policy):
+    from klgrpo.train.terms import build_entropy_controller
+
+    extra, last_entropy = ENTROPY_OPTIONS[option]
+    fields = {"beta": 0.04, "loss_type": loss_type, **extra, **({"num_iterations": 2} if off_policy else {})}
+    if loss_type == "cispo":
+        fields["epsilon_high"] = 1.3
+    logp, old, ref, adv, mask = _inputs(off_policy=off_policy)
+    old = old if off_policy else None
+    entropy = _entropies()
+    expected_loss, expected_grads, trainer = _trl(fields, logp, old, ref, adv, mask, entropy, last_entropy)
+    mapped = map_trl(fields)
+    assert not mapped.unmapped
+    controller = build_entropy_controller(mapped.klgrpo_config().loss)
+    if math.isfinite(last_entropy):
+        controller.last_entropy = last_entropy  # the state TRL's trainer holds after such a step
+    loss, grads, sums = _ours(mapped, logp, old, ref, adv, mask, entropy=entropy, entropy_coef=controller.applied)
+    assert abs(float(loss - expected_loss)) <= 1e-10
+    for ours_grad, trl_grad in zip(grads, expected_grads):
+        assert float((ours_grad - trl_grad).abs().max()) <= 1e-10
+    assert float(expected_grads[0].abs().max()) > 1e-4
+    if mapped.klgrpo_config().loss.entropy_coef and controller.applied:  # the bonus acts: entropy has a gradient
+        assert float(expected_grads[1].abs().max()) > 1e-3
+    if fields.get("use_adaptive_entropy"):  # the controller's step equals TRL's
+        controller.observe(float(sums.acted_entropy / sums.acted_tokens))
+        assert controller.value == pytest.approx(trainer.entropy_coef, abs=1e-15)
+        assert controller.last_entropy == pytest.approx(trainer._last_world_entropy, abs=1e-12)
+
+
+def test_the_masks_bite_on_these_inputs():
+    """The off-policy mask drops a negative-advantage sequence off policy (none on policy); the top-entropy mask
+    keeps the top 40% of the tokens, ties aside."""
+    from klgrpo.math.objective import entropy_threshold, top_entropy_mask
+    from klgrpo.math.policy_loss import off_policy_mask
+
+    logp, old, _, adv, mask = _inputs(off_policy=True)
+    keep, seq_kl = off_policy_mask(adv, logp, old, mask, 0.02)
+    assert 0 < int((keep == 0).sum()) < B and bool((adv[keep.squeeze(-1) == 0] < 0).all())
+    assert bool((off_policy_mask(adv, logp, logp, mask, 0.02)[0] == 1).all())
+    entropy = _entropies()
+    # 14 loss-mask tokens: the 0.6 quantile sits at sorted position 0.6 * 13 = 7.8, so positions 8..13 stay
+    top = top_entropy_mask(entropy, mask, entropy_threshold(entropy, mask, 0.4))
+    assert int(mask.sum()) == 14 and int(top.sum()) == 6 and bool((top <= mask).all())
+
+
+@pytest.mark.parametrize("fields", [
+    {"loss_type": "grpo", "off_policy_mask_threshold": 0.02, "entropy_coef": 0.05},
+    {"loss_type": "dapo", "off_policy_mask_threshold": 0.02, "use_adaptive_entropy": True, "entropy_target": 9.0},
+    {"loss_type": "vespo", "top_entropy_quantile": 0.3, "entropy_coef": 0.05},
+], ids=str)
+def test_sequence_level_options_equal_trl_compute_loss(fields):
+    """importance_sampling_level sequence (GSPO; VESPO keeps its own weight) with the options klgrpo maps there."""
+    fields = {**fields, "beta": 0.04, "importance_sampling_level": "sequence", "use_bias_correction_kl": False,
+              "num_iterations": 2}
+    logp, old, ref, adv, mask = _inputs()
+    entropy = _entropies()
+    expected_loss, expected_grads, _ = _trl(fields, logp, old, ref, adv, mask, entropy, 0.5)
+    mapped = map_trl(fields)
+    assert not mapped.unmapped
+    from klgrpo.train.terms import build_entropy_controller
+
+    controller = build_entropy_controller(mapped.klgrpo_config().loss)
+    controller.last_entropy = 0.5
+    loss, grads, _ = _ours(mapped, logp, old, ref, adv, mask, entropy=entropy, entropy_coef=controller.applied)
+    assert abs(float(loss - expected_loss)) <= 1e-10
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, expected_grads)) <= 1e-10
+
+
+@pytest.mark.parametrize("planted", ("bonus_sign", "mask_quantile", "sapo_temperature"))
+def test_a_wrong_entropy_or_sapo_mapping_is_caught(planted):
+    """The grid above can fail: a bonus added instead of subtracted, the quantile rho taken as 1 - rho, SAPO's
+    temperatures swapped all differ from TRL far above 1e-10."""
+    logp, old, ref, adv, mask = _inputs()
+    entropy = _entropies()
+    trl_fields, ours_fields, coef = {
+        "bonus_sign": ({"entropy_coef": 0.07}, {"entropy_coef": 0.07}, -0.07),
+        "mask_quantile": ({"top_entropy_quantile": 0.2}, {"top_entropy_quantile": 0.8}, None),
+        "sapo_temperature": ({"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+                             {"loss_type": "sapo", "sapo_temperature_pos": 2.0, "sapo_temperature_neg": 0.5}, None),
+    }[planted]
+    expected, _, _ = _trl({**trl_fields, "num_iterations": 2}, logp, old, ref, adv, mask, entropy)
+    loss, _, _ = _ours({**ours_fields, "num_iterations": 2}, logp, old, ref, adv, mask, entropy=entropy,
+                       entropy_coef=coef)
+    assert abs(float(loss - expected)) > 1e-4
 
 
 # ----------------------------------------------------------------------------------------------------------- verl
@@ -345,3 +485,29 @@ def test_sequence_verdict_scales_token_mean_and_rejects_length_normalisation():
     assert (summed.target, mean.target, per_length.target) == ("reverse", "reverse", "neither")
     assert summed.scale == pytest.approx(1.0, abs=1e-9) and 0 < mean.scale < 1
     assert math.isfinite(mean.scale)
+
+
+def test_every_trl_entropy_mask_and_loss_field_maps(tmp_path):
+    """A TRL config setting every entropy, mask and SAPO / VESPO field goes through ``klgrpo explain`` and the TRL
+    bridge's config with nothing in ``unmapped``, each value where its loss.* key says."""
+    pytest.importorskip("trl")
+    import yaml
+
+    from klgrpo.apps.explain.sources import load_source
+    from klgrpo.trl import GRPOConfig, klgrpo_config
+
+    fields = {"entropy_coef": 0.02, "use_adaptive_entropy": True, "entropy_target": 0.7, "entropy_coef_delta": 0.01,
+              "entropy_coef_min": 0.001, "entropy_coef_max": 0.5, "top_entropy_quantile": 0.2,
+              "off_policy_mask_threshold": 0.5, "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2,
+              "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5}
+    for loss_type in ("sapo", "vespo"):
+        source, mapped = load_source(yaml.safe_dump({**fields, "loss_type": loss_type, "beta": 0.04}), "trl.yaml")
+        assert source == "trl" and not mapped.unmapped
+        loss = mapped.klgrpo_config().loss
+        assert loss.policy_loss == loss_type and loss.entropy_controller == "adaptive"
+        for name, value in fields.items():
+            if name != "use_adaptive_entropy":
+                assert getattr(loss, name) == value, name
+        bridge = klgrpo_config(GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], loss_type=loss_type,
+                                          beta=0.04, **fields))
+        assert bridge.loss == loss

@@ -97,6 +97,9 @@ def test_longer_completions_match_a_float64_brute_force(model_pair):
         torch.testing.assert_close(values["full"][i, :n], brute, rtol=1e-4, atol=1e-6)
         l = a.gather(-1, ids[0, 1:, None])[:, 0] - r.gather(-1, ids[0, 1:, None])[:, 0]
         torch.testing.assert_close(values["k1"][i, :n], l[start:start + n], rtol=1e-4, atol=1e-5)
+        for name, logp_all in (("entropy_policy", a), ("entropy_reference", r)):  # both models' entropies
+            brute_entropy = -(logp_all.exp() * logp_all).sum(-1)[start:start + n]
+            torch.testing.assert_close(values[name][i, :n], brute_entropy, rtol=1e-4, atol=1e-5)
         assert t >= n > 0
 
 
@@ -109,7 +112,10 @@ def test_a_model_against_itself_is_zero_and_the_cli_prints_and_writes(model_pair
     for name in kl_app.ESTIMATES:  # zero up to float32 rounding (the two copies run different kernels)
         stats = report["per_token"][name]
         assert max(abs(stats["max"]), abs(stats["min"])) < 1e-6, name
+    assert report["entropy"]["policy"] == pytest.approx(report["entropy"]["reference"], abs=1e-5)  # same model
+    assert report["entropy"]["policy"] > 0.01
     text = capsys.readouterr().out
     assert "5 prompts x 2 completions sampled from the policy" in text and f"written to {out}" in text
+    assert "mean entropy per token at these prefixes (nats): policy " in text
     assert cli(["kl", policy, policy, "--prompts", prompts, "--samples", "0"]) == 2
     assert "--samples must be >= 1" in capsys.readouterr().err

@@ -90,3 +90,36 @@ def test_the_demos_drift_threshold_lies_between_its_default_runs_and_its_runs_wi
     default, unpenalised = final_kls("demo_seeds", "kl.replay.coef=1"), final_kls("ablation", "kl.coef=0")
     assert len(default) == 3 and len(unpenalised) == 2
     assert max(default) < DEMO_WARN_ABOVE < min(unpenalised)
+
+
+def test_entropy_collapse_band_is_announced_once_per_entry():
+    from klgrpo.train.kl_watch import EntropyWatch
+
+    watch = EntropyWatch(warn_below=0.5, window=2)
+    out = {}
+    for step, h in enumerate([1.0, 0.8, 0.4, 0.3, 0.2, 0.1, 0.9, 0.9, 0.3, 0.3], start=1):
+        lines = watch.observe(step, h)
+        if lines:
+            out[step] = lines
+    # windows: 0.9, 0.35 (enters), 0.15 (stays in), 0.9 (leaves), 0.3 (enters again)
+    assert sorted(out) == [4, 10]
+    assert out[4][0].startswith("entropy warning at step 4: the entropy is 0.35 nats per token (mean of steps 3-4)")
+    assert "train.entropy_warn_below 0.5" in out[4][0] and "loss.entropy_coef" in out[4][0]
+    assert EntropyWatch(0.0, 1).observe(1, 0.0) == []  # 0: off
+    resumed = EntropyWatch(0.5, 2)
+    resumed.load_state_dict(watch.state_dict())
+    assert resumed.state_dict() == watch.state_dict()
+
+
+def test_the_entropy_sign_reaches_the_console_and_tensorboard(tiny_model_dir, addition_file, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 2, "entropy_warn_below": 100.0,
+                                                                              "entropy_warn_window": 1},
+                      logging={"tensorboard": True, "progress": False, "plots": False})  # any entropy is "below"
+    GRPOTrainer(cfg, log=quiet).train()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("entropy warning")]
+    assert len(lines) == 1 and lines[0].startswith("entropy warning at step 1:")  # step 2 stays in the band
+    events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0}).Reload()
+    texts = events.Tensors("warnings/entropy/text_summary")
+    assert [t.step for t in texts] == [1] and texts[0].tensor_proto.string_val[0].decode() == lines[0]

@@ -18,7 +18,7 @@ from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
 from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS, Estimator, k2
-from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
+from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
@@ -40,6 +40,7 @@ SOURCES = {
     "loss.aggregation": AGGREGATIONS,
     "loss.advantage_scale": ADVANTAGE_SCALES,
     "loss.policy_loss": POLICY_LOSSES,
+    "loss.entropy_controller": ENTROPY_CONTROLLERS,
     "rollout.sampler": (AUTO, *SAMPLERS),
     "rollout.generate_cache": ("", *LEGACY_GENERATE_CACHES),
     "optim.schedule": LR_SCHEDULES,

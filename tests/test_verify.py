@@ -185,6 +185,7 @@ def test_cli_passes_and_writes_schema(cli_run):
     assert first[("k3_st", "loss", "first_epoch_in_graph", "token")] == "neither"   # k3_st needs detached
     assert {m["samples"] for m in data["monte_carlo"]} == {3000, montecarlo.MIN_SEQUENCE_SAMPLES}
     assert "PASSED" in text and "level sequence" in text and "k3_st" in text
+    assert "The entropy bonus" in text and len(data["entropy"]) == 5 and all(e["passed"] for e in data["entropy"])
 
 
 def _uniform_optimum():
@@ -293,3 +294,30 @@ def test_top_level_cli_dispatches(tmp_path, capsys):
 
     assert klgrpo_main(["verify-kl", "--from-run", str(tmp_path / "missing")]) == 2
     assert "klgrpo verify-kl:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the entropy bonus's gradient
+
+
+def test_entropy_bonus_follows_the_per_position_entropy_not_the_sequence_entropy():
+    from klgrpo.verify.entropy import entropy_rows
+
+    rows = entropy_rows(categorical.make_categorical(), sequence_toy.make_toy())
+    assert [(r.level, r.expected) for r in rows] == [("token", "equal"), ("sequence", "equal"),
+                                                    ("sequence", "equal"), ("sequence", "differs"),
+                                                    ("sequence", "equal")]
+    assert all(r.passed for r in rows)
+    assert rows[3].rel_diff > 0.1  # the prefixes' score term is large on the toy, not a rounding effect
+
+
+def test_entropy_check_catches_a_bonus_without_the_entropys_gradient(monkeypatch):
+    """Planted bug: the blocked pass's entropy detached (a metric only, as before the bonus existed): the bonus
+    then has no gradient and the per-position rows fail."""
+    import klgrpo.verify.entropy as entropy_check
+
+    real = entropy_check.token_logprobs_and_entropy
+    monkeypatch.setattr(entropy_check, "token_logprobs_and_entropy",
+                        lambda *a, **k: (lambda lp, h: (lp, h.detach()))(*real(*a, **k)))
+    rows = entropy_check.entropy_rows(categorical.make_categorical(), sequence_toy.make_toy())
+    failed = {(r.level, r.target) for r in rows if not r.passed}
+    assert ("token", "grad H(pi)") in failed and ("sequence", "grad of the per-position entropy") in failed

@@ -11,7 +11,8 @@ k1 = l_t, k2 = l_t^2 / 2, k3 = exp(-l_t) + l_t - 1. Summed over a completion's t
 estimate of the sequence-level KL(pi || ref) on these prompts (chain rule), with no sampling noise inside a
 position; k1 and k3 are unbiased for it too, with the noise of one sampled token per position. The table shows
 each per token (mean over all completion tokens, percentiles, max) and per sequence (mean of the sums, their
-standard deviation, and the standard error of the mean).
+standard deviation, and the standard error of the mean). Last, both models' mean per-token entropy at the same
+prefixes (exact over the vocabulary, nats).
 """
 
 from __future__ import annotations
@@ -94,16 +95,15 @@ def measure(args) -> dict:
     torch.manual_seed(args.seed)
     params = SamplingParams(group_size=args.samples, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, system_prompt=args.system_prompt, as_chat=args.as_chat)
-    per_token = {name: [] for name in ESTIMATES}
-    per_sequence = {name: [] for name in ESTIMATES}
+    per_token, per_sequence = {}, {}
     prompts_per_call = max(1, args.batch_size // args.samples)
     for start in range(0, len(data.prompts), prompts_per_call):
         rollout = generate_groups(policy, tokenizer, data.prompts[start:start + prompts_per_call], params)
         values = _token_values(policy, reference, rollout, args.temperature, completion_logprobs_and_full_kl)
         mask = rollout.completion_mask.bool()
         for name, v in values.items():
-            per_token[name].append(v[mask])
-            per_sequence[name].append((v * mask).sum(-1))
+            per_token.setdefault(name, []).append(v[mask])
+            per_sequence.setdefault(name, []).append((v * mask).sum(-1))
     tokens = torch.cat(per_token["full"]).numel()
     report = {
         "policy": args.policy, "reference": args.reference, "prompts_file": args.prompts,
@@ -112,6 +112,7 @@ def measure(args) -> dict:
         "tokens": tokens,
         "per_token": {n: _spread(torch.cat(per_token[n])) for n in ESTIMATES},
         "per_sequence": {n: _mean_std_sem(torch.cat(per_sequence[n])) for n in ESTIMATES},
+        "entropy": {model: float(torch.cat(per_token[f"entropy_{model}"]).mean()) for model in ("policy", "reference")},
     }
     return report
 
@@ -137,14 +138,17 @@ def _check_prompts_fit(policy, tokenizer, ref_tokenizer, prompts: list, args) ->
 
 @torch.no_grad()
 def _token_values(policy, reference, rollout, temperature: float, full_kl_fn) -> dict[str, torch.Tensor]:
-    """{full, k1, k2, k3}: [B, T] float64 values at every completion position (masked by the caller)."""
+    """{full, k1, k2, k3, entropy_policy, entropy_reference}: [B, T] float64 values at every completion position
+    (masked by the caller)."""
+    from klgrpo.core.forward import completion_logprobs
     from klgrpo.math.kl import kl_estimate
 
     rows = slice(0, rollout.size)
-    ref_logp = reference.logprobs(rollout, temperature)
-    logp, _, full = full_kl_fn(policy, reference, rollout, temperature, rows, ref_logp)
+    ref_logp, ref_entropy = completion_logprobs(reference.forward_model, rollout, temperature, rows,
+                                                with_entropy=True, fast_path=reference.fast_path)
+    logp, entropy, full = full_kl_fn(policy, reference, rollout, temperature, rows, ref_logp)
     logp, ref_logp = logp.double(), ref_logp.double()
-    out = {"full": full.double()}
+    out = {"full": full.double(), "entropy_policy": entropy.double(), "entropy_reference": ref_entropy.double()}
     for name in ("k1", "k2", "k3"):
         out[name] = kl_estimate(logp, ref_logp, name, clamp=None)
     return out
@@ -179,4 +183,7 @@ def format_report(r: dict) -> str:
         t, s = r["per_token"][name], r["per_sequence"][name]
         lines.append(f"{name:<5} {t['mean']:>10.5f} {t['p50']:>10.4g} {t['p90']:>10.4g} {t['p99']:>10.4g} "
                      f"{t['min']:>10.4g} {t['max']:>10.4g}   {s['mean']:>12.5f} {s['std']:>10.4g} {s['sem']:>10.4g}")
+    if "entropy" in r:
+        lines.append(f"mean entropy per token at these prefixes (nats): policy {r['entropy']['policy']:.5f}, "
+                     f"reference {r['entropy']['reference']:.5f}")
     return "\n".join(lines)

@@ -12,6 +12,9 @@ trainer hands over both in a ``KLObservation``; the controller picks the one it 
     step      KL > 1.5 target -> beta * 1.5; KL < 0.5 target -> beta * 0.75 (factors and bands configurable)
     dual      dual ascent on a KL budget eps: log beta <- log beta + lr (KL - eps) / eps
     dynamic   beta <- beta * decay while mean reward > threshold; beta = beta_min after schedule_steps updates
+
+The entropy bonus's coefficient has controllers of the same shape (``ENTROPY_CONTROLLERS``: fixed, adaptive),
+observed with the step's mean per-token entropy.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ class KLObservation:
     sequence_sum  mean over the completions of sum_t l_t, the summed k1 (the ``kl/sequence_sum`` metric)
     n_sequences   completions in the update (Ziegler's n_steps)
     reward        mean reward of the batch (the ``train/reward`` metric), or None
+    entropy       mean per-token entropy over the tokens the policy term acts on, for the entropy controller
+                  (None when the loss does not read the entropy)
     """
 
     token_mean: float
     sequence_sum: float
     n_sequences: int
     reward: float | None = None
+    entropy: float | None = None
 
     def kl(self, measure: str) -> float:
         """The observed KL in ``measure`` units (one of KL_MEASURES)."""
@@ -182,3 +188,74 @@ class DynamicScheduleKLController(KLController):
 def build_controller(name: str, init_coef: float, **params: Any) -> KLController:
     """Construct the controller registered as ``name`` with its own parameters."""
     return CONTROLLERS[name](init_coef, **params)
+
+
+#: ``loss.entropy_controller`` name -> entropy-bonus controller class, constructed as ``cls(init_coef, **params)``
+#: with its keywords named as the ``loss.*`` fields that set them.
+ENTROPY_CONTROLLERS: Registry[type["EntropyController"]] = Registry("entropy controller")
+
+
+class EntropyController:
+    """The entropy bonus's coefficient, on the KL controllers' pattern: ``value`` (the coefficient it holds),
+    ``applied`` (what multiplies the bonus at this step), ``observe(entropy)`` once after each optimizer step
+    with the step's mean per-token entropy over the tokens the policy term acts on, ``state_dict()`` /
+    ``load_state_dict()`` for checkpoints."""
+
+    def __init__(self, init_coef: float):
+        self.value = float(init_coef)
+        self.num_updates = 0
+        self.last_entropy = math.inf  # before any step: above every target
+
+    @property
+    def applied(self) -> float:
+        return self.value
+
+    def observe(self, entropy: float) -> float:
+        self.value = float(self._next(float(entropy)))
+        self.last_entropy = float(entropy)
+        self.num_updates += 1
+        return self.value
+
+    def _next(self, entropy: float) -> float:
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        # JSON has no infinity: None stands for "no step observed yet"
+        last = self.last_entropy if math.isfinite(self.last_entropy) else None
+        return {"value": self.value, "num_updates": self.num_updates, "last_entropy": last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+        self.num_updates = int(state["num_updates"])
+        last = state.get("last_entropy")
+        self.last_entropy = math.inf if last is None else float(last)
+
+
+@ENTROPY_CONTROLLERS.register("fixed")
+class FixedEntropyController(EntropyController):
+    """The coefficient never changes (TRL's entropy_coef without use_adaptive_entropy)."""
+
+
+@ENTROPY_CONTROLLERS.register("adaptive")
+class AdaptiveEntropyController(EntropyController):
+    """Skywork-OR1's rule, as TRL 1.16 runs it (use_adaptive_entropy): after each step with mean entropy H,
+    c <- min(c + delta, c_max) when H <= target, else max(c - delta, c_min); the bonus applies c only while
+    the last observed H is at or below the target (0 before the first step)."""
+
+    def __init__(self, init_coef: float, entropy_target: float, entropy_coef_delta: float,
+                 entropy_coef_min: float, entropy_coef_max: float):
+        super().__init__(init_coef)
+        if entropy_coef_delta < 0 or entropy_coef_min > entropy_coef_max:
+            raise ValueError("AdaptiveEntropyController needs entropy_coef_delta >= 0 and "
+                             "entropy_coef_min <= entropy_coef_max")
+        self.target, self.delta = float(entropy_target), float(entropy_coef_delta)
+        self.coef_min, self.coef_max = float(entropy_coef_min), float(entropy_coef_max)
+
+    @property
+    def applied(self) -> float:
+        return self.value if self.last_entropy <= self.target else 0.0
+
+    def _next(self, entropy: float) -> float:
+        if entropy <= self.target:
+            return min(self.value + self.delta, self.coef_max)
+        return max(self.value - self.delta, self.coef_min)

@@ -11,6 +11,9 @@ is upcast once into a fresh buffer that every later step overwrites in place, so
 one block. A custom autograd function keeps
 only the logits (already alive for the model's own backward) and one float32 logsumexp per position; the
 backward recomputes softmax block by block: d logp_t / d x_t = (onehot(y_t) - softmax(x_t)) / temperature.
+The entropy is differentiable too (the entropy bonus, loss.entropy_coef): with p = softmax(x_t / temperature),
+d entropy_t / d x_t = -p (log p + entropy_t) / temperature, added in the same block pass only when the entropy
+receives a gradient.
 Blocks spanning many rows also keep the number of small operations low when the vocabulary is small.
 """
 
@@ -73,7 +76,7 @@ class _TokenLogProbs(torch.autograd.Function):
         acc = _accumulation_dtype(logits_BTV)
         logp_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device)
         lse_BT = torch.empty_like(logp_BT)
-        entropy_BT = torch.empty(b, t, dtype=torch.float32, device=logits_BTV.device) if with_entropy else None
+        entropy_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device) if with_entropy else None
         buffers = 2 if with_entropy else 1  # the entropy needs exp(z) beside z
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
@@ -86,27 +89,37 @@ class _TokenLogProbs(torch.autograd.Function):
             lse_BT[rows, cols] = lse
             logp_BT[rows, cols] = target_x - lse
             del x  # before the next block's buffer exists: one block of scratch at a time
-        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT)
+        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT, *((entropy_BT,) if with_entropy else ()))
         ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)  # an output nobody differentiates (the entropy metric) costs nothing
         if with_entropy:
-            ctx.mark_non_differentiable(entropy_BT)
             return logp_BT, entropy_BT
         return logp_BT
 
     @staticmethod
-    def backward(ctx, grad_BT: Tensor, *_entropy_grad):
-        logits_BTV, targets_BT, lse_BT = ctx.saved_tensors
+    def backward(ctx, grad_BT: Tensor | None, grad_entropy_BT: Tensor | None = None):
+        logits_BTV, targets_BT, lse_BT, *entropy = ctx.saved_tensors
         temperature = ctx.temperature
         acc = lse_BT.dtype
         grad_logits = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
         v = logits_BTV.shape[-1]
         budget = _block_budget(logits_BTV)
-        for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, v * torch.finfo(acc).bits // 8, budget):
-            g = (grad_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)
-            p = _scaled_copy(logits_BTV[rows, cols], acc, temperature).sub_(lse_BT[rows, cols, None]).exp_()
-            p.mul_(-g).scatter_add_(-1, targets_BT[rows, cols, None], g)  # g * (onehot - softmax)
-            grad_logits[rows, cols] = p
-            del p
+        buffers = 1 if grad_entropy_BT is None else 2
+        for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
+            log_p = _scaled_copy(logits_BTV[rows, cols], acc, temperature).sub_(lse_BT[rows, cols, None])
+            p = log_p.exp() if grad_entropy_BT is not None else log_p.exp_()
+            if grad_entropy_BT is not None:  # p (log p + H) per unit of entropy gradient (p = 0 adds 0)
+                g_h = (grad_entropy_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)
+                log_p.add_(entropy[0][rows, cols, None].to(acc)).mul_(p).mul_(g_h).nan_to_num_(nan=0.0)
+            if grad_BT is not None:
+                g = (grad_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)
+                block = p.mul_(-g).scatter_add_(-1, targets_BT[rows, cols, None], g)  # g * (onehot - softmax)
+                if grad_entropy_BT is not None:
+                    block.sub_(log_p)
+            else:
+                block = log_p.neg_()
+            grad_logits[rows, cols] = block
+            del log_p, p, block
         return grad_logits, None, None, None, None
 
 
@@ -121,7 +134,7 @@ def _logsumexp_and_entropy_(x: Tensor) -> tuple[Tensor, Tensor]:
     total = e.sum(dim=-1)
     weighted = e.mul_(z.clamp_(min=torch.finfo(z.dtype).min)).sum(dim=-1)  # 0 * (-inf) would be nan
     log_total = total.log()
-    return log_total + m.squeeze(-1), (log_total - weighted / total).float()
+    return log_total + m.squeeze(-1), log_total - weighted / total
 
 
 def token_logprobs(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 1.0,
@@ -138,8 +151,8 @@ def token_logprobs(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 
 def token_logprobs_and_entropy(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 1.0,
                                chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
     """(token_logprobs(...), token_entropy(...)) from one pass over the logits: each block is upcast once
-    instead of twice. The log-probs are differentiable as in ``token_logprobs``; the entropy is a metric
-    (float32, no gradient)."""
+    instead of twice. Both are differentiable in the logits (module docstring); the entropy is in float32
+    (float64 for float64 logits)."""
     return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), True)
 
 
@@ -150,6 +163,6 @@ def token_entropy(logits_BTV: Tensor, temperature: float = 1.0, chunk_tokens: in
     budget = _block_budget(logits_BTV)
     for rows, cols in _blocks(logits_BTV.shape, chunk_tokens, 2 * 4 * logits_BTV.shape[-1], budget):
         x = _scaled_copy(logits_BTV[rows, cols], torch.float32, temperature)
-        out[rows, cols] = _logsumexp_and_entropy_(x)[1]
+        out[rows, cols] = _logsumexp_and_entropy_(x)[1].float()
         del x
     return out

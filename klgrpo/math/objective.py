@@ -10,7 +10,13 @@
                                                            |l_it| > kl.clamp keep the value, get zero gradient)
            = w_it * shape(KL_it)                          (kl.estimator full: the exact KL over the vocabulary
                                                            at prefix t, math/full_kl.py; no clamp needed)
+    pg_it  = m_i * e_it * pg_it                          (m: the off-policy sequence mask, 1 off; e: the
+                                                           top-entropy token mask, 1 off; policy_loss.py)
     loss   = aggregate(pg + beta * kl, mask, mode, global normaliser)
+           - c * (B_mb / G) * sum_it e_it H_it / sum_it e_it  (the entropy bonus, c = loss.entropy_coef at this step:
+                                                           the micro-batch's mean per-token entropy over the tokens
+                                                           the policy term acts on, weighted by its share of the
+                                                           step's G sequences: TRL's bonus, whatever the aggregation)
 
 :func:`kl_penalty_terms` (the loss term) and :func:`reward_kl` (the reward value) are the ONLY implementation
 of the KL term: the trainer reaches them through :func:`grpo_objective`, and ``klgrpo verify-kl`` calls
@@ -32,7 +38,7 @@ from klgrpo.math.aggregation import Normalizer, aggregate
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
-from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight
+from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight, off_policy_mask
 
 
 @dataclass(frozen=True)
@@ -77,11 +83,55 @@ class PolicyTerm:
     eps_high: float = 0.2
     delta: float | None = None
     dual_clip: float | None = None
+    off_policy_mask: float | None = None  # DeepSeek-V3.2's delta (policy_loss.off_policy_mask); None: off
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    def _settings(self) -> dict:
+        """The keywords of this surrogate beyond the clip: ppo_clip's guards, SAPO's and VESPO's settings."""
+        if self.name == "sapo":
+            return {"temperature_pos": self.sapo_temperature_pos, "temperature_neg": self.sapo_temperature_neg}
+        if self.name == "vespo":
+            return {"k_pos": self.vespo_k_pos, "lambda_pos": self.vespo_lambda_pos, "k_neg": self.vespo_k_neg,
+                    "lambda_neg": self.vespo_lambda_neg}
+        return {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
 
     def surrogate(self, logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor):
-        guards = {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
         return POLICY_LOSSES[self.name](logp_BT, old_logp_BT, advantages, mask_BT, self.eps_low, self.eps_high,
-                                        **guards)
+                                        **self._settings())
+
+
+@dataclass(frozen=True)
+class EntropyTerm:
+    """How the policy's per-token entropy enters: ``coef`` is the bonus's coefficient at this step (the entropy
+    controller's applied value; 0: no bonus), ``top_quantile`` rho keeps the policy term (and the bonus) on the
+    top-rho fraction of the loss-mask tokens by entropy (1: every token; "Beyond the 80/20 rule")."""
+
+    coef: float = 0.0
+    top_quantile: float = 1.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.coef != 0.0 or self.top_quantile < 1.0
+
+
+def entropy_threshold(entropy_BT: Tensor, mask_BT: Tensor, top_quantile: float) -> Tensor:
+    """The entropy at quantile 1 - rho of the loss-mask tokens (torch.quantile's linear interpolation, in float32
+    as TRL computes it); a caller pools the tokens of several processes by passing them all."""
+    values = entropy_BT.detach()[mask_BT.bool()].float()
+    if values.numel() == 0:
+        return torch.tensor(float("inf"), device=entropy_BT.device)
+    return torch.quantile(values, 1.0 - top_quantile)
+
+
+def top_entropy_mask(entropy_BT: Tensor, mask_BT: Tensor, threshold: Tensor) -> Tensor:
+    """1 on the loss-mask tokens whose entropy is at least ``threshold``, else 0 (dtype of the mask's float)."""
+    keep = ((entropy_BT.detach() * mask_BT.to(entropy_BT.dtype)) >= threshold) & mask_BT.bool()
+    return keep.to(torch.promote_types(entropy_BT.dtype, torch.float32))
 
 
 @dataclass
@@ -159,6 +209,11 @@ class ObjectiveSums:
     shaping_clip: Tensor | None = None       # tokens where the clip shaping fires
     k3_max: Tensor | None = None             # max over tokens of k3
     negated_raw_kl_max: Tensor | None = None  # max over tokens of -k (the configured estimator's): kl/min
+    acted_entropy: Tensor | None = None      # entropy summed over the tokens the policy term acts on (entropy given)
+    acted_tokens: Tensor | None = None       # those tokens (the adaptive entropy controller's mean divides by it)
+    entropy_bonus: Tensor | None = None      # coef * the bonus subtracted from the loss
+    off_policy_masked: Tensor | None = None  # loss-mask tokens whose policy term the off-policy mask dropped
+    off_policy_kl: Tensor | None = None      # sum over sequences of the mask's per-sequence mean KL estimate
 
     MAXIMA = ("k3_max", "negated_raw_kl_max")
 
@@ -198,6 +253,10 @@ def grpo_objective(
     full_kl_BT: Tensor | None = None,
     row_weights_B: Tensor | None = None,
     metrics: bool = True,
+    entropy_BT: Tensor | None = None,
+    entropy: EntropyTerm = EntropyTerm(),
+    entropy_cut: Tensor | None = None,
+    sampling_logp_BT: Tensor | None = None,
 ) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
@@ -206,7 +265,12 @@ def grpo_objective(
     per-position KL of math.full_kl, required by (and only read for) ``kl.estimator`` "full", which enters the
     loss only. ``row_weights_B`` multiplies each sequence's per-token loss before the aggregation (None: 1);
     the exact oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration.
-    ``metrics=False`` leaves ``sums`` None (callers that need only the loss)."""
+    ``metrics=False`` leaves ``sums`` None (callers that need only the loss).
+
+    ``entropy_BT`` is the policy's per-token entropy, in the graph (required when ``entropy`` needs it);
+    ``entropy_cut`` the top-entropy mask's threshold when the caller pools more tokens than these (None: these
+    loss-mask tokens, :func:`entropy_threshold`). ``sampling_logp_BT``: the sampling policy's log-probs for the
+    off-policy mask (None: ``old_logp_BT``)."""
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
@@ -218,7 +282,10 @@ def grpo_objective(
             advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef)
         reward_kl_penalty = kl.coef * (reward_kl_BT.detach() * mask).sum()
     pg = policy.surrogate(logp_BT, old_logp_BT, advantages, mask)
-    per_token = pg.loss_BT
+    masks = _policy_masks(logp_BT, old_logp_BT if sampling_logp_BT is None else sampling_logp_BT, advantages_B,
+                          mask, policy, entropy_BT, entropy, entropy_cut)
+    policy_BT = pg.loss_BT * masks.keep_BT if masks.keep_BT is not None else pg.loss_BT
+    per_token = policy_BT
 
     if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
@@ -232,14 +299,76 @@ def grpo_objective(
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
+    bonus = None
+    if entropy.coef != 0.0:
+        bonus = entropy_bonus(entropy_BT, masks.acted_BT, row_weights_B, normalizer)
+        loss = loss - entropy.coef * bonus
     if not metrics:
         return ObjectiveOut(loss=loss, sums=None)
     sums = ObjectiveSums(
-        policy_loss=aggregate(pg.loss_BT.detach(), mask, aggregation, normalizer),
-        policy_abs=aggregate(pg.loss_BT.detach().abs(), mask, aggregation, normalizer),
+        policy_loss=aggregate(policy_BT.detach(), mask, aggregation, normalizer),
+        policy_abs=aggregate(policy_BT.detach().abs(), mask, aggregation, normalizer),
         clip_low=(pg.clipped_low_BT.float() * mask).sum(), clip_high=(pg.clipped_high_BT.float() * mask).sum(),
-        reward_kl_penalty=reward_kl_penalty, loss_kl_penalty=loss_kl_penalty, **(kl_sums or {}))
+        reward_kl_penalty=reward_kl_penalty, loss_kl_penalty=loss_kl_penalty, **(kl_sums or {}),
+        **_entropy_sums(entropy_BT, masks, mask, entropy, bonus))
     return ObjectiveOut(loss=loss, sums=sums, token_kl=token_kl)
+
+
+@dataclass
+class PolicyMasks:
+    """The factors on the policy term of one micro-batch: ``keep_BT`` (the off-policy and top-entropy masks
+    multiplied, broadcastable to [B, T]; None: neither is on), ``acted_BT`` (the loss-mask tokens the policy term
+    acts on: the bonus averages over them), the off-policy mask's per-sequence KL [B, 1] and its own keep."""
+
+    keep_BT: Tensor | None
+    acted_BT: Tensor
+    off_policy_kl_B1: Tensor | None = None
+    off_policy_keep: Tensor | None = None
+
+
+def _policy_masks(logp_BT: Tensor, sampling_logp_BT: Tensor, advantages: Tensor, mask: Tensor, policy: PolicyTerm,
+                  entropy_BT: Tensor | None, entropy: EntropyTerm, entropy_cut: Tensor | None) -> PolicyMasks:
+    keep, acted, seq_kl, opm = None, mask, None, None
+    if entropy.needs_entropy and entropy_BT is None:
+        raise ValueError("an entropy bonus or top-entropy mask needs entropy_BT, the policy's per-token entropy")
+    if policy.off_policy_mask is not None:
+        opm, seq_kl = off_policy_mask(advantages, logp_BT, sampling_logp_BT, mask, policy.off_policy_mask)
+        keep = opm
+    if entropy.top_quantile < 1.0:
+        cut = entropy_threshold(entropy_BT, mask, entropy.top_quantile) if entropy_cut is None else entropy_cut
+        top = top_entropy_mask(entropy_BT, mask, cut)
+        keep = top if keep is None else keep * top
+        acted = mask * top
+    return PolicyMasks(keep_BT=keep, acted_BT=acted, off_policy_kl_B1=seq_kl, off_policy_keep=opm)
+
+
+def entropy_bonus(entropy_BT: Tensor, acted_BT: Tensor, row_weights_B: Tensor | None,
+                  normalizer: Normalizer) -> Tensor:
+    """The bonus of one micro-batch before its coefficient (module docstring): its mean per-token entropy over
+    ``acted_BT`` times its share B_mb / G of the step's sequences. With ``row_weights_B`` (the exact oracles'
+    sequence probabilities) the weighted mean over the acted tokens, the rows being the whole distribution."""
+    acted = acted_BT.to(entropy_BT.dtype)
+    if row_weights_B is not None:
+        acted = acted * row_weights_B.detach().to(entropy_BT.dtype).unsqueeze(-1)
+        return (entropy_BT * acted).sum() / acted.sum().clamp(min=torch.finfo(acted.dtype).tiny)
+    share = acted.shape[0] / normalizer.num_sequences
+    return (entropy_BT * acted).sum() / acted.sum().clamp(min=1.0) * share
+
+
+@torch.no_grad()
+def _entropy_sums(entropy_BT: Tensor | None, masks: PolicyMasks, mask: Tensor, entropy: EntropyTerm,
+                  bonus: Tensor | None) -> dict[str, Tensor]:
+    """The ObjectiveSums fields of the entropy term and the off-policy mask (those that are on)."""
+    out = {}
+    if entropy_BT is not None:
+        acted = masks.acted_BT.to(entropy_BT.dtype)
+        out.update(acted_entropy=(entropy_BT.detach() * acted).sum(), acted_tokens=acted.sum())
+    if bonus is not None:
+        out["entropy_bonus"] = entropy.coef * bonus.detach()
+    if masks.off_policy_keep is not None:
+        dropped = (1.0 - masks.off_policy_keep) * mask
+        out.update(off_policy_masked=dropped.sum(), off_policy_kl=masks.off_policy_kl_B1.sum())
+    return out
 
 
 @torch.no_grad()

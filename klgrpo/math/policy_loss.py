@@ -21,6 +21,17 @@ to ppo_clip only:
     cispo     loss_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t): the clipped importance
               weight is detached and multiplies the log-prob, so clipped tokens still get a gradient
               (MiniMax-M1, 2025). The clip applies whatever the sign of A.
+    sapo      loss_t = -(4 / tau) sigmoid(tau (rho_t - 1)) A_t, tau = temperature_pos where A_t > 0, else
+              temperature_neg: a soft gate instead of the clip (Soft Adaptive Policy Optimization, 2025); its
+              gradient rho_t sigmoid'(..) 4 A_t grad log pi is the PPO one at rho = 1 and fades away from it.
+    vespo     loss_t = -sg(phi(w_i)) A_t log pi(y_t), w_i = exp(sum_t clamp(log rho_t, -20, 20)) the sequence's
+              ratio (log w clamped to [log 1e-8, 20]), phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1),
+              (k, lambda) = (k_pos, lambda_pos) where A_t >= 0 else (k_neg, lambda_neg): a Gamma-shaped weight
+              that fades sequences whose ratio is far from 1 (VESPO). The eps_low / eps_high clip is unused.
+
+The off-policy sequence mask (:func:`off_policy_mask`, DeepSeek-V3.2 eq. 9) drops the policy term of a
+sequence whose advantage is negative and whose mean per-token KL(pi_sampling || pi), estimated by
+mean_t (log pi_sampling - log pi), exceeds a threshold delta.
 
 Every surrogate reports the per-token ratio pi / pi_old in ``ratio_BT`` (the KL term's importance weight
 reads it), not GSPO's sequence ratio.
@@ -38,6 +49,7 @@ the gradient, which is what turns k3's forward gradient into the reverse one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +147,62 @@ def cispo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, ma
     with torch.no_grad():
         low, high = ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
     return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
+                   eps_low: float = 0.2, eps_high: float = 0.2, *, temperature_pos: float = 1.0,
+                   temperature_neg: float = 1.05) -> SurrogateOut:
+    """SAPO (module docstring): -(4 / tau) sigmoid(tau (rho - 1)) A per token; nothing is clipped."""
+    ratio = _ratio(logp_BT, old_logp_BT)
+    adv = _per_token(advantages).to(ratio.dtype)
+    tau = torch.where(adv > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    none = torch.zeros_like(loss, dtype=torch.bool)
+    return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=none, clipped_high_BT=none)
+
+
+#: log w is clamped to [VESPO_LOG_W_MIN, VESPO_LOG_W_MAX] (w >= 1e-8), each token's log-ratio to +-20.
+VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
+
+
+@torch.no_grad()
+def vespo_weight(log_ratio_BT: Tensor, advantages: Tensor, mask_BT: Tensor, k_pos: float, lambda_pos: float,
+                 k_neg: float, lambda_neg: float) -> Tensor:
+    """phi(w_i) of VESPO (module docstring), detached: [B, 1] for per-sequence advantages, else [B, T];
+    a non-finite phi becomes 0."""
+    mask = mask_BT.to(log_ratio_BT.dtype)
+    log_w = (log_ratio_BT.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    nonneg = _per_token(advantages) >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@POLICY_LOSSES.register("vespo")
+def vespo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
+                    eps_low: float = 0.2, eps_high: float = 0.2, *, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                    k_neg: float = 3.0, lambda_neg: float = 2.0) -> SurrogateOut:
+    """VESPO (module docstring): -sg(phi(w_i)) A log pi per token."""
+    dtype = torch.promote_types(_compute_dtype(logp_BT), _compute_dtype(old_logp_BT))
+    log_ratio = logp_BT.to(dtype) - old_logp_BT.to(dtype).detach()
+    phi = vespo_weight(log_ratio.detach(), advantages, mask_BT, k_pos, lambda_pos, k_neg, lambda_neg)
+    loss = -phi * _per_token(advantages).to(dtype) * logp_BT.to(dtype)
+    none = torch.zeros_like(loss, dtype=torch.bool)
+    return SurrogateOut(loss_BT=loss, ratio_BT=torch.exp(log_ratio), clipped_low_BT=none, clipped_high_BT=none)
+
+
+@torch.no_grad()
+def off_policy_mask(advantages: Tensor, logp_BT: Tensor, sampling_logp_BT: Tensor, mask_BT: Tensor,
+                    threshold: float) -> tuple[Tensor, Tensor]:
+    """(keep, kl): keep is 1 where the policy term stays, 0 for a sequence with A < 0 whose mean per-token
+    KL estimate mean_t (log pi_sampling - log pi) exceeds ``threshold`` ([B, 1] for per-sequence advantages,
+    else [B, T]); kl is that per-sequence mean, [B, 1]. A NaN sampling log-prob counts as no evidence (0)."""
+    mask = mask_BT.to(logp_BT.dtype)
+    kl = torch.nan_to_num(sampling_logp_BT - logp_BT.detach(), nan=0.0)
+    seq_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    keep = (_per_token(advantages) >= 0) | (seq_kl <= threshold)
+    return keep.to(mask.dtype), seq_kl
 
 
 def importance_weight(logp_BT: Tensor, old_logp_BT: Tensor, is_correction: str) -> Tensor:

@@ -25,7 +25,7 @@ from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
 from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
-from klgrpo.math.kl_control import CONTROLLERS, KL_MEASURES
+from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.train.config_fields import Names, coerce
@@ -185,6 +185,29 @@ class LossConfig:
                           Names(POLICY_LOSSES))
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
+    entropy_coef: float = _f(0.0, "entropy bonus c: the loss minus c times the mean per-token entropy of the policy "
+                                  "(TRL's entropy_coef; docs/kl_guide.md says what its gradient follows); with "
+                                  "loss.entropy_controller adaptive, the starting coefficient")
+    entropy_controller: str = _f("fixed", "how the bonus's coefficient evolves: fixed, or adaptive (Skywork-OR1, TRL's "
+                                          "use_adaptive_entropy: +entropy_coef_delta while the step's entropy is at "
+                                          "or below entropy_target, else -entropy_coef_delta; applied only then)",
+                                 Names(ENTROPY_CONTROLLERS))
+    entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)")
+    entropy_coef_delta: float = _f(0.005, "adaptive entropy controller: the coefficient's step")
+    entropy_coef_min: float = _f(0.0, "adaptive entropy controller: lower bound on the coefficient")
+    entropy_coef_max: float = _f(1.0, "adaptive entropy controller: upper bound on the coefficient")
+    top_entropy_quantile: float = _f(1.0, "keep the policy term (and the bonus) on the top rho fraction of each "
+                                          "micro-batch's tokens by entropy (TRL's top_entropy_quantile, 'Beyond the "
+                                          "80/20 rule' uses 0.2); 1: every token")
+    off_policy_mask_threshold: float = _f(0.0, "drop the policy term of a sequence with A < 0 whose mean per-token "
+                                               "KL(sampling || policy) estimate exceeds this (DeepSeek-V3.2's delta, "
+                                               "TRL's off_policy_mask_threshold); 0: off")
+    sapo_temperature_pos: float = _f(1.0, "policy_loss sapo: the gate's temperature where A > 0")
+    sapo_temperature_neg: float = _f(1.05, "policy_loss sapo: the gate's temperature where A <= 0")
+    vespo_k_pos: float = _f(2.0, "policy_loss vespo: the Gamma weight's power k where A >= 0")
+    vespo_lambda_pos: float = _f(3.0, "policy_loss vespo: the Gamma weight's decay lambda where A >= 0")
+    vespo_k_neg: float = _f(3.0, "policy_loss vespo: the Gamma weight's power k where A < 0")
+    vespo_lambda_neg: float = _f(2.0, "policy_loss vespo: the Gamma weight's decay lambda where A < 0")
 
 
 @dataclass
@@ -227,6 +250,12 @@ class TrainConfig:
                                           "(FSDP2; torch.distributed.checkpoint into safetensors files) instead of "
                                           "gathering them on process 0; resumable on any process count; the run's "
                                           "last checkpoint is written whole (from_pretrained) as always")
+    entropy_metrics: bool = _f(True, "log the entropy and its spread (entropy/p10, entropy/p50, entropy/min) from the "
+                                     "log-prob pass; false skips that work unless the loss needs the entropy "
+                                     "(loss.entropy_coef, loss.top_entropy_quantile)")
+    entropy_warn_below: float = _f(0.0, "warning sign: a console line and a tracker text entry when a window's mean "
+                                        "entropy (nats per token) is below this: the policy is collapsing; 0: off")
+    entropy_warn_window: int = _f(20, "steps per window of the entropy warning sign")
     dist_timeout_s: float = _f(600.0, "several processes: seconds a collective waits for the other processes before "
                                       "the run fails with an error (a stuck or dead process never hangs the rest "
                                       "longer); see docs/reliability.md")

@@ -7,7 +7,7 @@ mean per-token KL (``adaptive_kl/raw_kl``) is compared with the two bands:
     not learning  mean < warn_below, from the second window on (every run starts at the reference, KL = 0)
 
 A sign is announced when a window enters it (once, not at every window it stays in) and again only after a window
-outside it. 0 turns a band off.
+outside it. 0 turns a band off. :class:`EntropyWatch` watches the entropy the same way (a collapse band).
 """
 
 from __future__ import annotations
@@ -67,3 +67,49 @@ class KLWatch:
         self._previous_mean = state.get("previous_mean")
         self._windows_done = int(state.get("windows_done", 0))
         self._active = set(state.get("active", []))
+
+
+COLLAPSING = "collapsing"
+
+
+class EntropyWatch:
+    """The entropy's warning sign (``train.entropy_warn_below``, ``train.entropy_warn_window``), on the KL bands'
+    windows: a window whose mean per-token entropy (the ``entropy`` metric) is below the threshold announces
+    that the policy is collapsing, once on entering the band and again only after a window outside it. 0: off."""
+
+    def __init__(self, warn_below: float, window: int):
+        self.warn_below, self.window = warn_below, max(1, int(window))
+        self._values: list[float] = []
+        self._active = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.warn_below > 0
+
+    def observe(self, step: int, entropy: float | None) -> list[str]:
+        """Record the step's entropy; at a window's end return the line of a collapse that begins there."""
+        if not self.enabled or entropy is None or not math.isfinite(entropy):
+            return []
+        self._values.append(float(entropy))
+        if len(self._values) < self.window:
+            return []
+        mean, first = sum(self._values) / len(self._values), step - len(self._values) + 1
+        self._values = []
+        collapsing = mean < self.warn_below
+        new = collapsing and not self._active
+        self._active = collapsing
+        if not new:
+            return []
+        return [f"entropy warning at step {step}: the entropy is {mean:.4g} nats per token (mean of steps "
+                f"{first}-{step}), below train.entropy_warn_below {self.warn_below:g}: the policy is collapsing "
+                f"onto few answers; see entropy/p10 and train/reward_std, add an entropy bonus (loss.entropy_coef, "
+                f"or loss.entropy_controller adaptive), raise kl.coef or lower optim.lr"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self._values), "active": self._active}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self._values = [float(v) for v in state.get("values", [])]
+        self._active = bool(state.get("active", False))

@@ -22,7 +22,7 @@ from klgrpo.train.building import base_model_path, seed_everything
 from klgrpo.train.checkpoint import is_sharded, rng_state, save_checkpoint, set_rng_state, shard_folder, step_folder
 from klgrpo.train.evaluation import evaluate_sets
 from klgrpo.train.guard import NonFiniteError
-from klgrpo.train.kl_watch import KLWatch
+from klgrpo.train.kl_watch import EntropyWatch, KLWatch
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
 from klgrpo.train.resume import load_resumable_checkpoint
 from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume
@@ -39,6 +39,7 @@ class TrainingRun:
         self.cfg, self.dist = step.cfg, step.dist
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
+        self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)
         self.lock = None  # rank 0's, while train() runs
         self.stop_reason = ""
         self.eval_before: dict[str, float] = {}  # measured before the first step; a resumed run keeps it
@@ -138,6 +139,9 @@ class TrainingRun:
                 for line in self.kl_watch.observe(done, kl):
                     logger.message(line)
                     logger.text("warnings/kl", line, done)
+                for line in self.entropy_watch.observe(done, metrics.get(names.ENTROPY)):
+                    logger.message(line)
+                    logger.text("warnings/entropy", line, done)
                 history.append(metrics)
                 stop = self.should_stop(start, signals)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop:
@@ -230,7 +234,8 @@ class TrainingRun:
 
     def state_dict(self) -> dict[str, Any]:
         """The run's own part of a checkpoint (the step's is ``GRPOStep.state_dict``)."""
-        return {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict()}
+        return {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
+                "entropy_watch": self.entropy_watch.state_dict()}
 
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
@@ -243,6 +248,7 @@ class TrainingRun:
         same_layout = len(state.get("rng_by_rank", [None])) == dist.world_size
         self.grpo_step.load_state_dict(state, same_layout=same_layout)
         self.kl_watch.load_state_dict(state.get("kl_watch"))
+        self.entropy_watch.load_state_dict(state.get("entropy_watch"))
         rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
         if len(rng_by_rank) == dist.world_size:
             set_rng_state(rng_by_rank[dist.rank])

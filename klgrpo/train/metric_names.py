@@ -44,6 +44,13 @@ CLIP_RATIO = "clip_ratio"
 CLIP_RATIO_LOW = "clip_ratio/low"
 CLIP_RATIO_HIGH = "clip_ratio/high"
 ENTROPY = "entropy"
+ENTROPY_P10 = "entropy/p10"
+ENTROPY_P50 = "entropy/p50"
+ENTROPY_MIN = "entropy/min"
+ENTROPY_COEF = "entropy/coef"
+ENTROPY_BONUS = "entropy/bonus"
+OFF_POLICY_MASKED = "off_policy/masked_frac"
+OFF_POLICY_KL = "off_policy/kl"
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
@@ -88,6 +95,9 @@ def custom(name: str) -> str:
 #: The per-token KL percentiles logged each step (p50 / p90 / p99 of l and of k3 over the loss-mask tokens).
 PERCENTILES = (0.5, 0.9, 0.99)
 PERCENTILE_NAMES = (KL_LOG_RATIO_P50, KL_LOG_RATIO_P90, KL_LOG_RATIO_P99, KL_K3_P50, KL_K3_P90, KL_K3_P99)
+#: The entropy's spread logged each step: its minimum, 10th percentile and median over the completion tokens.
+ENTROPY_QUANTILES = (0.0, 0.1, 0.5)
+ENTROPY_QUANTILE_NAMES = (ENTROPY_MIN, ENTROPY_P10, ENTROPY_P50)
 
 #: Every metric name the trainer logs -> its formula or meaning, in one line. "Per token" means over the
 #: step's completion tokens (the completion mask, EOS included), pooled over all B*G completions.
@@ -162,6 +172,19 @@ GLOSSARY: dict[str, str] = {
     # optimisation
     ENTROPY: "mean per token of the policy's next-token entropy -sum_v pi(v) log pi(v) (nats, at the "
              "sampling temperature)",
+    ENTROPY_P10: "10th percentile over the step's completion tokens of the per-token entropy (linear "
+                 "interpolation, as torch.quantile): the low tail, where collapse starts",
+    ENTROPY_P50: "median over the step's completion tokens of the per-token entropy",
+    ENTROPY_MIN: "smallest per-token entropy over the step's completion tokens",
+    ENTROPY_COEF: "the entropy bonus's coefficient that multiplied it in this step (loss.entropy_coef, or the "
+                  "adaptive entropy controller's applied value: 0 while the entropy is above loss.entropy_target); "
+                  "logged when the loss reads the entropy",
+    ENTROPY_BONUS: "the entropy bonus subtracted from the loss: coefficient times the mean per-token entropy over "
+                   "the tokens the policy term acts on, summed over the step's micro-batches by their share",
+    OFF_POLICY_MASKED: "fraction of loss-mask tokens whose policy term the off-policy sequence mask dropped "
+                       "(sequences with A < 0 and off_policy/kl above loss.off_policy_mask_threshold)",
+    OFF_POLICY_KL: "mean over completions of mean_t (log pi_old(y_t) - log pi(y_t)): the off-policy mask's "
+                   "per-sequence KL(pi_old || pi) estimate (0 in a batch's first update)",
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "

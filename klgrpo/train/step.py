@@ -33,7 +33,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
-from klgrpo.math.kl_control import KLController, KLObservation
+from klgrpo.math.kl_control import EntropyController, KLController, KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train import metric_names as names
 from klgrpo.train.checkpoint import rng_state, set_rng_state
@@ -43,7 +43,7 @@ from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.state_io import to_device
 from klgrpo.train.step_metrics import StepSums, step_metrics
-from klgrpo.train.terms import kl_term, policy_term
+from klgrpo.train.terms import entropy_in_use, entropy_term, kl_term, policy_term
 from klgrpo.train.timing import phase_timer as _timed
 
 
@@ -70,6 +70,7 @@ class GRPOStep:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     controller: KLController
+    entropy_controller: EntropyController  # the entropy bonus's coefficient
     guard: NonFiniteGuard
     replay: Any = None
     loss_fast_path: bool = True
@@ -152,7 +153,7 @@ class GRPOStep:
         objective, loss_sum, custom_sums = None, torch.zeros((), device=self.device), {}
         entropy_sum = torch.zeros((), device=self.device)
         logp_sum = torch.zeros((), device=self.device)  # logp/policy_mean
-        kept, token_kl = [], []
+        kept, token_kl, token_entropy = [], [], []
         for sl in self._micro_slices(batch.rollout.size):
             loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
             self.engine.backward(loss)
@@ -161,14 +162,17 @@ class GRPOStep:
                 custom_sums[k] = custom_sums.get(k, 0.0) + v.detach()
             loss_sum = loss_sum + loss.detach()
             logp_sum = logp_sum + (logp.detach() * batch.loss_mask[sl]).sum()
-            entropy_sum += (entropy * batch.rollout.completion_mask[sl]).sum()
+            if entropy is not None:  # the percentiles pool the completion tokens' entropies (0 elsewhere)
+                token_entropy.append(entropy.detach() * batch.rollout.completion_mask[sl])
+                entropy_sum = entropy_sum + token_entropy[-1].sum()
             if out.token_kl is not None:  # per-token values for the KL percentiles
                 token_kl.append(out.token_kl)
             if keep_logp:
                 kept.append(logp.detach())
-        sums = StepSums(loss=loss_sum, entropy=entropy_sum, objective=objective, custom=custom_sums,
-                        logp_policy=logp_sum,
-                        token_kl=torch.cat(token_kl, 1) if token_kl else None)  # [2, B, T], micro-batches joined
+        sums = StepSums(loss=loss_sum, entropy=entropy_sum if token_entropy else None, objective=objective,
+                        custom=custom_sums, logp_policy=logp_sum,
+                        token_kl=torch.cat(token_kl, 1) if token_kl else None,  # [2, B, T], micro-batches joined
+                        token_entropy=torch.cat(token_entropy) if token_entropy else None)
         return sums, (torch.cat(kept) if keep_logp else None)
 
     def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
@@ -182,12 +186,16 @@ class GRPOStep:
                 self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
         else:
             logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                with_entropy=True, fast_path=self.loss_fast_path)
+                                                with_entropy=cfg.train.entropy_metrics or entropy_in_use(cfg.loss),
+                                                fast_path=self.loss_fast_path)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
+        in_loss = entropy_in_use(cfg.loss)
         with torch.set_grad_enabled(self.loss_fn is None):
             out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
                                  policy=policy_term(cfg.loss), kl=kl, aggregation=cfg.loss.aggregation,
-                                 normalizer=batch.normalizer, full_kl_BT=full_kl)
+                                 normalizer=batch.normalizer, full_kl_BT=full_kl,
+                                 entropy_BT=entropy if in_loss else None,
+                                 entropy=entropy_term(cfg.loss, self.entropy_controller.applied))
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
         rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
@@ -227,6 +235,8 @@ class GRPOStep:
             dump_kl(logp, batch)
         metrics, observation = step_metrics(batch, sums, grad_norm, beta, self.scheduler.get_last_lr()[0], timings,
                                             self.dist, self.device)
+        if entropy_in_use(cfg.loss):
+            metrics[names.ENTROPY_COEF] = self.entropy_controller.applied
         metrics.update(replay_metrics)
         metrics.update(self._custom_metrics(sums.custom, batch))
         metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
@@ -268,6 +278,8 @@ class GRPOStep:
             metrics.update(batch.timings)
         if self.guard.consecutive == 0 and math.isfinite(observation.token_mean):  # a skipped step leaves beta
             self.controller.observe(observation)
+        if self.guard.consecutive == 0 and observation.entropy is not None and math.isfinite(observation.entropy):
+            self.entropy_controller.observe(observation.entropy)
         self.completed += 1
         if self.reference is not None and self.cfg.kl.sync_every and self.completed % self.cfg.kl.sync_every == 0:
             self.engine.sync_reference(self.reference, self.model, self.cfg.kl.sync_alpha)
@@ -294,6 +306,7 @@ class GRPOStep:
         optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None
         return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict(), "sampler": self.prompt_order.state_dict(),
+                "entropy_controller": self.entropy_controller.state_dict(),
                 "pending_batch": self.batch, "replay": self.replay.state_dict() if self.replay else None,
                 "guard": self.guard.state_dict(), "step": self.completed}
 
@@ -304,6 +317,8 @@ class GRPOStep:
             self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.controller.load_state_dict(state["controller"])
+        if state.get("entropy_controller") is not None:  # absent in checkpoints written before the entropy bonus
+            self.entropy_controller.load_state_dict(state["entropy_controller"])
         self.prompt_order.load_state_dict(state["sampler"])
         batch = state.get("pending_batch")
         self.batch = to_device(batch, self.device) if batch is not None and same_layout else None

@@ -23,7 +23,7 @@ from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step import GRPOStep
-from klgrpo.train.terms import build_kl_controller
+from klgrpo.train.terms import build_entropy_controller, build_kl_controller
 from klgrpo.train.validation import check_step_memory
 
 
@@ -115,5 +115,6 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
         engine.prepare_reference(reference)
     return GRPOStep(cfg=cfg, dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
                     scheduler=scheduler, controller=build_kl_controller(cfg.kl),
+                    entropy_controller=build_entropy_controller(cfg.loss),
                     guard=NonFiniteGuard(cfg.train.max_skipped_steps), replay=replay,
                     loss_fast_path=cfg.model.fast_path and not engine.fast_path_outside_loss_only, **parts)

@@ -13,7 +13,9 @@ from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import ObjectiveSums
 from klgrpo.train import metric_names as m
 from klgrpo.train.distributed import Distributed
-from klgrpo.train.metric_names import PERCENTILE_NAMES, PERCENTILES  # noqa: F401  (re-exported)
+from klgrpo.train.metric_names import (  # noqa: F401  (PERCENTILE_NAMES, PERCENTILES re-exported)
+    ENTROPY_QUANTILE_NAMES, ENTROPY_QUANTILES, PERCENTILE_NAMES, PERCENTILES,
+)
 
 
 @dataclass
@@ -21,11 +23,12 @@ class StepSums:
     """What one rank's micro-batches of an update add up to (trainer.accumulate_gradients)."""
 
     loss: Tensor                                 # the backpropagated loss, summed over micro-batches
-    entropy: Tensor                              # per-token entropy summed over the completion tokens
+    entropy: Tensor | None                       # per-token entropy summed over the completion tokens (None: off)
     objective: ObjectiveSums                     # the built-in objective's sums (it runs beside a custom loss too)
     custom: dict[str, Tensor] = field(default_factory=dict)  # a custom loss's metrics, summed over micro-batches
     token_kl: Tensor | None = None               # [2, B, T]: l and k3 per token, for the percentiles
     logp_policy: Tensor | None = None            # the policy's log-probs summed over the loss-mask tokens
+    token_entropy: Tensor | None = None          # [B, T]: per-token entropy, 0 off the completion mask
 
 
 def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: float, timings: dict[str, float],
@@ -39,16 +42,22 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
     """
     rollout, g = batch.rollout, batch.rollout.group_size
     lengths = rollout.completion_mask.sum(-1).float()
-    quantiles = (kl_percentiles(sums.token_kl, batch.loss_mask, int(batch.normalizer.max_len), dist)
+    max_len = int(batch.normalizer.max_len)
+    quantiles = (kl_percentiles(sums.token_kl, batch.loss_mask, max_len, dist)
                  if sums.token_kl is not None else torch.zeros(0, device=device))
+    if sums.token_entropy is not None:  # the entropy's spread, over the completion tokens (as the entropy's mean)
+        quantiles = torch.cat([quantiles, token_percentiles(sums.token_entropy[None], rollout.completion_mask,
+                                                            max_len, dist, ENTROPY_QUANTILES).to(quantiles.device)])
     objective = sums.objective.present()
     peaks = {"length": lengths.max(), **{k: objective.pop(k) for k in ObjectiveSums.MAXIMA if k in objective}}
-    step = {"loss": sums.loss, "entropy": sums.entropy, "completion_tokens": lengths.sum(),
+    step = {"loss": sums.loss, "completion_tokens": lengths.sum(),
             "truncated": rollout.truncated.float().sum(), "reward": batch.rewards.sum(),
             "reward_group_std": batch.rewards.view(-1, g).std(dim=1).sum(),
             "advantage_abs": batch.advantages.abs().sum()}
     if sums.logp_policy is not None:
         step["logp_policy"] = sums.logp_policy
+    if sums.entropy is not None:
+        step["entropy"] = sums.entropy
     if batch.ref_logp is not None:  # logp/reference_mean
         step["logp_reference"] = (batch.ref_logp.float() * batch.loss_mask).sum()
     rewards = {name: values.to(device).float().sum() for name, values in batch.reward_columns.items()}
@@ -63,7 +72,8 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
     reward_f = {k: next(floats_iter) for k in rewards}
     peak_f = {k: next(floats_iter) for k in peaks}
     obj_f.k3_max, obj_f.negated_raw_kl_max = peak_f.get("k3_max"), peak_f.get("negated_raw_kl_max")
-    percentiles = dict(zip(PERCENTILE_NAMES, floats_iter))
+    percentiles = dict(zip(PERCENTILE_NAMES if sums.token_kl is not None else (), floats_iter))
+    entropy_spread = dict(zip(ENTROPY_QUANTILE_NAMES if sums.token_entropy is not None else (), floats_iter))
     n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
     n_tok_safe = max(n_tok, 1.0)
     metrics = {
@@ -74,8 +84,12 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
         m.TRUNCATED_RATIO: st["truncated"] / n_seq,
         m.CLIP_RATIO_LOW: obj_f.clip_low / n_tok_safe, m.CLIP_RATIO_HIGH: obj_f.clip_high / n_tok_safe,
         m.CLIP_RATIO: (obj_f.clip_low + obj_f.clip_high) / n_tok_safe,
-        m.ENTROPY: st["entropy"] / max(st["completion_tokens"], 1.0), m.GRAD_NORM: float(grad_norm),
+        m.GRAD_NORM: float(grad_norm),
     }
+    if "entropy" in st:
+        metrics[m.ENTROPY] = st["entropy"] / max(st["completion_tokens"], 1.0)
+        metrics.update(entropy_spread)
+    metrics.update(_entropy_and_mask_metrics(obj_f, n_seq, n_tok_safe))
     metrics.update({m.reward_metric(name): v / n_seq for name, v in reward_f.items()})
     if "logp_policy" in st:
         metrics[m.LOGP_POLICY_MEAN] = st["logp_policy"] / n_tok_safe
@@ -102,7 +116,9 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
     # Without a reference the controller sees no KL (0): beta stays where the controller's rule puts it.
     observation = KLObservation(token_mean=obj_f.raw_kl / n_tok_safe if has_kl else 0.0,
                                 sequence_sum=obj_f.k1 / n_seq if has_kl else 0.0, n_sequences=rollout.size,
-                                reward=st["reward"] / n_seq)
+                                reward=st["reward"] / n_seq,
+                                entropy=(obj_f.acted_entropy / max(obj_f.acted_tokens, 1.0)
+                                         if obj_f.acted_entropy is not None else None))
     return metrics, observation
 
 
@@ -121,9 +137,27 @@ def masked_quantiles(values_KNT: Tensor, mask_NT: Tensor, qs: tuple[float, ...])
     return torch.where(n > 0, out, torch.full_like(out, float("nan")))
 
 
+def _entropy_and_mask_metrics(obj_f: ObjectiveSums, n_seq: float, n_tok: float) -> dict[str, float]:
+    """The entropy bonus and the off-policy mask's metrics, where they are on."""
+    out = {}
+    if obj_f.entropy_bonus is not None:
+        out[m.ENTROPY_BONUS] = obj_f.entropy_bonus
+    if obj_f.off_policy_masked is not None:
+        out[m.OFF_POLICY_MASKED] = obj_f.off_policy_masked / n_tok
+        out[m.OFF_POLICY_KL] = obj_f.off_policy_kl / n_seq
+    return out
+
+
 def kl_percentiles(token_kl_2BT: Tensor, mask_BT: Tensor, max_len: int, dist: Distributed) -> Tensor:
-    """The values of PERCENTILE_NAMES (flattened [2 x 3]) over every process's tokens: each rank pads its [B, T]
-    to max_len and all ranks gather, so a 2-process run logs the same percentiles as one process."""
+    """The values of PERCENTILE_NAMES (flattened [2 x 3]) over every process's tokens."""
+    return token_percentiles(token_kl_2BT, mask_BT, max_len, dist, PERCENTILES)
+
+
+def token_percentiles(values_KBT: Tensor, mask_BT: Tensor, max_len: int, dist: Distributed,
+                      qs: tuple[float, ...]) -> Tensor:
+    """Quantiles ``qs`` of each of the K rows over every process's masked tokens, flattened [K x len(qs)]: each
+    rank pads its [B, T] to max_len and all ranks gather, so a 2-process run logs the same numbers as one."""
+    token_kl_2BT = values_KBT
     t = token_kl_2BT.shape[-1]
     width = max(max_len, t)
     padded = torch.nn.functional.pad(token_kl_2BT.float(), (0, width - t))
@@ -131,7 +165,7 @@ def kl_percentiles(token_kl_2BT: Tensor, mask_BT: Tensor, max_len: int, dist: Di
     if dist.enabled:
         padded = dist.gather(padded.transpose(0, 1).contiguous()).transpose(0, 1)
         mask = dist.gather(mask.to(torch.uint8)).bool()
-    return masked_quantiles(padded, mask, PERCENTILES).flatten()
+    return masked_quantiles(padded, mask, qs).flatten()
 
 
 def loss_share(kl_term: float, policy_abs: float) -> float:

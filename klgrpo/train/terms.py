@@ -10,8 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from klgrpo.math.kl_control import CONTROLLERS, KLController, build_controller
-from klgrpo.math.objective import KLTerm, PolicyTerm
+from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller
+from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
 from klgrpo.train.config import KLConfig, LossConfig
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
@@ -28,21 +28,47 @@ def kl_term(kl: KLConfig, beta: float) -> KLTerm:
 def policy_term(loss: LossConfig) -> PolicyTerm:
     """The surrogate and its clip; the config's 0 ("off") for delta and dual_clip becomes None."""
     return PolicyTerm(name=loss.policy_loss, eps_low=loss.eps_low, eps_high=loss.eps_high,
-                      delta=loss.delta or None, dual_clip=loss.dual_clip or None)
+                      delta=loss.delta or None, dual_clip=loss.dual_clip or None,
+                      off_policy_mask=loss.off_policy_mask_threshold or None,
+                      sapo_temperature_pos=loss.sapo_temperature_pos, sapo_temperature_neg=loss.sapo_temperature_neg,
+                      vespo_k_pos=loss.vespo_k_pos, vespo_lambda_pos=loss.vespo_lambda_pos,
+                      vespo_k_neg=loss.vespo_k_neg, vespo_lambda_neg=loss.vespo_lambda_neg)
+
+
+def entropy_term(loss: LossConfig, coef: float) -> EntropyTerm:
+    """How the entropy enters this step's objective; ``coef`` is the entropy controller's applied value."""
+    return EntropyTerm(coef=coef, top_quantile=loss.top_entropy_quantile)
+
+
+def entropy_in_use(loss: LossConfig) -> bool:
+    """Whether the loss reads the policy's entropy (a bonus, its adaptive controller, or the top-entropy mask)."""
+    return loss.entropy_coef != 0.0 or loss.entropy_controller != "fixed" or loss.top_entropy_quantile < 1.0
+
+
+def build_entropy_controller(loss: LossConfig) -> EntropyController:
+    """The controller ``loss.entropy_controller`` starting at ``loss.entropy_coef``; its keywords are loss.* fields
+    of the same name."""
+    cls = ENTROPY_CONTROLLERS[loss.entropy_controller]
+    return cls(loss.entropy_coef, **_keywords(cls, loss, {}, "loss.entropy_controller", "LossConfig"))
 
 
 def controller_params(kl: KLConfig) -> dict[str, Any]:
     """The keyword arguments of ``kl.controller``'s constructor, read from the KLConfig fields of the same name
     (CONTROLLER_FIELDS where they differ); a keyword with a default and no field keeps its default."""
-    signature = inspect.signature(CONTROLLERS[kl.controller].__init__)
+    return _keywords(CONTROLLERS[kl.controller], kl, CONTROLLER_FIELDS, f"controller {kl.controller!r}", "KLConfig")
+
+
+def _keywords(cls, config, renamed: dict[str, str], what: str, config_name: str) -> dict[str, Any]:
+    """``cls``'s constructor keywords after init_coef, read from ``config``'s fields of the same name."""
+    signature = inspect.signature(cls.__init__)
     params = {}
     for name, param in list(signature.parameters.items())[2:]:  # after self and init_coef
-        source = CONTROLLER_FIELDS.get(name, name)
-        if hasattr(kl, source):
-            params[name] = getattr(kl, source)
+        source = renamed.get(name, name)
+        if hasattr(config, source):
+            params[name] = getattr(config, source)
         elif param.default is inspect.Parameter.empty:
-            raise TypeError(f"controller {kl.controller!r} takes {name!r}, which no kl.* field sets: add the field "
-                            "to KLConfig (or map it in CONTROLLER_FIELDS)")
+            raise TypeError(f"{what} takes {name!r}, which no field sets: add the field to {config_name} (or map "
+                            "it by name)")
     return params
 
 

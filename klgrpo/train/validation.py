@@ -66,6 +66,23 @@ def validate_full_kl(cfg: GRPOConfig) -> None:
                                  "use a per-token estimator with your own loss")
 
 
+def validate_entropy(cfg: GRPOConfig, need) -> None:
+    """The entropy bonus, its controller and the top-entropy mask."""
+    loss = cfg.loss
+    need(0 <= loss.top_entropy_quantile <= 1,
+         f"loss.top_entropy_quantile must be in [0, 1] (1 keeps every token), got {loss.top_entropy_quantile!r}")
+    need(loss.entropy_coef_min <= loss.entropy_coef_max,
+         f"loss.entropy_coef_min ({loss.entropy_coef_min:g}) must be <= loss.entropy_coef_max "
+         f"({loss.entropy_coef_max:g})")
+    uses_entropy = loss.entropy_coef != 0 or loss.entropy_controller != "fixed" or loss.top_entropy_quantile < 1
+    need(not (uses_entropy and cfg.kl.estimator == "full"),
+         "loss.entropy_coef, loss.entropy_controller adaptive and loss.top_entropy_quantile need the policy's "
+         "entropy with its gradient, which kl.estimator full's pass does not give; use another kl.estimator")
+    need(not (uses_entropy and loss.function),
+         "loss.entropy_coef, loss.entropy_controller adaptive and loss.top_entropy_quantile shape the built-in "
+         "objective; with loss.function set them in your own loss")
+
+
 def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     """``dataset_given``: the prompts come from Python (GRPOTrainer's train_dataset), data.source may be empty."""
     warnings: list[str] = []
@@ -101,6 +118,7 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
          f"to a positive value (default 20)")
     need(loss.delta == 0 or loss.delta > 1, "loss.delta must be > 1 (TRL recommends > 1 + eps_high), or 0 for off")
     need(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip must be > 1 (verl uses 3), or 0 for off")
+    validate_entropy(cfg, need)
     need(loss.policy_loss == "ppo_clip" or not (loss.delta or loss.dual_clip),
          f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
@@ -326,6 +344,13 @@ _LOWER_BOUNDS = (
     ("kl.warn_below", 0, True, "0: off"),
     ("kl.warn_window", 1, True, ""),
     ("kl.replay.temperature", 0, False, ""),
+    ("loss.entropy_coef_delta", 0, True, ""),
+    ("loss.entropy_coef_min", 0, True, ""),
+    ("loss.off_policy_mask_threshold", 0, True, "0: off"),
+    ("loss.sapo_temperature_pos", 0, False, ""),
+    ("loss.sapo_temperature_neg", 0, False, ""),
+    ("train.entropy_warn_below", 0, True, "0: off"),
+    ("train.entropy_warn_window", 1, True, ""),
     ("eval.every", 0, True, "0: before and after training only"),
     ("eval.max_new_tokens", 0, True, "0: rollout.max_new_tokens"),
     ("eval.batch_size", 1, True, ""),

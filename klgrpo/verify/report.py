@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from klgrpo.core.threads import torch_threads
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.verify import categorical, full_kl, montecarlo, optimum, sequence_toy
+from klgrpo.verify.entropy import EntropyCheck, entropy_rows
 from klgrpo.verify.first_epoch import first_epoch_rows
 from klgrpo.verify.migration import MigrationCheck, migration_rows
 from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck
@@ -24,6 +25,7 @@ class VerifyReport:
     values: list[dict] = field(default_factory=list)
     full_kl: list[GradientCheck] = field(default_factory=list)       # kl.estimator full, loss placement
     full_kl_values: list[dict] = field(default_factory=list)
+    entropy: list[EntropyCheck] = field(default_factory=list)       # which entropy the bonus's gradient follows
     monte_carlo: list[montecarlo.MonteCarloCheck] = field(default_factory=list)
     optimum: list[optimum.OptimumResult] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -31,7 +33,7 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return all(x.passed for x in self.rows + self.first_epoch + self.migration + self.monte_carlo
-                   + self.optimum + self.full_kl) and all(
+                   + self.optimum + self.full_kl + self.entropy) and all(
             v["passed"] for v in self.values + self.full_kl_values)
 
     def as_dict(self) -> dict:
@@ -42,6 +44,7 @@ class VerifyReport:
             "values": self.values,
             "full_kl": [asdict(r) for r in self.full_kl],
             "full_kl_values": self.full_kl_values,
+            "entropy": [asdict(e) for e in self.entropy],
             "monte_carlo": [asdict(m) for m in self.monte_carlo],
             "optimum": [asdict(o) for o in self.optimum],
             "seconds": self.seconds,
@@ -80,6 +83,7 @@ def run_all(samples: int = montecarlo.DEFAULT_SAMPLES, seed: int = 0, monte_carl
         report.migration = migration_rows(cat, toy)
         report.full_kl_values = full_kl.value_rows(cat, toy)
         report.full_kl = full_kl.gradient_rows(cat, toy)
+        report.entropy = entropy_rows(cat, toy)
         t1 = time.perf_counter()
         report.seconds["exact"] = t1 - t0
         if monte_carlo:
@@ -155,6 +159,14 @@ def format_full_kl(report: VerifyReport) -> str:
     return "\n".join([title, *values, "", *format_rows(report.full_kl, None, "").split("\n")[1:]])
 
 
+def format_entropy(rows: list[EntropyCheck]) -> str:
+    title = ("The entropy bonus (loss.entropy_coef): its expected gradient, E[n] x the trainer's objective's, by "
+             "enumeration: the per-position entropy's (prefixes fixed), not the sequence entropy's")
+    return _table(title, f"{'level':<9} {'compared with':<48} {'expect':<7} {'rel diff':>9}  ok",
+                  [f"{r.level:<9} {r.target:<48} {r.expected:<7} {r.rel_diff:9.1e}  {_mark(r.passed)}"
+                   for r in rows])
+
+
 def format_monte_carlo(checks: list[montecarlo.MonteCarloCheck]) -> str:
     if not checks:
         return "Monte Carlo: skipped"
@@ -192,11 +204,13 @@ def format_report(report: VerifyReport) -> str:
                          "on-policy rows), sequence/detached the on_policy row; n/a = information only")
     parts = [format_values(report.values), format_rows(report.rows, "token"), format_rows(report.rows, "sequence"),
              format_rows(report.first_epoch, None, first_epoch_title), format_migration(report.migration),
-             format_full_kl(report),
+             format_full_kl(report), format_entropy(report.entropy),
              format_monte_carlo(report.monte_carlo), format_optimum(report.optimum)]
-    failed = [r for r in report.rows + report.first_epoch + report.migration + report.full_kl if not r.passed]
+    failed = [r for r in report.rows + report.first_epoch + report.migration + report.full_kl + report.entropy
+              if not r.passed]
     values = report.values + report.full_kl_values
     total = (len(report.rows) + len(report.first_epoch) + len(report.migration) + len(report.full_kl) + len(values)
+             + len(report.entropy)
              + len(report.monte_carlo)
              + len(report.optimum))
     bad = len(failed) + sum(not v["passed"] for v in values) + sum(

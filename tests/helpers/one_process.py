@@ -15,3 +15,7 @@ class OneProcessAccelerator:
     @staticmethod
     def reduce(x, reduction="sum"):
         return x
+
+    @staticmethod
+    def pad_across_processes(x, dim=0, pad_index=0):
+        return x

@@ -278,3 +278,26 @@ def test_dual_beta_floor_is_explicit():
     # log beta = 0 + 100 * (0 - 0.1) / 0.1 = -100 -> e^-100 = 3.7e-44 < floor
     assert ctl.update(0.0) == DUAL_BETA_FLOOR
     assert DualAscentKLController(1.0, target=0.1, beta_min=0.25).beta_min == 0.25
+
+
+def test_adaptive_entropy_controller_by_hand_and_its_state():
+    """Skywork-OR1's rule as TRL 1.16 runs it: target 0.5, delta 0.1, bounds [0.05, 0.25], start 0.2."""
+    from klgrpo.math.kl_control import ENTROPY_CONTROLLERS
+
+    c = ENTROPY_CONTROLLERS["adaptive"](0.2, entropy_target=0.5, entropy_coef_delta=0.1, entropy_coef_min=0.05,
+                                        entropy_coef_max=0.25)
+    assert c.applied == 0.0  # nothing observed yet: the last entropy counts as infinite
+    steps = [(0.4, 0.25, 0.25), (0.5, 0.25, 0.25), (0.9, 0.15, 0.0), (2.0, 0.05, 0.0), (0.3, 0.15, 0.15)]
+    for entropy, value, applied in steps:  # at/below target: +delta up to max; above: -delta down to min
+        c.observe(entropy)
+        assert (c.value, c.applied) == pytest.approx((value, applied))
+    again = ENTROPY_CONTROLLERS["adaptive"](0.2, 0.5, 0.1, 0.05, 0.25)
+    again.load_state_dict(json.loads(json.dumps(c.state_dict())))
+    assert again.state_dict() == c.state_dict() and again.applied == c.applied
+    fresh = ENTROPY_CONTROLLERS["adaptive"](0.2, 0.5, 0.1, 0.05, 0.25)
+    assert json.loads(json.dumps(fresh.state_dict()))["last_entropy"] is None  # JSON holds no infinity
+    fixed = ENTROPY_CONTROLLERS["fixed"](0.3)
+    fixed.observe(0.01)
+    assert fixed.value == fixed.applied == 0.3
+    with pytest.raises(ValueError, match="entropy_coef_min <= entropy_coef_max"):
+        ENTROPY_CONTROLLERS["adaptive"](0.2, 0.5, 0.1, 0.3, 0.25)

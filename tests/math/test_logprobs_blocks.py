@@ -47,18 +47,25 @@ def test_one_pass_logprobs_and_entropy_match_naive(chunk, max_bytes, temperature
     upstream = torch.randn(B, T, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     x = logits.clone().requires_grad_(True)
     logp, entropy = token_logprobs_and_entropy(x, targets, temperature, chunk_tokens=chunk)
-    assert not entropy.requires_grad and entropy.dtype == torch.float32
-    (grad,) = torch.autograd.grad((logp * upstream).sum(), x)
+    assert entropy.requires_grad and entropy.dtype == torch.float64  # the bonus differentiates it
+    (grad,) = torch.autograd.grad((logp * upstream).sum(), x, retain_graph=True)
+    (grad_entropy,) = torch.autograd.grad((entropy * upstream.flip(0)).sum(), x, retain_graph=True)
+    (grad_both,) = torch.autograd.grad((logp * upstream).sum() - 0.3 * entropy.sum(), x)
 
     x_ref = logits.clone().requires_grad_(True)
     logp_ref, entropy_ref = _naive(x_ref, targets, temperature)
-    (grad_ref,) = torch.autograd.grad((logp_ref * upstream).sum(), x_ref)
+    (grad_ref,) = torch.autograd.grad((logp_ref * upstream).sum(), x_ref, retain_graph=True)
+    (grad_entropy_ref,) = torch.autograd.grad((entropy_ref * upstream.flip(0)).sum(), x_ref, retain_graph=True)
+    (grad_both_ref,) = torch.autograd.grad((logp_ref * upstream).sum() - 0.3 * entropy_ref.sum(), x_ref)
     torch.testing.assert_close(logp, logp_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, grad_ref, rtol=0, atol=1e-12)
-    torch.testing.assert_close(entropy, entropy_ref.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, entropy_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad_entropy, grad_entropy_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad_both, grad_both_ref, rtol=0, atol=1e-12)
+    assert float(grad_entropy.abs().max()) > 1e-2
     # the same numbers as the two separate functions
     torch.testing.assert_close(logp, token_logprobs(logits, targets, temperature, chunk), rtol=0, atol=0)
-    torch.testing.assert_close(entropy, token_entropy(logits, temperature, chunk), rtol=0, atol=2e-6)
+    torch.testing.assert_close(entropy.float(), token_entropy(logits, temperature, chunk), rtol=0, atol=2e-6)
 
 
 def test_one_pass_bf16_like_the_model_output():

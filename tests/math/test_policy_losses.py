@@ -107,7 +107,7 @@ def test_cispo_values_and_gradient_by_hand():
 
 def test_registry_names_are_the_config_choices():
     choices = next(f for p, f in all_field_paths() if p == "loss.policy_loss").metadata["choices"]
-    assert POLICY_LOSSES.names() == list(choices) == ["ppo_clip", "gspo", "cispo"]
+    assert POLICY_LOSSES.names() == list(choices) == ["ppo_clip", "gspo", "cispo", "sapo", "vespo"]
     assert GRPOConfig().loss.policy_loss == "ppo_clip"
     for name in POLICY_LOSSES:
         assert GRPOConfig.from_dict({"loss": {"policy_loss": name}}).loss.policy_loss == name
@@ -121,3 +121,32 @@ def test_ppo_clip_entry_is_the_clipped_surrogate():
                                   torch.ones(2, 3, dtype=torch.bool), 0.2, 0.28)
     b = clipped_surrogate(_leaf(ratios), torch.zeros(2, 3, dtype=F64), CISPO_ADV, 0.2, 0.28)
     torch.testing.assert_close(a.loss_BT, b.loss_BT, rtol=0, atol=0)
+
+
+def test_sapo_values_and_gradient_by_hand():
+    # row 0: rho 1 and A = +1 (tau_pos 1): loss -(4/1) sigmoid(0) = -2, gradient -(4/tau) sigma'(0) tau rho A = -1,
+    # PPO's -A at rho = 1. Row 1: rho 2 and A = -1 (tau_neg 2): loss -(4/2) sigmoid(2) (-1) = 2 sigmoid(2),
+    # gradient -4 sigma'(2) * 2 * (-1) = 8 s (1 - s), s = sigmoid(2).
+    logp = _leaf([[1.0], [2.0]])
+    out = POLICY_LOSSES["sapo"](logp, torch.zeros(2, 1, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64),
+                                torch.ones(2, 1), temperature_pos=1.0, temperature_neg=2.0)
+    s = 1 / (1 + math.exp(-2))
+    torch.testing.assert_close(out.loss_BT, torch.tensor([[-2.0], [2 * s]], dtype=F64), rtol=0, atol=1e-7)
+    (grad,) = torch.autograd.grad(out.loss_BT.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0], [8 * s * (1 - s)]], dtype=F64), rtol=0, atol=1e-7)
+    assert not out.clipped_low_BT.any() and not out.clipped_high_BT.any()
+
+
+def test_vespo_values_and_gradient_by_hand():
+    # row 0: token ratios 2 and 1 (padding 9 ignored): w = 2, A = +1, k 2, lambda 3: phi = e^3 * 2^2 * e^-6 = 4 e^-3;
+    # loss_t = -phi A log pi_t, gradient -phi per token. Row 1: ratios 1: w = 1, phi(1) = 1 whatever k and lambda,
+    # A = -1: gradient +1.
+    logp = _leaf([[2.0, 1.0, 9.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    out = POLICY_LOSSES["vespo"](logp, torch.zeros(2, 3, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64), mask,
+                                 k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    phi = 4 * math.exp(-3)
+    (grad,) = torch.autograd.grad((out.loss_BT * mask).sum(), logp)
+    expected = torch.tensor([[-phi, -phi, 0.0], [1.0, 1.0, 1.0]], dtype=F64)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.loss_BT[0, :2], -phi * torch.log(torch.tensor([2.0, 1.0], dtype=F64)))
