@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from klgrpo.backends.kv_decoder import KVSampler
     from klgrpo.core.forward import completion_logprobs
     from klgrpo.core.rollout import SamplingParams, encode_prompts, generate_groups
-    from klgrpo.train.config import ModelConfig
+    from klgrpo.config.schema import ModelConfig
 
     torch.set_num_threads(args.threads)
     print_machine({"model": args.model})

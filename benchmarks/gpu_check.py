@@ -88,7 +88,7 @@ def part_vs_trl(args, work: Path) -> dict:
 
 
 def part_example(args, model_dir: Path, work: Path) -> dict:
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
     from klgrpo.train.trainer import GRPOTrainer
 
     steps = 2 if args.tiny else 6
@@ -244,7 +244,7 @@ def part_samplers(args, model_dir: Path) -> dict:
 
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer
     from klgrpo.core.rollout import SamplingParams, generate_groups
-    from klgrpo.train.config import ModelConfig
+    from klgrpo.config.schema import ModelConfig
 
     tok = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir), ModelConfig(), torch.device(args.device), torch.bfloat16)

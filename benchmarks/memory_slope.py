@@ -45,7 +45,7 @@ def main() -> None:
     from _common import write_prompts
 
     from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
     from klgrpo.train import trainer as trainer_module
 
     work = Path(tempfile.mkdtemp(prefix="klgrpo-mem-"))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 def worker(config_file: str, out_file: str) -> None:
     import psutil
 
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
     from klgrpo.train.trainer import GRPOTrainer
 
     raw = json.loads(Path(config_file).read_text())

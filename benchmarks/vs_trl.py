@@ -146,7 +146,7 @@ def local_model(args, root: Path, dtype: str) -> Path:
 
     from klgrpo.apps.demo.model import quiet_progress_bars
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer
-    from klgrpo.train.config import ModelConfig
+    from klgrpo.config.schema import ModelConfig
 
     out = root / f"{Path(gguf_file).stem}-{dtype}"
     if not (out / "config.json").exists():

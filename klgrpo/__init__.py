@@ -10,7 +10,7 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "__version__"]
 def __getattr__(name: str):
     # Lazy so that `import klgrpo.math` does not pull in transformers.
     if name == "GRPOConfig":
-        from klgrpo.train.config import GRPOConfig
+        from klgrpo.config.schema import GRPOConfig
 
         return GRPOConfig
     if name == "GRPOTrainer":

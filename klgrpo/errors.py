@@ -53,3 +53,8 @@ def warn(message: str) -> None:
 
 
 __all__ = ["KLGRPOError", "ConfigError", "DataError", "RewardError", "KLGRPOWarning", "first_line", "warn"]
+
+
+class NonFiniteError(KLGRPOError):
+    """Training produced NaN or infinite values it could not skip past (train/guard.py), or weights about to be
+    checkpointed hold them (run/checkpoint.py)."""

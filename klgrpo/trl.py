@@ -10,7 +10,7 @@ Generation (vLLM included), data, rewards, accelerate / DeepSpeed / FSDP, loggin
 With the defaults (kl_adaptation_method "none", estimator k3, the importance weight TRL's
 ``use_bias_correction_kl`` selects) loss and gradient equal stock TRL's for every loss_type (grpo, bnpo, dr_grpo,
 dapo, luspo, cispo, sapo, vespo), with delta, importance_sampling_level "sequence" (GSPO), the entropy bonus and
-its adaptive controller, the top-entropy and the off-policy masks; klgrpo.trl_mapping holds the one
+its adaptive controller, the top-entropy and the off-policy masks; klgrpo.integrations.trl_mapping holds the one
 table from TRL's and the adaptive-KL fields to klgrpo's config. docs/trl.md has the details.
 """
 
@@ -46,17 +46,17 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from klgrpo.errors import ConfigError  # noqa: E402
-from klgrpo.mapping import mapped_objective  # noqa: E402
+from klgrpo.integrations.mapping import mapped_objective  # noqa: E402
 from klgrpo.math.aggregation import Normalizer  # noqa: E402
 from klgrpo.math.kl import ESTIMATORS  # noqa: E402
 from klgrpo.math.kl_control import CONTROLLERS, KLController  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
-from klgrpo.train.config import GRPOConfig as KlgrpoConfig  # noqa: E402
+from klgrpo.config.schema import GRPOConfig as KlgrpoConfig  # noqa: E402
 from klgrpo.math.objective import entropy_threshold  # noqa: E402
-from klgrpo.train.terms import build_entropy_controller  # noqa: E402
-from klgrpo.train.terms import build_kl_controller as build_controller_from_config  # noqa: E402
-from klgrpo.trl_mapping import (  # noqa: E402
+from klgrpo.config.terms import build_entropy_controller  # noqa: E402
+from klgrpo.config.terms import build_kl_controller as build_controller_from_config  # noqa: E402
+from klgrpo.integrations.trl_mapping import (  # noqa: E402
     ADAPTIVE_KL_DEFAULTS, ADAPTIVE_KL_FIELDS, LOSS_TYPES, TRL_DEFAULTS, map_trl, resolved_controller,
     resolved_is_correction,
 )
@@ -151,7 +151,7 @@ def validate_kl_fields(args: GRPOConfig) -> None:
 
 
 def klgrpo_config(args: GRPOConfig) -> KlgrpoConfig:
-    """The klgrpo config of these fields (klgrpo.trl_mapping); ConfigError for a field whose objective klgrpo's
+    """The klgrpo config of these fields (klgrpo.integrations.trl_mapping); ConfigError for a field whose objective klgrpo's
     math lacks. TRL's own trainer keeps the fields it applies around the loss (entropy and off-policy masks,
     vLLM's importance ratio, steps_per_generation)."""
     mapped = map_trl(args._field_values())

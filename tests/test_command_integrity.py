@@ -210,8 +210,8 @@ def test_refused_in_one_line_and_nothing_changes(case, tiny_model_dir, finished_
 
 
 def test_the_checksums_cover_every_weights_file(finished_run):
-    from klgrpo.train.checkpoint import STATE_STEM, WEIGHTS_SUMS
-    from klgrpo.train.state_io import file_sha256, read_state_doc
+    from klgrpo.run.checkpoint import STATE_STEM, WEIGHTS_SUMS
+    from klgrpo.run.state_io import file_sha256, read_state_doc
 
     ckpt = finished_run / "checkpoints" / "step_2"
     doc = read_state_doc(ckpt, STATE_STEM)

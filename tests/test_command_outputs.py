@@ -127,7 +127,7 @@ def test_export_on_a_full_disk_leaves_no_folder(finished_run, tmp_path, capsys, 
 
 def test_after_sft_the_next_command_warns_about_the_default_lr(sft_config, tmp_path, capsys):
     pytest.importorskip("trl", reason="klgrpo sft runs TRL's SFTTrainer (pip install \"klgrpo[trl,data]\")")
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
 
     assert cli(_sft(sft_config, tmp_path / "m")) == 0
     out = capsys.readouterr().out

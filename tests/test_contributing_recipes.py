@@ -13,7 +13,7 @@ from klgrpo.apps.args import parse_args
 from klgrpo.math import kl, kl_control, policy_loss
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
-from klgrpo.train.terms import controller_params
+from klgrpo.config.terms import controller_params
 
 CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.launch import Launch, accelerate_command, metrics_steps
 
@@ -166,7 +166,7 @@ def test_sigkill_of_rank_1_mid_save_keeps_a_complete_checkpoint(sharded, tiny_mo
     run ends non-zero and the newest complete checkpoint loads; nothing half-written counts as one."""
     import os
 
-    from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints
+    from klgrpo.run.checkpoint import clean_incomplete, list_checkpoints
     from tests.helpers.launch import rank_pid
 
     run = tmp_path / "run"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.dist_worker import full_gradients, sample_slice, update_metrics

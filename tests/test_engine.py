@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from klgrpo.errors import ConfigError
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.engine import Engine
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from klgrpo.train.metrics import read_metrics
-from klgrpo.train.state_io import load_state
+from klgrpo.run.state_io import load_state
 from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 

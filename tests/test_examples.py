@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.core.rewards import RewardSpec
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))

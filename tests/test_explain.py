@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from klgrpo.apps.explain import STRICT_EXIT, main
-from klgrpo.mapping import render_table
+from klgrpo.integrations.mapping import render_table
 
 ROOT = Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples" / "explain"
@@ -78,7 +78,7 @@ def test_strict_exit_status(tmp_path):
 def test_write_gives_a_klgrpo_config_that_explains_the_same(tmp_path, capsys):
     written = tmp_path / "klgrpo.yaml"
     assert main([str(EXAMPLES / "unsloth_dynamic.yaml"), "--write", str(written)]) == 0
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
 
     cfg = GRPOConfig.from_yaml(written)
     assert (cfg.kl.controller, cfg.kl.estimator, cfg.kl.is_correction, cfg.loss.aggregation) == \
@@ -131,9 +131,9 @@ def test_missing_file_and_two_files_with_json(tmp_path, capsys):
 
 
 def test_the_docs_show_the_code_tables():
-    from klgrpo.openrlhf_mapping import OPENRLHF_FIELDS
-    from klgrpo.trl_mapping import ADAPTIVE_KL_FIELDS, TRL_FIELDS
-    from klgrpo.verl_mapping import VERL_FIELDS
+    from klgrpo.integrations.openrlhf_mapping import OPENRLHF_FIELDS
+    from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_FIELDS, TRL_FIELDS
+    from klgrpo.integrations.verl_mapping import VERL_FIELDS
 
     trl_doc = (ROOT / "docs" / "trl.md").read_text()
     explain_doc = (ROOT / "docs" / "explain.md").read_text()
@@ -149,7 +149,7 @@ def test_trl_defaults_are_trl_1_16s():
     import trl
 
     from klgrpo.trl import GRPOConfig
-    from klgrpo.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS
+    from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS
 
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     assert {name: theirs[name] for name in TRL_DEFAULTS} == TRL_DEFAULTS
@@ -159,8 +159,8 @@ def test_trl_defaults_are_trl_1_16s():
 
 def test_the_bridge_and_the_trainer_build_one_controller(tmp_path):
     from klgrpo.math.kl_control import DUAL_BETA_FLOOR
-    from klgrpo.train.config import GRPOConfig as KlgrpoConfig
-    from klgrpo.train.terms import build_kl_controller
+    from klgrpo.config.schema import GRPOConfig as KlgrpoConfig
+    from klgrpo.config.terms import build_kl_controller
     from klgrpo.trl import GRPOConfig, build_kl_controller as bridge_controller
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], beta=0.1, kl_controller="dual",

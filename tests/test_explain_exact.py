@@ -1,4 +1,4 @@
-"""``klgrpo explain``'s mappings are exact: the mapped klgrpo objective (klgrpo.mapping.mapped_objective) against
+"""``klgrpo explain``'s mappings are exact: the mapped klgrpo objective (klgrpo.integrations.mapping.mapped_objective) against
 TRL 1.16's own ``GRPOTrainer._compute_loss`` (float64, 1e-10, loss and gradient), and against verl's and
 OpenRLHF's formulas written out by hand below (from their documentation and config help, not their code); the
 Unsloth fields map as the TRL bridge maps them."""
@@ -14,10 +14,10 @@ import torch
 
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.mapping import mapped_objective
-from klgrpo.openrlhf_mapping import map_openrlhf
-from klgrpo.trl_mapping import map_trl
-from klgrpo.verl_mapping import map_verl
+from klgrpo.integrations.mapping import mapped_objective
+from klgrpo.integrations.openrlhf_mapping import map_openrlhf
+from klgrpo.integrations.trl_mapping import map_trl
+from klgrpo.integrations.verl_mapping import map_verl
 from tests.helpers.one_process import OneProcessAccelerator
 
 F64 = torch.float64
@@ -167,7 +167,7 @@ def _entropies(seed: int = 1):
 @pytest.mark.parametrize("option", sorted(ENTROPY_OPTIONS))
 @pytest.mark.parametrize("off_policy", (False, True))
 def test_entropy_and_mask_options_equal_trl_compute_loss(loss_type, option, off_policy):
-    from klgrpo.train.terms import build_entropy_controller
+    from klgrpo.config.terms import build_entropy_controller
 
     extra, last_entropy = ENTROPY_OPTIONS[option]
     fields = {"beta": 0.04, "loss_type": loss_type, **extra, **({"num_iterations": 2} if off_policy else {})}
@@ -225,7 +225,7 @@ def test_sequence_level_options_equal_trl_compute_loss(fields):
     expected_loss, expected_grads, _ = _trl(fields, logp, old, ref, adv, mask, entropy, 0.5)
     mapped = map_trl(fields)
     assert not mapped.unmapped
-    from klgrpo.train.terms import build_entropy_controller
+    from klgrpo.config.terms import build_entropy_controller
 
     controller = build_entropy_controller(mapped.klgrpo_config().loss)
     controller.last_entropy = 0.5
@@ -370,7 +370,7 @@ ORL_BASE = ["--algo.advantage.estimator", "group_norm", "--rollout.batch_size", 
 
 
 def _orl(*flags: str):
-    from klgrpo.openrlhf_mapping import parse_flags
+    from klgrpo.integrations.openrlhf_mapping import parse_flags
 
     return map_openrlhf(parse_flags([*ORL_BASE, *flags], "test"))
 
@@ -450,7 +450,7 @@ def test_unsloth_fields_map_as_the_bridge_maps_them(fields, tmp_path):
     bridge_args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fields)
     assert mapped.klgrpo_config().kl == klgrpo_config(bridge_args).kl
     assert mapped.klgrpo_config().loss == klgrpo_config(bridge_args).loss
-    from klgrpo.train.terms import build_kl_controller as from_config
+    from klgrpo.config.terms import build_kl_controller as from_config
 
     assert from_config(mapped.klgrpo_config().kl).state_dict() == build_kl_controller(bridge_args).state_dict()
     # the loss: both routes run mapped_objective on the same klgrpo config, checked above; one value by hand

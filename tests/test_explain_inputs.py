@@ -63,7 +63,7 @@ def test_trl_grpo_config_maps_model_lora_and_dataset(tmp_path):
 
 
 def test_write_of_a_trl_grpo_config_is_a_klgrpo_config(tmp_path):
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
 
     out = tmp_path / "klgrpo.yaml"
     assert main([str(EXAMPLES / "trl_grpo_config.yaml"), "--write", str(out)]) == 0

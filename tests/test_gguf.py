@@ -13,7 +13,7 @@ pytest.importorskip("gguf")
 
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, split_gguf  # noqa: E402
 from klgrpo.errors import ConfigError  # noqa: E402
-from klgrpo.train.config import GRPOConfig, ModelConfig  # noqa: E402
+from klgrpo.config.schema import GRPOConfig, ModelConfig  # noqa: E402
 from tests.helpers.configs import make_config, quiet  # noqa: E402
 from tests.helpers.gguf_model import write_tiny_gguf  # noqa: E402
 

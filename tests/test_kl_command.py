@@ -73,7 +73,7 @@ def test_longer_completions_match_a_float64_brute_force(model_pair):
     from klgrpo.core.full_kl import completion_logprobs_and_full_kl
     from klgrpo.core.reference import FrozenCopyReference
     from klgrpo.core.rollout import SamplingParams, generate_groups
-    from klgrpo.train.config import ModelConfig
+    from klgrpo.config.schema import ModelConfig
 
     policy_dir, reference_dir, _ = model_pair
     policy, tok = load_model_for_inference(policy_dir, ModelConfig(name_or_path=policy_dir, device="cpu",

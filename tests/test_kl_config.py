@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from klgrpo.errors import ConfigError
-from klgrpo.train.config import GRPOConfig
-from klgrpo.train.validation import kl_gradient_target, validate_config
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.validation import kl_gradient_target, validate_config
 
 
 def _cfg(**groups) -> GRPOConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.kl_watch import KLWatch
 from klgrpo.train.trainer import GRPOTrainer
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from klgrpo.train.config import GRPOConfig, LoraConfig  # noqa: E402
+from klgrpo.config.schema import GRPOConfig, LoraConfig  # noqa: E402
 from klgrpo.errors import ConfigError  # noqa: E402
 from klgrpo.apps.lora_memory import reference_memory  # noqa: E402
 from klgrpo.backends.lora import (REFERENCE_ADAPTER, adapter_params, apply_lora, export_merged,  # noqa: E402

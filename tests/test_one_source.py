@@ -22,7 +22,7 @@ from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
-from klgrpo.train.config import LR_SCHEDULES, GRPOConfig, all_field_paths
+from klgrpo.config.schema import LR_SCHEDULES, GRPOConfig, all_field_paths
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
 
@@ -134,9 +134,9 @@ def test_one_exact_match():
 
 
 def test_one_summary_file_name():
-    """Only klgrpo/train/metrics.py spells the summary file's name; everything else imports SUMMARY_FILE."""
+    """Only klgrpo/run/run_folder.py spells the summary file's name; everything else imports SUMMARY_FILE."""
     spelled = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if '"summary.json"' in p.read_text()]
-    assert spelled == ["train/metrics.py"]
+    assert spelled == ["run/run_folder.py"]
 
 
 def test_replay_settings_checked_once_with_the_same_message(tmp_path):

@@ -120,8 +120,8 @@ def test_resume_with_a_changed_exactness_field_is_refused(tiny_model_dir, additi
 
 
 def test_extending_a_finished_cosine_run_warns():
-    from klgrpo.train.config import GRPOConfig
-    from klgrpo.train.run_folder import compare_configs
+    from klgrpo.config.schema import GRPOConfig
+    from klgrpo.run.run_folder import compare_configs
 
     old = GRPOConfig.from_dict({"optim": {"schedule": "cosine"}, "train": {"steps": 10}})
     new = old.override({"train.steps": 20})
@@ -132,8 +132,8 @@ def test_extending_a_finished_cosine_run_warns():
 
 
 def test_lock_refuses_a_live_writer_and_takes_over_a_dead_one(tmp_path):
-    from klgrpo.train.run_folder import LOCK_FILE, RunLock, check_run_folder
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.run.run_folder import LOCK_FILE, RunLock, check_run_folder
+    from klgrpo.config.schema import GRPOConfig
 
     import socket
 
@@ -161,7 +161,7 @@ def test_a_second_trainer_in_the_same_process_is_refused(tiny_model_dir, additio
     is refused, without touching A's lock. Once A is done, the folder is free again."""
     import threading
 
-    from klgrpo.train.run_folder import LOCK_FILE
+    from klgrpo.run.run_folder import LOCK_FILE
 
     run = tmp_path / "run"
     first = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}), log=quiet)
@@ -195,7 +195,7 @@ def test_resume_auto_continues_a_checkpoint_restarts_an_unsaved_start_and_starts
     """--resume auto: a fresh folder starts a run; a folder with a checkpoint continues from it; the beginning
     of the same run killed before its first checkpoint starts again; another run's beginning is refused."""
     from klgrpo.apps.args import parse_args
-    from klgrpo.train.run_folder import resolve_auto_resume
+    from klgrpo.run.run_folder import resolve_auto_resume
 
     out = tmp_path / "run"
     cfg = parse_args(_base_args(tiny_model_dir, addition_file, out))[0]
@@ -225,7 +225,7 @@ def test_resume_auto_continues_a_checkpoint_restarts_an_unsaved_start_and_starts
 
 
 def test_orphans_are_cleaned_and_only_those(tmp_path):
-    from klgrpo.train.checkpoint import clean_incomplete
+    from klgrpo.run.checkpoint import clean_incomplete
 
     root = tmp_path / "checkpoints"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -336,7 +336,7 @@ def test_state_round_trip_keeps_every_type_bitwise(tmp_path):
     from klgrpo.core.batch import StepBatch
     from klgrpo.core.rollout import RolloutBatch
     from klgrpo.math.aggregation import Normalizer
-    from klgrpo.train.state_io import load_state, save_state
+    from klgrpo.run.state_io import load_state, save_state
 
     rollout = RolloutBatch(input_ids=torch.arange(12).reshape(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long),
                            completion_ids=torch.arange(8).reshape(2, 4), completion_mask=torch.ones(2, 4).bool(),
@@ -373,8 +373,8 @@ def test_state_round_trip_keeps_every_type_bitwise(tmp_path):
 
 
 def test_a_pickle_payload_in_any_file_klgrpo_reads_does_not_run(tiny_model_dir, addition_file, tmp_path):
-    from klgrpo.train.checkpoint import load_trainer_state
-    from klgrpo.train.state_io import StateFileError, load_state
+    from klgrpo.run.checkpoint import load_trainer_state
+    from klgrpo.run.state_io import StateFileError, load_state
     from klgrpo.verify.from_run import DumpError, load_dump
 
     payload = _pickle_payload(tmp_path)
@@ -470,7 +470,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_names_the_file(tiny_model_dir,
 
 def test_full_disk_during_save_says_so_and_keeps_the_old_checkpoint(tiny_model_dir, addition_file, tmp_path,
                                                                     monkeypatch):
-    from klgrpo.train import checkpoint
+    from klgrpo.run import checkpoint
 
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 1}, **FAST)
     trainer = GRPOTrainer(cfg, log=quiet)
@@ -633,7 +633,7 @@ def test_full_disk_in_safetensors_says_so_and_leaves_no_tmp_folder(tiny_model_di
     one can be mounted here, else with safetensors' writer failing the way it does on a full disk."""
     from safetensors import SafetensorError
 
-    from klgrpo.train import checkpoint
+    from klgrpo.run import checkpoint
 
     disk = _small_tmpfs(tmp_path / "disk")
     run = (disk or tmp_path) / "r"

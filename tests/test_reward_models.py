@@ -18,10 +18,10 @@ from klgrpo.apps.demo.tokenizer import build_char_tokenizer
 from klgrpo.core.rewards import RewardComputer, RewardModel, RewardModelContext, RewardModelSpec, RewardSpec
 from klgrpo.errors import ConfigError, KLGRPOWarning, RewardError
 from klgrpo.train import metric_names as names
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
-from klgrpo.train.validation import check_step_memory
+from klgrpo.train.step_memory import check_step_memory
 from tests.helpers.configs import make_config, quiet
 from tests.helpers.reward_model import (
     CHAT_TEMPLATE, build_reward_model, prefers_token, rm_tokenizer, save_reward_model,

@@ -1,5 +1,5 @@
 """The pre-flight memory check: a step whose rollout or update cannot fit is refused in one line before the first
-rollout (klgrpo/train/validation.py: estimate_step_memory, check_step_memory)."""
+rollout (klgrpo/config/validation.py: estimate_step_memory, check_step_memory)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from klgrpo.errors import ConfigError
-from klgrpo.train.config import GRPOConfig
-from klgrpo.train.validation import available_memory_bytes, check_step_memory, estimate_step_memory
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.train.step_memory import available_memory_bytes, check_step_memory, estimate_step_memory
 
 GIB = 2 ** 30
 
@@ -150,7 +150,7 @@ def test_the_trainer_refuses_a_step_beyond_memory_before_writing_anything(tiny_m
     from klgrpo.train.trainer import GRPOTrainer
 
     # The trainer asks the machine how much is free; here the machine has 1 KiB.
-    monkeypatch.setattr("klgrpo.train.validation.available_memory_bytes", lambda device: 1024)
+    monkeypatch.setattr("klgrpo.train.step_memory.available_memory_bytes", lambda device: 1024)
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match="the rollout needs at least .* rollout.group_size=4"):
         GRPOTrainer(make_config(tiny_model_dir, addition_file, out), log=lambda m: None)
@@ -163,7 +163,7 @@ def test_the_address_space_limit_counts(tmp_path, monkeypatch):
 
     import torch
 
-    from klgrpo.train.validation import address_space_left
+    from klgrpo.train.step_memory import address_space_left
 
     status = tmp_path / "status"
     status.write_text("Name:\tpython\nVmPeak:\t 9000000 kB\nVmSize:\t 1048576 kB\n")
@@ -175,7 +175,7 @@ def test_the_address_space_limit_counts(tmp_path, monkeypatch):
 
 
 def test_the_cgroup_memory_limit_counts(tmp_path):
-    from klgrpo.train.validation import cgroup_memory_left
+    from klgrpo.train.step_memory import cgroup_memory_left
 
     own = tmp_path / "cgroup"
     own.write_text("0::/job/42\n")

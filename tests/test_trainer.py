@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
 from klgrpo.core.kl_dump import load_dump

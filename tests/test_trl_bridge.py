@@ -449,7 +449,7 @@ def test_trl_command_line_parser_takes_the_new_fields_and_their_choices(tmp_path
 def test_sequence_level_refuses_only_what_gspo_lacks():
     """importance_sampling_level 'sequence' is klgrpo's gspo; per-token factors TRL multiplies into a sequence
     loss have no counterpart there, per-sequence ones do."""
-    from klgrpo.trl_mapping import map_trl
+    from klgrpo.integrations.trl_mapping import map_trl
 
     base = {"importance_sampling_level": "sequence", "use_bias_correction_kl": False, "beta": 0.1}
     assert not map_trl(base).unmapped and map_trl(base).config["loss.policy_loss"] == "gspo"

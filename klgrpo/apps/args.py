@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from klgrpo.errors import KLGRPOError
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 
 USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|auto|PATH] [--overwrite]
                     [--<group>.<field> VALUE ...]
@@ -93,7 +93,7 @@ def _run_config(resume: str, output_dir: str | None) -> str | None:
     from pathlib import Path
 
     from klgrpo.errors import ConfigError
-    from klgrpo.train.run_folder import run_config_file
+    from klgrpo.run.run_folder import run_config_file
 
     if resume in ("latest", "auto"):
         if not output_dir:

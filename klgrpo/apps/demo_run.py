@@ -19,8 +19,8 @@ import os
 import time
 
 from klgrpo.apps.args import CommandLine, read_argv
-from klgrpo.train.config import GRPOConfig
-from klgrpo.train.run_folder import timestamped_run_dir
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.run.run_folder import timestamped_run_dir
 
 TRAINED, HELD_OUT = "addition", "subtraction"
 #: The demo's "drifting KL" threshold (kl.warn_above), fitted to its scale.

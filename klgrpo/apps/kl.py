@@ -73,7 +73,7 @@ def measure(args) -> dict:
     from klgrpo.core.full_kl import completion_logprobs_and_full_kl
     from klgrpo.core.reference import FrozenCopyReference
     from klgrpo.core.rollout import SamplingParams, generate_groups
-    from klgrpo.train.config import ModelConfig
+    from klgrpo.config.schema import ModelConfig
 
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from klgrpo.backends.lora import apply_lora, parameter_bytes
 from klgrpo.core.reference import AdapterDisabledReference, FrozenCopyReference
-from klgrpo.train.config import LoraConfig
+from klgrpo.config.schema import LoraConfig
 
 
 def reference_memory(build_model, cfg: "LoraConfig") -> dict[str, int]:

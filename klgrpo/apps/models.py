@@ -11,8 +11,8 @@ from klgrpo.errors import ConfigError
 def checkpoint_run_config(path: str):
     """The config.yaml of the run that holds the checkpoint folder ``path`` (``<run>/checkpoints/step_N``), or
     None when ``path`` is not inside a run folder or the run's config.yaml is missing or empty."""
-    from klgrpo.train.config import GRPOConfig
-    from klgrpo.train.run_folder import run_config_file
+    from klgrpo.config.schema import GRPOConfig
+    from klgrpo.run.run_folder import run_config_file
 
     folder = Path(path)
     config = run_config_file(folder.parent.parent) if folder.parent.name == "checkpoints" else None
@@ -24,8 +24,8 @@ def checkpoint_run_config(path: str):
 def verify_checkpoint(path: Path) -> None:
     """A klgrpo checkpoint folder's weights files match the sha256 saved with them (a ConfigError line naming
     the file otherwise); any other folder passes (it has no checksums)."""
-    from klgrpo.train.checkpoint import STATE_FILE, verify_checksums
-    from klgrpo.train.state_io import StateFileError
+    from klgrpo.run.checkpoint import STATE_FILE, verify_checksums
+    from klgrpo.run.state_io import StateFileError
 
     if not (Path(path) / STATE_FILE).is_file():
         return

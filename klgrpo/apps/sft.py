@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
 def _lr_note(args, overrides: list[str]) -> str | None:
     """A warning when the config leaves optim.lr at klgrpo's default, which is sized for large models."""
     from klgrpo.apps.args import parse_args
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
 
     default = GRPOConfig().optim.lr
     if parse_args(["--config", args.config, *overrides])[0].optim.lr != default:

@@ -55,7 +55,7 @@ from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Ru
 from klgrpo.apps.train import resolved_config
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
-from klgrpo.train.stop_signals import sigterm_as_interrupt
+from klgrpo.run.stop_signals import sigterm_as_interrupt
 
 PLOT_FILE = "accuracy_vs_retention.png"
 BETA_PLOT_FILE = "accuracy_vs_beta.png"
@@ -278,7 +278,7 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
     counter = itertools.count(done + 1)
 
     def one(run: Run) -> Run:
-        from klgrpo.train.run_folder import holds_run
+        from klgrpo.run.run_folder import holds_run
 
         earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
         execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
@@ -347,7 +347,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def check_sweep_folder(output_dir: str) -> None:
     """--output-dir names a folder for the sweep's runs, never one that holds a ``klgrpo train`` run (the
     sweep's folders and tables would be written into it)."""
-    from klgrpo.train.run_folder import CONFIG_FILE, OWNED_FILE, holds_run
+    from klgrpo.run.run_folder import CONFIG_FILE, OWNED_FILE, holds_run
 
     if not output_dir.strip():
         raise SweepError("--output-dir is empty; pass the sweep folder (or leave it out for runs/sweep-<time>)")

@@ -41,7 +41,7 @@ def split_values(text: str) -> list[str]:
 
 def check_override(key: str, value: str, origin: str) -> None:
     """``value`` must be one that ``klgrpo train --KEY VALUE`` accepts (the field exists, the type fits)."""
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
 
     try:
         GRPOConfig().override({key: value}, origin=origin)

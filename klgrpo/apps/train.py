@@ -13,7 +13,7 @@ import sys
 from klgrpo.apps.args import USAGE, read_argv
 from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import KLGRPOError
-from klgrpo.train.config import config_help
+from klgrpo.config.schema import config_help
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
         if fresh and run_dir is not None and os.environ.get("RANK", "0") == "0":  # rank 0 owns the folder
-            from klgrpo.train.run_folder import discard_unstarted_run
+            from klgrpo.run.run_folder import discard_unstarted_run
 
             discard_unstarted_run(run_dir)
         return 2
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         print(f"klgrpo train: error: {lost}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        from klgrpo.train.stop_signals import Terminated
+        from klgrpo.run.stop_signals import Terminated
 
         if isinstance(exc, Terminated):
             print("klgrpo train: terminated (SIGTERM)", file=sys.stderr)
@@ -90,7 +90,7 @@ def _lost_peer_message(exc: BaseException) -> str | None:
 
 def _early_checks(cfg, opts):
     """What can be refused before a model is built: config values, the run folder, the reward functions."""
-    from klgrpo.train.run_folder import check_run_folder
+    from klgrpo.run.run_folder import check_run_folder
     from klgrpo.train.building import run_dir_for
 
     cfg.validate()  # errors only here; the trainer prints the warnings
@@ -102,8 +102,8 @@ def _early_checks(cfg, opts):
 
 def _early_checks_of_demo(cfg, opts) -> None:
     """The demo's config is resolved after its assets are built: check the fields given and the folder now."""
-    from klgrpo.train.run_folder import check_run_folder
-    from klgrpo.train.validation import check_finite_and_ranges
+    from klgrpo.run.run_folder import check_run_folder
+    from klgrpo.config.validation import check_finite_and_ranges
 
     def need(ok, message):
         if not ok:

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from klgrpo.errors import KLGRPOError
-
-
-class NonFiniteError(KLGRPOError):
-    """Training produced NaN or infinite values it could not skip past."""
+from klgrpo.errors import NonFiniteError
+from klgrpo.run.checkpoint import check_finite_weights  # noqa: F401  (the guard's other half, where saves use it)
 
 
 class NonFiniteGuard:
@@ -57,17 +54,6 @@ class NonFiniteGuard:
         state = state or {}
         self.skipped_total = int(state.get("skipped_total", 0))
         self.consecutive = 0  # a resumed run gets max_consecutive fresh chances
-
-
-def check_finite_weights(model, step: int) -> None:
-    """Raise NonFiniteError if any parameter of ``model`` (a module, or a gathered full state dict) holds a NaN
-    or an infinity (one sync per tensor)."""
-    named = model.items() if isinstance(model, dict) else model.named_parameters()
-    bad = [name for name, p in named if p.is_floating_point() and not bool(torch.isfinite(p).all())]
-    if bad:
-        raise NonFiniteError(f"the weights at step {step} hold NaN or infinite values ({bad[0]}"
-                             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint was written, "
-                             f"the newest one in checkpoints/ holds the last finite weights")
 
 
 __all__ = ["NonFiniteGuard", "NonFiniteError", "check_finite_weights"]

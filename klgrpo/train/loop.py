@@ -1,7 +1,7 @@
 """The run around the steps: the run folder's lock, evaluation before and after, the metrics sinks, the KL
 warning signs, the stop rules (non-finite steps, wall clock), checkpoints (every save_every steps, at the end, on
 Ctrl-C / SIGTERM) and the summary. ``TrainingRun`` holds them; the step itself is train/step.py's ``GRPOStep``,
-and checkpoints are read and written only through train/checkpoint.py and train/resume.py."""
+and checkpoints are read and written only through run/checkpoint.py and run/resume.py."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import torch
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path, seed_everything
-from klgrpo.train.checkpoint import is_sharded, rng_state, save_checkpoint, set_rng_state, shard_folder, step_folder
+from klgrpo.run.checkpoint import is_sharded, rng_state, save_checkpoint, set_rng_state, shard_folder, step_folder
 from klgrpo.train.evaluation import evaluate_sets
 from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.kl_watch import EntropyWatch, KLWatch
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.train.resume import load_resumable_checkpoint
-from klgrpo.train.run_folder import open_run_folder, resolve_auto_resume
+from klgrpo.run.resume import load_resumable_checkpoint
+from klgrpo.run.run_folder import open_run_folder, resolve_auto_resume
 from klgrpo.train.step import GRPOStep
-from klgrpo.train.stop_signals import sigterm_as_interrupt
+from klgrpo.run.stop_signals import sigterm_as_interrupt
 from klgrpo.train.tally import StepTally
 
 

@@ -32,10 +32,9 @@ from klgrpo.train import metric_names as names
 from klgrpo.train.trackers import active_trackers
 from klgrpo.train.metric_names import GLOSSARY  # noqa: F401  (re-exported: the glossary's public home)
 from klgrpo.train.trackers import TB_DIR
+# The run folder's file names (run/run_folder.py), re-exported: `klgrpo report`, the demo and the sweep read them here.
+from klgrpo.run.run_folder import METRICS_FILE, SUMMARY_FILE  # noqa: F401
 
-METRICS_FILE = "metrics.jsonl"
-#: The run summary the trainer writes at the end (read by `klgrpo report`, the demo and the sweep).
-SUMMARY_FILE = "summary.json"
 
 #: Progress-bar labels for the summary keys; other keys show their last path component.
 SHORT_LABELS = {

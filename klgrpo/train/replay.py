@@ -47,9 +47,9 @@ from klgrpo.math.logprobs import token_logprobs
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.backends.samplers import AUTO, Sampler
 from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
-from klgrpo.train.state_io import StateFileError, folder_lock, load_state, save_state
+from klgrpo.run.state_io import StateFileError, folder_lock, load_state, save_state
 from klgrpo.train import metric_names as m
-from klgrpo.train.validation import validate_replay
+from klgrpo.config.validation import validate_replay
 
 CACHE_STEM = "replay_cache"
 CACHE_FILE = CACHE_STEM + ".json"  # beside replay_cache.safetensors

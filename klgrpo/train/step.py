@@ -36,14 +36,14 @@ from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl_control import EntropyController, KLController, KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train import metric_names as names
-from klgrpo.train.checkpoint import rng_state, set_rng_state
-from klgrpo.train.config import GRPOConfig
+from klgrpo.run.checkpoint import rng_state, set_rng_state
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
-from klgrpo.train.state_io import to_device
+from klgrpo.run.state_io import to_device
 from klgrpo.train.step_metrics import StepSums, step_metrics
-from klgrpo.train.terms import entropy_in_use, entropy_term, kl_term, policy_term
+from klgrpo.config.terms import entropy_in_use, entropy_term, kl_term, policy_term
 from klgrpo.train.timing import phase_timer as _timed
 
 

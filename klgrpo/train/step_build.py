@@ -18,13 +18,13 @@ from klgrpo.core.rewards import RewardComputer, RewardModelContext, RewardSpec
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
 from klgrpo.train.building import build_optimizer, make_scheduler
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step import GRPOStep
-from klgrpo.train.terms import build_entropy_controller, build_kl_controller
-from klgrpo.train.validation import check_step_memory
+from klgrpo.config.terms import build_entropy_controller, build_kl_controller
+from klgrpo.train.step_memory import check_step_memory
 
 
 def needs_reference(cfg: GRPOConfig) -> bool:

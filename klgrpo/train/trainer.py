@@ -16,7 +16,7 @@ import torch
 from klgrpo.core.batch import StepBatch
 from klgrpo.errors import ConfigError, warn
 from klgrpo.train.building import run_dir_for, seed_everything
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.evaluation import load_eval_sets

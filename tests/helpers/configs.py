@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 
 # A reward that varies across a random model's samples, so advantages are non-zero.
 HAS_ZERO = {"name": "format", "kwargs": {"pattern": "0"}}

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from klgrpo.core.rollout import SamplingParams, generate_groups
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.trainer import GRPOTrainer
 
 SAMPLING_SEED = 1234

@@ -6,7 +6,7 @@ import sys
 import time
 
 from klgrpo.errors import KLGRPOError
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.trainer import GRPOTrainer
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import os
 import sys
 
 from klgrpo.apps.demo.assets import prepare_demo_assets
-from klgrpo.train.config import GRPOConfig
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.trainer import GRPOTrainer
 from tests.test_shared_caches import TINY_DEMO
 

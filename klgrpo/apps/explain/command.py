@@ -128,7 +128,7 @@ def _config_file(path: str) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> int:
     from klgrpo.apps.explain.run_logs import format_run, plot, read_run, summarise
-    from klgrpo.train.config import GRPOConfig
+    from klgrpo.config.schema import GRPOConfig
 
     log = read_run(args.run)
     if args.config:

@@ -9,10 +9,10 @@ from typing import Any
 import yaml
 
 from klgrpo.errors import ConfigError
-from klgrpo.mapping import Mapped
+from klgrpo.integrations.mapping import Mapped
 from klgrpo.math.objective import KLTerm
-from klgrpo.train.config import GRPOConfig
-from klgrpo.train.terms import controller_params, kl_term
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.terms import controller_params, kl_term
 
 FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}

@@ -24,7 +24,7 @@ from typing import Any
 from klgrpo.apps.explain.reading import MAX_BYTES
 from klgrpo.errors import ConfigError
 from klgrpo.train import metric_names as names
-from klgrpo.train.config import KLConfig
+from klgrpo.config.schema import KLConfig
 from klgrpo.train.kl_watch import DRIFTING, NOT_LEARNING
 
 #: Logs larger than this are no run of a size explain can summarise in seconds.

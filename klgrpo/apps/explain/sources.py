@@ -19,12 +19,12 @@ from klgrpo.apps.explain import python_script, shell_script
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.trl_config import map_trl_config
 from klgrpo.errors import ConfigError
-from klgrpo.mapping import Mapped
-from klgrpo.openrlhf_mapping import OPENRLHF_DEFAULTS, map_openrlhf, parse_flags
-from klgrpo.train.config import GRPOConfig, all_field_paths
-from klgrpo.trl_mapping import ADAPTIVE_KL_DEFAULTS
-from klgrpo.verl_mapping import ROOTS as VERL_ROOTS
-from klgrpo.verl_mapping import VERL_DEFAULTS, map_verl
+from klgrpo.integrations.mapping import Mapped
+from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, map_openrlhf, parse_flags
+from klgrpo.config.schema import GRPOConfig, all_field_paths
+from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS
+from klgrpo.integrations.verl_mapping import ROOTS as VERL_ROOTS
+from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
 
 FORMATS = ("trl", "verl", "openrlhf", "unsloth", "klgrpo")
 KLGRPO_GROUPS = tuple(f.name for f in GRPOConfig.__dataclass_fields__.values())

@@ -1,4 +1,4 @@
-"""What ``trl grpo --config`` reads, in klgrpo's terms: the GRPOConfig fields through klgrpo.trl_mapping, the model,
+"""What ``trl grpo --config`` reads, in klgrpo's terms: the GRPOConfig fields through klgrpo.integrations.trl_mapping, the model,
 LoRA, dataset and optimizer fields of TRL's other dataclasses onto their klgrpo keys, the rest named.
 
 TRL's field names, types and defaults come from :mod:`klgrpo.apps.explain.trl_fields` (data, no TRL import).
@@ -11,8 +11,8 @@ from typing import Any
 
 from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
-from klgrpo.mapping import Mapped
-from klgrpo.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS, map_trl
+from klgrpo.integrations.mapping import Mapped
+from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS, map_trl
 
 #: Names of earlier TRL releases that ``trl grpo`` configs still carry -> the 1.16 name.
 EARLIER_NAMES = {"torch_dtype": "dtype"}

@@ -38,10 +38,12 @@ from typing import Callable
 import yaml
 
 from klgrpo.errors import ConfigError, warn
-from klgrpo.train.config import safe_load_bounded
-from klgrpo.train.metrics import METRICS_FILE, SUMMARY_FILE
-from klgrpo.train.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
+from klgrpo.config.schema import safe_load_bounded
+from klgrpo.run.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
+#: One JSON object per step (train/metrics.py writes it) and the run's summary (train/loop.py).
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".klgrpo.lock"
 OWNED_FILE = ".klgrpo_owned.json"
 #: The lock files this process holds (resolved paths): a second trainer in this process is refused.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping as MappingType
 
-from klgrpo.mapping import FieldMapping, Mapped, drop_unread_kl_keys
+from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP
 
 TRL_VERSION = "1.16"

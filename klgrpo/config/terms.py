@@ -12,7 +12,7 @@ from typing import Any
 
 from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
-from klgrpo.train.config import KLConfig, LossConfig
+from klgrpo.config.schema import KLConfig, LossConfig
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
 CONTROLLER_FIELDS = {"lr": "dual_lr"}

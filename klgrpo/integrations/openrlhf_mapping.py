@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from klgrpo.errors import ConfigError
-from klgrpo.mapping import FieldMapping, Mapped, drop_unread_kl_keys
+from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
 
 OPENRLHF_VERSION = "0.11.0"
 KL_VALUE_CAP = 10.0

@@ -1,5 +1,5 @@
 """How a config field is declared (a default, a help text, its valid names) and how a value from YAML or the
-command line becomes the field's type; klgrpo/train/config.py declares the tree with these."""
+command line becomes the field's type; klgrpo/config/schema.py declares the tree with these."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from klgrpo.errors import ConfigError
-from klgrpo.mapping import FieldMapping, Mapped, drop_unread_kl_keys
+from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
 
 VERL_VERSION = "0.8.0.dev (v0.7.0-125-gb178a3cd5)"
 ACTOR = "actor_rollout_ref.actor."

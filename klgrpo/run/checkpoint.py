@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from klgrpo.errors import ConfigError, KLGRPOError, first_line
-from klgrpo.train.guard import check_finite_weights
-from klgrpo.train.state_io import (StateFileError, file_sha256, load_state, read_state_doc, save_state,
+from klgrpo.errors import ConfigError, KLGRPOError, NonFiniteError, first_line
+from klgrpo.run.state_io import (StateFileError, file_sha256, load_state, read_state_doc, save_state,
                                    state_files)
 
 STATE_STEM = "trainer_state"
@@ -59,6 +58,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def check_finite_weights(model, step: int) -> None:
+    """Raise NonFiniteError if any parameter of ``model`` (a module, or a gathered full state dict) holds a NaN
+    or an infinity (one sync per tensor)."""
+    named = model.items() if isinstance(model, dict) else model.named_parameters()
+    bad = [name for name, p in named if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise NonFiniteError(f"the weights at step {step} hold NaN or infinite values ({bad[0]}"
+                             f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); no checkpoint was written, "
+                             f"the newest one in checkpoints/ holds the last finite weights")
 
 
 def step_folder(run_dir: Path, step: int) -> Path:

@@ -28,9 +28,9 @@ from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
-from klgrpo.train.config_fields import Names, coerce
-from klgrpo.train.config_fields import setting as _f  # short: every field below is declared with it
-from klgrpo.train.validation import validate_config
+from klgrpo.config.fields import Names, coerce
+from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
+from klgrpo.config.validation import validate_config
 
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}

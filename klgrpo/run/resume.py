@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.errors import ConfigError, KLGRPOError, first_line, warn
-from klgrpo.train.checkpoint import (SHARDS_DIR, STATE_FILE, load_trainer_state, resume_candidates,
+from klgrpo.run.checkpoint import (SHARDS_DIR, STATE_FILE, load_trainer_state, resume_candidates,
                                     verify_checksums)
 
 

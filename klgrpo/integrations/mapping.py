@@ -1,5 +1,5 @@
-"""Another framework's config in klgrpo's vocabulary: the shared shape of the mapping tables (klgrpo.trl_mapping,
-klgrpo.verl_mapping, klgrpo.openrlhf_mapping) and of their result, and the one call of klgrpo's objective that
+"""Another framework's config in klgrpo's vocabulary: the shared shape of the mapping tables (klgrpo.integrations.trl_mapping,
+klgrpo.integrations.verl_mapping, klgrpo.integrations.openrlhf_mapping) and of their result, and the one call of klgrpo's objective that
 the TRL bridge and the migration tests make with a mapped config.
 
 A table row names a source field, the klgrpo config keys it sets and the source's default; ``render_table``
@@ -14,8 +14,8 @@ from torch import Tensor
 
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.objective import ObjectiveOut, grpo_objective
-from klgrpo.train.config import GRPOConfig
-from klgrpo.train.terms import entropy_term, kl_term, policy_term
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.terms import entropy_term, kl_term, policy_term
 
 
 @dataclass(frozen=True)
