@@ -239,63 +239,35 @@ class ObjectiveOut:
     token_kl: Tensor | None = None    # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
 
 
-def grpo_objective(
-    logp_BT: Tensor,
-    old_logp_BT: Tensor,
-    ref_logp_BT: Tensor | None,
-    advantages_B: Tensor,
-    mask_BT: Tensor,
-    *,
-    kl: KLTerm,
-    policy: PolicyTerm = PolicyTerm(),
-    aggregation: str,
-    normalizer: Normalizer,
-    full_kl_BT: Tensor | None = None,
-    row_weights_B: Tensor | None = None,
-    metrics: bool = True,
-    entropy_BT: Tensor | None = None,
-    entropy: EntropyTerm = EntropyTerm(),
-    entropy_cut: Tensor | None = None,
-    sampling_logp_BT: Tensor | None = None,
-) -> ObjectiveOut:
+def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None, advantages_B: Tensor,
+                   mask_BT: Tensor, *, kl: KLTerm, policy: PolicyTerm = PolicyTerm(), aggregation: str,
+                   normalizer: Normalizer, full_kl_BT: Tensor | None = None, row_weights_B: Tensor | None = None,
+                   metrics: bool = True, entropy_BT: Tensor | None = None, entropy: EntropyTerm = EntropyTerm(),
+                   entropy_cut: Tensor | None = None, sampling_logp_BT: Tensor | None = None) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
-    ``policy`` picks the surrogate and its clip, ``kl`` how the KL enters (beta included), ``aggregation``
-    (an AGGREGATIONS name) and ``normalizer`` how per-token terms become the loss. ``full_kl_BT``: the exact
-    per-position KL of math.full_kl, required by (and only read for) ``kl.estimator`` "full", which enters the
-    loss only. ``row_weights_B`` multiplies each sequence's per-token loss before the aggregation (None: 1);
-    the exact oracles of verify-kl pass the sequences' probabilities there to take expectations by enumeration.
-    ``metrics=False`` leaves ``sums`` None (callers that need only the loss).
-
-    ``entropy_BT`` is the policy's per-token entropy, in the graph (required when ``entropy`` needs it);
-    ``entropy_cut`` the top-entropy mask's threshold when the caller pools more tokens than these (None: these
-    loss-mask tokens, :func:`entropy_threshold`). ``sampling_logp_BT``: the sampling policy's log-probs for the
-    off-policy mask (None: ``old_logp_BT``)."""
+    ``policy``: the surrogate and its clip; ``kl``: how the KL enters (beta included); ``aggregation`` (an
+    AGGREGATIONS name) and ``normalizer``: how per-token terms become the loss. ``full_kl_BT``: math.full_kl's
+    exact per-position KL, read only for ``kl.estimator`` "full" (loss only). ``row_weights_B`` multiplies each
+    sequence's per-token loss (None: 1; verify-kl's oracles pass the sequences' probabilities to take
+    expectations by enumeration). ``metrics=False`` leaves ``sums`` None. ``entropy_BT``: the policy's per-token
+    entropy, in the graph (when ``entropy`` needs it); ``entropy_cut``: the top-entropy threshold when the caller
+    pools more tokens (None: :func:`entropy_threshold` of these); ``sampling_logp_BT``: the sampling policy's
+    log-probs for the off-policy mask (None: ``old_logp_BT``)."""
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
-    token_kl = reward_kl_penalty = loss_kl_penalty = kl_sums = None
-    advantages = advantages_B
-    if ref_logp_BT is not None and kl.in_reward and kl.coef > 0:
-        reward_kl_BT = reward_kl(old_logp_BT, ref_logp_BT, kl)
-        if kl.reward_to_go:  # sequence_score: already in advantages_B
-            advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef)
-        reward_kl_penalty = kl.coef * (reward_kl_BT.detach() * mask).sum()
+    advantages, reward_kl_penalty = _kl_in_reward(old_logp_BT, ref_logp_BT, advantages_B, mask, kl)
     pg = policy.surrogate(logp_BT, old_logp_BT, advantages, mask)
     masks = _policy_masks(logp_BT, old_logp_BT if sampling_logp_BT is None else sampling_logp_BT, advantages_B,
                           mask, policy, entropy_BT, entropy, entropy_cut)
     policy_BT = pg.loss_BT * masks.keep_BT if masks.keep_BT is not None else pg.loss_BT
-    per_token = policy_BT
-
+    per_token, loss_kl_penalty, kl_sums, token_kl = policy_BT, None, None, None
     if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
                                    full_kl_BT=full_kl_BT)
-        if kl.in_loss and kl.coef > 0:
-            per_token = per_token + kl.coef * penalty.loss_term_BT
-            if metrics:
-                loss_kl_penalty = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation, normalizer)
-        if metrics:
-            kl_sums, token_kl = _kl_monitors(penalty, mask, kl)
+        per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, mask, kl, aggregation, normalizer, metrics)
+        kl_sums, token_kl = _kl_monitors(penalty, mask, kl) if metrics else (None, None)
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
@@ -312,6 +284,28 @@ def grpo_objective(
         reward_kl_penalty=reward_kl_penalty, loss_kl_penalty=loss_kl_penalty, **(kl_sums or {}),
         **_entropy_sums(entropy_BT, masks, mask, entropy, bonus))
     return ObjectiveOut(loss=loss, sums=sums, token_kl=token_kl)
+
+
+def _kl_in_loss(per_token: Tensor, penalty, mask: Tensor, kl: KLTerm, aggregation: str, normalizer: Normalizer,
+                metrics: bool) -> tuple[Tensor, Tensor | None]:
+    """(the per-token loss with beta times the KL's loss term added when the KL enters the loss, that term
+    aggregated for the metrics or None)."""
+    if not (kl.in_loss and kl.coef > 0):
+        return per_token, None
+    logged = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation, normalizer) if metrics else None
+    return per_token + kl.coef * penalty.loss_term_BT, logged
+
+
+def _kl_in_reward(old_logp_BT: Tensor, ref_logp_BT: Tensor | None, advantages_B: Tensor, mask: Tensor,
+                  kl: KLTerm) -> tuple[Tensor, Tensor | None]:
+    """(the advantages the surrogate sees, beta times the rollout's reward KL summed over tokens, or None): with
+    the KL in the reward per token (reward_to_go) the advantages become per-token returns; with sequence_score
+    the penalty is already in ``advantages_B``."""
+    if ref_logp_BT is None or not kl.in_reward or kl.coef <= 0:
+        return advantages_B, None
+    reward_kl_BT = reward_kl(old_logp_BT, ref_logp_BT, kl)
+    advantages = apply_kl_penalty(advantages_B, reward_kl_BT, mask, kl.coef) if kl.reward_to_go else advantages_B
+    return advantages, kl.coef * (reward_kl_BT.detach() * mask).sum()
 
 
 @dataclass

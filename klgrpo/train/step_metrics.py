@@ -31,6 +31,18 @@ class StepSums:
     token_entropy: Tensor | None = None          # [B, T]: per-token entropy, 0 off the completion mask
 
 
+@dataclass
+class _Reduced:
+    """The step's sums over every rank, as floats (one host sync)."""
+
+    objective: ObjectiveSums
+    step: dict[str, float]
+    rewards: dict[str, float]
+    peaks: dict[str, float]
+    kl_percentiles: dict[str, float]
+    entropy_spread: dict[str, float]
+
+
 def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: float, timings: dict[str, float],
                  dist: Distributed, device) -> tuple[dict[str, float], KLObservation]:
     """Reduce this rank's sums across ranks, then one host sync turns every metric into a float.
@@ -40,6 +52,44 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
     Means over tokens divide by the step's (global) loss-mask tokens, means over completions by its (global)
     sequence count: the numbers do not depend on the micro-batch size or the process count.
     """
+    r = _reduce(batch, sums, dist, device)
+    obj_f, st, g = r.objective, r.step, batch.rollout.group_size
+    n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
+    n_tok_safe = max(n_tok, 1.0)
+    metrics = {
+        m.LOSS: st["loss"], m.POLICY_LOSS: obj_f.policy_loss,
+        m.REWARD: st["reward"] / n_seq, m.REWARD_STD: st["reward_group_std"] / (n_seq / g),
+        m.ADVANTAGE_ABS: st["advantage_abs"] / n_seq,
+        m.MEAN_LENGTH: st["completion_tokens"] / n_seq, m.MAX_LENGTH: r.peaks["length"],
+        m.TRUNCATED_RATIO: st["truncated"] / n_seq,
+        m.CLIP_RATIO_LOW: obj_f.clip_low / n_tok_safe, m.CLIP_RATIO_HIGH: obj_f.clip_high / n_tok_safe,
+        m.CLIP_RATIO: (obj_f.clip_low + obj_f.clip_high) / n_tok_safe,
+        m.GRAD_NORM: float(grad_norm),
+    }
+    if "entropy" in st:
+        metrics[m.ENTROPY] = st["entropy"] / max(st["completion_tokens"], 1.0)
+        metrics.update(r.entropy_spread)
+    metrics.update(_entropy_and_mask_metrics(obj_f, n_seq, n_tok_safe))
+    metrics.update({m.reward_metric(name): v / n_seq for name, v in r.rewards.items()})
+    if "logp_policy" in st:
+        metrics[m.LOGP_POLICY_MEAN] = st["logp_policy"] / n_tok_safe
+    has_kl = batch.ref_logp is not None
+    if has_kl:
+        metrics.update(_kl_metrics(r, n_seq, n_tok_safe))
+    metrics[m.BETA] = beta
+    metrics[m.LR] = lr
+    metrics.update(timings)
+    # Without a reference the controller sees no KL (0): beta stays where the controller's rule puts it.
+    observation = KLObservation(token_mean=obj_f.raw_kl / n_tok_safe if has_kl else 0.0,
+                                sequence_sum=obj_f.k1 / n_seq if has_kl else 0.0, n_sequences=batch.rollout.size,
+                                reward=st["reward"] / n_seq,
+                                entropy=(obj_f.acted_entropy / max(obj_f.acted_tokens, 1.0)
+                                         if obj_f.acted_entropy is not None else None))
+    return metrics, observation
+
+
+def _reduce(batch: StepBatch, sums: StepSums, dist: Distributed, device) -> _Reduced:
+    """This rank's sums, maxima and percentiles reduced across ranks and read back in one host sync."""
     rollout, g = batch.rollout, batch.rollout.group_size
     lengths = rollout.completion_mask.sum(-1).float()
     max_len = int(batch.normalizer.max_len)
@@ -65,61 +115,36 @@ def step_metrics(batch: StepBatch, sums: StepSums, grad_norm, beta: float, lr: f
     total = dist.sum(torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
                                   for v in summed]))
     peak = dist.max(torch.stack([v.float().reshape(()) for v in peaks.values()]))
-    floats = torch.cat([total, peak, quantiles.to(total.device, torch.float32)]).tolist()  # the one host sync
-    floats_iter = iter(floats)
-    obj_f = ObjectiveSums(**{k: next(floats_iter) for k in objective})
-    st = {k: next(floats_iter) for k in step}
-    reward_f = {k: next(floats_iter) for k in rewards}
-    peak_f = {k: next(floats_iter) for k in peaks}
+    floats = iter(torch.cat([total, peak, quantiles.to(total.device, torch.float32)]).tolist())  # the one sync
+    obj_f = ObjectiveSums(**{k: next(floats) for k in objective})
+    st = {k: next(floats) for k in step}
+    reward_f = {k: next(floats) for k in rewards}
+    peak_f = {k: next(floats) for k in peaks}
     obj_f.k3_max, obj_f.negated_raw_kl_max = peak_f.get("k3_max"), peak_f.get("negated_raw_kl_max")
-    percentiles = dict(zip(PERCENTILE_NAMES if sums.token_kl is not None else (), floats_iter))
-    entropy_spread = dict(zip(ENTROPY_QUANTILE_NAMES if sums.token_entropy is not None else (), floats_iter))
-    n_seq, n_tok = float(batch.normalizer.num_sequences), float(batch.normalizer.num_tokens)
-    n_tok_safe = max(n_tok, 1.0)
+    percentiles = dict(zip(PERCENTILE_NAMES if sums.token_kl is not None else (), floats))
+    entropy_spread = dict(zip(ENTROPY_QUANTILE_NAMES if sums.token_entropy is not None else (), floats))
+    return _Reduced(obj_f, st, reward_f, peak_f, percentiles, entropy_spread)
+
+
+def _kl_metrics(r: _Reduced, n_seq: float, n_tok: float) -> dict[str, float]:
+    """The KL's metrics (only with a reference): per token over the loss-mask tokens, per completion for the sum."""
+    obj_f = r.objective
     metrics = {
-        m.LOSS: st["loss"], m.POLICY_LOSS: obj_f.policy_loss,
-        m.REWARD: st["reward"] / n_seq, m.REWARD_STD: st["reward_group_std"] / (n_seq / g),
-        m.ADVANTAGE_ABS: st["advantage_abs"] / n_seq,
-        m.MEAN_LENGTH: st["completion_tokens"] / n_seq, m.MAX_LENGTH: peak_f["length"],
-        m.TRUNCATED_RATIO: st["truncated"] / n_seq,
-        m.CLIP_RATIO_LOW: obj_f.clip_low / n_tok_safe, m.CLIP_RATIO_HIGH: obj_f.clip_high / n_tok_safe,
-        m.CLIP_RATIO: (obj_f.clip_low + obj_f.clip_high) / n_tok_safe,
-        m.GRAD_NORM: float(grad_norm),
+        m.KL_PENALTY: (obj_f.loss_kl_penalty or 0.0) + (obj_f.reward_kl_penalty or 0.0) / n_seq,
+        m.RAW_KL: obj_f.raw_kl / n_tok, m.ADAPTED_KL: obj_f.adapted_kl / n_tok,
+        m.KL_K1: obj_f.k1 / n_tok, m.KL_K2: obj_f.k2 / n_tok, m.KL_K3: obj_f.k3 / n_tok,
+        m.KL_MAX: obj_f.k3_max, m.KL_CLAMP_FRAC: obj_f.clamped / n_tok,
+        m.KL_MIN: (-obj_f.negated_raw_kl_max if obj_f.negated_raw_kl_max is not None
+                   and math.isfinite(obj_f.negated_raw_kl_max) else 0.0),
+        m.LOGP_REFERENCE_MEAN: r.step["logp_reference"] / n_tok,
+        m.KL_SEQUENCE_SUM: obj_f.k1 / n_seq,
+        **r.kl_percentiles,
     }
-    if "entropy" in st:
-        metrics[m.ENTROPY] = st["entropy"] / max(st["completion_tokens"], 1.0)
-        metrics.update(entropy_spread)
-    metrics.update(_entropy_and_mask_metrics(obj_f, n_seq, n_tok_safe))
-    metrics.update({m.reward_metric(name): v / n_seq for name, v in reward_f.items()})
-    if "logp_policy" in st:
-        metrics[m.LOGP_POLICY_MEAN] = st["logp_policy"] / n_tok_safe
-    has_kl = batch.ref_logp is not None
-    if has_kl:
-        metrics.update({
-            m.KL_PENALTY: (obj_f.loss_kl_penalty or 0.0) + (obj_f.reward_kl_penalty or 0.0) / n_seq,
-            m.RAW_KL: obj_f.raw_kl / n_tok_safe, m.ADAPTED_KL: obj_f.adapted_kl / n_tok_safe,
-            m.KL_K1: obj_f.k1 / n_tok_safe, m.KL_K2: obj_f.k2 / n_tok_safe, m.KL_K3: obj_f.k3 / n_tok_safe,
-            m.KL_MAX: obj_f.k3_max, m.KL_CLAMP_FRAC: obj_f.clamped / n_tok_safe,
-            m.KL_MIN: (-obj_f.negated_raw_kl_max if obj_f.negated_raw_kl_max is not None
-                       and math.isfinite(obj_f.negated_raw_kl_max) else 0.0),
-            m.LOGP_REFERENCE_MEAN: st["logp_reference"] / n_tok_safe,
-            m.KL_SEQUENCE_SUM: obj_f.k1 / n_seq,
-        })
-        metrics.update(percentiles)
-        if obj_f.loss_kl_penalty is not None:
-            metrics[m.KL_LOSS_SHARE] = loss_share(obj_f.loss_kl_penalty, obj_f.policy_abs)
-        if obj_f.shaping_clip is not None:
-            metrics[m.KL_SHAPING_CLIP_FRAC] = obj_f.shaping_clip / n_tok_safe
-    metrics[m.BETA] = beta
-    metrics[m.LR] = lr
-    metrics.update(timings)
-    # Without a reference the controller sees no KL (0): beta stays where the controller's rule puts it.
-    observation = KLObservation(token_mean=obj_f.raw_kl / n_tok_safe if has_kl else 0.0,
-                                sequence_sum=obj_f.k1 / n_seq if has_kl else 0.0, n_sequences=rollout.size,
-                                reward=st["reward"] / n_seq,
-                                entropy=(obj_f.acted_entropy / max(obj_f.acted_tokens, 1.0)
-                                         if obj_f.acted_entropy is not None else None))
-    return metrics, observation
+    if obj_f.loss_kl_penalty is not None:
+        metrics[m.KL_LOSS_SHARE] = loss_share(obj_f.loss_kl_penalty, obj_f.policy_abs)
+    if obj_f.shaping_clip is not None:
+        metrics[m.KL_SHAPING_CLIP_FRAC] = obj_f.shaping_clip / n_tok
+    return metrics
 
 
 def masked_quantiles(values_KNT: Tensor, mask_NT: Tensor, qs: tuple[float, ...]) -> Tensor:
