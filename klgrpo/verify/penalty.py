@@ -58,27 +58,12 @@ _IS_CORRECTION = {
 }
 
 
-def penalty_objective(
-    logp_BT: Tensor,
-    ref_logp_BT: Tensor,
-    mask_BT: Tensor,
-    weights_B: Tensor,
-    estimator: str,
-    placement: str,
-    sampling: str = "on_policy",
-    mu_logp_BT: Tensor | None = None,
-    aggregation: str = "seq_mean_token_sum",
-    clamp: float | None = DEFAULT_LOG_RATIO_CLAMP,
-    *,
-    reward_mode: str = "reward_to_go",
-    delta: float | None = None,
-    dual_clip: float | None = None,
-    eps: float = WIDE_CLIP,
-    full_kl_BT: Tensor | None = None,
-    shaping: str = "none",
-    clip_threshold: float = 1.0,
-    shaping_target: float = 0.1,
-) -> Tensor:
+def penalty_objective(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, weights_B: Tensor, estimator: str,
+                      placement: str, sampling: str = "on_policy", mu_logp_BT: Tensor | None = None,
+                      aggregation: str = "seq_mean_token_sum", clamp: float | None = DEFAULT_LOG_RATIO_CLAMP, *,
+                      reward_mode: str = "reward_to_go", delta: float | None = None,
+                      dual_clip: float | None = None, eps: float = WIDE_CLIP, full_kl_BT: Tensor | None = None,
+                      shaping: str = "none", clip_threshold: float = 1.0, shaping_target: float = 0.1) -> Tensor:
     """sum_b weights_b * (penalty surrogate of sequence b), computed by the trainer's ``grpo_objective``.
 
     ``logp_BT`` carries the gradient; ``weights_B`` (detached) are the sampling probabilities of the rows for
@@ -94,11 +79,8 @@ def penalty_objective(
     if sampling != "on_policy" and mu_logp_BT is None:
         raise ValueError(f"sampling {sampling!r} needs mu_logp_BT (the rollout policy's log-probs)")
     weights_B = weights_B.detach()
-    norm = Normalizer(
-        num_sequences=1.0,
-        num_tokens=(weights_B * mask_BT.to(weights_B.dtype).sum(-1)).sum(),
-        max_len=float(mask_BT.shape[-1]),
-    )
+    norm = Normalizer(num_sequences=1.0, num_tokens=(weights_B * mask_BT.to(weights_B.dtype).sum(-1)).sum(),
+                      max_len=float(mask_BT.shape[-1]))
     old_logp_BT = logp_BT.detach() if sampling == "on_policy" else mu_logp_BT
     kl = KLTerm(coef=1.0, estimator=estimator, placement=placement, is_correction=_IS_CORRECTION[sampling],
                 clamp=clamp, reward_mode=reward_mode, shaping=shaping, clip_threshold=clip_threshold,

@@ -97,18 +97,12 @@ def evaluate_answer_loss(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         model.train(was_training)
 
 
-def run_sft(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    train: Mapping[str, Split],
-    validation: Split,
-    settings: SFTSettings = SFTSettings(),
-    seed: int = 0,
-    log: Callable[[str], None] = print,
-    progress: bool = True,
-) -> dict:
-    """Train ``model`` in place (a progress bar on stderr unless ``progress`` is False); returns stats: steps, seconds, reached_target, val_accuracy [[step, acc], ...],
-    final_val_accuracy, first_loss, last_loss (mean of the last 10 steps)."""
+def run_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: Mapping[str, Split],
+            validation: Split, settings: SFTSettings = SFTSettings(), seed: int = 0,
+            log: Callable[[str], None] = print, progress: bool = True) -> dict:
+    """Train ``model`` in place (a progress bar on stderr unless ``progress`` is False); returns stats: steps,
+    seconds, reached_target, val_accuracy [[step, acc], ...], final_val_accuracy, first_loss, last_loss (mean of
+    the last 10 steps)."""
     skills = [skill for skill, _ in settings.mix]
     missing = [s for s in skills if s not in train]
     if missing:
@@ -117,30 +111,23 @@ def run_sft(
     skill_probs = torch.tensor([p for _, p in settings.mix], dtype=torch.float)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-
     history: list[list[float]] = []
     losses: list[float] = []
-    accuracy = 0.0
-    step = 0
     # The run stops at the accuracy target, usually well before max_steps: the bar shows steps and accuracy.
     bar = tqdm(total=settings.max_steps, desc="SFT warm start", unit="step", leave=False, dynamic_ncols=True,
                disable=not progress)
     with torch_threads(settings.num_threads), bar:
         start = time.perf_counter()
         model.train()
-        while step < settings.max_steps:
+        accuracy = 0.0
+        while len(losses) < settings.max_steps:
             batch = _sample_batch(data, skills, skill_probs, settings.batch_size, generator)
-            loss = answer_loss(model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            step += 1
+            losses.append(_train_step(model, optimizer, batch))
             bar.update(1)
+            step = len(losses)
             if step % settings.eval_every == 0 or step == settings.max_steps:
-                accuracy = greedy_accuracy(
-                    model, tokenizer, validation.prompts, validation.answers, max_new_tokens=MAX_NEW_TOKENS
-                )
+                accuracy = greedy_accuracy(model, tokenizer, validation.prompts, validation.answers,
+                                           max_new_tokens=MAX_NEW_TOKENS)
                 history.append([step, accuracy])
                 bar.set_postfix_str(f"loss {losses[-1]:.3f}, {settings.target_skill} accuracy {accuracy:.1%} "
                                     f"(stops at {settings.target_accuracy:.0%})")
@@ -149,21 +136,21 @@ def run_sft(
         seconds = time.perf_counter() - start
     model.eval()
     reached = accuracy >= settings.target_accuracy
-    log(
-        f"SFT: {step} steps in {seconds:.1f} s, {settings.target_skill} validation accuracy {accuracy:.1%}"
-        + ("" if reached else f" (target {settings.target_accuracy:.0%} not reached within {settings.max_steps} steps)")
-    )
-    return {
-        "steps": step,
-        "seconds": round(seconds, 3),
-        "reached_target": reached,
-        "target_accuracy": settings.target_accuracy,
-        "final_val_accuracy": accuracy,
-        "val_accuracy": history,
-        "first_loss": losses[0] if losses else None,
-        "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-        "settings": asdict(settings),
-    }
+    log(f"SFT: {len(losses)} steps in {seconds:.1f} s, {settings.target_skill} validation accuracy {accuracy:.1%}"
+        + ("" if reached else f" (target {settings.target_accuracy:.0%} not reached within {settings.max_steps} steps)"))
+    return {"steps": len(losses), "seconds": round(seconds, 3), "reached_target": reached,
+            "target_accuracy": settings.target_accuracy, "final_val_accuracy": accuracy, "val_accuracy": history,
+            "first_loss": losses[0] if losses else None,
+            "last_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else None, "settings": asdict(settings)}
+
+
+def _train_step(model, optimizer, batch) -> float:
+    """One AdamW step on the answer tokens' cross-entropy; returns the loss."""
+    loss = answer_loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def _sample_batch(
