@@ -61,7 +61,8 @@ def warn(message: str) -> None:
     warnings.warn(message, KLGRPOWarning, stacklevel=3)
 
 
-__all__ = ["KLGRPOError", "ConfigError", "EntryError", "DataError", "RewardError", "KLGRPOWarning", "first_line", "warn"]
+__all__ = ["KLGRPOError", "ConfigError", "EntryError", "DataError", "RewardError", "KLGRPOWarning", "first_line",
+           "warn"]
 
 
 class NonFiniteError(KLGRPOError):

@@ -179,7 +179,8 @@ def active_trackers(cfg: GRPOConfig) -> list:
 
 
 def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
-    """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
+    """No NaN anywhere, no infinity where the field does not declare it (infinite_ok), the lower bounds declared on
+    the fields (setting's low), the ranges of the rates, and the typed entries of rewards.functions."""
     import math
 
     for path, value, spec in leaves(cfg):
