@@ -26,6 +26,15 @@ class ConfigError(KLGRPOError):
     """A config field has a bad value or a combination of fields is inconsistent."""
 
 
+class EntryError(ConfigError):
+    """A bad key of one entry of a list setting (a reward function, a reward model): ``who: key problem``. The
+    config, which knows where the entry sits, names it by its path instead (``rewards.functions[0].weight ...``)."""
+
+    def __init__(self, who: str, key: str, problem: str):
+        super().__init__(f"{who}: {key} {problem}")
+        self.key, self.problem = key, problem
+
+
 class DataError(KLGRPOError):
     """A prompt dataset cannot be read or has a bad row or column."""
 
@@ -52,7 +61,8 @@ def warn(message: str) -> None:
     warnings.warn(message, KLGRPOWarning, stacklevel=3)
 
 
-__all__ = ["KLGRPOError", "ConfigError", "DataError", "RewardError", "KLGRPOWarning", "first_line", "warn"]
+__all__ = ["KLGRPOError", "ConfigError", "EntryError", "DataError", "RewardError", "KLGRPOWarning", "first_line",
+           "warn"]
 
 
 class NonFiniteError(KLGRPOError):

@@ -4,6 +4,7 @@ executing it in its module the config accepts the new name and the math runs it.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,11 @@ from klgrpo.apps.args import parse_args
 from klgrpo.math import kl, kl_control, policy_loss
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.config.fields import setting
+from klgrpo.config.schema import GRPOConfig, KLConfig
 from klgrpo.config.terms import controller_params
+from klgrpo.errors import ConfigError
+from klgrpo.integrations.mapping import drop_unread_kl_keys
 
 CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 
@@ -71,4 +76,41 @@ def test_the_controller_recipe_gets_its_settings_from_the_config():
         assert isinstance(ctl, cls)
         assert ctl.update(0.2) == pytest.approx(0.5 * (1 + 0.2 * (0.2 - 0.1) / 0.1))  # 0.6
     finally:
+        kl_control.CONTROLLERS._items.pop("proportional")
+
+
+def test_a_controller_with_a_new_setting_needs_only_its_class_and_one_field_declaration():
+    """The recipe's second edit, as CONTRIBUTING.md writes it: one declared KLConfig field; its keyword is handed
+    over, its bound checked, and the mappings keep it only for the controller that takes it."""
+    text = CONTRIBUTING.read_text()
+    section = text[text.index("### Adding a controller"):]
+    declaration = re.search(r"`(floor: float = _f\(.*?\))`", section, re.S).group(1)
+    namespace = {"_f": setting, "KLConfig": KLConfig, "dataclass": dataclass}
+    exec(f"@dataclass\nclass KLWithFloor(KLConfig):\n    {declaration}\n", namespace)
+    kl_with_floor = namespace["KLWithFloor"]
+    proportional = run_in(kl_control, recipe("### Adding a controller"), kl_control.CONTROLLERS, "proportional")
+
+    @kl_control.CONTROLLERS.register("floored")
+    class Floored(proportional):
+        def __init__(self, init_coef, target, dual_lr=0.1, floor=0.0, kl_measure="token_mean"):
+            super().__init__(init_coef, target, dual_lr, floor, kl_measure)
+
+    try:
+        kl = kl_with_floor(controller="floored", coef=0.31, target=0.1, floor=0.3)
+        params = controller_params(kl)
+        assert params == {"target": 0.1, "dual_lr": 0.1, "floor": 0.3, "kl_measure": "token_mean"}
+        ctl = kl_control.build_controller("floored", kl.coef, **params)
+        assert ctl.update(0.0) == pytest.approx(0.3)  # 0.31 * (1 + 0.1 * (0 - 0.1) / 0.1) = 0.279, floored at 0.3
+        with pytest.raises(ConfigError, match=r"^kl.floor must be >= 0, got -1.0$"):
+            GRPOConfig(kl=kl_with_floor(controller="floored", floor=-1.0)).validate()
+        with pytest.raises(ConfigError, match=r"^kl.target must be > 0 for kl.controller=floored$"):
+            GRPOConfig(kl=kl_with_floor(controller="floored", target=0.0)).validate()
+        mapped = {"kl.controller": "floored", "kl.floor": 0.3, "kl.target": 0.1, "kl.horizon": 10000.0}
+        drop_unread_kl_keys(mapped)
+        assert mapped == {"kl.controller": "floored", "kl.floor": 0.3, "kl.target": 0.1}
+        mapped = {"kl.controller": "fixed", "kl.floor": 0.3, "kl.target": 0.1, "kl.kl_measure": "token_mean"}
+        drop_unread_kl_keys(mapped)
+        assert mapped == {"kl.controller": "fixed", "kl.kl_measure": "token_mean"}
+    finally:
+        kl_control.CONTROLLERS._items.pop("floored")
         kl_control.CONTROLLERS._items.pop("proportional")

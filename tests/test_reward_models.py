@@ -139,11 +139,13 @@ def test_a_checkpoint_without_its_head_is_refused_when_it_loads(rm_dir, tmp_path
 
 
 @pytest.mark.parametrize("entry, message", [
-    ({"model": "x", "batch_size": 0}, r"rewards.functions\[0\]: reward model 'x': batch_size must be an integer >= 1"),
-    ({"model": "x", "dtype": "fp8"}, "dtype is 'fp8'; choose one of: auto, float32, bfloat16, float16"),
+    ({"model": "x", "batch_size": 0}, r"rewards.functions\[0\]\.batch_size must be an integer >= 1, got 0"),
+    ({"model": "x", "dtype": "fp8"}, r"rewards.functions\[0\]\.dtype is 'fp8'; choose one of: auto, float32, bfloat16, "
+                                    "float16"),
     ({"model": "x", "max_length": -1}, "max_length must be an integer >= 0"),
     ({"model": "x", "label": -1}, "label must be a label index"),
-    ({"model": "x", "kwargs": {}}, "unknown key 'kwargs'; a reward model entry has model, weight, batch_size"),
+    ({"model": "x", "kwargs": {}}, r"rewards.functions\[0\]: reward model entry .*: unknown key 'kwargs'; a reward "
+                                  "model entry has model, weight, batch_size"),
     ({"model": "x", "weight": float("inf")}, "weight must be a finite number"),
 ])
 def test_bad_reward_model_entries_are_refused_by_the_config_check(entry, message):

@@ -37,6 +37,7 @@ def parse(argv: list[str]):
     """(model path, config, config source, set names, json path)."""
     from klgrpo.apps.args import parse_args
     from klgrpo.apps.models import checkpoint_run_config
+    from klgrpo.config.entries import eval_set_specs
 
     model_path, rest = argv[0], list(argv[1:])
     if model_path.startswith("--"):
@@ -72,7 +73,7 @@ def parse(argv: list[str]):
     if not cfg.eval.sets:
         raise ConfigError(f"{source} has no eval.sets: add a list of {{name, source}} entries (klgrpo train --help, "
                           f"group eval)")
-    names = [s["name"] for s in cfg.eval.sets]
+    names = [spec.name for spec in eval_set_specs(cfg.eval.sets)]
     unknown = [s for s in sets if s not in names]
     if unknown:
         raise ConfigError(f"--set {unknown[0]}: no such set in eval.sets of {source}; the sets are {', '.join(names)}")
@@ -82,12 +83,14 @@ def parse(argv: list[str]):
 def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.apps.models import load_model_for_inference
     from klgrpo.apps.outputs import check_writable_file, write_text_file
+    from klgrpo.config.entries import eval_set_specs
     from klgrpo.core.rollout import context_overflow, encode_prompts
     from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
 
     model_path, cfg, source, chosen, json_path = parse(argv)
     if chosen:
-        cfg.eval.sets = [s for s in cfg.eval.sets if s["name"] in chosen]
+        cfg.eval.sets = [entry for entry, spec in zip(cfg.eval.sets, eval_set_specs(cfg.eval.sets))
+                         if spec.name in chosen]
     sets = load_eval_sets(cfg)
     if json_path is not None:
         check_writable_file(json_path, "--json")

@@ -117,8 +117,9 @@ def _early_checks_of_demo(cfg, opts) -> None:
 
 
 def _check_rewards(cfg) -> None:
-    from klgrpo.core.rewards import RewardComputer, RewardSpec
+    from klgrpo.config.entries import reward_specs
+    from klgrpo.core.rewards import RewardComputer
 
     # A reward model's config is read here; its weights load with the trainer.
-    RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions],
+    RewardComputer(reward_specs(cfg.rewards.functions),
                    trust_remote_code=cfg.model.trust_remote_code)

@@ -1,8 +1,11 @@
-"""How a config field is declared (a default, a help text, its valid names) and how a value from YAML or the
-command line becomes the field's type; klgrpo/config/schema.py declares the tree with these."""
+"""How a config field is declared (a default, a help text, its valid names, its lower bound, whether a resume may
+change it) and how a value from YAML or the command line becomes the field's type; klgrpo/config/schema.py
+declares the tree with these, and the checks (validation.py) and the resume (klgrpo/run/run_folder.py) read the
+declarations."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from dataclasses import field
@@ -26,12 +29,64 @@ class Names:
         return any(value in source for source in self.sources)
 
 
-def setting(default: Any, help: str, choices: Any = None) -> Any:
-    """A config field: its default, its one-line help (`klgrpo train --help`) and its valid values (None: any)."""
-    meta = {"help": help, "choices": choices}
+def setting(default: Any, help: str, choices: Any = None, *, low: float | None = None, above: bool = False,
+            at_low: str = "", infinite_ok: bool = False, resume_safe: bool = False) -> Any:
+    """A config field: its default, its one-line help (`klgrpo train --help`), its valid values (None: any), and
+    what the checks and a resume read from its declaration:
+
+    low, above    the lowest value allowed: ``value >= low``, or ``value > low`` with above=True (None: no bound)
+    at_low        what the field means at its bound ("0: off"), said in the refusal
+    infinite_ok   a float that may be infinite ("no upper bound"); NaN is refused everywhere
+    resume_safe   a resume may change it (with a warning): it does not change what the steps compute
+    """
+    meta = {"help": help, "choices": choices, "low": low, "above": above, "at_low": at_low,
+            "infinite_ok": infinite_ok, "resume_safe": resume_safe}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def group(cls: type, *, resume_safe: bool = False) -> Any:
+    """A group of fields (a dataclass of settings); ``resume_safe``: a resume may change any field in it."""
+    return field(default_factory=cls, metadata={"resume_safe": resume_safe})
+
+
+def bound_problem(path: str, spec: dataclasses.Field, value: Any) -> str | None:
+    """The refusal of ``value`` under the lower bound declared on the field ``spec`` (None: it is in bounds)."""
+    low = spec.metadata.get("low")
+    if low is None:
+        return None
+    above = spec.metadata.get("above", False)
+    if value > low if above else value >= low:
+        return None
+    meaning = spec.metadata.get("at_low", "")
+    return f"{path} must be {'>' if above else '>='} {low}, got {value!r}" + (f" ({meaning})" if meaning else "")
+
+
+def leaves(node: Any, prefix: str = ""):
+    """(dotted path, value, Field) of every leaf field of a config dataclass instance, in declaration order."""
+    for spec in dataclasses.fields(node):
+        value = getattr(node, spec.name)
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, f"{prefix}{spec.name}.")
+        else:
+            yield f"{prefix}{spec.name}", value, spec
+
+
+def is_resume_safe(root: type, path: str) -> bool:
+    """Whether a resume may change the field at ``path`` of the config class ``root``: declared resume_safe on
+    the field or on a group that holds it (an unknown path is not)."""
+    node = root
+    for name in path.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return False
+        spec = {f.name: f for f in dataclasses.fields(node)}.get(name)
+        if spec is None:
+            return False
+        if spec.metadata.get("resume_safe"):
+            return True
+        node = typing.get_type_hints(node)[name]
+    return False
 
 
 def coerce(value: Any, typ: Any, path: str, origin: str) -> Any:

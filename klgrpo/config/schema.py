@@ -28,7 +28,7 @@ from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
-from klgrpo.config.fields import Names, coerce
+from klgrpo.config.fields import Names, coerce, group
 from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
 from klgrpo.config.validation import validate_config
 
@@ -41,12 +41,13 @@ REPLAY_FULL_KL = "full"
 @dataclass
 class LoraConfig:
     r: int = _f(0, "LoRA rank; 0 disables LoRA (full fine-tuning). With LoRA the reference is the base model "
-                   "with adapters disabled: no second copy of the weights")
-    alpha: float = _f(32.0, "LoRA alpha (scaling = alpha / r)")
+                   "with adapters disabled: no second copy of the weights", low=0, at_low="0: no LoRA")
+    alpha: float = _f(32.0, "LoRA alpha (scaling = alpha / r)", low=0, above=True)
     dropout: float = _f(0.0, "LoRA dropout")
     target_modules: list = _f(["all-linear"], "module names to adapt, or ['all-linear']")
     save_merged: bool = _f(False, "at the end, also write merged full weights (base + adapter, loadable with "
-                                  "AutoModelForCausalLM) to <output_dir>/merged; see klgrpo.backends.lora.export_merged")
+                                  "AutoModelForCausalLM) to <output_dir>/merged; see klgrpo.backends.lora.export_merged",
+                                  resume_safe=True)
 
 
 @dataclass
@@ -58,12 +59,13 @@ class ModelConfig:
                             "(needs: pip install \"klgrpo[gguf]\")")
     tokenizer: str = _f("", "tokenizer folder or hub name; empty uses the model's")
     dtype: str = _f("auto", "weights dtype", Names(DTYPE_NAMES))
-    device: str = _f("auto", "device: auto picks cuda when present, else cpu")
+    device: str = _f("auto", "device: auto picks cuda when present, else cpu", resume_safe=True)
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
-    gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
+    gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory", resume_safe=True)
     fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: compute log-probs with klgrpo's decoder, each prompt run "
                                "once per group (same numbers as transformers to float rounding, tested), and let "
-                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate")
+                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate",
+                               resume_safe=True)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -73,7 +75,7 @@ class DataConfig:
     prompt_column: str = _f("prompt", "column holding the prompt (a string or a list of chat messages)")
     columns: dict = _f({}, "rename columns for the reward functions: {our_name: dataset_column}")
     split: str = _f("train", "dataset split (hub datasets)")
-    limit: int = _f(0, "use only the first N rows (0: all)")
+    limit: int = _f(0, "use only the first N rows (0: all)", low=0, at_low="0: all rows")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded)")
     system_prompt: str = _f("", "system message prepended to chat prompts")
     as_chat: bool = _f(False, "wrap string prompts as one user message and apply the tokenizer's chat template "
@@ -87,7 +89,7 @@ class RolloutConfig:
     max_new_tokens: int = _f(64, "completion length limit; longer completions are truncated")
     temperature: float = _f(1.0, "sampling temperature; log-probs of the policy and reference use the same one")
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
-    top_k: int = _f(0, "top-k sampling (0: off)")
+    top_k: int = _f(0, "top-k sampling (0: off)", low=0, at_low="0 turns top-k off")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
@@ -120,7 +122,7 @@ class ReplayConfig:
                                 "registered estimator (k1 and k3 give the reverse-KL gradient here)",
                         Names((REPLAY_FULL_KL,), ESTIMATORS))
     max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")
-    temperature: float = _f(1.0, "sampling temperature of the reference for replay completions")
+    temperature: float = _f(1.0, "sampling temperature of the reference for replay completions", low=0, above=True)
 
 
 @dataclass
@@ -138,18 +140,20 @@ class KLConfig:
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
                             Names(IS_CORRECTIONS))
     controller: str = _f("fixed", "how beta evolves", Names(CONTROLLERS))
-    target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)")
-    horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)")
-    dual_lr: float = _f(0.1, "dual controller step size on log beta")
-    beta_min: float = _f(0.0, "lower bound on beta (dual, dynamic); dual steps on log beta and keeps beta >= 1e-12")
-    beta_max: float = _f(1000.0, "upper bound on beta (dual)")
+    target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)", low=0)
+    horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)", low=0, above=True)
+    dual_lr: float = _f(0.1, "dual controller step size on log beta", low=0)
+    beta_min: float = _f(0.0, "lower bound on beta (dual, dynamic); dual steps on log beta and keeps beta >= 1e-12",
+                         low=0)
+    beta_max: float = _f(1000.0, "upper bound on beta (dual)", infinite_ok=True)
     reward_threshold: float = _f(0.0, "dynamic controller: decay beta while the mean reward exceeds this")
     decay: float = _f(0.9, "dynamic controller: multiplicative decay")
-    schedule_steps: int = _f(0, "dynamic controller: set beta = beta_min after this many steps (0: never)")
+    schedule_steps: int = _f(0, "dynamic controller: set beta = beta_min after this many steps (0: never)",
+                             low=0, at_low="0: never")
     kl_measure: str = _f("token_mean", "the KL a controller consumes: mean per-token, or mean per-sequence sum "
                                        "(Ziegler's original)", Names(KL_MEASURES))
     shaping: str = _f("none", "shape the per-token KL before beta multiplies it", Names(SHAPINGS))
-    clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token")
+    clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token", low=0, above=True)
     shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
     log_ratio_clamp: float = _f(20.0, "guard: |log pi - log ref| is clamped to this before k3's exp, and tokens "
                                       "beyond it get zero KL gradient (0: off; refused for k3 and k3_st)")
@@ -158,13 +162,14 @@ class KLConfig:
     sync_every: int = _f(0, "reset the reference towards the policy every N steps (0: never)")
     sync_alpha: float = _f(1.0, "reference sync mix: ref <- alpha * policy + (1 - alpha) * ref (1.0: copy)")
     monitor: bool = _f(True, "compute and log KL metrics even when coef is 0")
-    dump_every: int = _f(0, "save per-token logp/ref_logp every N steps to kl_dumps/ for verify-kl --from-run")
+    dump_every: int = _f(0, "save per-token logp/ref_logp every N steps to kl_dumps/ for verify-kl --from-run",
+                         low=0, at_low="0: never", resume_safe=True)
     warn_above: float = _f(0.2, "warning sign: a console line and a TensorBoard text entry when a window's mean "
                                 "per-token KL (adaptive_kl/raw_kl) is above this and rising: the policy is drifting "
-                                "(0: off)")
+                                "(0: off)", low=0, at_low="0: off")
     warn_below: float = _f(0.01, "warning sign: the same when a window's mean KL is below this, from the second "
-                                 "window on: the policy is not learning (0: off)")
-    warn_window: int = _f(20, "steps per window of the KL warning signs")
+                                 "window on: the policy is not learning (0: off)", low=0, at_low="0: off")
+    warn_window: int = _f(20, "steps per window of the KL warning signs", low=1)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
@@ -178,7 +183,7 @@ class LossConfig:
                                "3 there; 0: off)")
     advantage_scale: str = _f("group", "divide centred rewards by the group std, the batch std, or nothing",
                               Names(ADVANTAGE_SCALES))
-    std_eps: float = _f(1e-4, "added to the std before dividing")
+    std_eps: float = _f(1e-4, "added to the std before dividing", low=0)
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
     policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
                                       "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
@@ -193,17 +198,17 @@ class LossConfig:
                                           "or below entropy_target, else -entropy_coef_delta; applied only then)",
                                  Names(ENTROPY_CONTROLLERS))
     entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)")
-    entropy_coef_delta: float = _f(0.005, "adaptive entropy controller: the coefficient's step")
-    entropy_coef_min: float = _f(0.0, "adaptive entropy controller: lower bound on the coefficient")
+    entropy_coef_delta: float = _f(0.005, "adaptive entropy controller: the coefficient's step", low=0)
+    entropy_coef_min: float = _f(0.0, "adaptive entropy controller: lower bound on the coefficient", low=0)
     entropy_coef_max: float = _f(1.0, "adaptive entropy controller: upper bound on the coefficient")
     top_entropy_quantile: float = _f(1.0, "keep the policy term (and the bonus) on the top rho fraction of each "
                                           "micro-batch's tokens by entropy (TRL's top_entropy_quantile, 'Beyond the "
                                           "80/20 rule' uses 0.2); 1: every token")
     off_policy_mask_threshold: float = _f(0.0, "drop the policy term of a sequence with A < 0 whose mean per-token "
                                                "KL(sampling || policy) estimate exceeds this (DeepSeek-V3.2's delta, "
-                                               "TRL's off_policy_mask_threshold); 0: off")
-    sapo_temperature_pos: float = _f(1.0, "policy_loss sapo: the gate's temperature where A > 0")
-    sapo_temperature_neg: float = _f(1.05, "policy_loss sapo: the gate's temperature where A <= 0")
+                                               "TRL's off_policy_mask_threshold); 0: off", low=0, at_low="0: off")
+    sapo_temperature_pos: float = _f(1.0, "policy_loss sapo: the gate's temperature where A > 0", low=0, above=True)
+    sapo_temperature_neg: float = _f(1.05, "policy_loss sapo: the gate's temperature where A <= 0", low=0, above=True)
     vespo_k_pos: float = _f(2.0, "policy_loss vespo: the Gamma weight's power k where A >= 0")
     vespo_lambda_pos: float = _f(3.0, "policy_loss vespo: the Gamma weight's decay lambda where A >= 0")
     vespo_k_neg: float = _f(3.0, "policy_loss vespo: the Gamma weight's power k where A < 0")
@@ -213,11 +218,11 @@ class LossConfig:
 @dataclass
 class OptimConfig:
     lr: float = _f(1e-6, "AdamW learning rate")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
+    weight_decay: float = _f(0.0, "AdamW weight decay", low=0)
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.999, "AdamW beta2")
     schedule: str = _f("constant", "learning-rate schedule after warm-up", Names(LR_SCHEDULES))
-    warmup_steps: int = _f(0, "linear warm-up steps")
+    warmup_steps: int = _f(0, "linear warm-up steps", low=0, at_low="0: no warm-up")
     max_grad_norm: float = _f(1.0, "clip the gradient norm (0: off)")
 
 
@@ -226,43 +231,52 @@ class EvalConfig:
     sets: list = _f([], "evaluation and retention sets: list of {name, source, prompt_column (prompt), "
                         "answer_column (answer), split (test), limit (0: all), reward (exact_match)}; a greedy "
                         "completion scores the reward function (1 = correct)")
-    every: int = _f(0, "evaluate every N steps (0: before and after training only)")
-    max_new_tokens: int = _f(0, "greedy completion limit (0: rollout.max_new_tokens)")
-    batch_size: int = _f(256, "prompts per greedy generate call")
+    every: int = _f(0, "evaluate every N steps (0: before and after training only)",
+                    low=0, at_low="0: before and after training only")
+    max_new_tokens: int = _f(0, "greedy completion limit (0: rollout.max_new_tokens)",
+                             low=0, at_low="0: rollout.max_new_tokens")
+    batch_size: int = _f(256, "prompts per greedy generate call", low=1)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(100, "optimizer steps")
+    steps: int = _f(100, "optimizer steps", resume_safe=True)
     num_iterations: int = _f(1, "updates per generated batch (mu in GRPO); > 1 reuses rollouts off-policy")
     micro_batch_size: int = _f(0, "sequences per forward/backward (0: the whole batch); the loss does not "
-                                  "depend on it")
+                                  "depend on it", low=0, at_low="0: the whole batch")
     seed: int = _f(0, "random seed (CPU runs are bit-for-bit repeatable)")
-    save_every: int = _f(0, "checkpoint every N steps (0: only at the end); Ctrl-C also saves")
-    keep_checkpoints: int = _f(2, "keep the newest N checkpoints (0: all)")
-    max_wall_seconds: float = _f(0.0, "stop cleanly after this many seconds (0: no limit)")
-    output_dir: str = _f("", "run folder (default runs/<run_name>)")
-    run_name: str = _f("", "run name (default: a timestamp)")
-    torch_threads: int = _f(0, "torch CPU threads (0: torch's default)")
+    save_every: int = _f(0, "checkpoint every N steps (0: only at the end); Ctrl-C also saves",
+                         low=0, at_low="0 saves only at the end", resume_safe=True)
+    keep_checkpoints: int = _f(2, "keep the newest N checkpoints (0: all)",
+                               low=0, at_low="0 keeps all", resume_safe=True)
+    max_wall_seconds: float = _f(0.0, "stop cleanly after this many seconds (0: no limit)",
+                                 low=0, at_low="0: no limit", resume_safe=True)
+    output_dir: str = _f("", "run folder (default runs/<run_name>)", resume_safe=True)
+    run_name: str = _f("", "run name (default: a timestamp)", resume_safe=True)
+    torch_threads: int = _f(0, "torch CPU threads (0: torch's default)",
+                            low=0, at_low="0: torch's default", resume_safe=True)
     max_skipped_steps: int = _f(3, "stop the run (non-zero exit) after this many steps in a row were skipped for a "
-                                   "non-finite loss or gradient norm; a skipped step never updates the weights")
+                                   "non-finite loss or gradient norm; a skipped step never updates the weights",
+                                   low=1, resume_safe=True)
     sharded_checkpoints: bool = _f(False, "each process writes its own shards of the weights and AdamW moments "
                                           "(FSDP2; torch.distributed.checkpoint into safetensors files) instead of "
                                           "gathering them on process 0; resumable on any process count; the run's "
-                                          "last checkpoint is written whole (from_pretrained) as always")
+                                          "last checkpoint is written whole (from_pretrained) as always",
+                                          resume_safe=True)
     entropy_metrics: bool = _f(True, "log the entropy and its spread (entropy/p10, entropy/p50, entropy/min) from the "
                                      "log-prob pass; false skips that work unless the loss needs the entropy "
                                      "(loss.entropy_coef, loss.top_entropy_quantile)")
     entropy_warn_below: float = _f(0.0, "warning sign: a console line and a tracker text entry when a window's mean "
-                                        "entropy (nats per token) is below this: the policy is collapsing; 0: off")
-    entropy_warn_window: int = _f(20, "steps per window of the entropy warning sign")
+                                        "entropy (nats per token) is below this: the policy is collapsing; 0: off",
+                                        low=0, at_low="0: off")
+    entropy_warn_window: int = _f(20, "steps per window of the entropy warning sign", low=1)
     dist_timeout_s: float = _f(600.0, "several processes: seconds a collective waits for the other processes before "
                                       "the run fails with an error (a stuck or dead process never hangs the rest "
-                                      "longer); see docs/reliability.md")
+                                      "longer); see docs/reliability.md", low=0, above=True, resume_safe=True)
     compile: bool = _f(False, "torch.compile the policy's and the reference's forward and the sampling loop's "
                               "step: faster steps after a one-off compilation (tens of seconds on a CPU, again "
                               "once when the shapes change); pays on long runs, see docs/benchmarks.md for the "
-                              "break-even step count")
+                              "break-even step count", resume_safe=True)
 
 
 @dataclass
@@ -288,9 +302,9 @@ class GRPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = group(EvalConfig, resume_safe=True)  # what is measured, not what the steps compute
     train: TrainConfig = field(default_factory=TrainConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logging: LoggingConfig = group(LoggingConfig, resume_safe=True)
 
     # ----------------------------------------------------------------------------------------------
     @classmethod

@@ -10,7 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller
+from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller,
+                                    init_keywords)
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
 from klgrpo.config.schema import KLConfig, LossConfig
 
@@ -58,11 +59,16 @@ def controller_params(kl: KLConfig) -> dict[str, Any]:
     return _keywords(CONTROLLERS[kl.controller], kl, CONTROLLER_FIELDS, f"controller {kl.controller!r}", "KLConfig")
 
 
+def controller_fields(name: str) -> tuple[str, ...]:
+    """The KLConfig fields the controller registered as ``name`` reads: its constructor keywords, renamed by
+    CONTROLLER_FIELDS (a keyword that no field sets keeps its default)."""
+    return tuple(CONTROLLER_FIELDS.get(keyword, keyword) for keyword in init_keywords(CONTROLLERS[name]))
+
+
 def _keywords(cls, config, renamed: dict[str, str], what: str, config_name: str) -> dict[str, Any]:
     """``cls``'s constructor keywords after init_coef, read from ``config``'s fields of the same name."""
-    signature = inspect.signature(cls.__init__)
     params = {}
-    for name, param in list(signature.parameters.items())[2:]:  # after self and init_coef
+    for name, param in init_keywords(cls).items():
         source = renamed.get(name, name)
         if hasattr(config, source):
             params[name] = getattr(config, source)

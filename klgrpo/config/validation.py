@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
+from klgrpo.config.entries import eval_set_specs, reward_specs
+from klgrpo.config.fields import bound_problem, leaves
 from klgrpo.config.trackers import active_trackers as trackers_of, check_report_to
 from klgrpo.errors import ConfigError
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
+from klgrpo.math.kl_control import CONTROLLERS, init_keywords
 
 #: What these checks read: a klgrpo.config.schema.GRPOConfig. Not imported: config.py imports this module
 #: (GRPOConfig.validate), and the import runs one way.
@@ -123,7 +126,7 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     need(loss.policy_loss == "ppo_clip" or not (loss.delta or loss.dual_clip),
          f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
-    if k.controller in ("adaptive", "step", "dual"):
+    if k.controller in CONTROLLERS and "target" in init_keywords(CONTROLLERS[k.controller]):  # steers to a target
         need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
         need(k.coef > 0, f"kl.controller={k.controller} multiplies beta, so kl.coef=0 would stay 0: set kl.coef > 0 "
                          f"as its starting value, or for no KL penalty use kl.controller fixed "
@@ -145,9 +148,7 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     need(k.replay.coef >= 0, "kl.replay.coef must be >= 0 (0 turns the replay anchor off)")
     if k.replay.coef > 0:
         validate_replay(cfg)
-    for i, s in enumerate(cfg.eval.sets):
-        need(isinstance(s, dict) and s.get("name") and s.get("source"),
-             f"eval.sets[{i}] needs a name and a source, e.g. {{name: gsm8k, source: test.jsonl}}")
+    eval_set_specs(cfg.eval.sets)
 
     if k.coef > 0 or k.controller != "fixed":
         target = kl_gradient_target(cfg)
@@ -171,48 +172,6 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     return warnings
 
 
-#: Float fields for which an infinity means something ("no upper bound").
-_INFINITY_ALLOWED = ("kl.beta_max",)
-#: (field, lowest allowed value, whether the bound itself is allowed, what the field means at its bound)
-_LOWER_BOUNDS = (
-    ("rollout.top_k", 0, True, "0 turns top-k off"),
-    ("optim.warmup_steps", 0, True, "0: no warm-up"),
-    ("optim.weight_decay", 0, True, ""),
-    ("train.save_every", 0, True, "0 saves only at the end"),
-    ("train.keep_checkpoints", 0, True, "0 keeps all"),
-    ("train.max_wall_seconds", 0, True, "0: no limit"),
-    ("train.micro_batch_size", 0, True, "0: the whole batch"),
-    ("train.torch_threads", 0, True, "0: torch's default"),
-    ("train.max_skipped_steps", 1, True, ""),
-    ("train.dist_timeout_s", 0, False, ""),
-    ("data.limit", 0, True, "0: all rows"),
-    ("loss.std_eps", 0, True, ""),
-    ("kl.target", 0, True, ""),
-    ("kl.horizon", 0, False, ""),
-    ("kl.dual_lr", 0, True, ""),
-    ("kl.beta_min", 0, True, ""),
-    ("kl.schedule_steps", 0, True, "0: never"),
-    ("kl.clip_threshold", 0, False, ""),
-    ("kl.dump_every", 0, True, "0: never"),
-    ("kl.warn_above", 0, True, "0: off"),
-    ("kl.warn_below", 0, True, "0: off"),
-    ("kl.warn_window", 1, True, ""),
-    ("kl.replay.temperature", 0, False, ""),
-    ("loss.entropy_coef_delta", 0, True, ""),
-    ("loss.entropy_coef_min", 0, True, ""),
-    ("loss.off_policy_mask_threshold", 0, True, "0: off"),
-    ("loss.sapo_temperature_pos", 0, False, ""),
-    ("loss.sapo_temperature_neg", 0, False, ""),
-    ("train.entropy_warn_below", 0, True, "0: off"),
-    ("train.entropy_warn_window", 1, True, ""),
-    ("eval.every", 0, True, "0: before and after training only"),
-    ("eval.max_new_tokens", 0, True, "0: rollout.max_new_tokens"),
-    ("eval.batch_size", 1, True, ""),
-    ("model.lora.r", 0, True, "0: no LoRA"),
-    ("model.lora.alpha", 0, False, ""),
-)
-
-
 def active_trackers(cfg: GRPOConfig) -> list:
     """logging.report_to, without tensorboard when logging.tensorboard is false."""
     names = cfg.logging.report_to
@@ -220,19 +179,18 @@ def active_trackers(cfg: GRPOConfig) -> list:
 
 
 def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
-    """No NaN anywhere, no infinity where it means nothing, and the lower bounds of counts and rates."""
+    """No NaN anywhere, no infinity where the field does not declare it (infinite_ok), the lower bounds declared on
+    the fields (setting's low), the ranges of the rates, and the typed entries of rewards.functions."""
     import math
 
-    for path, value in _leaves(cfg):
+    for path, value, spec in leaves(cfg):
         if isinstance(value, float) and not isinstance(value, bool):
             need(not math.isnan(value), f"{path} is NaN; give it a number")
-            need(math.isfinite(value) or path in _INFINITY_ALLOWED,
+            need(math.isfinite(value) or spec.metadata.get("infinite_ok", False),
                  f"{path} is {value}; give it a finite number")
-    for path, low, inclusive, meaning in _LOWER_BOUNDS:
-        value = _get(cfg, path)
-        ok = value >= low if inclusive else value > low
-        need(ok, f"{path} must be {'>=' if inclusive else '>'} {low}, got {value!r}"
-                 + (f" ({meaning})" if meaning else ""))
+    for path, value, spec in leaves(cfg):  # after the NaN check: a NaN fails every bound, say NaN first
+        problem = bound_problem(path, spec, value)
+        need(problem is None, problem)
     need(not (cfg.train.sharded_checkpoints and cfg.model.lora.r > 0),
          "train.sharded_checkpoints with LoRA: the adapter is small and saved whole; set train.sharded_checkpoints: "
          "false")
@@ -249,44 +207,4 @@ def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
          f"kl.warn_below ({k.warn_below:g}) must be below kl.warn_above ({k.warn_above:g}); set either to 0 to turn it off")
     need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
     need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")
-    for i, f in enumerate(cfg.rewards.functions):
-        if isinstance(f, dict) and "model" in f:
-            check_reward_model_entry(i, f)
-            continue
-        weight = f.get("weight", 1.0) if isinstance(f, dict) else 1.0
-        if isinstance(weight, str):
-            try:
-                weight = float(weight)
-            except ValueError:
-                pass
-        need(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
-             f"rewards.functions[{i}].weight must be a finite number, got {weight!r}")
-
-
-def check_reward_model_entry(index: int, entry: dict) -> None:
-    """A reward model's entry (its keys and values; the model itself is checked when the rewards are built)."""
-    from klgrpo.core.rewards import RewardModelSpec
-
-    try:
-        RewardModelSpec.from_entry(entry)
-    except ConfigError as err:
-        raise ConfigError(f"rewards.functions[{index}]: {err.message}") from None
-
-
-def _leaves(node, prefix: str = ""):
-    """(dotted path, value) of every leaf field of a config dataclass tree."""
-    import dataclasses
-
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _leaves(value, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", value
-
-
-def _get(cfg, path: str):
-    obj = cfg
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+    reward_specs(cfg.rewards.functions)

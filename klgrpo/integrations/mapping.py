@@ -13,9 +13,10 @@ from typing import Any
 from torch import Tensor
 
 from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.kl_control import CONTROLLERS
 from klgrpo.math.objective import ObjectiveOut, grpo_objective
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.config.terms import entropy_term, kl_term, policy_term
+from klgrpo.config.terms import controller_fields, entropy_term, kl_term, policy_term
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,24 @@ class Mapped:
         return GRPOConfig.from_dict(self.nested(), origin="the mapped config")
 
 
-#: The kl.* keys each controller and shaping reads; the others are dropped from a mapped config (klgrpo's
-#: defaults stand in for them and nothing reads them).
-_CONTROLLER_KEYS = {"fixed": (), "adaptive": ("kl.target", "kl.horizon"), "step": ("kl.target",),
-                    "dual": ("kl.target", "kl.beta_min"),
-                    "dynamic": ("kl.decay", "kl.reward_threshold", "kl.beta_min", "kl.schedule_steps")}
+#: The kl.* keys each shaping reads (its keywords are named apart from the fields: config/terms.py:kl_term maps them).
 _SHAPING_KEYS = {"clip": ("kl.clip_threshold",), "sigmoid": ("kl.shaping_target",)}
-_OPTIONAL_KL_KEYS = ("kl.target", "kl.horizon", "kl.decay", "kl.reward_threshold", "kl.beta_min",
-                     "kl.schedule_steps", "kl.clip_threshold", "kl.shaping_target")
+
+
+def _controller_keys(name: str) -> set[str]:
+    """The kl.* keys the controller registered as ``name`` reads: its constructor's keywords."""
+    return {f"kl.{field_name}" for field_name in controller_fields(name)}
 
 
 def drop_unread_kl_keys(config: dict[str, Any]) -> None:
-    """Remove the kl.* settings that neither the configured controller nor the shaping reads."""
-    keep = set(_CONTROLLER_KEYS.get(config.get("kl.controller", "fixed"), _OPTIONAL_KL_KEYS))
+    """Remove the kl.* settings that some controller or shaping reads but the configured ones do not (klgrpo's
+    defaults stand in for them and nothing reads them); an unregistered controller keeps them all."""
+    optional = set().union(*map(_controller_keys, CONTROLLERS), *_SHAPING_KEYS.values())
+    controller = config.get("kl.controller", "fixed")
+    keep = _controller_keys(controller) if controller in CONTROLLERS else optional
     keep |= set(_SHAPING_KEYS.get(config.get("kl.shaping", "none"), ()))
-    for key in _OPTIONAL_KL_KEYS:
-        if key not in keep:
-            config.pop(key, None)
+    for key in optional - keep:
+        config.pop(key, None)
 
 
 def render_table(rows: tuple[FieldMapping, ...], source: str) -> str:

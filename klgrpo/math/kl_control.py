@@ -19,6 +19,7 @@ observed with the step's mean per-token entropy.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -188,6 +189,12 @@ class DynamicScheduleKLController(KLController):
 def build_controller(name: str, init_coef: float, **params: Any) -> KLController:
     """Construct the controller registered as ``name`` with its own parameters."""
     return CONTROLLERS[name](init_coef, **params)
+
+
+def init_keywords(cls: type) -> dict[str, inspect.Parameter]:
+    """A controller class's constructor keywords after ``init_coef``, in order: its settings, read from its
+    signature wherever they are needed (the config hands them over by name), never copied into a table."""
+    return dict(list(inspect.signature(cls.__init__).parameters.items())[2:])  # after self and init_coef
 
 
 #: ``loss.entropy_controller`` name -> entropy-bonus controller class, constructed as ``cls(init_coef, **params)``

@@ -19,10 +19,10 @@ whose lock a trainer holds are also kept in memory, so a second trainer of the s
 notebook cell) is refused too, while a lock left by an earlier trainer of this process that never released it
 is taken over.
 
-Resuming compares the run's config.yaml with the new config: a change of a field in ``RESUME_SAFE_FIELDS``
-(how long, how often to save or evaluate, logging, device) is applied with a warning and config.yaml is
-updated (said so); any other change (group_size, prompts_per_step, seed, lr, data, ...) would not continue
-the same run and is refused.
+Resuming compares the run's config.yaml with the new config: a change of a field declared ``resume_safe`` (on
+itself or its group, in klgrpo/config/schema.py: how long, how often to save or evaluate, logging, device) is
+applied with a warning and config.yaml is updated (said so); any other change (group_size, prompts_per_step,
+seed, lr, data, ...) would not continue the same run and is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Callable
 import yaml
 
 from klgrpo.errors import ConfigError, warn
-from klgrpo.config.schema import safe_load_bounded
+from klgrpo.config.fields import is_resume_safe
+from klgrpo.config.schema import GRPOConfig, safe_load_bounded
 from klgrpo.run.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
 
 #: One JSON object per step (train/metrics.py writes it) and the run's summary (train/loop.py).
@@ -53,13 +54,6 @@ CONFIG_FILE = "config.yaml"
 #: What klgrpo writes into a run folder: --overwrite deletes these and nothing else.
 RUN_FILES = ("config.yaml", METRICS_FILE, METRICS_FILE + ".tmp", SUMMARY_FILE, "checkpoints", "tb", "plots",
              "kl_dumps", "merged", "replay_cache.safetensors", "replay_cache.json", "replay_cache.pt")
-#: Fields a resume may change (with a warning): they do not change what the steps compute.
-RESUME_SAFE_PREFIXES = ("logging.", "eval.")
-RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
-                      "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
-                      "train.dist_timeout_s", "train.sharded_checkpoints",
-                      "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
-                      "model.fast_path", "model.lora.save_merged")
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -237,7 +231,7 @@ def compare_configs(saved: dict | None, new: dict, run_dir: Path) -> list[str]:
 
 
 def _resume_safe(key: str) -> bool:
-    return key in RESUME_SAFE_FIELDS or key.startswith(RESUME_SAFE_PREFIXES)
+    return is_resume_safe(GRPOConfig, key)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

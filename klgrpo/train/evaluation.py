@@ -106,16 +106,16 @@ def _cut_at(ids: list[int], eos_ids: list[int]) -> list[int]:
 
 def load_eval_sets(cfg) -> dict[str, dict]:
     """The config's eval.sets as {name: {"prompts", "answers", "reward_fn"}} (prompts with answers)."""
+    from klgrpo.config.entries import eval_set_specs
     from klgrpo.core.data import load_prompts
     from klgrpo.core.rewards import load_reward_function
 
     sets = {}
-    for i, s in enumerate(cfg.eval.sets):
-        ds = load_prompts(s["source"], prompt_column=s.get("prompt_column", "prompt"),
-                          columns={"answer": s.get("answer_column", "answer")}, split=s.get("split", "test"),
-                          limit=s.get("limit") or None, field=f"eval.sets[{i}].source")
-        sets[s["name"]] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
-                           "reward_fn": load_reward_function(s.get("reward", "exact_match"))}
+    for i, spec in enumerate(eval_set_specs(cfg.eval.sets)):
+        ds = load_prompts(spec.source, prompt_column=spec.prompt_column, columns={"answer": spec.answer_column},
+                          split=spec.split, limit=spec.limit or None, field=f"eval.sets[{i}].source")
+        sets[spec.name] = {"prompts": ds.prompts, "answers": [str(a) for a in ds.columns["answer"]],
+                           "reward_fn": load_reward_function(spec.reward)}
     return sets
 
 

@@ -17,6 +17,7 @@ import math
 import os
 from pathlib import Path
 
+from klgrpo.math.kl_control import CONTROLLERS, init_keywords
 from klgrpo.train.metrics import SUMMARY_FILE, read_metrics
 from klgrpo.train import metric_names as m
 
@@ -199,7 +200,8 @@ def _controller_target(run_dir: Path) -> float | None:
         kl = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("kl", {})
     except (OSError, ValueError, AttributeError):
         return None
-    if kl.get("controller") in ("adaptive", "step", "dual") and kl.get("kl_measure", "token_mean") == "token_mean":
+    steers = kl.get("controller") in CONTROLLERS and "target" in init_keywords(CONTROLLERS[kl["controller"]])
+    if steers and kl.get("kl_measure", "token_mean") == "token_mean":
         return float(kl.get("target"))
     return None
 

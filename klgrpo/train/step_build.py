@@ -14,10 +14,11 @@ from klgrpo.backends.samplers import pick_sampler
 from klgrpo.core.data import PromptSampler, load_prompts
 from klgrpo.core.loss_api import resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
-from klgrpo.core.rewards import RewardComputer, RewardModelContext, RewardSpec
+from klgrpo.core.rewards import RewardComputer, RewardModelContext
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
 from klgrpo.train.building import build_optimizer, make_scheduler
+from klgrpo.config.entries import reward_specs
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
@@ -43,7 +44,7 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     prompt_order = PromptSampler(len(dataset), cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=cfg.data.shuffle)
     loss_fn = resolve_loss_function(cfg.loss.function, loss_fn, warn=warn if dist.is_main else None)  # None: built-in
     # Reward models' configs are checked here; their weights load after the memory check below.
-    rewards = RewardComputer([RewardSpec.parse(f) for f in cfg.rewards.functions],
+    rewards = RewardComputer(reward_specs(cfg.rewards.functions),
                              trust_remote_code=cfg.model.trust_remote_code)
     device = resolve_device(cfg.model.device)
     if dist.device is not None and cfg.model.device == "auto":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from klgrpo.backends.hf import DTYPE_NAMES
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, EntryError
 
 #: A number in scientific notation without a dot (1e-3), which YAML 1.1 leaves as text.
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
@@ -25,7 +25,7 @@ def finite_weight(weight: Any, who: str) -> float:
     if isinstance(weight, str) and _SCIENTIFIC.match(weight.strip()):
         weight = float(weight)
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-        raise ConfigError(f"{who}: weight must be a finite number, got {weight!r}")
+        raise EntryError(who, "weight", f"must be a finite number, got {weight!r}")
     return float(weight)
 
 
@@ -49,8 +49,8 @@ class RewardSpec:
         if self.kwargs is None:
             self.kwargs = {}
         if not isinstance(self.kwargs, dict):
-            raise ConfigError(f"reward function {self.name!r}: kwargs must be a mapping of argument names to "
-                              f"values, got {self.kwargs!r}")
+            raise EntryError(f"reward function {self.name!r}", "kwargs", f"must be a mapping of argument names to "
+                             f"values, got {self.kwargs!r}")
         for reserved in RESERVED_ARGUMENTS:
             if reserved in self.kwargs:
                 raise ConfigError(f"reward function {self.name!r}: {reserved!r} cannot be a kwarg (the function "
@@ -71,7 +71,8 @@ class RewardSpec:
             if unknown or "name" not in entry:
                 raise ConfigError(f"a reward function entry needs 'name' and may have 'weight' and 'kwargs', got "
                                   f"{entry!r}")
-            return cls(entry["name"], entry.get("weight", 1.0), dict(entry.get("kwargs") or {}))
+            kwargs = entry.get("kwargs")
+            return cls(entry["name"], entry.get("weight", 1.0), dict(kwargs) if isinstance(kwargs, dict) else kwargs)
         if hasattr(entry, "name"):
             return cls(entry.name, getattr(entry, "weight", 1.0), dict(getattr(entry, "kwargs", None) or {}))
         raise ConfigError(f"a reward function entry must be a name or a {{name, weight, kwargs}} mapping, "
@@ -105,15 +106,15 @@ class RewardModelSpec:
         for name, low in (("batch_size", 1), ("max_length", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{who}: {name} must be an integer >= {low}, got {value!r}")
+                raise EntryError(who, name, f"must be an integer >= {low}, got {value!r}")
         if self.dtype not in ("", *DTYPE_NAMES):
-            raise ConfigError(f"{who}: dtype is {self.dtype!r}; choose one of: {', '.join(DTYPE_NAMES)}, or leave "
-                              f"it out for the policy's")
+            raise EntryError(who, "dtype", f"is {self.dtype!r}; choose one of: {', '.join(DTYPE_NAMES)}, or leave it "
+                                           f"out for the policy's")
         label_ok = (self.label is None or (isinstance(self.label, int) and not isinstance(self.label, bool)
                                            and self.label >= 0) or (isinstance(self.label, str) and self.label))
         if not label_ok:
-            raise ConfigError(f"{who}: label must be a label index (0, 1, ...) or a name from the model's "
-                              f"id2label, got {self.label!r}")
+            raise EntryError(who, "label", f"must be a label index (0, 1, ...) or a name from the model's "
+                                           f"id2label, got {self.label!r}")
 
     #: The keys a reward model's entry may have.
     KEYS = ("model", "weight", "batch_size", "dtype", "label", "max_length")
