@@ -88,54 +88,14 @@ def validate_entropy(cfg: GRPOConfig, need) -> None:
 
 
 def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
-    """``dataset_given``: the prompts come from Python (GRPOTrainer's train_dataset), data.source may be empty."""
-    warnings: list[str] = []
-
-    need = _need
-    r, k, t, o, loss = cfg.rollout, cfg.kl, cfg.train, cfg.optim, cfg.loss
-    check_finite_and_ranges(cfg, need)
-    need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
-    need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
-    need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
-    if r.generate_cache:
-        warnings.append(f"rollout.generate_cache is deprecated: use rollout.sampler "
-                        f"{LEGACY_GENERATE_CACHES[r.generate_cache]} (it means the same)")
-    need(r.temperature > 0, "rollout.temperature must be > 0 (use a small value such as 0.1 for near-greedy)")
-    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
-    need(t.steps >= 1, "train.steps must be >= 1")
-    need(t.num_iterations >= 1, "train.num_iterations must be >= 1")
-    batch = r.prompts_per_step * r.group_size
-    if t.micro_batch_size:
-        need(t.micro_batch_size > 0 and batch % t.micro_batch_size == 0,
-             f"train.micro_batch_size={t.micro_batch_size} must divide the batch of "
-             f"rollout.prompts_per_step x rollout.group_size = {batch} sequences")
-    need(o.lr > 0, "optim.lr must be > 0")
-    need(o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 turns clipping off)")
-    need(loss.eps_low >= 0 and loss.eps_high >= 0, "loss.eps_low and loss.eps_high must be >= 0")
-    need(loss.std_ddof in (0, 1), "loss.std_ddof must be 0 (population std) or 1 (sample std)")
-    need(k.coef >= 0, "kl.coef must be >= 0")
-    need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the guard off)")
-    if k.estimator == FULL_KL:
-        validate_full_kl(cfg)
-    need(k.log_ratio_clamp > 0 or k.estimator == FULL_KL or not ESTIMATORS[k.estimator].uses_clamp,
-         f"kl.log_ratio_clamp=0 lets kl.estimator={k.estimator}'s exp(-l) overflow to inf: set kl.log_ratio_clamp "
-         f"to a positive value (default 20)")
-    need(loss.delta == 0 or loss.delta > 1, "loss.delta must be > 1 (TRL recommends > 1 + eps_high), or 0 for off")
-    need(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip must be > 1 (verl uses 3), or 0 for off")
-    validate_entropy(cfg, need)
-    need(loss.policy_loss == "ppo_clip" or not (loss.delta or loss.dual_clip),
-         f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
-         f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
-    if k.controller in CONTROLLERS and "target" in init_keywords(CONTROLLERS[k.controller]):  # steers to a target
-        need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
-        need(k.coef > 0, f"kl.controller={k.controller} multiplies beta, so kl.coef=0 would stay 0: set kl.coef > 0 "
-                         f"as its starting value, or for no KL penalty use kl.controller fixed "
-                         f"(--kl.controller fixed --kl.coef 0)")
-    if k.controller == "adaptive":
-        # Ziegler's factor 1 + e * n / horizon with |e| <= 0.2 stays positive only if horizon > 0.2 * n.
-        need(k.horizon > 0.2 * batch, f"kl.horizon={k.horizon:g} must exceed 0.2 x the batch of {batch} sequences "
-                                      f"(Ziegler et al. use ~10000), or beta could reach 0 in one update")
-    need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
+    """Raise ConfigError (one line: the field and the fix) for a config that cannot run; return the warnings of one
+    that runs with a surprising choice. ``dataset_given``: the prompts come from Python (GRPOTrainer's
+    train_dataset), data.source may be empty."""
+    check_finite_and_ranges(cfg, _need)
+    _check_rollout_and_update(cfg)
+    _check_kl(cfg)
+    validate_entropy(cfg, _need)
+    need, k = _need, cfg.kl
     need(not (cfg.model.lora.r > 0 and k.reference and k.sync_every),
          "kl.sync_every with LoRA needs the adapter-disabled reference: leave kl.reference empty (a separate "
          "reference checkpoint cannot be synced from adapter weights)")
@@ -149,7 +109,64 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     if k.replay.coef > 0:
         validate_replay(cfg)
     eval_set_specs(cfg.eval.sets)
+    return _warnings(cfg)
 
+
+def _check_rollout_and_update(cfg: GRPOConfig) -> None:
+    need, r, t, o, loss = _need, cfg.rollout, cfg.train, cfg.optim, cfg.loss
+    need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
+    need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    need(r.temperature > 0, "rollout.temperature must be > 0 (use a small value such as 0.1 for near-greedy)")
+    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
+    need(t.steps >= 1, "train.steps must be >= 1")
+    need(t.num_iterations >= 1, "train.num_iterations must be >= 1")
+    batch = r.prompts_per_step * r.group_size
+    if t.micro_batch_size:
+        need(t.micro_batch_size > 0 and batch % t.micro_batch_size == 0,
+             f"train.micro_batch_size={t.micro_batch_size} must divide the batch of "
+             f"rollout.prompts_per_step x rollout.group_size = {batch} sequences")
+    need(o.lr > 0, "optim.lr must be > 0")
+    need(o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 turns clipping off)")
+    need(loss.eps_low >= 0 and loss.eps_high >= 0, "loss.eps_low and loss.eps_high must be >= 0")
+    need(loss.std_ddof in (0, 1), "loss.std_ddof must be 0 (population std) or 1 (sample std)")
+    need(loss.delta == 0 or loss.delta > 1, "loss.delta must be > 1 (TRL recommends > 1 + eps_high), or 0 for off")
+    need(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip must be > 1 (verl uses 3), or 0 for off")
+    need(loss.policy_loss == "ppo_clip" or not (loss.delta or loss.dual_clip),
+         f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
+         f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
+
+
+def _check_kl(cfg: GRPOConfig) -> None:
+    need, k = _need, cfg.kl
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    need(k.coef >= 0, "kl.coef must be >= 0")
+    need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the guard off)")
+    if k.estimator == FULL_KL:
+        validate_full_kl(cfg)
+    need(k.log_ratio_clamp > 0 or k.estimator == FULL_KL or not ESTIMATORS[k.estimator].uses_clamp,
+         f"kl.log_ratio_clamp=0 lets kl.estimator={k.estimator}'s exp(-l) overflow to inf: set kl.log_ratio_clamp "
+         f"to a positive value (default 20)")
+    if k.controller in CONTROLLERS and "target" in init_keywords(CONTROLLERS[k.controller]):  # steers to a target
+        need(k.target > 0, f"kl.target must be > 0 for kl.controller={k.controller}")
+        need(k.coef > 0, f"kl.controller={k.controller} multiplies beta, so kl.coef=0 would stay 0: set kl.coef > 0 "
+                         f"as its starting value, or for no KL penalty use kl.controller fixed "
+                         f"(--kl.controller fixed --kl.coef 0)")
+    if k.controller == "adaptive":
+        # Ziegler's factor 1 + e * n / horizon with |e| <= 0.2 stays positive only if horizon > 0.2 * n.
+        need(k.horizon > 0.2 * batch, f"kl.horizon={k.horizon:g} must exceed 0.2 x the batch of {batch} sequences "
+                                      f"(Ziegler et al. use ~10000), or beta could reach 0 in one update")
+    need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
+
+
+def _warnings(cfg: GRPOConfig) -> list[str]:
+    """The surprising but runnable choices: a deprecated field, a KL gradient that is not the reverse KL's, the
+    reward KL reused across updates, a one-sided clip."""
+    r, k, t = cfg.rollout, cfg.kl, cfg.train
+    warnings: list[str] = []
+    if r.generate_cache:
+        warnings.append(f"rollout.generate_cache is deprecated: use rollout.sampler "
+                        f"{LEGACY_GENERATE_CACHES[r.generate_cache]} (it means the same)")
     if k.coef > 0 or k.controller != "fixed":
         target = kl_gradient_target(cfg)
         if target != "reverse":
