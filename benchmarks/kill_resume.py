@@ -56,12 +56,14 @@ def command(config: Path, run: Path) -> list[str]:
     return argv + ["--overwrite"]  # stopped before its first checkpoint: start again
 
 
-def write_config(work: Path, steps: int, report_to: list[str]) -> Path:
+def write_config(work: Path, steps: int, report_to: list[str], hidden: int = 32, layers: int = 1,
+                 save_every: int = 1) -> Path:
     from _common import write_prompts
 
     from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
 
-    model = save_tiny_model_and_tokenizer(work / "model", seed=0, hidden=32, layers=1, heads=2, intermediate=64)
+    model = save_tiny_model_and_tokenizer(work / "model", seed=0, hidden=hidden, layers=layers, heads=2,
+                                          intermediate=2 * hidden)
     config = work / "run.yaml"
     config.write_text(json.dumps({
         "model": {"name_or_path": str(model), "dtype": "float32", "device": "cpu"},
@@ -69,7 +71,7 @@ def write_config(work: Path, steps: int, report_to: list[str]) -> Path:
         "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
         "rewards": {"functions": [{"name": "format", "kwargs": {"pattern": "0"}}]},
         "kl": {"coef": 0.1, "controller": "adaptive", "target": 0.01, "horizon": 100},
-        "optim": {"lr": 1e-2}, "train": {"steps": steps, "save_every": 1, "keep_checkpoints": 2,
+        "optim": {"lr": 1e-2}, "train": {"steps": steps, "save_every": save_every, "keep_checkpoints": 2,
                                          "num_iterations": 2, "torch_threads": 1},
         "logging": {"progress": False, "tensorboard": "tensorboard" in report_to, "plots": False,
                     "report_to": report_to, "project": "kill-resume"},
@@ -131,12 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signal", choices=sorted(SIGNALS), default="kill")
     parser.add_argument("--runs", type=int, default=1, help="interrupted runs, each in a fresh folder")
     parser.add_argument("--report-to", nargs="*", default=[], help="trackers on (tensorboard, trackio, wandb, mlflow)")
+    parser.add_argument("--hidden", type=int, default=32, help="the tiny model's width (wider: a longer AdamW step)")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--save-every", type=int, default=1,
+                        help="checkpoint every N steps (SIGTERM saves the last complete step in any case)")
     parser.add_argument("--work", default="", help="work folder (default: a new temporary one)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="klgrpo-kill-"))
     work.mkdir(parents=True, exist_ok=True)
-    config, env = write_config(work, args.steps, args.report_to), tracker_env(work)
+    config, env = write_config(work, args.steps, args.report_to, args.hidden, args.layers, args.save_every), tracker_env(work)
     reference = work / "uninterrupted"
     subprocess.run(command(config, reference), check=True, env=env, capture_output=True)
     step_seconds = json.loads((reference / "summary.json").read_text())["seconds_per_step"]
