@@ -109,8 +109,8 @@ def interrupted_run(config: Path, run: Path, env: dict, args, rng: random.Random
             (run.parent / f"{run.name}.failure.txt").write_text(err)
             failures.append(f"exit {code}: {err.splitlines()[-1] if err else ''}")
             break
-        if code == 0:
-            break
+        if code == 0 or (root / f"step_{args.steps}").is_dir():
+            break  # finished (a stop after the last checkpoint leaves nothing to resume)
     return {"kills": kills, "mid_save": mid_save, "failures": failures}
 
 

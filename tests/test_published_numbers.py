@@ -164,3 +164,26 @@ def test_ablation_tables_are_the_sweeps_table():
                    if c[:2] == [beta, str(seed)]]
             assert row == [[beta, str(seed), f"{100 * v['add/after']:.1f}%", f"{100 * v['capitals/after']:.1f}%",
                             f"{100 * v['opposites/after']:.1f}%", f"{v['final_kl']:.2f}"]], (beta, seed)
+
+
+def test_kl_guide_full_kl_gpu_figures_are_the_log():
+    log = (ROOT / "benchmarks/results/logprob_memory_h200.log").read_text()
+    guide = " ".join((ROOT / "docs/kl_guide.md").read_text().split())
+    full_f, full_b = _log_row(log, "logp+entropy+full KL", "forward"), _log_row(log, "logp+entropy+full KL",
+                                                                              "forward+backward")
+    plain_f, plain_b = _log_row(log, "klgrpo", "forward"), _log_row(log, "klgrpo", "forward+backward")
+    assert (f"{full_f[2]} ms forward and {full_b[2]} ms forward+backward against {float(plain_f[2]):.1f} ms / "
+            f"{float(plain_b[2]):.1f} ms for the log-probs alone (about {float(full_f[2]) / float(plain_f[2]):.0f}x), "
+            f"extra peak {full_f[4]}x the logits forward and {full_b[5]}x forward+backward beyond the logits' "
+            f"gradient") in guide
+
+
+def test_trl_seed_times_are_the_results_files():
+    docs = " ".join((ROOT / "docs/trl.md").read_text().split())
+    seconds = []
+    for seed in (0, 1):
+        results = (ROOT / "docs/results" / f"trl_adaptive_kl_seed{seed}.md").read_text()
+        seconds.append(sum(int(_cells(line)[6]) for line in results.splitlines()
+                           if line.startswith("| ") and _cells(line)[6].isdigit()))
+    assert (f"The six methods of a seed took {seconds[0]} s (seed 0) and {seconds[1]} s (seed 1) on a shared "
+            f"2-core machine") in docs
