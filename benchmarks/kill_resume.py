@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="klgrpo-kill-"))
     work.mkdir(parents=True, exist_ok=True)
-    config, env = write_config(work, args.steps, args.report_to, args.hidden, args.layers, args.save_every), tracker_env(work)
+    config = write_config(work, args.steps, args.report_to, args.hidden, args.layers, args.save_every)
+    env = tracker_env(work)
     reference = work / "uninterrupted"
     subprocess.run(command(config, reference), check=True, env=env, capture_output=True)
     step_seconds = json.loads((reference / "summary.json").read_text())["seconds_per_step"]
