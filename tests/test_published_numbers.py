@@ -187,3 +187,14 @@ def test_trl_seed_times_are_the_results_files():
                            if line.startswith("| ") and _cells(line)[6].isdigit()))
     assert (f"The six methods of a seed took {seconds[0]} s (seed 0) and {seconds[1]} s (seed 1) on a shared "
             f"2-core machine") in docs
+
+
+def test_retention_demo_seeds_are_the_seed_sweeps():
+    table = json.loads((ROOT / "docs" / "results" / "demo_seeds" / "table.json").read_text())
+    (cell,) = table["cells"]
+    runs = {r["seed"]: r["values"] for r in cell["runs"]}
+    quoted = ", ".join(f"seed {s} {runs[s]['addition/change']:+.1f} / {runs[s]['subtraction/change']:+.1f}"
+                       for s in sorted(runs))
+    retention = " ".join((ROOT / "docs" / "retention.md").read_text().split())
+    assert f"points of addition / subtraction ([results/demo_seeds/table.md](results/demo_seeds/table.md)): " \
+           f"{quoted}." in retention

@@ -84,7 +84,8 @@ def _check_one_per_step(points: dict[int, list[float]], rows, steps_from_first_s
 
 
 def test_mlflow_local_store(tiny_model_dir, addition_file, tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow tracker needs the mlflow package: "
+                                                  "pip install 'klgrpo[mlflow]'")
     # A local database store: MLflow's file store keeps a metric as a file, so it cannot hold both clip_ratio
     # and clip_ratio/low (docs/metrics.md)
     pytest.importorskip("sqlalchemy")
@@ -128,7 +129,7 @@ def _wandb_records(path):
 
 
 def test_wandb_offline(tiny_model_dir, addition_file, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb", reason="the wandb tracker needs the wandb package: pip install 'klgrpo[wandb]'")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
@@ -159,7 +160,7 @@ def test_trackio_local_store(tiny_model_dir, addition_file, tmp_path, monkeypatc
     import importlib.util
 
     if importlib.util.find_spec("trackio") is None:
-        pytest.skip("trackio is not installed")
+        pytest.skip("the trackio tracker needs the trackio package: pip install 'klgrpo[trackio]'")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     import trackio.utils
 
