@@ -198,3 +198,12 @@ def test_retention_demo_seeds_are_the_seed_sweeps():
     retention = " ".join((ROOT / "docs" / "retention.md").read_text().split())
     assert f"points of addition / subtraction ([results/demo_seeds/table.md](results/demo_seeds/table.md)): " \
            f"{quoted}." in retention
+
+
+def test_readme_test_count_and_time_are_the_recorded_run():
+    record = (ROOT / "docs/results/test_suite.txt").read_text()
+    passed, skipped, seconds = re.search(r"^(\d+) passed, (\d+) skipped, .* in ([\d.]+)s", record, flags=re.M).groups()
+    assert int(skipped) == sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\]", record, flags=re.M))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 shared" \
+           in readme
