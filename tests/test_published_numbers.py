@@ -65,3 +65,27 @@ def test_kl_guide_demo_table_is_the_kl_commands_json():
             row = (f"| {skill} | {name} | {t['mean']:.4f} | {t['p99']:.3g} | {t['max']:.3g} | "
                    f"{q['mean']:.3f} ± {q['sem']:.3f} |")
             assert row in guide, row
+
+
+def _entropy_cost_rows(shape: str, log: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(time off, time on, memory off, memory on) table cells of one shape in the entropy-cost results file."""
+    section = log[log.index(f"{shape}: ms per optimizer step"):]
+    rows = re.findall(r"^\| (?:baseline train\.entropy_metrics=false|current) +\|([^\n]+)\|$", section, flags=re.M)
+    return tuple([cell.strip() for cell in row.split("|")] for row in rows[:4])
+
+
+def test_entropy_metrics_cost_is_the_results_file():
+    log = (ROOT / "benchmarks" / "results" / "entropy_metrics_cost_cpu.log").read_text()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "speedup.py --baseline-config train.entropy_metrics=false --memory" in log
+    ratios = {}
+    for shape in ("tiny", "small"):
+        time_off, time_on, memory_off, memory_on = _entropy_cost_rows(shape, log)
+        row = (f"| {shape} | {time_off[4]} | {time_on[4]} | **{time_on[6]}** | {memory_off[0]} | {memory_on[0]} | "
+               f"**{memory_on[2]}** |")
+        assert row in docs, row
+        ratios[shape] = (time_on[6], memory_on[2])
+        assert float(time_on[6]) <= 1.05 and float(memory_on[2]) <= 1.05  # the goal the docs say is met
+    summary = (f"time {ratios['tiny'][0]}x (tiny), {ratios['small'][0]}x (small); memory {ratios['tiny'][1]}x, "
+               f"{ratios['small'][1]}x |")
+    assert summary in docs

@@ -148,6 +148,9 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     for i, s in enumerate(cfg.eval.sets):
         need(isinstance(s, dict) and s.get("name") and s.get("source"),
              f"eval.sets[{i}] needs a name and a source, e.g. {{name: gsm8k, source: test.jsonl}}")
+        need(not str(s["name"]).endswith("/entropy"), f"eval.sets[{i}].name {s['name']!r} ends in '/entropy', the "
+                                                        "suffix of a set's entropy metric (eval/<name>/entropy); "
+                                                        "rename the set")
 
     if k.coef > 0 or k.controller != "fixed":
         target = kl_gradient_target(cfg)
