@@ -87,5 +87,11 @@ def test_entropy_metrics_cost_is_the_results_file():
         ratios[shape] = (time_on[6], memory_on[2])
         assert float(time_on[6]) <= 1.05 and float(memory_on[2]) <= 1.05  # the goal the docs say is met
     summary = (f"time {ratios['tiny'][0]}x (tiny), {ratios['small'][0]}x (small); memory {ratios['tiny'][1]}x, "
-               f"{ratios['small'][1]}x |")
+               f"{ratios['small'][1]}x; ")
     assert summary in docs
+    vocab_log = (ROOT / "benchmarks" / "results" / "entropy_metrics_cost_cpu_qwen_vocab.log").read_text()
+    time_off, time_on, memory_off, memory_on = _entropy_cost_rows("tiny_qwen_vocab", vocab_log)
+    assert (f"| tiny_qwen_vocab | {time_off[4]} | {time_on[4]} | **{time_on[6]}** | {memory_off[0]} | "
+            f"{memory_on[0]} | **{memory_on[2]}** |") in docs
+    assert f"grows from {time_off[2]} to {time_on[2]} ms" in docs and f"medians is {time_on[5]})" in docs
+    assert f"output layer: time {time_on[6]}x, memory {memory_on[2]}x |" in docs
