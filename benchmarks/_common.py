@@ -14,11 +14,14 @@ import statistics
 import subprocess
 from pathlib import Path
 
-#: Model shapes. tiny = the demo's Llama; small = 4x wider, 2x deeper; qwen0.5b = Qwen2.5-0.5B's shape
-#: (docs/benchmarks.md, "GPU"), random init, bf16, for a GPU (it runs on a CPU too, slowly).
+#: Model shapes. tiny = the demo's Llama; small = 4x wider, 2x deeper; tiny_qwen_vocab = tiny with Qwen's 151,936
+#: vocabulary (the output layer dominates, as in real models' log-prob and entropy passes); qwen0.5b =
+#: Qwen2.5-0.5B's shape (docs/benchmarks.md, "GPU"), random init, bf16, for a GPU (it runs on a CPU too, slowly).
 MODEL_SHAPES = {
     "tiny": {"family": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4, "intermediate": 256},
     "small": {"family": "llama", "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 4, "intermediate": 1024},
+    "tiny_qwen_vocab": {"family": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4,
+                        "intermediate": 256, "vocab": 151936},  # tiny, with a real vocabulary's output layer
     "qwen0.5b": {"family": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
                  "vocab": 151936},
 }

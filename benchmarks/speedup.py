@@ -3,8 +3,16 @@ by step in one process, and how exactly the two agree from the same seed.
 
     python benchmarks/speedup.py --baseline-rev 74bb8b5                  # tiny and small Llama, CPU
     python benchmarks/speedup.py --baseline-rev 74bb8b5 --compile        # + a train.compile=true variant
+    python benchmarks/speedup.py --baseline-config train.entropy_metrics=false --memory   # a setting's cost
 
-The baseline is the whole klgrpo package as that revision had it (benchmarks/_common.py:klgrpo_at, imported as
+The baseline is either an earlier revision (--baseline-rev) or the working tree with some settings changed
+(--baseline-config KEY=VALUE, repeatable): then "current" is the working tree as configured below and the ratio
+is the cost of what the settings turn off. --memory adds each step's peak extra memory: on the CPU
+VmHWM - VmRSS around the step (the high-water mark reset through /proc/self/clear_refs; the script re-runs itself
+with MALLOC_MMAP_THRESHOLD_=65536 so that freed tensors leave the resident set), on CUDA
+max_memory_allocated - memory_allocated.
+
+A revision baseline is the whole klgrpo package as that revision had it (benchmarks/_common.py:klgrpo_at, imported as
 klgrpo_<rev>); both trainers get the same config (vs_trl.py's: 4 prompts x 8 completions, 16 new tokens,
 k3_st in the loss at beta 0.04, token_mean, one thread). Timing: every round runs one train_step() of each
 variant in an order that rotates every round, so they share the machine's load; medians over the rounds
@@ -38,10 +46,55 @@ CHECKED = ("train/loss", "train/policy_loss", "kl/k1", "kl/k3", "adaptive_kl/raw
 
 
 def _variants(args, package):
-    out = [(f"baseline {args.baseline_rev}", package, {}), ("current", None, {})]
+    if args.baseline_config:
+        out = [("baseline " + ", ".join(args.baseline_config), None, _overrides(args.baseline_config)),
+               ("current", None, {})]
+    else:
+        out = [(f"baseline {args.baseline_rev}", package, {}), ("current", None, {})]
     if args.compile:
         out.append(("current, train.compile", None, {"train": {"compile": True}}))
     return out
+
+
+def _overrides(pairs: list[str]) -> dict:
+    """["train.entropy_metrics=false", ...] as {"train": {"entropy_metrics": False}} (values read as YAML)."""
+    import yaml
+
+    tree: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        group, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise SystemExit(f"speedup.py: error: --baseline-config {pair!r}: write GROUP.FIELD=VALUE")
+        tree.setdefault(group, {})[name] = yaml.safe_load(value)
+    return tree
+
+
+def _peak_memory_reset(device: str) -> int:
+    """Start a step's peak-memory window; returns the bytes in use now."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    return _status_bytes("VmRSS")
+
+
+def _peak_memory(device: str) -> int:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(key: str) -> int:
+    import re
+
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def _trainer(shape_dir, data, out: Path, args, package, extra):
@@ -80,14 +133,16 @@ def check_exactness(shape_dir, data, root: Path, args, variants) -> list[list]:
         if label == base_label:
             continue
         same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(base[0], completions))
-        diffs = [max(abs(m[k] - b[k]) for m, b in zip(metrics, base[1])) for k in CHECKED]
+        diffs = [max(abs(m[k] - b[k]) for m, b in zip(metrics, base[1])) if k in metrics[0] and k in base[1][0]
+                 else "-" for k in CHECKED]
         rows.append([label, "yes" if same else "NO", *diffs, float((params - base[2]).abs().max())])
     return rows
 
 
 def run_shape(shape: str, args, root: Path) -> dict:
-    package = klgrpo_at(args.baseline_rev, root / "revisions")
-    sync_timer_on_cuda(args.device, package)  # the baseline's phase timers synchronise too
+    package = klgrpo_at(args.baseline_rev, root / "revisions") if args.baseline_rev else None
+    if package is not None:
+        sync_timer_on_cuda(args.device, package)  # the baseline's phase timers synchronise too
     shape_dir, data = prepare_assets(shape, root, resolve_dtype(args))
     variants = _variants(args, package)
     trainers, first = [], {}
@@ -100,9 +155,12 @@ def run_shape(shape: str, args, root: Path) -> dict:
         order = list(range(len(trainers)))[shift:] + list(range(len(trainers)))[:shift]
         for i in order:
             label = variants[i][0]
+            before = _peak_memory_reset(args.device) if args.memory else 0
             t0 = time.perf_counter()
             metrics = trainers[i].train_step()
             metrics["wall"] = time.perf_counter() - t0
+            if args.memory:
+                metrics["peak_extra"] = _peak_memory(args.device) - before
             if r == 0:
                 first[label] = metrics["wall"]
             if r >= args.warmup:
@@ -127,6 +185,14 @@ def report(result: dict, args) -> None:
     print_table(["variant", "generate", "reference", "update", "rest", "step", "step / baseline (medians)",
                  "(paired)"], rows, title=f"{shape}: ms per optimizer step, medians over {len(base)} interleaved "
                                           f"rounds after {args.warmup} warm-up")
+    if args.memory:
+        base_peak = median([b["peak_extra"] for b in base])
+        print_table(["variant", "peak extra MB (median)", "peak / baseline (medians)", "(paired)"],
+                    [[label, median([m["peak_extra"] for m in records[label]]) / 2**20,
+                      median([m["peak_extra"] for m in records[label]]) / base_peak,
+                      median([m["peak_extra"] / b["peak_extra"] for m, b in zip(records[label], base)])]
+                     for label in labels],
+                    title=f"{shape}: peak memory a step adds to the process, medians over the same rounds")
     if args.compile:
         label = labels[-1]
         current = median([m["time/step"] for m in records[labels[1]]])
@@ -145,7 +211,11 @@ def report(result: dict, args) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, shapes_default="tiny,small")
-    parser.add_argument("--baseline-rev", required=True, help="git revision of klgrpo to compare against")
+    baseline = parser.add_mutually_exclusive_group(required=True)
+    baseline.add_argument("--baseline-rev", help="git revision of klgrpo to compare against")
+    baseline.add_argument("--baseline-config", action="append", metavar="GROUP.FIELD=VALUE",
+                          help="compare against the working tree with this setting (repeatable)")
+    parser.add_argument("--memory", action="store_true", help="also each step's peak extra memory")
     parser.add_argument("--rounds", type=int, default=40, help="measured rounds (one step per variant each)")
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured rounds first")
     parser.add_argument("--check-steps", type=int, default=5, help="steps of the exactness check (0: skip it)")
@@ -154,6 +224,10 @@ def main(argv=None) -> int:
                         help="keep torch inductor's on-disk cache (default: a fresh one, so the first compiled step "
                              "pays the whole compilation)")
     args = parser.parse_args(argv)
+    if args.memory and args.device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+        # Large blocks from mmap return to the system when freed, so each step's high-water mark is its own.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])], env)
     gpu_preset(args)
     set_threads(args.threads)
     sync_timer_on_cuda(args.device)

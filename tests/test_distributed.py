@@ -274,4 +274,4 @@ def test_the_demo_under_fsdp2_evaluates_like_one_process(tmp_path, monkeypatch, 
     final = run / "checkpoints" / "step_2"
     expected = evaluate_sets(AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32),
                              AutoTokenizer.from_pretrained(final), load_eval_sets(cfg), cfg)
-    assert {k.removeprefix("eval/"): v for k, v in expected.items()} == two["eval_after"]
+    assert {k.removeprefix("eval/"): v for k, v in expected.items() if not k.endswith("/entropy")} == two["eval_after"]

@@ -41,14 +41,15 @@ def test_a_checkpoint_gives_the_numbers_training_logged(trained_run, tiny_model_
         out = tmp_path / f"step{step}.json"
         assert cli(["eval", str(run / "checkpoints" / f"step_{step}"), "--json", str(out)]) == 0
         results = json.loads(out.read_text())["results"]
-        assert results == {"eval/add": logged[step]["eval/add"], "eval/add_exact": logged[step]["eval/add_exact"]}
+        names = ("eval/add", "eval/add_exact", "eval/add/entropy", "eval/add_exact/entropy")
+        assert results == {k: logged[step][k] for k in names}
     text = capsys.readouterr().out
     assert f"eval.sets of {run / 'config.yaml'}" in text and "  add_exact        6  " in text
     # the model before training, with the run's config given explicitly: the step-0 numbers
     out = tmp_path / "base.json"
     assert cli(["eval", str(tiny_model_dir), "--config", str(run / "config.yaml"), "--set", "add",
                 "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["results"] == {"eval/add": logged[0]["eval/add"]}
+    assert json.loads(out.read_text())["results"] == {k: logged[0][k] for k in ("eval/add", "eval/add/entropy")}
 
 
 def test_eval_errors_are_one_line(trained_run, tiny_model_dir, capsys):

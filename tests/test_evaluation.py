@@ -109,3 +109,60 @@ def test_every_eos_of_the_generation_config_ends_a_completion():
     model.generation_config.eos_token_id = [EOS, ID("5")]  # as chat models list several
     # "12=" -> 3 4 5: '5' is now an EOS too, so the completion is cut before it.
     assert greedy_completions(model, TOKENIZER, ["12=", "7"], max_new_tokens=6) == ["34", "8"]
+
+
+def _entropy(logits: torch.Tensor, temperature: float) -> float:
+    logp = torch.log_softmax(logits.double() / temperature, -1)
+    return float(-(logp.exp() * logp).sum())
+
+
+@pytest.mark.parametrize("batch_size", [256, 2])
+def test_greedy_entropy_counts_each_completion_token_and_its_eos(batch_size):
+    from klgrpo.train.evaluation import GreedyEntropy
+
+    model = successor_model()
+    # Every counted position reads a SUCCESSOR token: logit a on its successor, 0 on the 15 others, a being
+    # RMSNorm's scale of a one-hot. A finished row's padding reads token 0 (all logits 0): log 16 if counted.
+    a = 1 / (1 / 16 + model.config.rms_norm_eps) ** 0.5
+    logits = torch.zeros(16)
+    logits[0] = a
+    entropy = GreedyEntropy()
+    assert greedy_completions(model, TOKENIZER, PROMPTS, 3, batch_size, entropy, temperature=0.7) == COMPLETIONS
+    # "345" 3 tokens, "8" + <eos> 2, "" + <eos> 1, "012" 3, "---" 3
+    assert entropy.tokens == 12
+    assert entropy.mean == pytest.approx(_entropy(logits, 0.7), rel=1e-6)
+    assert GreedyEntropy().mean != GreedyEntropy().mean  # nothing measured: NaN
+
+
+def test_greedy_entropy_equals_a_hand_greedy_decode():
+    from klgrpo.apps.demo.model import build_tiny_model_for
+    from klgrpo.train.evaluation import GreedyEntropy
+
+    model = build_tiny_model_for(TOKENIZER, seed=5, hidden=32, layers=1, heads=2, intermediate=64)
+    prompts, new_tokens, temperature = ["07+45=", "7+5=", "=", "99-9=", "1"], 4, 1.3
+    total, count = 0.0, 0
+    with torch.no_grad():  # one prompt at a time, a full forward per token, no generate
+        for prompt in prompts:
+            ids = TOKENIZER(prompt)["input_ids"]
+            for _ in range(new_tokens):
+                last = model(torch.tensor([ids])).logits[0, -1]
+                total, count = total + _entropy(last, temperature), count + 1
+                ids.append(int(last.argmax()))
+                if ids[-1] == EOS:
+                    break
+    entropy = GreedyEntropy()
+    greedy_accuracy(model, TOKENIZER, prompts, ["x"] * 5, new_tokens, 2, entropy=entropy, temperature=temperature)
+    assert entropy.tokens == count
+    assert entropy.mean == pytest.approx(total / count, rel=1e-5)
+
+
+def test_an_eval_set_named_like_an_entropy_metric_is_refused(tiny_model_dir, addition_file):
+    from klgrpo.config.validation import validate_config
+    from klgrpo.errors import ConfigError
+    from tests.helpers.configs import make_config
+
+    sets = [{"name": "add/entropy", "source": str(addition_file)}]
+    with pytest.raises(ConfigError, match=r"eval.sets\[0\].name 'add/entropy' ends in '/entropy'"):
+        validate_config(make_config(tiny_model_dir, addition_file, "unused", eval={"sets": sets}))
+    sets[0]["name"] = "add/entropy_free"
+    validate_config(make_config(tiny_model_dir, addition_file, "unused", eval={"sets": sets}))

@@ -197,3 +197,55 @@ def test_fields_outside_the_tables_are_named_or_ignored(tmp_path):
     assert main([str(trl_src), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ignored"] == ["bf16"] and "repetition_penalty" in report["unmapped"]
+
+
+def test_a_klgrpo_configs_reward_functions_and_models_are_listed(tmp_path, capsys):
+    """Every rewards.functions entry, a reward model with the settings it scores with; nothing is loaded (the
+    reward models' folders do not exist)."""
+    config = {"model": {"name_or_path": "some/policy"}, "data": {"source": "prompts.jsonl"}, "kl": {"coef": 0.04},
+              "rewards": {"functions": [
+                  "exact_match", {"name": "format", "weight": 0.5, "kwargs": {"pattern": "<a>.*</a>"}},
+                  {"name": "my_rewards.py:brevity", "weight": -0.1},
+                  {"model": str(tmp_path / "absent_rm"), "weight": 2, "batch_size": 8},
+                  {"model": "org/rm-big", "dtype": "bfloat16", "label": "positive", "max_length": 512}]}}
+    path, out = tmp_path / "run.yaml", tmp_path / "explain.json"
+    path.write_text(yaml.safe_dump(config))
+    assert main([str(path), "--json", str(out)]) == 0
+    plain = "prompt + completion concatenated (prompts given as chat messages: its own chat template)"
+    assert json.loads(out.read_text())["rewards"] == [
+        {"kind": "built-in", "name": "exact_match", "weight": 1.0},
+        {"kind": "built-in", "name": "format", "weight": 0.5, "kwargs": {"pattern": "<a>.*</a>"}},
+        {"kind": "function", "name": "my_rewards.py:brevity", "weight": -0.1},
+        {"kind": "reward model", "model": str(tmp_path / "absent_rm"), "weight": 2.0, "batch_size": 8,
+         "dtype": "the policy's", "label": "single logit", "max_length": "the model's context", "rendering": plain},
+        {"kind": "reward model", "model": "org/rm-big", "weight": 1.0, "batch_size": 16, "dtype": "bfloat16",
+         "label": "positive", "max_length": 512, "rendering": plain}]
+    printed = capsys.readouterr().out
+    assert (f"  reward: reward model {tmp_path / 'absent_rm'}, weight 2, batch_size 8, dtype the policy's, label "
+            f"single logit, max_length the model's context; input: {plain}\n") in printed
+    assert "  reward: function my_rewards.py:brevity, weight -0.1\n" in printed
+    config["data"]["as_chat"] = True
+    path.write_text(yaml.safe_dump(config))
+    assert main([str(path), "--json", str(out)]) == 0
+    rendering = json.loads(out.read_text())["rewards"][4]["rendering"]
+    assert rendering == "its own chat template (data.as_chat), the completion as the assistant's turn"
+
+
+def test_a_bad_reward_model_entry_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "p"}, "data": {"source": "d.jsonl"},
+                                    "rewards": {"functions": [{"model": "rm", "batch": 8}]}}))
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown key 'batch'" in err and "batch_size" in err
+
+
+def test_trls_reward_model_is_listed_as_klgrpos_entry(tmp_path):
+    path, out = tmp_path / "trl.yaml", tmp_path / "explain.json"
+    path.write_text(yaml.safe_dump({"beta": 0.04, "reward_model_name_or_path": "org/reward-model"}))
+    assert main([str(path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (entry,) = report["rewards"]
+    assert (entry["kind"], entry["model"], entry["label"], entry["dtype"]) == ("reward model", "org/reward-model",
+                                                                               "single logit", "the policy's")
+    assert "{model: PATH}" in report["unmapped"]["reward_model_name_or_path"]

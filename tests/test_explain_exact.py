@@ -1,7 +1,7 @@
 """``klgrpo explain``'s mappings are exact: the mapped klgrpo objective (klgrpo.integrations.mapping.mapped_objective) against
 TRL 1.16's own ``GRPOTrainer._compute_loss`` (float64, 1e-10, loss and gradient), and against verl's and
-OpenRLHF's formulas written out by hand below (from their documentation and config help, not their code); the
-Unsloth fields map as the TRL bridge maps them."""
+OpenRLHF's formulas written out by hand below (from their documentation, config help and loss code read, not
+copied); the Unsloth fields map as the TRL bridge maps them."""
 
 from __future__ import annotations
 
@@ -360,6 +360,85 @@ def test_verl_gspo_maps_to_gspo_with_sequence_mean():
     assert abs(float(loss - hand.detach())) <= 1e-10 and float((grad - hand_grad).abs().max()) <= 1e-10
 
 
+# verl's entropy term (verl/workers/actor/dp_actor.py): policy_loss -= entropy_coeff * agg(H, response_mask,
+# loss_agg_mode), the same agg as the policy loss; per micro-batch, scaled by micro-batch / mini-batch size.
+VERL_ENTROPY_BASE = {"algorithm.adv_estimator": "grpo", "actor_rollout_ref.actor.ppo_mini_batch_size": 1024,
+                     "actor_rollout_ref.actor.entropy_coeff": 0.03}
+
+
+def _with_entropy_leaves(logp, entropy):
+    return logp.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("kl_on", (False, True))
+def test_mapped_verl_entropy_coeff_equals_verl_formula_under_token_mean(kl_on):
+    logp, old, ref, adv, mask = _inputs()
+    entropy = _entropies()
+    overrides = {**VERL_ENTROPY_BASE, "actor_rollout_ref.actor.use_kl_loss": kl_on,
+                 "actor_rollout_ref.actor.kl_loss_type": "mse", "actor_rollout_ref.actor.kl_loss_coef": 0.05}
+    mapped = map_verl(overrides)
+    assert not mapped.unmapped and mapped.klgrpo_config().loss.entropy_coef == 0.03
+    leaf, ent = _with_entropy_leaves(logp, entropy)
+    hand = _agg(_pg(torch.exp(leaf - old), adv, dual=3.0), mask, "token-mean") - 0.03 * _agg(ent, mask, "token-mean")
+    if kl_on:
+        hand = hand + 0.05 * _agg(0.5 * (leaf - ref) ** 2, mask, "token-mean")
+    hand_grads = torch.autograd.grad(hand, (leaf, ent))
+    loss, grads, _ = _ours(mapped, logp, old, ref, adv, mask, entropy=entropy)
+    assert abs(float(loss - hand.detach())) <= 1e-10
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, hand_grads)) <= 1e-10
+    assert float(hand_grads[1].abs().max()) > 1e-3  # the bonus acts
+
+
+@pytest.mark.parametrize("mode", ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+def test_verl_entropy_under_another_loss_agg_mode_is_named_and_differs_only_there(mode):
+    """verl aggregates the entropy by loss_agg_mode, klgrpo's bonus is the token mean: unmapped names it, and the
+    two objectives differ by exactly coeff * (verl's aggregate of H - its token mean)."""
+    logp, old, ref, adv, mask = _inputs()
+    entropy = _entropies()
+    mapped = map_verl({**VERL_ENTROPY_BASE, "actor_rollout_ref.actor.loss_agg_mode": mode})
+    assert set(mapped.unmapped) == {"actor_rollout_ref.actor.entropy_coeff"}
+    assert "loss_agg_mode " + mode in mapped.unmapped["actor_rollout_ref.actor.entropy_coeff"]
+    leaf, ent = _with_entropy_leaves(logp, entropy)
+    pg = _agg(_pg(torch.exp(leaf - old), adv, dual=3.0), mask, mode)
+    verl = pg - 0.03 * _agg(ent, mask, mode)
+    as_klgrpo = pg - 0.03 * _agg(ent, mask, "token-mean")
+    loss, grads, _ = _ours(mapped, logp, old, ref, adv, mask, entropy=entropy)
+    assert abs(float(loss - as_klgrpo.detach())) <= 1e-10
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, torch.autograd.grad(as_klgrpo, (leaf, ent)))) <= 1e-10
+    gap = float((verl - as_klgrpo).detach())  # the difference unmapped names, far above float rounding here
+    assert abs(gap) > 1e-6 and gap == pytest.approx(-0.03 * float(_agg(entropy, mask, mode) - _agg(entropy, mask,
+                                                                                                "token-mean")))
+
+
+def _bonus_by_micro_batches(mapped, entropy, mask, rows):
+    """klgrpo's loss with advantages 0 and no KL (the bonus alone), summed over micro-batches of ``rows``."""
+    logp, old, ref, _, _ = _inputs()
+    whole = Normalizer.of(mask, MAX_LEN)
+    total = 0.0
+    for sl in rows:
+        loss, _, _ = _ours(mapped, logp[sl], old[sl], ref[sl], torch.zeros(sl.stop - sl.start, dtype=F64), mask[sl],
+                           normalizer=whole, entropy=entropy[sl])
+        total += float(loss)
+    return total
+
+
+def test_verl_and_openrlhf_entropy_over_micro_batches():
+    """Two micro-batches of 8 and 6 tokens: verl's per-micro-batch token means scaled by 1/2 each are klgrpo's
+    bonus (each micro-batch weighted by its share of the sequences); OpenRLHF's token mean over the whole step is
+    klgrpo's with one micro-batch and another number with these two (as docs/explain.md says)."""
+    _, _, _, _, mask = _inputs()
+    entropy = _entropies()
+    halves = (slice(0, 2), slice(2, 4))
+    assert [int(mask[sl].sum()) for sl in halves] == [8, 6]
+    verl = sum(0.5 * float(_agg(entropy[sl], mask[sl], "token-mean")) for sl in halves)
+    ours_verl = _bonus_by_micro_batches(map_verl(VERL_ENTROPY_BASE), entropy, mask, halves)
+    assert abs(ours_verl + 0.03 * verl) <= 1e-12
+    openrlhf = float((entropy * mask).sum() / mask.sum())
+    mapped = _orl("--algo.kl.init_coef", "0", "--actor.entropy_coef", "0.03")
+    assert abs(_bonus_by_micro_batches(mapped, entropy, mask, (slice(0, 4),)) + 0.03 * openrlhf) <= 1e-12
+    assert abs(_bonus_by_micro_batches(mapped, entropy, mask, halves) + 0.03 * openrlhf) > 1e-4
+
+
 # ------------------------------------------------------------------------------------------------------- OpenRLHF
 # OpenRLHF's formulas (docs/explain.md): compute_approx_kl clamps k to [-10, 10] (k1 = l, k2 = l^2 / 2,
 # k3 = exp(-l) + l - 1); the actor loss is token-mean(pg) + init_coef * token-mean(k) with --algo.kl.use_loss;
@@ -423,6 +502,37 @@ def test_mapped_openrlhf_kl_in_reward_equals_openrlhf_formula():
     ours_adv = group_advantages(rewards, 2, cfg.loss.advantage_scale, eps=cfg.loss.std_eps, ddof=cfg.loss.std_ddof)
     loss, grad = _ours(mapped, logp, old, ref, ours_adv, mask)  # the objective adds the reward-to-go KL itself
     assert abs(float(loss - hand.detach())) <= 1e-10 and float((grad - hand_grad).abs().max()) <= 1e-10
+
+
+# OpenRLHF's entropy term (openrlhf/trainer/ray/ppo_actor.py): loss -= entropy_coef * aggregate_loss(H, action_mask)
+# with the step's token count (a token mean, whatever policy_loss_type); H of the logits before the temperature.
+@pytest.mark.parametrize("flags", [[], ["--actor.policy_loss_type", "gspo"]], ids=str)
+def test_mapped_openrlhf_entropy_coef_equals_openrlhf_formula(flags):
+    logp, old, ref, adv, mask = _inputs()
+    entropy = _entropies()
+    mapped = _orl("--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.init_coef", "0.05",
+                  "--actor.entropy_coef", "0.02", *flags)
+    assert "actor.entropy_coef" not in mapped.unmapped and mapped.klgrpo_config().loss.entropy_coef == 0.02
+    agg = "seq-mean-token-mean" if flags else "token-mean"
+    leaf, ent = _with_entropy_leaves(logp, entropy)
+    r = torch.exp(leaf - old)
+    if flags:
+        seq = (((leaf - old) * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1)
+        r = torch.exp(seq.detach() + (leaf - old) - (leaf - old).detach())
+    hand = (_agg(_pg(r, adv), mask, agg) + 0.05 * _agg(ORL_KL["k3"](leaf - ref), mask, agg)
+            - 0.02 * _agg(ent, mask, "token-mean"))
+    hand_grads = torch.autograd.grad(hand, (leaf, ent))
+    loss, grads, _ = _ours(mapped, logp, old, ref, adv, mask, entropy=entropy)
+    assert abs(float(loss - hand.detach())) <= 1e-10
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, hand_grads)) <= 1e-10
+
+
+def test_openrlhf_entropy_at_another_temperature_is_named():
+    assert "actor.entropy_coef" not in _orl("--actor.entropy_coef", "0.02", "--rollout.temperature", "1.0").unmapped
+    mapped = _orl("--actor.entropy_coef", "0.02", "--rollout.temperature", "0.7")
+    assert "before the temperature" in mapped.unmapped["actor.entropy_coef"]
+    assert mapped.klgrpo_config().loss.entropy_coef == 0.02
+    assert "actor.entropy_coef" not in _orl("--actor.entropy_coef", "0", "--rollout.temperature", "0.7").unmapped
 
 
 # -------------------------------------------------------------------------------------------------------- Unsloth

@@ -203,6 +203,7 @@ def test_describe_matches_names_and_patterns():
     assert describe("kl/k3") == GLOSSARY["kl/k3"]
     assert describe("rewards/exact_answer") == GLOSSARY["rewards/<function>"]
     assert describe("eval/subtraction_retention") == GLOSSARY["eval/<name>"]
+    assert describe("eval/subtraction_retention/entropy") == GLOSSARY["eval/<name>/entropy"]
     assert describe("eval/") is None
     assert undocumented(["train/loss", "eval/add", "kl/k4", "loss"]) == ["kl/k4", "loss"]
 

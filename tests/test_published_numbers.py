@@ -207,3 +207,33 @@ def test_readme_test_count_and_time_are_the_recorded_run():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 shared" \
            in readme
+
+
+def _entropy_cost_rows(shape: str, log: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(time off, time on, memory off, memory on) table cells of one shape in the entropy-cost results file."""
+    section = log[log.index(f"{shape}: ms per optimizer step"):]
+    rows = re.findall(r"^\| (?:baseline train\.entropy_metrics=false|current) +\|([^\n]+)\|$", section, flags=re.M)
+    return tuple([cell.strip() for cell in row.split("|")] for row in rows[:4])
+
+
+def test_entropy_metrics_cost_is_the_results_file():
+    log = (ROOT / "benchmarks" / "results" / "entropy_metrics_cost_cpu.log").read_text()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "speedup.py --baseline-config train.entropy_metrics=false --memory" in log
+    ratios = {}
+    for shape in ("tiny", "small"):
+        time_off, time_on, memory_off, memory_on = _entropy_cost_rows(shape, log)
+        row = (f"| {shape} | {time_off[4]} | {time_on[4]} | **{time_on[6]}** | {memory_off[0]} | {memory_on[0]} | "
+               f"**{memory_on[2]}** |")
+        assert row in docs, row
+        ratios[shape] = (time_on[6], memory_on[2])
+        assert float(time_on[6]) <= 1.05 and float(memory_on[2]) <= 1.05  # the goal the docs say is met
+    summary = (f"time {ratios['tiny'][0]}x (tiny), {ratios['small'][0]}x (small); memory {ratios['tiny'][1]}x, "
+               f"{ratios['small'][1]}x; ")
+    assert summary in docs
+    vocab_log = (ROOT / "benchmarks" / "results" / "entropy_metrics_cost_cpu_qwen_vocab.log").read_text()
+    time_off, time_on, memory_off, memory_on = _entropy_cost_rows("tiny_qwen_vocab", vocab_log)
+    assert (f"| tiny_qwen_vocab | {time_off[4]} | {time_on[4]} | **{time_on[6]}** | {memory_off[0]} | "
+            f"{memory_on[0]} | **{memory_on[2]}** |") in docs
+    assert f"grows from {time_off[2]} to {time_on[2]} ms" in docs and f"medians is {time_on[5]})" in docs
+    assert f"output layer: time {time_on[6]}x, memory {memory_on[2]}x |" in docs

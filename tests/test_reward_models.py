@@ -279,3 +279,30 @@ def test_the_trl_bridge_takes_a_reward_model_name_or_object_as_trl_does(rm_dir, 
         # The first step samples before any update: the same completions, so the same scores as stock TRL.
         assert logged[f"rewards/{name}/mean"] == pytest.approx(stock[f"rewards/{name}/mean"], abs=1e-6)
         assert logged[f"rewards/{name}/std"] == pytest.approx(stock[f"rewards/{name}/std"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_load_the_reward_model_once_each_and_score_alike(rm_dir, tiny_model_dir, addition_file,
+                                                                        tmp_path):
+    """accelerate launch, 2 CPU processes (gloo, DDP): each process loads the reward model's weights once for a
+    2-step run, and after it both score the same texts with the same numbers, those of one process."""
+    import json
+    from pathlib import Path
+
+    from tests.helpers.launch import Launch, accelerate_command, launch_env
+    from tests.helpers.reward_model_dist_worker import COMPLETIONS as TEXTS_C, PROMPTS as TEXTS_P
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 2},
+                      rewards={"functions": [{"model": rm_dir, "batch_size": 3}]})
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    worker = str(Path(__file__).parent / "helpers" / "reward_model_dist_worker.py")
+    done = Launch(accelerate_command("ddp", [worker, str(tmp_path / "cfg.json"), str(tmp_path / "out")]),
+                  env=launch_env()).finish(timeout=300)
+    assert done.returncode == 0 and not done.timed_out, done.output[-4000:]
+    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["world_size"], r["steps"]) for r in ranks] == [(0, 2, 2), (1, 2, 2)]
+    assert [r["loads"] for r in ranks] == [[rm_dir], [rm_dir]]  # once per process, no reload across steps
+    assert ranks[0]["scores"] == ranks[1]["scores"]
+    one = loaded(RewardModelSpec(rm_dir, batch_size=3))(TEXTS_P, TEXTS_C)
+    assert ranks[0]["scores"] == pytest.approx(one, abs=1e-6, rel=0)
+    assert len(set(one)) == len(one)  # the texts score differently: equal lists are not a constant

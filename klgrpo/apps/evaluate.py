@@ -86,6 +86,7 @@ def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.config.entries import eval_set_specs
     from klgrpo.core.rollout import context_overflow, encode_prompts
     from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+    from klgrpo.train.metric_names import eval_entropy, eval_set
 
     model_path, cfg, source, chosen, json_path = parse(argv)
     if chosen:
@@ -106,9 +107,11 @@ def run(argv: list[str], out=print) -> dict | None:
     results = evaluate_sets(model, tokenizer, sets, cfg)
     out(f"klgrpo eval {model_path}  (eval.sets of {source}; greedy, {max_new} new tokens)")
     width = max(len(n) for n in sets)
-    out(f"  {'set':<{width}}  prompts  accuracy")
+    with_entropy = cfg.train.entropy_metrics
+    out(f"  {'set':<{width}}  prompts  accuracy" + ("  entropy" if with_entropy else ""))
     for name, s in sets.items():
-        out(f"  {name:<{width}}  {len(s['prompts']):>7}  {results[f'eval/{name}']:.4f}")
+        entropy = f"  {results[eval_entropy(name)]:7.4f}" if with_entropy else ""
+        out(f"  {name:<{width}}  {len(s['prompts']):>7}  {results[eval_set(name)]:8.4f}{entropy}")
     if json_path:
         payload = {"model": model_path, "config": source, "max_new_tokens": max_new,
                    "results": results, "prompts": {n: len(s["prompts"]) for n, s in sets.items()}}

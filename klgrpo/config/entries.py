@@ -50,6 +50,9 @@ class EvalSetSpec:
         limit = entry.get("limit")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ConfigError(f"{at}.limit must be an integer >= 0 (0: all rows), got {limit!r}")
+        if values["name"].endswith("/entropy"):
+            raise ConfigError(f"{at}.name {values['name']!r} ends in '/entropy', the suffix of a set's entropy "
+                              f"metric (eval/<name>/entropy); rename the set")
         return cls(**values, limit=limit or 0)
 
 

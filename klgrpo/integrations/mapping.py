@@ -41,6 +41,8 @@ class Mapped:
     off_policy  whether some updates use samples of an earlier policy (several iterations or mini-batches)
     source_runtime  the ``unmapped`` fields that the source's own trainer applies around the loss (the TRL
                 bridge keeps them: it runs inside TRL's trainer)
+    rewards     the source's reward functions as ``klgrpo explain`` lists them (dicts; a klgrpo config's
+                rewards.functions)
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -49,6 +51,7 @@ class Mapped:
     extra_kl: list[dict[str, Any]] = field(default_factory=list)
     off_policy: bool = False
     source_runtime: set[str] = field(default_factory=set)
+    rewards: list[dict[str, Any]] = field(default_factory=list)
 
     def nested(self) -> dict[str, dict[str, Any]]:
         """``config`` as the nested mapping a klgrpo YAML holds ({"kl": {"coef": ...}, ...})."""

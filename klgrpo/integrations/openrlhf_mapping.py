@@ -42,7 +42,9 @@ OPENRLHF_FIELDS = (
                                               "batch, the later ones off-policy"),
     FieldMapping("rollout.temperature", ("rollout.temperature",), 1.0, "same value"),
     FieldMapping("rollout.max_new_tokens", ("rollout.max_new_tokens",), None, "unset: klgrpo's default"),
-    FieldMapping("actor.entropy_coef", (), None, "unset or 0; klgrpo's objective has no entropy bonus"),
+    FieldMapping("actor.entropy_coef", ("loss.entropy_coef",), None,
+                 "same value (unset: 0): the token mean of the entropy over the step's action tokens; OpenRLHF's "
+                 "entropy is of the untempered logits (unmapped at another rollout.temperature)"),
 )
 OPENRLHF_DEFAULTS = {row.field: row.default for row in OPENRLHF_FIELDS}
 #: The flat flag names of OpenRLHF releases before 0.11 -> the 0.11 name.
@@ -180,8 +182,20 @@ def _map_policy(v: dict, out: Mapped) -> None:
     })
     if v["rollout.max_new_tokens"] is not None:
         out.config["rollout.max_new_tokens"] = v["rollout.max_new_tokens"]
-    if v["actor.entropy_coef"]:
-        out.unmapped["actor.entropy_coef"] = "klgrpo's objective has no entropy bonus"
+    _map_entropy(v, out)
+
+
+def _map_entropy(v: dict, out: Mapped) -> None:
+    """OpenRLHF subtracts entropy_coef * (the step's token mean of H), H of the logits before the temperature
+    (its log-probs take the temperature); klgrpo's bonus (TRL's) is that token mean per micro-batch, weighted by
+    the micro-batch's share of the sequences: the same with one micro-batch (train.micro_batch_size 0)."""
+    coef = v["actor.entropy_coef"]
+    if coef:
+        out.config["loss.entropy_coef"] = float(coef)
+    if coef and v["rollout.temperature"] != 1.0:
+        out.unmapped["actor.entropy_coef"] = (
+            f"OpenRLHF's entropy is of the logits before the temperature, klgrpo's at rollout.temperature "
+            f"{v['rollout.temperature']:g} (its log-probs' temperature): equal at temperature 1 only")
 
 
 def _map_kl(v: dict, out: Mapped) -> None:

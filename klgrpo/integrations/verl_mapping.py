@@ -53,7 +53,9 @@ VERL_FIELDS = (
     FieldMapping(ACTOR + "ppo_mini_batch_size", (), 256, "fewer prompts than data.train_batch_size: several "
                                                          "updates per batch, the later ones off-policy"),
     FieldMapping("data.train_batch_size", ("rollout.prompts_per_step",), 1024, "same value"),
-    FieldMapping(ACTOR + "entropy_coeff", (), 0.0, "0; klgrpo's objective has no entropy bonus"),
+    FieldMapping(ACTOR + "entropy_coeff", ("loss.entropy_coef",), 0.0,
+                 "same value: the bonus's token mean over the response tokens at the rollout temperature; with "
+                 "another loss_agg_mode verl aggregates the entropy by it (named in unmapped)"),
     FieldMapping("actor_rollout_ref.rollout.n", ("rollout.group_size",), 1, "same value"),
     FieldMapping("actor_rollout_ref.rollout.temperature", ("rollout.temperature",), 1.0, "same value"),
     FieldMapping("data.max_response_length", ("rollout.max_new_tokens",), 512, "same value"),
@@ -188,8 +190,20 @@ def _map_policy(v: dict, out: Mapped) -> None:
         "rollout.max_new_tokens": int(v["data.max_response_length"]),
         "optim.lr": float(v[ACTOR + "optim.lr"]),
     })
-    if v[ACTOR + "entropy_coeff"] != 0:
-        out.unmapped[ACTOR + "entropy_coeff"] = "klgrpo's objective has no entropy bonus"
+    _map_entropy(v, out)
+
+
+def _map_entropy(v: dict, out: Mapped) -> None:
+    """verl subtracts entropy_coeff * agg(H) with the policy loss's loss_agg_mode; klgrpo's bonus (TRL's) is the
+    token mean whatever loss.aggregation: the same under token-mean (per micro-batch, weighted by its share of
+    the mini-batch, as klgrpo weighs it), another number under the other modes."""
+    coef, mode = float(v[ACTOR + "entropy_coeff"]), v[ACTOR + "loss_agg_mode"]
+    if coef:
+        out.config["loss.entropy_coef"] = coef
+    if coef and mode != "token-mean":
+        out.unmapped[ACTOR + "entropy_coeff"] = (
+            f"verl aggregates the entropy as loss_agg_mode {mode} does; klgrpo's bonus is the token mean over the "
+            "loss-mask tokens (TRL's) whatever loss.aggregation: equal under token-mean only")
 
 
 def _none_of(names) -> str:

@@ -2,7 +2,9 @@
 
 Used for the demo's before/after numbers, the trainer's evaluation and retention sets, and the SFT
 warm start's stopping rule. Prompts are tokenized with the tokenizer's defaults (``add_special_tokens``
-left on, as for any generation), left-padded, and decoded greedily with transformers ``generate``.
+left on, as for any generation), left-padded, and decoded greedily with transformers ``generate``. The
+trainer's sets also log the mean per-token entropy of those greedy completions, read off the scores greedy
+decoding picks from (no second forward).
 """
 
 from __future__ import annotations
@@ -10,14 +12,40 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from klgrpo.core.rewards.builtins import exact_match
 from klgrpo.core.rollout import encode_prompts, eos_token_ids
-from klgrpo.train.metric_names import eval_set
+from klgrpo.train.metric_names import eval_entropy, eval_set
 
 #: reward_fn(prompts, completions, answer=answers) -> one score per completion (klgrpo.core.rewards' signature).
 RewardFn = Callable[..., Sequence[float]]
+
+
+class GreedyEntropy:
+    """What :func:`greedy_completions` measured besides the text: the summed per-token entropy over the
+    completion tokens (EOS included) and their count."""
+
+    def __init__(self) -> None:
+        self.total, self.tokens = 0.0, 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.tokens if self.tokens else float("nan")
+
+
+class _EntropyRecorder(LogitsProcessor):
+    """Records each row's entropy of softmax(scores / temperature) at every decoding step; scores pass
+    unchanged (the last processor, so these are the scores greedy decoding takes its argmax of)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature, self.steps = temperature, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.steps.append(-(logp.exp() * logp).nan_to_num().sum(-1))  # 0 * log 0 = 0 for masked tokens
+        return scores
 
 
 def greedy_completions(
@@ -26,11 +54,14 @@ def greedy_completions(
     prompts: Sequence[str],
     max_new_tokens: int,
     batch_size: int = 256,
+    entropy: GreedyEntropy | None = None,
+    temperature: float = 1.0,
 ) -> list[str]:
     """The greedy completion of every prompt, cut at the first EOS, special tokens removed.
 
     EOS is :func:`klgrpo.core.rollout.eos_token_ids`, the rollout's rule. The model's train/eval mode is
-    restored afterwards; no gradients are recorded.
+    restored afterwards; no gradients are recorded. ``entropy``, when given, accumulates the per-token entropy
+    (at ``temperature``) of the completion tokens up to and including the first EOS.
     """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
@@ -51,17 +82,32 @@ def greedy_completions(
                     empty = start + next(i for i, r in enumerate(rows) if not r)
                     raise ValueError(f"prompt {empty} ({prompts[empty]!r}) encodes to no tokens; give every prompt some text")
                 input_ids, attention_mask = _left_padded(rows, pad_id, model.device)
+                recorder = _EntropyRecorder(temperature) if entropy is not None else None
                 # synced_gpus=False: transformers turns it on for any FSDP-managed model in a process group and
                 # then all-reduces at every token, which hangs when one rank evaluates alone (the trainer's way).
                 output_ids = model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config,
-                    synced_gpus=False,
+                    synced_gpus=False, logits_processor=LogitsProcessorList([recorder] if recorder else []),
                 )
-                new_ids = output_ids[:, input_ids.shape[1] :].tolist()
-                completions += [tokenizer.decode(_cut_at(ids, eos_ids), skip_special_tokens=True) for ids in new_ids]
+                new_ids = [_cut_at(ids, eos_ids) for ids in output_ids[:, input_ids.shape[1] :].tolist()]
+                completions += [tokenizer.decode(ids, skip_special_tokens=True) for ids in new_ids]
+                if recorder is not None:
+                    _add_entropy(entropy, recorder, new_ids)
     finally:
         model.train(was_training)
     return completions
+
+
+def _add_entropy(entropy: GreedyEntropy, recorder: _EntropyRecorder, cut_ids: list[list[int]]) -> None:
+    """Adds the recorded entropies of each row's completion tokens: the kept ones, and the EOS if one ended it."""
+    if not recorder.steps:
+        return
+    per_step = torch.stack(recorder.steps, 1).double()  # [rows, generated steps]
+    lengths = torch.tensor([len(ids) for ids in cut_ids], device=per_step.device)
+    counted = torch.clamp(lengths + 1, max=per_step.shape[1])  # + the EOS (absent only at the length limit)
+    mask = torch.arange(per_step.shape[1], device=per_step.device) < counted[:, None]
+    entropy.total += float((per_step * mask).sum())
+    entropy.tokens += int(mask.sum())
 
 
 def greedy_accuracy(
@@ -72,16 +118,19 @@ def greedy_accuracy(
     max_new_tokens: int,
     batch_size: int = 256,
     reward_fn: RewardFn | None = None,
+    entropy: GreedyEntropy | None = None,
+    temperature: float = 1.0,
 ) -> float:
     """Mean of ``reward_fn(prompts, completions, answer=answers)`` over greedy completions.
 
     The default ``reward_fn`` is :func:`exact_match`. An empty prompt list is an error (no accuracy).
+    ``entropy`` and ``temperature``: as :func:`greedy_completions`.
     """
     if len(prompts) != len(answers):
         raise ValueError(f"greedy_accuracy: {len(prompts)} prompts but {len(answers)} answers; pass one answer per prompt")
     if not prompts:
         raise ValueError("greedy_accuracy: no prompts to evaluate")
-    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size, entropy, temperature)
     scores = (reward_fn or exact_match)(list(prompts), completions, answer=list(answers))
     return float(sum(float(s) for s in scores) / len(prompts))
 
@@ -120,7 +169,9 @@ def load_eval_sets(cfg) -> dict[str, dict]:
 
 
 def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, float]:
-    """Greedy accuracy of every set, as {"eval/<name>": value}; prompts are templated like the rollout's."""
+    """Greedy accuracy of every set, as {"eval/<name>": value}, and with train.entropy_metrics the mean
+    per-token entropy of its greedy completions ("eval/<name>/entropy", at the sampling temperature); prompts
+    are templated like the rollout's."""
     from tqdm.auto import tqdm
 
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
@@ -131,6 +182,10 @@ def evaluate_sets(model, tokenizer, sets: dict[str, dict], cfg) -> dict[str, flo
     for name, s in bar:
         bar.set_postfix_str(f"{name} ({len(s['prompts'])} prompts)")
         texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)
+        entropy = GreedyEntropy() if cfg.train.entropy_metrics else None
         results[eval_set(name)] = greedy_accuracy(model, tokenizer, texts, s["answers"], max_new,
-                                                  cfg.eval.batch_size, s["reward_fn"])
+                                                  cfg.eval.batch_size, s["reward_fn"], entropy,
+                                                  cfg.rollout.temperature)
+        if entropy is not None:
+            results[eval_entropy(name)] = entropy.mean
     return results

@@ -189,8 +189,8 @@ class TrainingRun:
             "steps": step.completed,
             "wall_seconds": round(wall, 2),
             "seconds_per_step": history.mean(names.TIME_STEP, digits=4),
-            "eval_before": {k.removeprefix(names.EVAL_PREFIX): v for k, v in self.eval_before.items()},
-            "eval_after": {k.removeprefix(names.EVAL_PREFIX): v for k, v in eval_after.items()},
+            "eval_before": _accuracies(self.eval_before),
+            "eval_after": _accuracies(eval_after),
             "final_kl": last.get(names.RAW_KL),
             "final_replay_kl": last.get(names.KL_REPLAY),
             "final_beta": step.controller.value,
@@ -294,3 +294,8 @@ def save_on_interrupt(run: TrainingRun, logger):
             for s, handler in previous.items():
                 signal.signal(s, handler)
         raise
+
+
+def _accuracies(results: dict[str, float]) -> dict[str, float]:
+    """{set name: accuracy} of an evaluation's metrics (its entropies stay in metrics.jsonl)."""
+    return {k.removeprefix(names.EVAL_PREFIX): v for k, v in results.items() if names.is_eval_accuracy(k)}

@@ -67,6 +67,7 @@ REWARD_FUNCTION = REWARD_PREFIX + "<function>"
 REWARD_TIMEOUTS_PREFIX = "reward_timeouts/"
 REWARD_TIMEOUTS = REWARD_TIMEOUTS_PREFIX + "<function>"
 EVAL_SET = EVAL_PREFIX + "<name>"
+EVAL_ENTROPY = EVAL_SET + "/entropy"
 CUSTOM = CUSTOM_PREFIX + "<name>"
 
 
@@ -85,6 +86,16 @@ def reward_metric(column: str) -> str:
 def eval_set(name: str) -> str:
     """The metric of one evaluation set: eval/<name>."""
     return EVAL_PREFIX + name
+
+
+def eval_entropy(name: str) -> str:
+    """The mean per-token entropy of one evaluation set's greedy completions: eval/<name>/entropy."""
+    return EVAL_ENTROPY.replace("<name>", name)
+
+
+def is_eval_accuracy(key: str) -> bool:
+    """Whether ``key`` is an evaluation set's accuracy (eval/<name>), not another eval/ metric."""
+    return key.startswith(EVAL_PREFIX) and not key.endswith(EVAL_ENTROPY.removeprefix(EVAL_SET))
 
 
 def custom(name: str) -> str:
@@ -202,4 +213,7 @@ GLOSSARY: dict[str, str] = {
     # eval
     EVAL_SET: "greedy accuracy (fraction correct, 0..1) on the named evaluation or retention set, "
               "logged at evaluation steps only",
+    EVAL_ENTROPY: "mean per token of the policy's next-token entropy (nats, at the sampling temperature, as "
+                  "entropy) over the named set's greedy completions, EOS included; logged with eval/<name> "
+                  "unless train.entropy_metrics is false",
 }

@@ -59,8 +59,11 @@ def describe(name: str) -> str | None:
     """The glossary line for ``name``, matching the <...> patterns; None if the name is not documented."""
     if name in GLOSSARY:
         return GLOSSARY[name]
-    for key, text in GLOSSARY.items():
-        if "<" in key and name.startswith(key[: key.index("<")]) and len(name) > key.index("<"):
+    patterns = [(key[: key.index("<")], key[key.index(">") + 1:], text) for key, text in GLOSSARY.items()
+                if "<" in key]
+    # the most specific pattern first: eval/<name>/entropy before eval/<name>
+    for prefix, suffix, text in sorted(patterns, key=lambda p: -len(p[0] + p[1])):
+        if name.startswith(prefix) and name.endswith(suffix) and len(name) > len(prefix) + len(suffix):
             return text
     return None
 

@@ -109,7 +109,7 @@ def _new_figure(nrows: int = 1):
 
 
 def _reward_plot(rows, keys, kl_target=None):
-    evals = sorted(k for k in keys if k.startswith(m.EVAL_PREFIX))
+    evals = sorted(k for k in keys if m.is_eval_accuracy(k))  # accuracies share a 0..1 axis; entropies do not
     per_function = sorted(k for k in keys if k.startswith(m.REWARD_PREFIX))
     if m.REWARD not in keys and not evals:
         return None

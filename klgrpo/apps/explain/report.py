@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from klgrpo.apps.explain.rewards import format_entry
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.math.objective import KLTerm
@@ -61,6 +62,8 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
         "ignored": list(mapped.ignored),
         "off_policy": mapped.off_policy,
     }
+    if mapped.rewards:
+        report["rewards"] = list(mapped.rewards)
     report["risks"] = risks(cfg, parts, report, mapped.off_policy)
     return report
 
@@ -137,6 +140,7 @@ def format_report(origin: str, report: dict) -> str:
              f"  KL value: {value}",
              f"  beta: {report['controller']}",
              f"  aggregation: {report['aggregation']['name']}: {report['aggregation']['weighting']}"]
+    lines += [f"  reward: {format_entry(entry)}" for entry in report.get("rewards", ())]
     for name, why in report["unmapped"].items():
         lines.append(f"  no counterpart: {name}: {why}")
     if report["ignored"]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from klgrpo.apps.explain import python_script, shell_script
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
+from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import map_trl_config
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
@@ -233,4 +234,5 @@ def _klgrpo(data: dict, origin: str) -> Mapped:
     cfg = GRPOConfig.from_dict(data, origin=origin)  # unknown keys and wrong types: one line each
     values = dict(_flatten(cfg.to_dict()))
     keys = [path for path, _ in all_field_paths() if path.startswith(("kl.", "loss.", "train.num_iterations"))]
-    return Mapped(config={key: values[key] for key in keys}, off_policy=cfg.train.num_iterations > 1)
+    return Mapped(config={key: values[key] for key in keys}, off_policy=cfg.train.num_iterations > 1,
+                  rewards=reward_entries(cfg.rewards.functions, cfg.data.as_chat))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
@@ -38,7 +39,8 @@ NO_LORA_COUNTERPART = {"use_rslora": "klgrpo's LoRA scales by alpha / r, not alp
 OTHER_COUNTERPARTS = {
     "reward_funcs": "TRL's reward functions by name; klgrpo's are rewards.functions (built-in names or "
                     "module:function)",
-    "reward_model_name_or_path": "a reward model; klgrpo's rewards are functions (rewards.functions)",
+    "reward_model_name_or_path": "a reward model: in klgrpo a rewards.functions entry {model: PATH} (listed under "
+                                 "rewards: one logit, its own tokenizer and chat template, as TRL scores it)",
     "chat_template_kwargs": "klgrpo applies the tokenizer's chat template without extra arguments (data.as_chat)",
 }
 #: Fields that change speed, memory, I/O, logging or the hub, never the loss.
@@ -145,6 +147,8 @@ def map_trl_config(data: dict, origin: str, adaptive: bool) -> Mapped:
             continue
         if key in OTHER_COUNTERPARTS:
             mapped.unmapped.setdefault(key, OTHER_COUNTERPARTS[key])
+            if key == "reward_model_name_or_path" and isinstance(data[key], str) and data[key]:
+                mapped.rewards += reward_entries([{"model": data[key]}], as_chat=False)
         elif key in NOT_THE_OBJECTIVE or key in PARSER_KEYS:
             if key not in mapped.unmapped and key not in _mapped_fields(data):
                 mapped.ignored.append(key)
