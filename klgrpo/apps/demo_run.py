@@ -108,12 +108,7 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
 
     if note:
         say(f"      {note}")
-    say(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
-        f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
-        f"{HELD_OUT} is never trained")
-    if cfg.kl.replay.coef > 0:
-        say(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
-            f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
+    _announce_grpo(cfg, say)
     trainer = GRPOTrainer(cfg, log=lambda m: say(f"      {m}"))
 
     def demo_fields(summary: dict) -> dict:
@@ -131,6 +126,15 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
     print("  3/3 greedy evaluation on held-out prompts, before and after")
     _print_summary(summary, trainer.run_dir)
     return 0
+
+
+def _announce_grpo(cfg: GRPOConfig, say) -> None:
+    say(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
+        f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
+        f"{HELD_OUT} is never trained")
+    if cfg.kl.replay.coef > 0:
+        say(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
+            f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
 
 
 def _command(argv: list[str] | CommandLine) -> CommandLine:

@@ -394,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
               f"(finished runs are skipped)", file=sys.stderr)
         return 130
     wall = time.perf_counter() - t0 if not args.table_only else runs_span(runs)
+    _write_table(runs, grid, extra_cells, seeds, args, extra, out, wall)
+    return 1 if any(r.status in ("failed", "changed") for r in runs) else 0
+
+
+def _write_table(runs, grid, extra_cells, seeds, args, extra, out: Path, wall: float) -> None:
+    """table.md, table.json and the two plots of the sweep's runs, printed and saved in ``out``."""
     table = build_table(runs)
     defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(args.config, [k for k, _ in grid], extra).items())
     header = table_header(grid, extra_cells, seeds, args.config, extra, defaults, table, out, wall, args.table_only)
@@ -411,4 +417,3 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a plot must not hide the table
             print(f"(no {name}: {type(exc).__name__}: {exc})")
     print(f"saved {out / 'table.md'}, {out / 'table.json'}" + "".join(f", {p}" for p in pictures if p))
-    return 1 if any(r.status in ("failed", "changed") for r in runs) else 0
