@@ -14,7 +14,8 @@ same for all):
     trainer typed custom    the same with a typed loss.function that recomputes the objective
     datum built-in ppo_kl   klgrpo.custom.forward_backward(data, loss_fn="ppo_kl"): one forward with the graph
     datum custom, 1 pass    forward_backward_custom(data, fn): one forward with the graph (klgrpo's local route)
-    datum custom, 2 passes  the hosted APIs' route: a no-grad forward, fn's gradient w.r.t. the log-probs, a forward/backward
+    datum custom, 2 passes  the hosted APIs' route: a no-grad forward, fn's gradient w.r.t. the log-probs,
+                            a forward/backward
 
 FLOPs are torch.utils.flop_counter's count (matmuls and attention) of one call; wall times are medians over
 interleaved rounds (all variants once per round, so each sees the same machine load). Ratios are against

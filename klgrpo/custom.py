@@ -103,7 +103,8 @@ def builtin_loss(loss_fn: str, loss_fn_config: dict | None = None) -> Callable:
     settings.update(loss_fn_config or {})
     low, high = float(settings["clip_low_threshold"]), float(settings["clip_high_threshold"])
     if not 0 <= low <= 1 <= high:
-        raise ConfigError(f"loss_fn_config needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {low}, {high}")
+        raise ConfigError("loss_fn_config needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
+                          f"got {low}, {high}")
     with_kl = loss_fn == "ppo_kl"
     kl = KLTerm(coef=float(settings["kl_coef"]), estimator=str(settings["kl_estimator"]),
                 is_correction=str(settings["kl_is_correction"]),
@@ -116,7 +117,8 @@ def builtin_loss(loss_fn: str, loss_fn_config: dict | None = None) -> Callable:
         ref = _padded([_field(d, "ref_logprobs", i) for i, d in enumerate(data)], logp)[0] if with_kl else None
         mask = mask & (_padded([_field(d, "mask", i).float() for i, d in enumerate(data)])[0] > 0)
         out = grpo_objective(logp, old.detach(), ref, advantages, mask, kl=kl,
-                             policy=PolicyTerm(eps_low=1.0 - low, eps_high=high - 1.0), aggregation="seq_mean_token_sum",
+                             policy=PolicyTerm(eps_low=1.0 - low, eps_high=high - 1.0),
+                             aggregation="seq_mean_token_sum",
                              normalizer=Normalizer(num_sequences=1.0, num_tokens=mask.sum(),
                                                    max_len=float(mask.shape[1])))
         tokens = mask.sum().clamp(min=1)

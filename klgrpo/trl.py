@@ -151,8 +151,8 @@ def validate_kl_fields(args: GRPOConfig) -> None:
 
 
 def klgrpo_config(args: GRPOConfig) -> KlgrpoConfig:
-    """The klgrpo config of these fields (klgrpo.integrations.trl_mapping); ConfigError for a field whose objective klgrpo's
-    math lacks. TRL's own trainer keeps the fields it applies around the loss (entropy and off-policy masks,
+    """The klgrpo config of these fields (klgrpo.integrations.trl_mapping); ConfigError for a field whose objective
+    klgrpo's math lacks. TRL's own trainer keeps the fields it applies around the loss (entropy and off-policy masks,
     vLLM's importance ratio, steps_per_generation)."""
     mapped = map_trl(args._field_values())
     for name, why in mapped.unmapped.items():

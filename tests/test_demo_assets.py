@@ -121,7 +121,8 @@ def test_short_sft_lowers_the_answer_loss_and_is_repeatable():
     # Bit-for-bit repeatable per seed (a few steps of a tinier model suffice to show it).
     def weights(seed):
         m = build_tiny_model_for(tokenizer, seed=seed, **vars(TINY))
-        run_sft(m, tokenizer, train, val, SFTSettings(max_steps=3, eval_every=1000, batch_size=16), seed=seed, log=lambda _: None)
+        run_sft(m, tokenizer, train, val, SFTSettings(max_steps=3, eval_every=1000, batch_size=16), seed=seed,
+                log=lambda _: None)
         return torch.cat([p.detach().flatten() for p in m.parameters()])
 
     assert torch.equal(weights(1), weights(1))

@@ -79,7 +79,8 @@ def test_greedy_accuracy_uses_the_reward_function():
         seen.update(prompts=prompts, completions=completions, answer=answer)
         return [len(c) for c in completions]
 
-    acc = greedy_accuracy(successor_model(), TOKENIZER, PROMPTS, list("abcde"), max_new_tokens=3, reward_fn=length_reward)
+    acc = greedy_accuracy(successor_model(), TOKENIZER, PROMPTS, list("abcde"), max_new_tokens=3,
+                          reward_fn=length_reward)
     assert acc == pytest.approx((3 + 1 + 0 + 3 + 3) / 5)
     assert seen == {"prompts": PROMPTS, "completions": COMPLETIONS, "answer": list("abcde")}
     assert exact_match(["p", "p"], [" 7\n", "8"], answer=["7", " 9"]) == [1.0, 0.0]

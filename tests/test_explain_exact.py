@@ -1,5 +1,5 @@
-"""``klgrpo explain``'s mappings are exact: the mapped klgrpo objective (klgrpo.integrations.mapping.mapped_objective) against
-TRL 1.16's own ``GRPOTrainer._compute_loss`` (float64, 1e-10, loss and gradient), and against verl's and
+"""``klgrpo explain``'s mappings are exact: the mapped klgrpo objective (klgrpo.integrations.mapping.mapped_objective)
+against TRL 1.16's own ``GRPOTrainer._compute_loss`` (float64, 1e-10, loss and gradient), and against verl's and
 OpenRLHF's formulas written out by hand below (from their documentation, config help and loss code read, not
 copied); the Unsloth fields map as the TRL bridge maps them."""
 
@@ -81,7 +81,8 @@ def _trl(fields: dict, logp, old, ref, adv, mask, entropy=None, last_entropy=mat
         off_policy_mask_threshold=args["off_policy_mask_threshold"],
         importance_sampling_level=args["importance_sampling_level"], beta=args["beta"],
         loss_type=args["loss_type"], epsilon_low=args["epsilon"], epsilon_high=eps_high, use_vllm=False,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=OneProcessAccelerator(),
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        accelerator=OneProcessAccelerator(),
         _entropy_bonus_enabled=args["entropy_coef"] != 0.0 or args["use_adaptive_entropy"],
         entropy_coef=args["entropy_coef"], use_adaptive_entropy=args["use_adaptive_entropy"],
         _last_world_entropy=last_entropy, _entropy_window_stats=None,

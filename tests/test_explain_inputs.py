@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from klgrpo.apps.explain import main
 from klgrpo.apps.explain.reading import MAX_BYTES, MAX_DEPTH

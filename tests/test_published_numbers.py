@@ -20,13 +20,15 @@ def test_readme_demo_gain_is_the_seed_sweeps():
               f"{min(cell['seeds'])}-{max(cell['seeds'])}, from {stats['min']:+.1f} to {stats['max']:+.1f}, and "
               f"seed 0, what `klgrpo train` runs, gains {seed0:+.1f}")
     assert quoted in readme
-    assert "klgrpo sweep --grid kl.replay.coef=1 --seeds 0,1,2" in (ROOT / "docs/results/demo_seeds/table.md").read_text()
+    table = (ROOT / "docs/results/demo_seeds/table.md").read_text()
+    assert "klgrpo sweep --grid kl.replay.coef=1 --seeds 0,1,2" in table
 
 
 def test_custom_loss_cost_table_is_the_results_file():
     results = (ROOT / "benchmarks" / "results" / "custom_loss_cost_cpu.md").read_text()
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
-    rows = re.findall(r"^\| (tiny|small) +\| ([^|]+?) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\|$",
+    rows = re.findall(r"^\| (tiny|small) +\| ([^|]+?) +"
+                      r"\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\|$",
                       results, flags=re.M)
     assert len(rows) == 10
     for shape, loss, *numbers in rows:
@@ -44,7 +46,8 @@ def test_trl_method_tables_are_the_results_files():
     for seed in (0, 1):
         results = (ROOT / "docs" / "results" / f"trl_adaptive_kl_seed{seed}.md").read_text()
         assert f"python examples/trl_adaptive_kl.py --seed {seed}" in results
-        rows = re.findall(r"^\| (\S+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| +([\d.]+) -> +([\d.]+) +\|",
+        rows = re.findall(r"^\| (\S+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.]+) "
+                          r"+\| +([\d.]+) -> +([\d.]+) +\|",
                           results, flags=re.M)
         assert len(rows) == 6
         section = docs[docs.index(f"Seed {seed}:"):]

@@ -23,7 +23,8 @@ def test_the_docs_run_example_trains(tiny_model_dir, addition_file, tmp_path, ca
     code = _python_blocks()[0]
     swaps = {'"Qwen/Qwen2.5-0.5B-Instruct"': repr(str(tiny_model_dir)), '"prompts.jsonl"': repr(str(addition_file)),
              '"runs/python-api"': repr(str(tmp_path / "run")),
-             '"group_size": 8, "prompts_per_step": 16, "max_new_tokens": 128': '"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4',
+             '"group_size": 8, "prompts_per_step": 16, "max_new_tokens": 128':
+                 '"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 4',
              '"train": {"steps": 200, ': '"logging": {"progress": False, "tensorboard": False, "plots": False}, '
                                          '"train": {"steps": 1, "torch_threads": 1, '}
     for old, new in swaps.items():

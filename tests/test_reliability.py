@@ -617,7 +617,8 @@ def test_files_klgrpo_did_not_write_are_never_changed(tiny_model_dir, addition_f
 
 
 def _small_tmpfs(path):
-    """A 100 KiB tmpfs (a checkpoint of the tiny model takes ~220 KiB) at ``path`` when this process may mount one (root in a container), else None."""
+    """A 100 KiB tmpfs (a checkpoint of the tiny model takes ~220 KiB) at ``path`` when this process may mount one
+    (root in a container), else None."""
     import shutil as _shutil
 
     if _shutil.which("mount") is None or os.geteuid() != 0:

@@ -1,4 +1,5 @@
-"""klgrpo's KV-cached sampling loop (klgrpo/backends/kv_decoder.py) against the model's own forward and transformers' generate.
+"""klgrpo's KV-cached sampling loop (klgrpo/backends/kv_decoder.py) against the model's own forward and
+transformers' generate.
 
 The loop is correct when (1) its next-token logits equal the model's forward logits at every position of a
 teacher-forced, left-padded batch, (2) its filters equal transformers' temperature/top-k/top-p warpers, and

@@ -82,7 +82,8 @@ def demo_pieces(tmp_path_factory):
 def test_the_demo_passes_on_this_machine(demo_pieces):
     cfg, model, tokenizer, prompts = demo_pieces
     check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg))  # the machine's own free memory
-    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=64 * 2 ** 20)  # and a 64 MiB budget
+    # and a 64 MiB budget
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=64 * 2 ** 20)
 
 
 def test_a_demo_rollout_far_beyond_memory_is_refused_in_one_line(demo_pieces):

@@ -238,8 +238,8 @@ def test_parallel_jobs_give_the_same_table(fake_trainer, tmp_path):
 
 
 def test_a_sweep_of_cells_only_runs_each_setting_and_seed_once(fake_trainer, tmp_path):
-    code = sweep.main(["--cell", "kl.coef=0.2", "--cell", "kl.coef=0.1,seeds=[0,1]", "--cell", "kl.coef=0.2,seeds=[0,2]",
-                       "--output-dir", str(tmp_path / "s")])
+    code = sweep.main(["--cell", "kl.coef=0.2", "--cell", "kl.coef=0.1,seeds=[0,1]",
+                       "--cell", "kl.coef=0.2,seeds=[0,2]", "--output-dir", str(tmp_path / "s")])
     assert code == 0
     table = json.loads((tmp_path / "s" / "table.json").read_text())
     assert [(c["setting"], c["seeds"]) for c in table["cells"]] == [("kl.coef=0.2", [0, 2]), ("kl.coef=0.1", [0, 1])]

@@ -75,7 +75,8 @@ def main() -> None:
     write("ablation_add_train.jsonl", sums(pairs[EVAL_PAIRS:]))
     write("ablation_capitals.jsonl", [{"prompt": f"What is the capital of {c}?", "answer": a} for c, a in CAPITALS])
     write("ablation_opposites.jsonl", [{"prompt": f"What is the opposite of {w}?", "answer": a} for w, a in OPPOSITES])
-    replay = [f"What is the capital of {c}?" for c in REPLAY_COUNTRIES] + [f"What is the opposite of {w}?" for w in REPLAY_WORDS]
+    replay = ([f"What is the capital of {c}?" for c in REPLAY_COUNTRIES]
+              + [f"What is the opposite of {w}?" for w in REPLAY_WORDS])
     random.Random(1).shuffle(replay)  # both kinds in the first kl.replay.num_prompts rows
     write("ablation_replay.jsonl", [{"prompt": p} for p in replay])
 

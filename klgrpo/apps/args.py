@@ -56,7 +56,8 @@ def read_argv(argv: list[str]) -> CommandLine:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise KLGRPOError(f"unexpected argument {arg!r}; options look like --kl.coef 0.02 (see klgrpo train --help)")
+            raise KLGRPOError(f"unexpected argument {arg!r}; options look like --kl.coef 0.02 "
+                              "(see klgrpo train --help)")
         key, eq, value = arg[2:].partition("=")
         if key in ("print-config", "overwrite"):
             opts[key.replace("-", "_")] = True

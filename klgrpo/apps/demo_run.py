@@ -5,7 +5,8 @@
 2. GRPO with a KL toward that reference (k3 value with the reverse-KL gradient, adaptive beta) trains
    addition only; reward 1 for the exact answer.
    A replay anchor (on by default) adds the exact KL to the reference on unlabeled subtraction prompts:
-   the KL on the addition prompts alone does not keep subtraction where it was (docs/retention.md; klgrpo/train/replay.py).
+   the KL on the addition prompts alone does not keep subtraction where it was (docs/retention.md;
+   klgrpo/train/replay.py).
 3. Greedy accuracy on held-out prompts, before and after: addition (the trained skill) and subtraction
    (retention: the forgetting the KL is meant to limit).
 
@@ -158,7 +159,8 @@ def _print_summary(s: dict, run_dir) -> None:
     if s.get("replay_coef"):
         rkl = s.get("final_replay_kl")
         middle = [f"  with the replay anchor (coef {s['replay_coef']:g}, final replay KL "
-                  f"{rkl if rkl is None else round(rkl, 4)}): {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points",
+                  f"{rkl if rkl is None else round(rkl, 4)}): {TRAINED} {_signed(gain)}, "
+                  f"{HELD_OUT} {_signed(ret)} points",
                   f"  the same run without it (the KL on {TRAINED} prompts only):  klgrpo train --kl.replay.coef 0"]
     else:
         middle = [f"  replay anchor off: {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points; "

@@ -12,7 +12,8 @@ import json
 
 from klgrpo.errors import ConfigError
 
-USAGE = """usage: klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] [--group.field VALUE ...]
+USAGE = """usage: klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] \
+[--group.field VALUE ...]
 
 Greedy accuracy of a model folder (a checkpoint, a merged export, a hub name) on the eval.sets of a config,
 the same numbers `klgrpo train` logs as eval/<name> for that checkpoint.

@@ -87,8 +87,10 @@ def measure(args) -> dict:
     ref_model, ref_tokenizer = load_model_for_inference(args.reference, ref_cfg, field="REFERENCE")
     ref_model.to(next(policy.parameters()).device)
     if policy.get_output_embeddings().weight.shape[0] != ref_model.get_output_embeddings().weight.shape[0]:
-        raise ConfigError(f"POLICY and REFERENCE have different vocabularies ({policy.get_output_embeddings().weight.shape[0]} "
-                          f"vs {ref_model.get_output_embeddings().weight.shape[0]} outputs): the KL needs one tokenizer")
+        raise ConfigError(f"POLICY and REFERENCE have different vocabularies "
+                          f"({policy.get_output_embeddings().weight.shape[0]} "
+                          f"vs {ref_model.get_output_embeddings().weight.shape[0]} outputs): the KL needs one "
+                          f"tokenizer")
     data = load_prompts(args.prompts, prompt_column=args.prompt_column, limit=args.limit or None, field="--prompts")
     _check_prompts_fit(policy, tokenizer, ref_tokenizer, data.prompts, args)
     reference = FrozenCopyReference(ref_model)

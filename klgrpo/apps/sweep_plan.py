@@ -92,7 +92,8 @@ def parse_cell(arg: str) -> Cell:
         key, eq, value = part.partition("=")
         key, value = key.strip().removeprefix("--"), value.strip()
         if not eq or not key or not value:
-            raise SweepError(f"--cell {arg!r}: write KEY=VALUE,KEY=VALUE,... e.g. --cell kl.controller=adaptive,kl.coef=0.04")
+            raise SweepError(f"--cell {arg!r}: write KEY=VALUE,KEY=VALUE,... "
+                             "e.g. --cell kl.controller=adaptive,kl.coef=0.04")
         if key == "seeds":
             seeds = parse_seeds(value[1:-1] if value.startswith("[") and value.endswith("]") else value)
             continue

@@ -221,7 +221,8 @@ def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
     need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
     check_report_to(active_trackers(cfg))
     need(not (k.warn_above > 0 and k.warn_below >= k.warn_above),
-         f"kl.warn_below ({k.warn_below:g}) must be below kl.warn_above ({k.warn_above:g}); set either to 0 to turn it off")
+         f"kl.warn_below ({k.warn_below:g}) must be below kl.warn_above ({k.warn_above:g}); "
+         "set either to 0 to turn it off")
     need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
     need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")
     reward_specs(cfg.rewards.functions)

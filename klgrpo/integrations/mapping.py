@@ -1,6 +1,7 @@
-"""Another framework's config in klgrpo's vocabulary: the shared shape of the mapping tables (klgrpo.integrations.trl_mapping,
-klgrpo.integrations.verl_mapping, klgrpo.integrations.openrlhf_mapping) and of their result, and the one call of klgrpo's objective that
-the TRL bridge and the migration tests make with a mapped config.
+"""Another framework's config in klgrpo's vocabulary: the shared shape of the mapping tables
+(klgrpo.integrations.trl_mapping, klgrpo.integrations.verl_mapping, klgrpo.integrations.openrlhf_mapping) and of
+their result, and the one call of klgrpo's objective that the TRL bridge and the migration tests make with a mapped
+config.
 
 A table row names a source field, the klgrpo config keys it sets and the source's default; ``render_table``
 writes the rows as the markdown tables of docs/trl.md and docs/explain.md (a test compares them)."""

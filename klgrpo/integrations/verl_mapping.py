@@ -140,7 +140,7 @@ def _check_type(key: str, value: Any, origin: str) -> None:
         return  # null: clip_ratio
     default = VERL_DEFAULTS[key]
     kind = bool if isinstance(default, bool) else (int, float) if isinstance(default, (int, float)) else str
-    if isinstance(value, bool) and kind != bool or not isinstance(value, kind):
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         name = {bool: "true or false", str: "a name"}.get(kind, "a number")
         raise ConfigError(f"{origin}: {key} must be {name}, got {value!r}")
 

@@ -80,7 +80,8 @@ def greedy_completions(
                 rows = tokenizer(chunk)["input_ids"]
                 if not all(rows):
                     empty = start + next(i for i, r in enumerate(rows) if not r)
-                    raise ValueError(f"prompt {empty} ({prompts[empty]!r}) encodes to no tokens; give every prompt some text")
+                    raise ValueError(f"prompt {empty} ({prompts[empty]!r}) encodes to no tokens; "
+                                     "give every prompt some text")
                 input_ids, attention_mask = _left_padded(rows, pad_id, model.device)
                 recorder = _EntropyRecorder(temperature) if entropy is not None else None
                 # synced_gpus=False: transformers turns it on for any FSDP-managed model in a process group and
@@ -127,7 +128,8 @@ def greedy_accuracy(
     ``entropy`` and ``temperature``: as :func:`greedy_completions`.
     """
     if len(prompts) != len(answers):
-        raise ValueError(f"greedy_accuracy: {len(prompts)} prompts but {len(answers)} answers; pass one answer per prompt")
+        raise ValueError(f"greedy_accuracy: {len(prompts)} prompts but {len(answers)} answers; "
+                         "pass one answer per prompt")
     if not prompts:
         raise ValueError("greedy_accuracy: no prompts to evaluate")
     completions = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size, entropy, temperature)

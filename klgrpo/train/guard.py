@@ -45,7 +45,8 @@ class NonFiniteGuard:
     def stop_message(self, step: int) -> str:
         return (f"{self.consecutive} steps in a row up to step {step} had a non-finite {self.last_reason} and were "
                 f"skipped (train.max_skipped_steps={self.max_consecutive}); the weights are those of the last good "
-                f"step (saved). Check the rewards and the data, or lower optim.lr / set optim.max_grad_norm in a new run")
+                "step (saved). Check the rewards and the data, or lower optim.lr / set optim.max_grad_norm in a "
+                "new run")
 
     def state_dict(self) -> dict:
         return {"skipped_total": self.skipped_total, "consecutive": self.consecutive}

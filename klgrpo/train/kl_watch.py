@@ -43,7 +43,8 @@ class KLWatch:
         self._windows_done += 1
         signs = {}
         if self.warn_above > 0 and mean > self.warn_above and previous is not None and mean > previous:
-            signs[DRIFTING] = (f"KL warning at step {step}: the KL is {mean:.4g} per token (mean of steps {first}-{step}) "
+            signs[DRIFTING] = (f"KL warning at step {step}: the KL is {mean:.4g} per token "
+                               f"(mean of steps {first}-{step}) "
                                f"and rising (previous window {previous:.4g}), above kl.warn_above {self.warn_above:g}: "
                                f"the policy is drifting from the reference; raise kl.coef (kl.target with an adaptive "
                                f"kl.controller) or lower optim.lr")

@@ -2,14 +2,16 @@
 
 Why: the KL on the training prompts constrains the policy only where those prompts lead. On the demo, GRPO on
 addition with the usual KL at beta 0 / 0.04 / 0.2 moved subtraction (never trained) by -12.5 / -10.3 / -7.3
-points on average in a prototype of the demo (docs/retention.md); the exact KL on a few replay prompts of subtraction kept it within -4.5..+6.5.
+points on average in a prototype of the demo (docs/retention.md); the exact KL on a few replay prompts of
+subtraction kept it within -4.5..+6.5.
 
     L_replay = coef * (1 / N_tok) * sum_{i, t} KL_t          over the completion positions of the replay batch
     KL_t     = KL(pi(. | x_i, y_i,<t) || ref(. | x_i, y_i,<t))   at temperature 1 (the models' own distributions)
 
 Build, once per run folder: the first ``num_prompts`` replay prompts, ``completions_per_prompt`` completions
 each sampled from the REFERENCE (at ``kl.replay.temperature``, with a private seed: the trainer's RNG stream
-is untouched), cached in ``<run>/replay_cache.safetensors`` + ``replay_cache.json`` (state_io: nothing is unpickled) with what the KL form needs and reused on resume:
+is untouched), cached in ``<run>/replay_cache.safetensors`` + ``replay_cache.json`` (state_io: nothing is
+unpickled) with what the KL form needs and reused on resume:
 
     "full"       the reference's log-softmax over the vocabulary at every completion position, when
                  N x T x V float32 fits ``cache_budget_bytes`` (default 256 MiB); otherwise the reference's
@@ -287,7 +289,9 @@ def _same_module(a, b) -> bool:
     return get is not None and get() is a
 
 
-def _sample_cache(cfg, meta: dict, model, tokenizer, reference, device, budget: int, sampler: Sampler | str) -> ReplayCache:
+def _sample_cache(
+    cfg, meta: dict, model, tokenizer, reference, device, budget: int, sampler: Sampler | str
+) -> ReplayCache:
     r = cfg.kl.replay
     chunk = max(1, cfg.rollout.prompts_per_step)
     params = SamplingParams(group_size=r.completions_per_prompt, max_new_tokens=meta["max_new_tokens"],

@@ -21,7 +21,6 @@ keep that session's value for it; metrics.jsonl and TensorBoard hold the resumed
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import uuid

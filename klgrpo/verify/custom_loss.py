@@ -154,7 +154,8 @@ def expected_loss(loss_fn: Callable, rows: dict, beta: float, advantage: float =
     for i in range(mask.shape[0]):
         sl = slice(i, i + 1)
         inp = LossInput(logp=rows["logp"][sl], old_logp=rows["old"][sl], ref_logp=rows["ref"][sl],
-                        advantages=torch.full((1,), advantage, dtype=torch.float64), mask=mask[sl], beta=beta, normalizer=norm,
+                        advantages=torch.full((1,), advantage, dtype=torch.float64), mask=mask[sl], beta=beta,
+                        normalizer=norm,
                         aggregation="seq_mean_token_sum", tokens=rows["tokens"][sl])
         loss, _ = call_loss(loss_fn, inp)
         total = total + q[i] * loss.to(torch.float64)
@@ -175,7 +176,8 @@ def check_row(scaled: Callable, level: str, sampling: str, rtol: float = GRADIEN
     ratio = value / kl
     estimates = "KL" if abs(ratio - 1) <= VALUE_RTOL else "-KL" if abs(ratio + 1) <= VALUE_RTOL else "neither"
     return CustomLossRow(level=level, sampling=sampling, kl=kl, kl_part=value, value_over_kl=ratio,
-                         value_bias=value - (kl if value >= 0 else -kl), value_estimates=estimates, policy_part=low.detach().item() - c1 * value,
+                         value_bias=value - (kl if value >= 0 else -kl), value_estimates=estimates,
+                         policy_part=low.detach().item() - c1 * value,
                          **found)
 
 

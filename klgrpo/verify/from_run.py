@@ -2,10 +2,10 @@
 
 A run may write ``RUN_DIR/kl_dumps/step_NNNNNN.safetensors``: tensors ``logp`` float32 [B, T], ``ref_logp``
 float32 [B, T], ``mask`` bool [B, T] (log-probs of the sampled tokens under the policy and the reference) and the
-step in the file's metadata (``{"step": "N"}``); read as data, nothing in it is executed. For every dump and estimator this reports, over the
-masked tokens, the mean, the 50/90/99th percentiles (linear interpolation between order statistics, as
-``numpy.percentile``), the max, and for k1 the fraction of negative values; plus the fraction of tokens whose
-|log-ratio| exceeds the k3 clamp. The values go through ``kl_estimate`` in float64.
+step in the file's metadata (``{"step": "N"}``); read as data, nothing in it is executed. For every dump and
+estimator this reports, over the masked tokens, the mean, the 50/90/99th percentiles (linear interpolation between
+order statistics, as ``numpy.percentile``), the max, and for k1 the fraction of negative values; plus the fraction
+of tokens whose |log-ratio| exceeds the k3 clamp. The values go through ``kl_estimate`` in float64.
 """
 
 from __future__ import annotations

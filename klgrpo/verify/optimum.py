@@ -1,4 +1,5 @@
-"""Where exact-gradient ascent ends for each KL configuration on the sequence toy (docs/kl_math.md, "Aggregation and length").
+"""Where exact-gradient ascent ends for each KL configuration on the sequence toy (docs/kl_math.md,
+"Aggregation and length").
 
 Objective ascended: E_pi[R] - beta * penalty, R = 0.5 per 'a' token, beta = 0.5, pi_ref uniform in every row
 (logits 0). The penalty gradient is the exact expected gradient of the penalty as the library builds it

@@ -96,7 +96,8 @@ class DemoAssets:
 def cache_key(seed: int, settings: DemoSettings) -> str:
     """12 hex digits of a hash over the format version, seed, settings, split seed and vocabulary."""
     blob = json.dumps(
-        {"format": FORMAT_VERSION, "seed": seed, "settings": asdict(settings), "split_seed": SPLIT_SEED, "chars": CHARACTERS},
+        {"format": FORMAT_VERSION, "seed": seed, "settings": asdict(settings), "split_seed": SPLIT_SEED,
+         "chars": CHARACTERS},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

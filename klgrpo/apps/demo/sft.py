@@ -1,10 +1,10 @@
 """Supervised warm start of the demo model, so that GRPO's reference is a real SFT model.
 
-Recipe (settings a prototype of the demo found to work on the CPU): AdamW at lr 3e-3, batches of 128 drawn 30% from addition and 70% from
-subtraction, cross-entropy on the answer tokens and the EOS only (prompt tokens carry no loss). Accuracy
-jumps at an unpredictable step, so instead of a fixed step count the run stops as soon as greedy
-accuracy on the trained skill's validation set reaches the target (checked every 10 steps), with a
-step cap. On the CPU with a fixed thread count the whole run is bit-for-bit repeatable per seed.
+Recipe (settings a prototype of the demo found to work on the CPU): AdamW at lr 3e-3, batches of 128 drawn 30%
+from addition and 70% from subtraction, cross-entropy on the answer tokens and the EOS only (prompt tokens carry
+no loss). Accuracy jumps at an unpredictable step, so instead of a fixed step count the run stops as soon as
+greedy accuracy on the trained skill's validation set reaches the target (checked every 10 steps), with a step
+cap. On the CPU with a fixed thread count the whole run is bit-for-bit repeatable per seed.
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class EncodedExamples:
     labels_NT: torch.Tensor
 
 
-def encode_examples(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], answers: Sequence[str]) -> EncodedExamples:
+def encode_examples(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], answers: Sequence[str]
+) -> EncodedExamples:
     """Tokenize ``prompt + answer + EOS``, with the loss restricted to the answer and the EOS."""
     if tokenizer.eos_token_id is None:
         raise ValueError("SFT needs a tokenizer with an eos token to end every answer")
@@ -137,7 +139,8 @@ def run_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train: M
     model.eval()
     reached = accuracy >= settings.target_accuracy
     log(f"SFT: {len(losses)} steps in {seconds:.1f} s, {settings.target_skill} validation accuracy {accuracy:.1%}"
-        + ("" if reached else f" (target {settings.target_accuracy:.0%} not reached within {settings.max_steps} steps)"))
+        + ("" if reached
+           else f" (target {settings.target_accuracy:.0%} not reached within {settings.max_steps} steps)"))
     return {"steps": len(losses), "seconds": round(seconds, 3), "reached_target": reached,
             "target_accuracy": settings.target_accuracy, "final_val_accuracy": accuracy, "val_accuracy": history,
             "first_loss": losses[0] if losses else None,
@@ -154,7 +157,8 @@ def _train_step(model, optimizer, batch) -> float:
 
 
 def _sample_batch(
-    data: Mapping[str, EncodedExamples], skills: list[str], skill_probs: torch.Tensor, size: int, generator: torch.Generator
+    data: Mapping[str, EncodedExamples], skills: list[str], skill_probs: torch.Tensor, size: int,
+    generator: torch.Generator,
 ) -> EncodedExamples:
     skill_of_row = torch.multinomial(skill_probs, size, replacement=True, generator=generator)
     parts = []
@@ -164,7 +168,8 @@ def _sample_batch(
             pool = data[skill]
             idx = torch.randint(len(pool.input_ids_NT), (n,), generator=generator)
             parts.append((pool.input_ids_NT[idx], pool.attention_mask_NT[idx], pool.labels_NT[idx]))
-    return EncodedExamples(*(_cat_right_padded([p[j] for p in parts], fill) for j, fill in ((0, 0), (1, 0), (2, IGNORE_INDEX))))
+    return EncodedExamples(*(_cat_right_padded([p[j] for p in parts], fill)
+                             for j, fill in ((0, 0), (1, 0), (2, IGNORE_INDEX))))
 
 
 def _cat_right_padded(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:

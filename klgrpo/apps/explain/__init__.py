@@ -3,7 +3,8 @@ config that reproduces it; with ``--run``, what a run's KL actually did.
 
     command.py        the command: arguments, outputs (never over an input or, for --write, an existing file)
     reading.py        bounded reading: size, text, plain data, nesting
-    sources.py        the format, detected, and its mapping (klgrpo.integrations.trl_mapping, verl_mapping, openrlhf_mapping)
+    sources.py        the format, detected, and its mapping (klgrpo.integrations.trl_mapping, verl_mapping,
+                      openrlhf_mapping)
     trl_config.py     what ``trl grpo --config`` reads, from trl_fields.py (TRL's fields as data, no TRL import)
     python_script.py  a training script's GRPOConfig(...) call, read with ``ast`` (never run)
     shell_script.py   a verl or OpenRLHF launch script's command, read as text (never run)

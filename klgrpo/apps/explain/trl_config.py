@@ -1,5 +1,6 @@
-"""What ``trl grpo --config`` reads, in klgrpo's terms: the GRPOConfig fields through klgrpo.integrations.trl_mapping, the model,
-LoRA, dataset and optimizer fields of TRL's other dataclasses onto their klgrpo keys, the rest named.
+"""What ``trl grpo --config`` reads, in klgrpo's terms: the GRPOConfig fields through
+klgrpo.integrations.trl_mapping, the model, LoRA, dataset and optimizer fields of TRL's other dataclasses onto their
+klgrpo keys, the rest named.
 
 TRL's field names, types and defaults come from :mod:`klgrpo.apps.explain.trl_fields` (data, no TRL import).
 """
