@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from klgrpo.backends.hf import DTYPE_NAMES
+from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.errors import ConfigError
@@ -63,8 +64,14 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory")
     fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: compute log-probs with klgrpo's decoder, each prompt run "
                                "once per group (same numbers as transformers to float rounding, tested), and let "
-                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate")
+                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate "
+                               "everywhere (model.forward must then be auto or transformers)")
     lora: LoraConfig = field(default_factory=LoraConfig)
+    forward: str = _f("auto", "the forward behind the training log-probs and the reference's: fast (klgrpo's "
+                              "decoder, Llama/Mistral/Qwen2/Qwen3, each prompt once per group; other models use "
+                              "transformers'), transformers (the model's own forward, with the attention "
+                              "it was loaded with: SDPA by default); auto: the one measured faster on the run's device "
+                              "(docs/benchmarks.md); model.fast_path false means transformers", Names(FORWARDS))
 
 
 @dataclass

@@ -18,6 +18,27 @@ if TYPE_CHECKING:
     from klgrpo.core.rollout import RolloutBatch
 
 
+#: model.forward's choices: ``fast`` (klgrpo's teacher-forced decoder, each prompt once per group, where
+#: ``teacher_forcing_model`` allows it), ``transformers`` (the model's own forward with the attention implementation
+#: it was loaded with: SDPA by default), ``auto`` (``MEASURED_FASTER``). Both feed the same
+#: blocked log-prob head (klgrpo.math.logprobs).
+FORWARDS = ("auto", "fast", "transformers")
+#: model.forward auto: the forward measured faster (update plus reference) per device type by
+#: benchmarks/forward_choice.py, whose results files (benchmarks/results/forward_choice_<device>.json) a test
+#: holds this table to. A device type without a measurement keeps the fast path, as before the choice existed.
+MEASURED_FASTER = {"cpu": "fast"}
+
+
+def uses_fast_forward(choice: str, fast_path: bool, device_type: str) -> bool:
+    """Whether the training forward and the reference run klgrpo's decoder: model.forward ``choice`` resolved for
+    ``device_type`` ("cpu", "cuda"...); model.fast_path false means transformers everywhere, whatever the choice."""
+    if not fast_path or choice == "transformers":
+        return False
+    if choice == "auto":
+        return MEASURED_FASTER.get(device_type, "fast") == "fast"
+    return True
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding, as transformers' generate assigns them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

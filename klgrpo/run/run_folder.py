@@ -59,7 +59,7 @@ RESUME_SAFE_FIELDS = ("train.steps", "train.save_every", "train.keep_checkpoints
                       "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
                       "train.dist_timeout_s", "train.sharded_checkpoints",
                       "train.compile", "kl.dump_every", "model.device", "model.gradient_checkpointing",
-                      "model.fast_path", "model.lora.save_merged")
+                      "model.fast_path", "model.forward", "model.lora.save_merged")
 
 
 # ---------------------------------------------------------------------------------------------- checks
