@@ -121,3 +121,51 @@ def test_model_forward_reaches_the_update_and_the_reference(tiny_model_dir, addi
     assert trainer.grpo_step.sampler.name == "kv_loop"
     # one no-grad call (the reference) and one with gradients (the update) per step, or none
     assert sorted(calls) == ([False, True] if choice == "fast" else [])
+
+
+def test_length_chunks_minimise_padded_positions():
+    """Hand-worked: prompt 2, lengths 10, 1, 9, 1 (sorted 10, 9, 1, 1). One chunk: 4 x 12 = 48 positions;
+    {10, 9} + {1, 1}: 2 x 12 + 2 x 3 = 30. With a fixed cost of 10 per chunk, 58 vs 50: two chunks; with 20,
+    68 vs 70: one chunk, whole rows in order (None)."""
+    from klgrpo.core import forward
+
+    lengths = torch.tensor([10, 1, 9, 1])
+    for overhead, expected in ((10, [([0, 2], 10), ([1, 3], 1)]), (20, [(None, 10)])):
+        forward.CHUNK_OVERHEAD_POSITIONS["test"] = overhead
+        try:
+            chunks = forward.length_chunks(lengths, 2, "test")
+        finally:
+            del forward.CHUNK_OVERHEAD_POSITIONS["test"]
+        assert [(None if i is None else i.tolist(), w) for i, w in chunks] == expected
+    assert forward.length_chunks(torch.tensor([0, 0]), 3, "cpu") == [(None, 1)]  # a width of at least 1
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "transformers"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_length_chunks_change_no_completion_logprob(arch, fast, monkeypatch):
+    """Rows run in length-sorted chunks, each cut to its longest completion and its prompts' shared left padding
+    (forced here: no fixed cost per chunk) give the log-probs, entropies and gradients of one full-width pass
+    (float64: to 1e-10, gradients to float32 rounding); positions past a completion read 0."""
+    from klgrpo.core import forward
+
+    torch.manual_seed(0)
+    model = _randomise(BUILDERS[arch]()).to(torch.float64)
+    batch = _group_batch(group_size=3)
+    mask = batch.completion_mask
+    lengths = mask.sum(1)
+    assert len(set(lengths.tolist())) > 1  # rows of different lengths, so there is something to cut
+    weights = torch.randn(batch.completion_ids.shape, dtype=torch.float64)
+    results = []
+    for overhead in (10 ** 9, 0):  # one chunk; then as many as the lengths allow
+        monkeypatch.setitem(forward.CHUNK_OVERHEAD_POSITIONS, "cpu", overhead)
+        assert (len(forward.length_chunks(lengths, batch.prompt_len, "cpu")) > 1) == (overhead == 0)
+        model.zero_grad()
+        logp, entropy = completion_logprobs(model, batch, 0.8, with_entropy=True, fast_path=fast)
+        (logp * weights * mask).sum().backward()
+        results.append((logp.detach(), entropy.detach(),
+                        torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])))
+    (lp_one, ent_one, g_one), (lp_cut, ent_cut, g_cut) = results
+    torch.testing.assert_close(lp_cut[mask], lp_one[mask], rtol=0, atol=1e-10)
+    torch.testing.assert_close(ent_cut[mask], ent_one[mask], rtol=0, atol=1e-10)
+    torch.testing.assert_close(g_cut, g_one, rtol=1e-5, atol=1e-6)
+    assert (lp_cut[~mask] == 0).all() and (~mask).any()
