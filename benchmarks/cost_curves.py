@@ -100,7 +100,8 @@ def build_model(args, shape: str, root: Path) -> Path:
 
 
 def build_prompts(args, root: Path) -> Path:
-    """Chat prompts whose templated lengths run over 30 distinct values (2 per length), as gpu_vs_trl's do."""
+    """Chat prompts whose templated lengths run over 30 distinct values (42-71 tokens, 2 per length), as
+    gpu_vs_trl's do."""
     from transformers import AutoTokenizer
 
     path = root / "chat_prompts.jsonl"
@@ -109,8 +110,8 @@ def build_prompts(args, root: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(args, root))
     rows = []
     for i in range(60):
-        target = 30 + i // 2
-        words: list[str] = []
+        target = 42 + i // 2  # the template's own text (a system message included) is about 30 tokens
+        words = [WORDS[i % len(WORDS)]]
         while templated_length(tok, [{"role": "user", "content": " ".join(words)}]) < target:
             words.append(WORDS[(i + len(words)) % len(WORDS)])
         rows.append({"prompt": [{"role": "user", "content": " ".join(words)}], "answer": "0"})

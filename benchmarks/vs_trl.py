@@ -197,7 +197,8 @@ def klgrpo_trainers(shape: str, args, root: Path, model_dir: Path, data: Path, d
     if args.static_cache:  # transformers' compiled static-cache generate as the sampler (a GPU setting)
         kinds["klgrpo, sampler generate_static"] = (GRPOTrainer, None, {"rollout": {"sampler": "generate_static"}})
     if not args.only_current:
-        kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
+        if not args.skip_compile:
+            kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
         if args.baseline_rev:
             package = klgrpo_at(args.baseline_rev, root / "revisions")
             sync_timer_on_cuda(args.device, package)  # its phase timers synchronise too
@@ -373,6 +374,7 @@ def main(argv=None) -> int:
                         help="profile klgrpo's N-th update and TRL's N-th training_step with torch.profiler")
     parser.add_argument("--only-current", action="store_true",
                         help="interleave TRL with klgrpo as it is only (no train.compile or baseline variants)")
+    parser.add_argument("--skip-compile", action="store_true", help="leave out the train.compile variant")
     parser.add_argument("--baseline-rev", default="", help="also interleave klgrpo as this git revision had it")
     parser.add_argument("--static-cache", action="store_true",
                         help="also interleave klgrpo with rollout.sampler generate_static (compiled generate on CUDA)")
