@@ -179,24 +179,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """s/step (klgrpo and TRL) and their ratio per curve, one panel per curve."""
+def curve_rows(rows: list[dict], mode: str) -> dict[str, list[dict]]:
+    """{curve: its rows}, each curve after the first starting from the completion point it grows from (same
+    completion length; for the model curve also the same group)."""
+    spec = {label(p): p for p in POINTS[mode]}
+    curves: dict[str, list[dict]] = {}
+    for r in rows:
+        curves.setdefault(r["curve"], []).append(r)
+    for name, members in curves.items():
+        if name == "completion":
+            continue
+        _, _, prompts, g, tokens, _ = spec[members[0]["point"]]
+        base = [r for r in curves.get("completion", []) if spec[r["point"]][4] == tokens
+                and spec[r["point"]][2] == prompts and (name == "group" or spec[r["point"]][3] == g)]
+        curves[name] = base[:1] + members
+    return curves
+
+
+def plot(rows: list[dict], path: Path, mode: str) -> None:
+    """s/step (klgrpo and TRL, mean and max) per curve, one panel each, klgrpo/TRL in the panel's title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = list(dict.fromkeys(r["curve"] for r in rows))
+    curves = curve_rows(rows, mode)
     fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
-    for ax, curve in zip(axes[0], curves):
-        points = [r for r in rows if r["curve"] == curve]
+    for ax, (curve, points) in zip(axes[0], curves.items()):
         x = range(len(points))
         for who, style in (("klgrpo", "o-"), ("trl", "s--")):
             ax.plot(x, [p[who]["mean_s"] for p in points], style, label=f"{who} mean")
             ax.plot(x, [p[who]["max_s"] for p in points], style, alpha=0.35, label=f"{who} max")
-        ax.set_xticks(list(x), [p["point"].split(", ", 1)[1] for p in points], rotation=15, fontsize=7)
-        ax.set_title(f"{curve}: klgrpo/TRL " + ", ".join(f"{p['ratio_mean']:.2f}" for p in points), fontsize=9)
+        ax.set_xticks(list(x), [p["point"] for p in points], rotation=12, fontsize=7)
+        ax.set_title(f"{curve}: klgrpo/TRL (mean) " + ", ".join(f"{p['ratio_mean']:.2f}" for p in points),
+                     fontsize=9)
         ax.set_ylabel("s/step")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -221,7 +239,7 @@ def parent(args) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")  # after every point: a cut run keeps it
     print("\n" + table(rows))
     if args.plot:
-        plot(rows, Path(args.plot))
+        plot(rows, Path(args.plot), args.mode)
     print(f"\nwrote {args.json}")
     return 0
 
@@ -242,6 +260,7 @@ def main(argv=None) -> int:
     parser.add_argument("--root", default=str(ROOT / "gpu_out" / "cost_curves"), help="models, prompts and runs")
     parser.add_argument("--json", default="", help="results file (default: <root>/cost_curves_<mode>.json)")
     parser.add_argument("--plot", default="", help="also draw the curves into this PNG")
+    parser.add_argument("--replot", default="", metavar="JSON", help="only draw --plot from this results file")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (both trainers)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per trainer process")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -261,6 +280,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.child:
         child(args)
+        return 0
+    if args.replot:  # the plot again from a results file, nothing run
+        result = json.loads(Path(args.replot).read_text())
+        plot(result["rows"], Path(args.plot), result["mode"])
         return 0
     return parent(args)
 
