@@ -74,7 +74,8 @@ def completion_logprobs(
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # train.compile: one shape, no chunks
         return _forward_rows(model, base, input_ids, attention_mask, completion_ids, batch.group_size, temperature,
                              with_entropy)
-    chunks = length_chunks(completion_mask.sum(1), p, input_ids.device.type)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or CHUNK_REFERENCE_HIDDEN
+    chunks = length_chunks(completion_mask.sum(1), p, input_ids.device.type, hidden)
     parts = []
     for index, width in chunks:
         ids, mask = (input_ids, attention_mask) if index is None else (input_ids[index], attention_mask[index])
@@ -82,8 +83,11 @@ def completion_logprobs(
         parts.append(_forward_rows(model, base, ids[:, first:p + width], mask[:, first:p + width],
                                    completion_ids[:, :width] if index is None else completion_ids[index, :width],
                                    batch.group_size, temperature, with_entropy))
-    if len(chunks) == 1 and chunks[0][1] == t:
-        return parts[0]
+    if len(chunks) == 1:  # every row in order: only the cut-off positions to restore
+        width = chunks[0][1]
+        if width == t:
+            return parts[0]
+        return F.pad(parts[0][0], (0, t - width)), F.pad(parts[0][1], (0, t - width)) if with_entropy else None
     order = torch.cat([i if i is not None else torch.arange(len(input_ids), device=input_ids.device)
                        for i, _ in chunks])
     inverse = torch.empty_like(order)
@@ -95,22 +99,26 @@ def completion_logprobs(
     return joined(0), joined(1) if with_entropy else None
 
 
-#: A chunk's fixed cost (module calls, kernel launches) in row-positions' worth of work, per device type: what
-#: a chunk of rows must save in padding to be worth running on its own. On the CPU a position costs far more
-#: relative to a call than on a GPU, so the CPU splits more.
+#: A chunk's fixed cost (module calls, kernel launches) in row-positions' worth of work, per device type, for a
+#: model of hidden size CHUNK_REFERENCE_HIDDEN: what a chunk of rows must save in padding to be worth running on
+#: its own. On the CPU a position costs far more relative to a call than on a GPU, so the CPU splits more. A
+#: narrower model's position costs less (about hidden^2 per layer), so its fixed cost counts for more positions.
 CHUNK_OVERHEAD_POSITIONS = {"cpu": 64}
 DEFAULT_CHUNK_OVERHEAD = 2048
+CHUNK_REFERENCE_HIDDEN = 256
 
 
-def length_chunks(lengths: Tensor, prompt_len: int, device_type: str) -> list[tuple[Tensor | None, int]]:
+def length_chunks(lengths: Tensor, prompt_len: int, device_type: str,
+                  hidden: int = CHUNK_REFERENCE_HIDDEN) -> list[tuple[Tensor | None, int]]:
     """[(row indices or None for all rows in order, width)]: the rows sorted by completion length and cut into
     chunks that minimise the padded positions, sum of rows x (prompt_len + width), plus a fixed cost per chunk
-    (``CHUNK_OVERHEAD_POSITIONS``); width is the chunk's longest completion (at least 1). Cuts fall on multiples
-    of b/32 rows, so the search stays small."""
+    (``CHUNK_OVERHEAD_POSITIONS``, scaled up for a model narrower than CHUNK_REFERENCE_HIDDEN); width is the
+    chunk's longest completion (at least 1). Cuts fall on multiples of b/32 rows, so the search stays small."""
     b = lengths.numel()
     lengths_sorted, order = torch.sort(lengths, descending=True, stable=True)
     longest = [max(1, x) for x in lengths_sorted.tolist()]
     overhead = CHUNK_OVERHEAD_POSITIONS.get(device_type, DEFAULT_CHUNK_OVERHEAD)
+    overhead *= max(1.0, (CHUNK_REFERENCE_HIDDEN / max(1, hidden)) ** 2)
     step = -(-b // 32)
     cuts = list(range(0, b, step)) + [b]
     best, back = [0.0] + [float("inf")] * (len(cuts) - 1), [0] * len(cuts)
