@@ -360,7 +360,7 @@ def part_real_model(args, work: Path) -> dict:
     out = work / "ablation"
     t0 = time.perf_counter()
     code = klgrpo_main(["sweep", "--config", str(EXAMPLE.parent / "smollm2-beta-ablation.yaml"), "--grid", grid,
-                        "--seeds", seeds, "--jobs", "1" if args.tiny else "4", "--output-dir", str(out),
+                        "--seeds", seeds, "--jobs", "1" if args.tiny else "4", "--output-dir", str(out), "--",
                         "--model.name_or_path", str(gguf), "--model.device", args.device, "--model.dtype",
                         "float32" if args.tiny else "bfloat16", "--train.steps", str(steps)])
     result = {"exit": code, "wall_s": time.perf_counter() - t0, "steps": steps, "seeds": seeds, "grid": grid}
