@@ -84,3 +84,14 @@ def test_docs_update_cost_table_is_the_vs_trl_log():
     profile = (ROOT / "benchmarks" / "results" / "vs_trl_profile_cpu.log").read_text()
     for quoted in ("64.93%", "75.05%", "3.40%", "1.46%", "2.342ms", "306.064ms", "1.814s"):
         assert quoted in profile and quoted in docs, quoted
+
+
+def test_docs_speedup_figures_are_the_speedup_log():
+    log = (ROOT / "benchmarks" / "results" / "speedup_vs_6093ca7_cpu.log").read_text()
+    docs = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    tiny, small = re.findall(r"^\| current +\| [\d.]+ +\| [\d.]+ +\| [\d.]+ +\| [\d.]+ +\| [\d.]+ +\| [\d.]+ +\| ([\d.]+) +\|$",
+                             log, flags=re.M)
+    params = re.findall(r"^\| current +\| yes +\|.* ([\d.e-]+) +\|$", log, flags=re.M)
+    assert len(params) == 2
+    assert f"a step of {tiny}x (tiny, the demo's model, which runs one chunk) and {small}x (small)" in docs
+    assert f"parameters equal to {params[1]} after 5 steps" in docs
