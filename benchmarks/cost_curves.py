@@ -159,7 +159,8 @@ def run_point(args, index: int, env: dict) -> dict:
                "--result", str(result_file)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0 or not result_file.exists():
-            raise SystemExit(f"{trainer} at {row['point']}: exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}")
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            raise SystemExit(f"{trainer} at {row['point']}: exit {proc.returncode}\n{tail}")
         row[trainer] = {**summary(json.loads(result_file.read_text())), "steps": json.loads(
             result_file.read_text())["steps"]}
     row["ratio_mean"] = row["klgrpo"]["mean_s"] / row["trl"]["mean_s"]
