@@ -286,8 +286,8 @@ def resolve_dtype(args) -> str:
 
 
 def gpu_preset(args) -> None:
-    """--model-shape qwen0.5b on cuda: the GPU batch of docs/benchmarks.md (8 prompts x 8 completions, 64 new tokens) unless
-    the command line says otherwise."""
+    """--model-shape qwen0.5b on cuda: the GPU batch of docs/benchmarks.md (8 prompts x 8 completions, 64 new
+    tokens) unless the command line says otherwise."""
     if "qwen0.5b" in args.model_shape and args.device.startswith("cuda"):
         if args.prompts == 4:
             args.prompts = 8

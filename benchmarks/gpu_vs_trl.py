@@ -145,8 +145,8 @@ def run_klgrpo(args, model_dir: Path, prompts: Path, out: Path, overrides: dict)
             "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
-def run_trl(args, model_dir: Path, prompts: Path, out: Path, static: bool) -> dict:
-    """TRL's GRPOTrainer(...).train() with its GRPOConfig, in this child process."""
+def run_trl(args, model_dir: Path, prompts: Path, out: Path, static: bool, peft_config=None) -> dict:
+    """TRL's GRPOTrainer(...).train() with its GRPOConfig, in this child process (``peft_config``: LoRA)."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -186,7 +186,7 @@ def run_trl(args, model_dir: Path, prompts: Path, out: Path, static: bool) -> di
 
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[has_zero], args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(model_dir),
-                          callbacks=[StepClock(), phases.callback()])
+                          callbacks=[StepClock(), phases.callback()], peft_config=peft_config)
     phases.instrument(trainer)
     start = time.perf_counter()
     trainer.train()

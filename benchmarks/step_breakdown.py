@@ -12,7 +12,8 @@ per-round ratios (KL / no KL measured seconds apart).
 
 Goals:
   KL overhead: step time with KL / without <= 1 + 0.35 x (update share of the step without KL), i.e. the KL
-  may add at most 35% of the policy's forward+backward time (a reference forward has no backward, so it costs a fraction of that).
+  may add at most 35% of the policy's forward+backward time (a reference forward has no backward, so it costs a
+  fraction of that).
   num_iterations > 1: the reference is paid once per generated batch (time/reference only on generating steps).
 
 Also measured, as one more interleaved variant: klgrpo's KV-cached sampling loop (klgrpo/backends/kv_decoder.py) against

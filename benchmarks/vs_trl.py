@@ -124,6 +124,30 @@ class TRLPhases:
         self.current, self.after_training_step = {}, None
 
 
+def profile_nth_call(owner, method: str, label: str, nth: int, rows: int = 18):
+    """Replace ``owner.method`` (an instance's, or a class's for every instance) by a wrapper that runs its
+    ``nth`` call under torch.profiler and prints the operators by self CPU time (CUDA time too on a GPU): where
+    one update spends its time, for klgrpo's GRPOStep.update and TRL's training_step alike."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    inner, calls = getattr(owner, method), [0]
+
+    def wrapper(*a, **kw):
+        calls[0] += 1
+        if calls[0] != nth:
+            return inner(*a, **kw)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            out = inner(*a, **kw)
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(f"\ntorch.profiler: {label}, call {nth}\n" + prof.key_averages().table(sort_by=key, row_limit=rows),
+              flush=True)
+        return out
+
+    setattr(owner, method, wrapper)
+
+
 def have_trl() -> bool:
     try:
         import datasets  # noqa: F401  (the prompts reach TRL as a datasets.Dataset)
@@ -173,7 +197,8 @@ def klgrpo_trainers(shape: str, args, root: Path, model_dir: Path, data: Path, d
     if args.static_cache:  # transformers' compiled static-cache generate as the sampler (a GPU setting)
         kinds["klgrpo, sampler generate_static"] = (GRPOTrainer, None, {"rollout": {"sampler": "generate_static"}})
     if not args.only_current:
-        kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
+        if not args.skip_compile:
+            kinds["klgrpo, train.compile"] = (GRPOTrainer, None, {"train": {"compile": True}})
         if args.baseline_rev:
             package = klgrpo_at(args.baseline_rev, root / "revisions")
             sync_timer_on_cuda(args.device, package)  # its phase timers synchronise too
@@ -292,10 +317,17 @@ def compare(shape: str, args, root: Path) -> dict:
                   + ", ".join(f"{label} {record[label][-1]:.3f} s" for label in ours), file=sys.stderr, flush=True)
             self.resumed = time.perf_counter()
 
+    if args.torch_profile:
+        from klgrpo.train.step import GRPOStep
+
+        profile_nth_call(GRPOStep, "update", "klgrpo GRPOStep.update (forward, backward, clip, AdamW)",
+                         args.torch_profile)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     theirs = TRLTrainer(model=str(model_dir), reward_funcs=[has_zero], args=trl_args, train_dataset=dataset,
                         processing_class=tokenizer, callbacks=[Interleave(), phases.callback()])
     phases.instrument(theirs)
+    if args.torch_profile:  # training_step is forward + backward; the clip and optimizer step follow it
+        profile_nth_call(theirs, "training_step", "TRL training_step (forward, backward)", args.torch_profile)
     if args.profile:
         import cProfile
         import pstats
@@ -338,8 +370,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps first")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient for both")
     parser.add_argument("--profile", action="store_true", help="cProfile the interleaved run, print the top")
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                        help="profile klgrpo's N-th update and TRL's N-th training_step with torch.profiler")
     parser.add_argument("--only-current", action="store_true",
                         help="interleave TRL with klgrpo as it is only (no train.compile or baseline variants)")
+    parser.add_argument("--skip-compile", action="store_true", help="leave out the train.compile variant")
     parser.add_argument("--baseline-rev", default="", help="also interleave klgrpo as this git revision had it")
     parser.add_argument("--static-cache", action="store_true",
                         help="also interleave klgrpo with rollout.sampler generate_static (compiled generate on CUDA)")

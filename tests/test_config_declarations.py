@@ -43,7 +43,7 @@ LOWER_BOUNDS = {
 RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
                "train.dist_timeout_s", "train.sharded_checkpoints", "train.compile", "kl.dump_every", "model.device",
-               "model.gradient_checkpointing", "model.fast_path", "model.lora.save_merged"}
+               "model.gradient_checkpointing", "model.fast_path", "model.forward", "model.lora.save_merged"}
 
 
 def test_the_declared_bounds_are_the_checked_ones():

@@ -46,3 +46,15 @@ def test_without_trl_vs_trl_times_klgrpo_alone(tmp_path, monkeypatch, capsys):
     assert code == 0 and not a["trl_installed"] and a["klgrpo_s_per_step"] > 0
     assert a["trl_s_per_step"] != a["trl_s_per_step"]  # NaN: not measured
     assert "trl is not installed" in capsys.readouterr().out
+
+
+def test_tiny_run_of_the_prepared_parts(tmp_path, monkeypatch):
+    """(f) the forward's evidence, (h) the ablation sweep on real-model plumbing (a tiny GGUF), (i) DeepSpeed
+    (skipped, with its reason, where it is not installed): each reports without an error."""
+    code, report = _run(tmp_path, monkeypatch, ["--tiny", "--only", "f,h,i"])
+    f, h, i = (report[k] for k in ("forward_choice", "real_model_ablation", "deepspeed_zero2_zero3"))
+    assert code == 0, report
+    assert json.loads((tmp_path / "forward_choice_cpu.json").read_text())["rows"] == f["rows"]
+    assert all(r[name]["update_s"] > 0 for r in f["rows"] for name in ("fast", "transformers"))
+    assert h["exit"] == 0 and (tmp_path / "ablation_gpu_table.md").exists()
+    assert "skipped" in i or all(run["exit"] == 0 for run in i.values())

@@ -22,6 +22,7 @@ from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
+from klgrpo.core.forward import FORWARDS
 from klgrpo.config.schema import LR_SCHEDULES, GRPOConfig, all_field_paths
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
@@ -29,6 +30,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
 #: config field -> the names it must accept, read from where the code that uses the field looks them up.
 SOURCES = {
     "model.dtype": DTYPE_NAMES,
+    "model.forward": FORWARDS,
     "kl.estimator": (*ESTIMATORS, *FULL_KL_ESTIMATORS),
     "kl.placement": PLACEMENTS,
     "kl.reward_mode": KL_REWARD_MODES,

@@ -4,7 +4,8 @@ It runs the model's own modules (embeddings, norms, projections, MLP, rotary emb
 KV cache, with only the attention and the cache written here, so that sampling (``KVSampler.sample``) avoids
 ``generate``'s per-step machinery and the log-prob forward (``teacher_forced_logits``) runs each prompt once per
 group. ``decoder_parts`` refuses anything it does not reproduce exactly (other architectures, rope types
-that depend on the sequence length, a sliding window that matters); callers then use transformers. tests/test_rollout_sampler.py checks logits, gradients and sampled tokens against transformers.
+that depend on the sequence length, a sliding window that matters); callers then use transformers.
+tests/test_rollout_sampler.py checks logits, gradients and sampled tokens against transformers.
 """
 
 from __future__ import annotations
@@ -304,10 +305,11 @@ class KVSampler:
         return self.model.lm_head(self._norm(self.decoder.norm, h[:, -1] if last_only else h))
 
     def teacher_forced_logits(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                              group_size: int = 1) -> tuple[Tensor, Tensor]:
+                              group_size: int | Tensor = 1) -> tuple[Tensor, Tensor]:
         """The model's next-token logits over given completions, as its forward on prompt + completion gives them
         at positions P-1 .. P+T-2, with each distinct prompt run once: rows [i*G, (i+1)*G) of ``completion_ids``
-        [B, T] continue ``prompt_ids[i]``. Returns (logits predicting completion token 0 [B, V], logits
+        [B, T] continue ``prompt_ids[i]`` (``group_size`` G), or row r continues ``prompt_ids[group_size[r]]``
+        (``group_size`` a tensor of prompt indices [B]). Returns (logits predicting completion token 0 [B, V], logits
         predicting tokens 1..T-1 [B, T-1, V], None when T = 1); differentiable when gradients are on."""
         caches, first, keys_valid, last = self.prefill_groups(prompt_ids, prompt_mask, group_size)
         (b, t), p = completion_ids.shape, prompt_ids.shape[1]
@@ -349,12 +351,16 @@ class KVSampler:
         mask = (causal & keys_valid[:, None, :p]) | torch.eye(p, dtype=torch.bool, device=self.device)
         return self.logits(prompt_ids, positions, 0, mask[:, None], caches), keys_valid, positions[:, -1:]
 
-    def prefill_groups(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int):
+    def prefill_groups(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int | Tensor):
         """:meth:`prefill` on each distinct prompt once, then its caches, next-token logits, key mask and last
-        position copied to its ``group_size`` rows: (caches, logits [B*G, V], key mask [B*G, L], [B*G, 1])."""
+        position copied to its ``group_size`` rows: (caches, logits [B*G, V], key mask [B*G, L], [B*G, 1]).
+        ``group_size`` a tensor [B]: row r gets prompt ``group_size[r]``'s."""
         caches = self.new_caches(prompt_ids.shape[0])
         logits, keys_valid, last = self.prefill(prompt_ids, prompt_mask, caches)
-        if group_size > 1:
+        if isinstance(group_size, Tensor):
+            caches = [(k.index_select(0, group_size), v.index_select(0, group_size)) for k, v in caches]
+            logits, keys_valid, last = (x.index_select(0, group_size) for x in (logits, keys_valid, last))
+        elif group_size > 1:
             caches = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in caches]
             logits, keys_valid, last = (x.repeat_interleave(group_size, 0) for x in (logits, keys_valid, last))
         return caches, logits, keys_valid, last

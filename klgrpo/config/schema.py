@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from klgrpo.backends.hf import DTYPE_NAMES
+from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.errors import ConfigError
@@ -46,8 +47,8 @@ class LoraConfig:
     dropout: float = _f(0.0, "LoRA dropout")
     target_modules: list = _f(["all-linear"], "module names to adapt, or ['all-linear']")
     save_merged: bool = _f(False, "at the end, also write merged full weights (base + adapter, loadable with "
-                                  "AutoModelForCausalLM) to <output_dir>/merged; see klgrpo.backends.lora.export_merged",
-                                  resume_safe=True)
+                                  "AutoModelForCausalLM) to <output_dir>/merged; see "
+                                  "klgrpo.backends.lora.export_merged", resume_safe=True)
 
 
 @dataclass
@@ -64,9 +65,15 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory", resume_safe=True)
     fast_path: bool = _f(True, "Llama/Mistral/Qwen2/Qwen3: compute log-probs with klgrpo's decoder, each prompt run "
                                "once per group (same numbers as transformers to float rounding, tested), and let "
-                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate",
-                               resume_safe=True)
+                               "rollout.sampler auto pick its KV loop; false: transformers' forward and generate "
+                               "everywhere (model.forward must then be auto or transformers)", resume_safe=True)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    forward: str = _f("auto", "the forward behind the training log-probs and the reference's: fast (klgrpo's "
+                              "decoder, Llama/Mistral/Qwen2/Qwen3, each prompt once per group; other models use "
+                              "transformers'), transformers (the model's own forward, with the attention "
+                              "it was loaded with: SDPA by default); auto: the one measured faster on the run's "
+                              "device (docs/benchmarks.md); model.fast_path false means transformers", Names(FORWARDS),
+                      resume_safe=True)
 
 
 @dataclass
@@ -135,7 +142,8 @@ class KLConfig:
                         Names(PLACEMENTS))
     reward_mode: str = _f("reward_to_go", "KL in the reward: reward_to_go (per token, after the group "
                                           "normalisation) or sequence_score (beta * sum of the sequence's KL "
-                                          "subtracted from its score before it: verl, OpenRLHF)", Names(KL_REWARD_MODES))
+                                          "subtracted from its score before it: verl, OpenRLHF)",
+                          Names(KL_REWARD_MODES))
     is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
                             Names(IS_CORRECTIONS))

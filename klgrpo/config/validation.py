@@ -99,6 +99,9 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     need(not (cfg.model.lora.r > 0 and k.reference and k.sync_every),
          "kl.sync_every with LoRA needs the adapter-disabled reference: leave kl.reference empty (a separate "
          "reference checkpoint cannot be synced from adapter weights)")
+    need(cfg.model.fast_path or cfg.model.forward != "fast",
+         "model.forward fast with model.fast_path false: fast_path false means transformers' forward everywhere; "
+         "set model.forward auto (or transformers), or model.fast_path true")
     need(not (cfg.model.gguf_file and not cfg.model.name_or_path),
          "model.gguf_file needs model.name_or_path: the folder that holds the GGUF file")
     if cfg.model.name_or_path and not dataset_given:

@@ -12,6 +12,7 @@ from klgrpo.backends.hf import resolve_device
 from klgrpo.backends.policy import load_policy, load_reference_model
 from klgrpo.backends.samplers import pick_sampler
 from klgrpo.core.data import PromptSampler, load_prompts
+from klgrpo.core.forward import uses_fast_forward
 from klgrpo.core.loss_api import resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardModelContext
@@ -76,7 +77,7 @@ def _reference(cfg: GRPOConfig, model, device: torch.device, log: Callable | Non
     if log:
         log("building the reference model")
     own = load_reference_model(cfg.kl.reference, cfg.model, device, model) if cfg.kl.reference else None
-    return build_reference(model, own, adapter=cfg.model.lora.r > 0, fast_path=cfg.model.fast_path)
+    return build_reference(model, own, adapter=cfg.model.lora.r > 0, fast_path=fast_forward(cfg, device))
 
 
 def _check_step_memory(cfg: GRPOConfig, dataset, tokenizer, model, world_size: int, device: torch.device,
@@ -118,4 +119,11 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
                     scheduler=scheduler, controller=build_kl_controller(cfg.kl),
                     entropy_controller=build_entropy_controller(cfg.loss),
                     guard=NonFiniteGuard(cfg.train.max_skipped_steps), replay=replay,
-                    loss_fast_path=cfg.model.fast_path and not engine.fast_path_outside_loss_only, **parts)
+                    loss_fast_path=fast_forward(cfg, parts["device"]) and not engine.fast_path_outside_loss_only,
+                    **parts)
+
+
+def fast_forward(cfg: GRPOConfig, device: torch.device) -> bool:
+    """model.forward (and model.fast_path) resolved for ``device``: klgrpo's decoder or transformers' forward,
+    for the training log-probs and the reference alike."""
+    return uses_fast_forward(cfg.model.forward, cfg.model.fast_path, device.type)
