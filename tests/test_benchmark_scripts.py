@@ -51,7 +51,7 @@ SMALL = {
                                "--check-steps", "1", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4"],
                               ("git",), "exactness against the baseline"),
     "benchmarks/fast_path_equality.py": (["--model", "{tiny}", "--new-tokens", "4", "--greedy-tokens", "4"], (),
-                                         "| log-probs"),
+                                         "| log-prob max abs diff"),
     "benchmarks/sharded_save.py": (["--hidden", "32", "--layers", "1"], (), "sharded / gathered: time"),
     "benchmarks/dist_faults.py": (["--engines", "ddp", "--cases", "exception on rank 1"], (),
                                   "| ddp | exception on rank 1 mid-step |"),
