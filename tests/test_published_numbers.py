@@ -208,7 +208,7 @@ def test_readme_test_count_and_time_are_the_recorded_run():
     passed, skipped, seconds = re.search(r"^(\d+) passed, (\d+) skipped, .* in ([\d.]+)s", record, flags=re.M).groups()
     assert int(skipped) == sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\]", record, flags=re.M))
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 shared" \
+    assert f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 CPU cores" \
            in readme
 
 
@@ -240,3 +240,21 @@ def test_entropy_metrics_cost_is_the_results_file():
             f"{memory_on[0]} | **{memory_on[2]}** |") in docs
     assert f"grows from {time_off[2]} to {time_on[2]} ms" in docs and f"medians is {time_on[5]})" in docs
     assert f"output layer: time {time_on[6]}x, memory {memory_on[2]}x |" in docs
+
+
+def test_readme_first_run_times_are_the_recorded_fresh_clone_run():
+    """The README's demo times (set-up included, SFT, GRPO) are those of docs/results/first_run.txt, rounded."""
+    record = (ROOT / "docs/results/first_run.txt").read_text()
+
+    def seconds(label: str) -> float:
+        minutes, secs = re.search(rf"^{label}: (\d+)m([\d.]+)s$", record, flags=re.M).groups()
+        return 60 * int(minutes) + float(secs)
+
+    total = seconds(re.escape("set-up (venv + pip install)")) + seconds("klgrpo train")
+    sft = float(re.search(r"demo assets: ready in ([\d.]+) s", record).group(1))
+    grpo = float(re.search(r"GRPO wall ([\d.]+) s", record).group(1))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{total:.0f} s on 2 idle cores from a fresh clone, set-up included" in readme
+    assert f"{sft:.0f} s of SFT, {grpo:.0f} s of GRPO" in readme
+    assert "+30.0" in record and "seed 0, what `klgrpo train` runs, gains +30.0" in readme
+
