@@ -12,7 +12,7 @@ import ast
 from dataclasses import dataclass, field
 from typing import Any
 
-from klgrpo.apps.explain.reading import check_plain, refuse
+from klgrpo.apps.explain.reading import check_plain, on_line, refuse
 from klgrpo.errors import ConfigError
 
 CONFIG_CLASSES = ("GRPOConfig", "UnslothGRPOConfig")
@@ -113,11 +113,7 @@ def config_call(text: str, origin: str, line: int | None = None) -> ConfigCall:
     """The script's one GRPOConfig call (or the one on ``line``); none or several are refused in one line."""
     calls = config_calls(parse(text, origin), origin)
     if line is not None:
-        chosen = [c for c in calls if c.line == line]
-        if not chosen:
-            raise ConfigError(f"{origin}: no GRPOConfig call on line {line}; the calls are on lines "
-                              f"{', '.join(str(c.line) for c in calls) or '(none)'}")
-        return chosen[0]
+        return on_line(calls, line, origin, "GRPOConfig call on line", "the calls are on lines")
     if not calls:
         raise refuse(origin, "is a Python script without a GRPOConfig(...) call")
     if len(calls) > 1:

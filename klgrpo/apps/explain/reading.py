@@ -31,6 +31,16 @@ def refuse(origin: str, what: str) -> ConfigError:
     return ConfigError(f"{origin}: {what}; {READS}")
 
 
+def on_line(found: list, line: int, origin: str, none_there: str, listed: str):
+    """The item of ``found`` (each with a ``line``) that ``--call LINE`` picks, or one line naming the lines there
+    are: "{origin}: no {none_there} {line}; {listed} 3, 9"."""
+    chosen = [item for item in found if item.line == line]
+    if not chosen:
+        raise ConfigError(f"{origin}: no {none_there} {line}; {listed} "
+                          f"{', '.join(str(item.line) for item in found) or '(none)'}")
+    return chosen[0]
+
+
 def read_text(path: str) -> tuple[str, str]:
     """(text, origin) of FILE or '-' (standard input), refused in one line unless it is small UTF-8 text."""
     if path == "-":

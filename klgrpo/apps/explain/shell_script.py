@@ -14,7 +14,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
-from klgrpo.apps.explain.reading import refuse
+from klgrpo.apps.explain.reading import on_line, refuse
 from klgrpo.errors import ConfigError
 
 LAUNCHERS = {"verl": ("verl.trainer.main_ppo", "verl.trainer.main_ppo.py", "verl/trainer/main_ppo.py"),
@@ -141,11 +141,7 @@ def launch_command(text: str, origin: str, line: int | None = None) -> LaunchCom
     with both frameworks' launchers is refused in one line."""
     found = commands(text, origin)
     if line is not None:
-        chosen = [c for c in found if c.line == line]
-        if not chosen:
-            raise ConfigError(f"{origin}: no launcher command starts at line {line}; the commands start at lines "
-                              f"{', '.join(str(c.line) for c in found) or '(none)'}")
-        return chosen[0]
+        return on_line(found, line, origin, "launcher command starts at line", "the commands start at lines")
     if not found:
         raise refuse(origin, "runs neither verl.trainer.main_ppo nor openrlhf.cli.train_ppo_ray")
     if len({c.framework for c in found}) > 1:
