@@ -137,12 +137,11 @@ class TrainingRun:
                     metrics.update(self.evaluate())
                 logger.log(done, metrics)
                 kl = observation.token_mean if step.reference is not None else None  # no reference: no KL seen
-                for line in self.kl_watch.observe(done, kl):
-                    logger.message(line)
-                    logger.text("warnings/kl", line, done)
-                for line in self.entropy_watch.observe(done, metrics.get(names.ENTROPY)):
-                    logger.message(line)
-                    logger.text("warnings/entropy", line, done)
+                for watch, value, name in ((self.kl_watch, kl, "warnings/kl"),
+                                           (self.entropy_watch, metrics.get(names.ENTROPY), "warnings/entropy")):
+                    for line in watch.observe(done, value):
+                        logger.message(line)
+                        logger.text(name, line, done)
                 history.append(metrics)
                 step.stop_gate.release()  # the step is complete and logged: a stop that waited for it comes now
                 stop = self.should_stop(start, signals)
