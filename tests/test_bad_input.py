@@ -295,3 +295,13 @@ def test_bad_input_gets_one_line(case, tiny_model_dir, addition_file, finished_r
 
 def test_there_are_at_least_forty_cases():
     assert len(CASES) >= 40
+
+
+def test_a_bare_double_dash_ends_nothing_and_is_skipped():
+    """`klgrpo train --config c.yaml -- --kl.coef 0`, as a sweep's command line reads, means the same as without
+    the `--` (every override is an option), not "unexpected argument '0'"."""
+    from klgrpo.apps.args import read_argv
+
+    with_dash = read_argv(["--config", "c.yaml", "--", "--kl.coef", "0", "--optim.lr=1e-4"])
+    without = read_argv(["--config", "c.yaml", "--kl.coef", "0", "--optim.lr=1e-4"])
+    assert with_dash == without and with_dash.overrides == {"kl.coef": "0", "optim.lr": "1e-4"}

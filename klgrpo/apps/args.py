@@ -55,6 +55,9 @@ def read_argv(argv: list[str]) -> CommandLine:
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg == "--":  # the end-of-options marker a sweep's command line uses; here every override is an option
+            i += 1
+            continue
         if not arg.startswith("--"):
             raise KLGRPOError(f"unexpected argument {arg!r}; options look like --kl.coef 0.02 "
                               "(see klgrpo train --help)")

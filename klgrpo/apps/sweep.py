@@ -17,7 +17,8 @@ its full resolved config, kept in ``sweep_cell.json``) and reruns failed or inte
 (overrides, config file, sweep-wide options) it is named, kept as it is and left out of the table; the new config
 trains in another --output-dir.
 
-The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png):
+The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png, accuracy_vs_beta.png
+and runs_accuracy_vs_retention.png, one point per run):
     accuracy   greedy accuracy after training on the trained skill, and its change in points from before
     retention  the same for every other evaluation set (forgetting shows as a negative change)
     which set is which: the demo's names (addition trained, subtraction held out) when present; otherwise
@@ -25,7 +26,9 @@ The table (printed, and saved as table.md and table.json, plus accuracy_vs_reten
     final KL   adaptive_kl/raw_kl of the last step (training prompts); replay KL = the last kl/replay
     wall s     the run's total wall seconds (the demo's includes loading; the trainer's is GRPO + evaluation)
 Each value is the mean +- the sample standard deviation over the seeds that finished (min..max in
-table.json).
+table.json). With --baseline SETTING, a second table compares every other setting with that one on the seeds
+both finished (klgrpo/apps/sweep_paired.py): per seed the difference of the changes, its mean with a percentile
+bootstrap interval and an exact sign test, so that "keeps the skills better than beta 0" is a measured statement.
 
 Sweep defaults (printed in the table header; any of them can be overridden after --): no TensorBoard, plots,
 progress bar or intermediate checkpoints, one torch thread, no wall-clock guard (train.max_wall_seconds 0, so
@@ -52,6 +55,7 @@ from klgrpo.apps.sweep_plan import (RESERVED, SweepError, cells_of, overrides_in
 from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
                                      build_table, plot, plot_vs_beta, process_seconds, runs_span, skill_names,
                                      table_header, table_markdown)
+from klgrpo.apps.sweep_paired import paired_markdown, paired_table, plot_runs
 from klgrpo.apps.train import resolved_config
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import SUMMARY_FILE
@@ -59,6 +63,7 @@ from klgrpo.run.stop_signals import sigterm_as_interrupt
 
 PLOT_FILE = "accuracy_vs_retention.png"
 BETA_PLOT_FILE = "accuracy_vs_beta.png"
+RUNS_PLOT_FILE = "runs_accuracy_vs_retention.png"
 #: Added to every run before the user's overrides: results stay the same, runs get quieter and lighter
 #: (no TensorBoard, plots or intermediate checkpoints), one torch thread (repeatable, and no OpenMP
 #: blow-up beside other processes), and no wall-clock guard (a busy machine must not cut some cells short).
@@ -69,7 +74,7 @@ SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "
 DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
 
 USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--cell KEY=V,KEY=V,...] [--seeds 0,1] [--config FILE]
-                    [--output-dir DIR] [--jobs N] [--dry-run] [-- extra train overrides ...]
+                    [--output-dir DIR] [--jobs N] [--baseline SETTING] [--dry-run] [-- extra train overrides ...]
 
 Runs `klgrpo train` for every combination of the --grid values and every seed (no --config and no
 model.name_or_path: the embedded demo). Re-running the same command skips finished runs.
@@ -81,6 +86,9 @@ model.name_or_path: the embedded demo). Re-running the same command skips finish
   --config FILE         YAML config of every run
   --output-dir DIR      the sweep folder (default runs/sweep-<timestamp>)
   --jobs N              runs at once (default 1; each run uses one torch thread)
+  --baseline SETTING    compare every other setting with this one on the same seeds (e.g. kl.coef=0, as the
+                        table names it): per seed the difference in retention and accuracy change, its mean with
+                        a 95% bootstrap interval and a sign test, in table.md and table.json
   --dry-run             print the commands and exit
   --table-only          train nothing: write the table and plots from the runs that finished (a partial table
                         while the sweep runs, or after an upgrade of klgrpo)
@@ -309,6 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config")
     p.add_argument("--output-dir")
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--baseline")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--table-only", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
@@ -376,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klgrpo sweep: error: {exc}", file=sys.stderr)
         return 2
     cells = (cells_of(grid) if grid else []) + extra_cells
+    names = list(dict.fromkeys(c.name for c in cells))
+    if args.baseline is not None and args.baseline not in names:
+        print(f"klgrpo sweep: error: --baseline {args.baseline}: not a setting of this sweep; the settings are "
+              f"{', '.join(names)}", file=sys.stderr)
+        return 2
     out = Path(args.output_dir or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     if args.dry_run:
         for run in plan_runs(cells, seeds, out):
@@ -399,19 +413,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_table(runs, grid, extra_cells, seeds, args, extra, out: Path, wall: float) -> None:
-    """table.md, table.json and the two plots of the sweep's runs, printed and saved in ``out``."""
+    """table.md, table.json and the three plots of the sweep's runs, printed and saved in ``out``."""
     table = build_table(runs)
     defaults = " ".join(f"--{k} {v}" for k, v in sweep_defaults(args.config, [k for k, _ in grid], extra).items())
     header = table_header(grid, extra_cells, seeds, args.config, extra, defaults, table, out, wall, args.table_only)
     text = table_markdown(table, header)
+    paired = paired_table(table, args.baseline) if args.baseline else None
+    if paired:
+        text += "\n" + paired_markdown(paired)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
     (out / "table.json").write_text(json.dumps({"header": header, "grid": dict(grid), "seeds": seeds,
-                                                "sweep_wall_seconds": round(wall, 1), **table}, indent=2))
+                                                "sweep_wall_seconds": round(wall, 1), **table,
+                                                **({"paired": paired} if paired else {})}, indent=2))
     print()
     print(text)
     pictures = []
-    for draw, name in ((plot, PLOT_FILE), (plot_vs_beta, BETA_PLOT_FILE)):
+    for draw, name in ((plot, PLOT_FILE), (plot_vs_beta, BETA_PLOT_FILE), (plot_runs, RUNS_PLOT_FILE)):
         try:
             pictures.append(draw(table, out / name))
         except Exception as exc:  # a plot must not hide the table
