@@ -105,3 +105,14 @@ def test_a_baseline_that_is_not_a_setting_is_refused_before_any_run(fake_trainer
     assert err == ("klgrpo sweep: error: --baseline kl.coef=0.0: not a setting of this sweep; the settings are "
                    "kl.coef=0, kl.coef=0.2")
     assert not out.exists()
+
+
+def test_runs_train_seed_major_and_the_table_keeps_the_planned_order(fake_trainer, tmp_path):  # noqa: F811
+    out = tmp_path / "s"
+    lines = []
+    runs = sweep.run_sweep(sweep.cells_of(sweep.parse_grid(["kl.coef=0,0.2"])), [0, 1], out, None, [],
+                           log=lines.append)
+    trained = [line.split("] ")[1].split(":")[0] for line in lines if line.startswith("  [")]
+    assert trained == ["kl.coef=0 seed=0", "kl.coef=0.2 seed=0", "kl.coef=0 seed=1", "kl.coef=0.2 seed=1"]
+    assert [(r.cell.name, r.seed) for r in runs] == [("kl.coef=0", 0), ("kl.coef=0", 1), ("kl.coef=0.2", 0),
+                                                      ("kl.coef=0.2", 1)]

@@ -276,6 +276,9 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
     runs = plan_runs(cells, seeds, out)
     identities = {id(run): run_identity(run, config, extra) for run in runs}
     todo, found = sort_runs(runs, identities)
+    # Seed-major: every setting's first seed before any setting's second, so a sweep stopped early still
+    # compares all settings on the same seeds (the table keeps the planned order).
+    todo.sort(key=lambda run: (run.cell.seeds or seeds).index(run.seed))
     check_run_configs(todo, config, extra)
     done = len(runs) - len(todo)
     settings = len({run.cell.name for run in runs})
