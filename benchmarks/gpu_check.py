@@ -17,7 +17,7 @@
     update and reference, 64 / 256 / 1024 tokens), written as $OUT/forward_choice_cuda.json;
 (g) the cost curves: benchmarks/cost_curves.py (klgrpo and TRL through their entry points; 0.5B -> 1.5B -> 3B,
     a 7B shape with LoRA, 64 -> 1024 tokens, G 8 -> 32), JSON and plot to $OUT;
-(h) a real model: SmolLM2-135M-Instruct's real weights, the beta ablation grid x 5 seeds at 3x the steps
+(h) a real model: SmolLM2-135M-Instruct's real weights, the forgetting sweep's 7 settings x 5 seeds at 3x the steps
     (docs/ablation.md's config through `klgrpo sweep`), its table to $OUT;
 (i) DeepSpeed ZeRO-2 and ZeRO-3 through accelerate at world size 1 (skipped where DeepSpeed is not installed).
 
@@ -340,9 +340,16 @@ def part_cost_curves(args, work: Path) -> dict:
     return json.loads((out / f"cost_curves_{mode}.json").read_text())
 
 
+#: docs/ablation.md's forgetting sweep: the settings beside the fixed betas, and the regime (lr, warm-up, decay).
+FORGETTING_CELLS = ["kl.controller=adaptive,kl.coef=0.01", "kl.coef=0,kl.replay.coef=1",
+                    "kl.coef=0.01,kl.replay.coef=1"]
+FORGETTING_REGIME = ["--optim.lr", "1.2e-4", "--optim.warmup_steps", "4", "--optim.schedule", "cosine"]
+
+
 def part_real_model(args, work: Path) -> dict:
     """(h) SmolLM2-135M-Instruct's real weights (joined from gpu_in/, see ``prepare``) on this device: the beta
-    ablation grid of docs/ablation.md, 5 seeds and 3x the steps, through `klgrpo sweep`; its table to $OUT.
+    forgetting sweep of docs/ablation.md (7 settings, 5 seeds, 3x its 20 steps), through `klgrpo sweep`
+    with the paired comparison against beta 0; its table to $OUT.
     --tiny: a tiny local GGUF, 2 settings, 1 seed, 1 step."""
     from klgrpo.apps.cli import main as klgrpo_main
 
@@ -351,18 +358,19 @@ def part_real_model(args, work: Path) -> dict:
 
         gguf = work / "tiny.gguf"
         write_tiny_gguf(gguf)
-        grid, seeds, steps = "kl.coef=0,0.1", "0", 1
+        grid, cells, seeds, steps = "kl.coef=0,0.1", [], "0", 1
     else:
         gguf = joined_gguf(GPU_IN)
         if gguf is None:
             return {"skipped": f"no {SMOLLM2_GGUF} (or its parts) in {GPU_IN}: run --prepare here and carry them"}
-        grid, seeds, steps = "kl.coef=0,0.001,0.01,0.1", "0,1,2,3,4", 36
+        grid, cells, seeds, steps = "kl.coef=0,0.001,0.01,0.1", FORGETTING_CELLS, "0,1,2,3,4", 3 * 20
     out = work / "ablation"
     t0 = time.perf_counter()
     code = klgrpo_main(["sweep", "--config", str(EXAMPLE.parent / "smollm2-beta-ablation.yaml"), "--grid", grid,
+                        *[a for c in cells for a in ("--cell", c)], "--baseline", "kl.coef=0",
                         "--seeds", seeds, "--jobs", "1" if args.tiny else "4", "--output-dir", str(out), "--",
                         "--model.name_or_path", str(gguf), "--model.device", args.device, "--model.dtype",
-                        "float32" if args.tiny else "bfloat16", "--train.steps", str(steps)])
+                        "float32" if args.tiny else "bfloat16", *FORGETTING_REGIME, "--train.steps", str(steps)])
     result = {"exit": code, "wall_s": time.perf_counter() - t0, "steps": steps, "seeds": seeds, "grid": grid}
     table = out / "table.json"
     if table.exists():
