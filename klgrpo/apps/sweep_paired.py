@@ -118,7 +118,7 @@ def paired_markdown(paired: dict[str, Any]) -> str:
         if r:
             sentences.append(f"- {row['setting']}: retention change vs {paired['baseline']}: {r['mean']:+.1f} points "
                              f"({100 * paired['level']:.0f}% interval {r['low']:+.1f}..{r['high']:+.1f}) over "
-                             f"{len(r['seeds'])} seeds ({r['higher']} above, {r['lower']} below; sign test "
+                             f"{len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''} ({r['higher']} above, {r['lower']} below; sign test "
                              f"p={r['sign_p']:.3g})")
     return "\n".join(lines + ([""] + sentences if sentences else [])) + "\n"
 
