@@ -59,13 +59,12 @@ class Engine:
     # ------------------------------------------------------------------------------------------ set-up
     def _start_accelerator(self) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+        from accelerate.utils import DistributedType
 
         on_cpu = not torch.cuda.is_available()
         acc = Accelerator(cpu=on_cpu)
-        if _env_flag("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
-            acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables
-            acc.state.distributed_type = DistributedType.FSDP
+        if acc.distributed_type == DistributedType.MULTI_CPU:
+            _restore_cpu_engine(acc)
         self.accelerator = acc
         kind = acc.distributed_type
         if kind == DistributedType.FSDP:
@@ -191,14 +190,19 @@ class Engine:
         reference.sync(model, alpha)
 
     # ------------------------------------------------------------------------------------------ a step
-    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False) -> None:
+    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False, last: bool = True) -> None:
         """loss.backward() leaving the SUM over ranks of each rank's gradient in .grad (see the module doc);
-        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once."""
+        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once. ``last``:
+        no other backward follows before ``step`` (DeepSpeed reduces the accumulated gradients only then)."""
         if self.kind == "single":
             loss.backward()
             return
         scale = 1.0 if same_on_every_rank else float(self.world_size)
         if self.kind == "deepspeed":
+            # Its config says one micro-batch per step (gradient_accumulation_steps 1), so without this every
+            # backward would be a boundary, and ZeRO would reduce each micro-batch into the same partitioned
+            # buffer, keeping only part of the step's gradient.
+            self._ds_engine.set_gradient_accumulation_boundary(last)
             # accelerate's backward would also run the DeepSpeed step; the step waits for ``step`` below.
             self._ds_engine.backward(loss * scale)
             return
@@ -295,12 +299,50 @@ class Engine:
 
         weights = load_file(str(path), device=str(device))
         check_weight_names(model, weights.keys(), path, fix="resume from an intact checkpoint of this run")
+        if self.kind == "deepspeed":
+            _load_into_zero(self._ds_engine, model, weights, self.zero_stage)
+            return
         if self.kind != "fsdp2":
             model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _load_into_zero(ds_engine, model, weights: dict[str, Tensor], zero_stage: int) -> None:
+    """Full weights into a model under DeepSpeed: ZeRO-3 gathers its partitioned parameters to load them (and
+    partitions them again on leaving); then the optimizer's own fp32 copy of the partitions is refreshed from
+    them, or its next step would write the weights it held before back into the model."""
+    import deepspeed
+
+    params = list(model.parameters()) if zero_stage == 3 else []
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero_stage == 3):
+        model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
+    ds_engine.optimizer.refresh_fp32_params()
+
+
+def _restore_cpu_engine(acc) -> None:
+    """accelerate 1.15 turns FSDP and DeepSpeed into plain multi-CPU data parallel when no GPU is present (see
+    the module doc); give the state back the engine the launcher asked for, its plugin parsed from the same
+    launcher variables, over the gloo process group accelerate already started."""
+    from accelerate import PartialState
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
+
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables
+        kind = DistributedType.FSDP
+    elif _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        plugin = DeepSpeedPlugin()  # reads the launcher's ACCELERATE_DEEPSPEED_* variables
+        plugin.set_mixed_precision(acc.state.mixed_precision)
+        plugin.select(_from_accelerator_state=True)
+        acc.state.deepspeed_plugins = plugin
+        kind = DistributedType.DEEPSPEED
+    else:
+        return
+    # Both shared states: every later AcceleratorState() (DeepSpeed's prepare makes one) copies PartialState's
+    # distributed type over its own.
+    acc.state.distributed_type = PartialState().distributed_type = kind
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:
