@@ -1,14 +1,18 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on 2 CPU processes over gloo (DeepSpeed's CPU accelerator, no CUDA), through
-``accelerate launch`` with the shipped examples/accelerate/deepspeed-zero2.yaml and -zero3.yaml. Against one
-process on the same global batch, with 2 micro-batches per rank (so DeepSpeed accumulates before it reduces):
-the same completions from the same seed (ZeRO-3: sampled from the gathered weights), the same reference log-probs
-(ZeRO-3: a partitioned reference), and after one update the same loss, gradient norm, metrics and weights. Then a
-2-step run: finite numbers logged, one checkpoint that from_pretrained loads, a resume to step 3; and a resume of
-that run's last checkpoint holds its weights and updates them like one process starting from them (DeepSpeed
-restarts AdamW's moments). Slow (one launch per stage, ~20 s); skipped where DeepSpeed is not installed."""
+``accelerate launch`` with the shipped examples/accelerate/deepspeed-zero2.yaml and -zero3.yaml.
+
+Against one process on the same global batch, with 2 micro-batches per rank (so DeepSpeed accumulates before it
+reduces): the same completions from the same seed (ZeRO-3: sampled from the gathered weights), the same reference
+log-probs (ZeRO-3: a partitioned reference), and after one update the same loss, gradient norm, metrics and
+weights. Then a 2-step run with the default reference (the starting policy; under ZeRO-3 loaded again rather than
+deep-copied from the partitioned policy): finite numbers logged, one checkpoint that from_pretrained loads, a
+resume to step 3; and a resume of that run's last checkpoint holds its weights and updates them like one process
+starting from them (DeepSpeed restarts AdamW's moments). Slow (one launch per stage, ~20 s); skipped where
+DeepSpeed is not installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -19,12 +23,12 @@ from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.dist_worker import update_metrics
-from tests.test_distributed import (ROOT, WORKER, accelerate_launch, config_dict, perturbed_model_dir,  # noqa: F401
-                                    single_process_update)
+from tests.test_distributed import ROOT, WORKER, accelerate_launch, config_dict, single_process_update
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'klgrpo[deepspeed]')")
-
-pytestmark = pytest.mark.slow
+# find_spec, not importorskip: collecting the default suite should not import DeepSpeed (seconds)
+NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(NO_DEEPSPEED, reason="DeepSpeed is not installed (pip install 'klgrpo[deepspeed]')")]
 CONFIGS = {2: ROOT / "examples" / "accelerate" / "deepspeed-zero2.yaml",
            3: ROOT / "examples" / "accelerate" / "deepspeed-zero3.yaml"}
 
@@ -43,6 +47,7 @@ def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, pertur
     batch, completions, metrics, _, weights = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
     train_dict = deepspeed_config(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    train_dict["kl"].pop("reference")  # the default: the reference is the policy's starting weights
     (tmp_path / "train.json").write_text(json.dumps(train_dict))
     accelerate_launch(CONFIGS[stage], [str(WORKER), "deepspeed", str(tmp_path / "cfg.json"),
                                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"),
@@ -82,6 +87,9 @@ def check_run_and_resume(train_dict, base_model_dir, train_out, resumed, batch, 
     assert [r["step"] for r in rows] == [1, 2, 3]  # 2 steps, then resumed on 2 processes to step 3
     for row in rows:
         assert all(math.isfinite(row[k]) for k in ("train/loss", "grad_norm", "kl/k3", "entropy")), row
+    # Step 1 samples from the starting weights, which the reference holds (ZeRO-3: loaded again, partitioned):
+    # the KL is float32 rounding (~1e-14), where a reference off by one update would give ~1e-2.
+    assert rows[0]["kl/k3"] < 1e-6 < rows[1]["kl/k3"]
     base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).state_dict()
     for step in (2, 3):
         loaded = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / f"step_{step}", dtype=torch.float32)
