@@ -18,8 +18,8 @@ CPU over gloo. ``Engine`` then sets the state's FSDP plugin (parsed from the sam
 distributed type itself, so accelerate's own FSDP2 path (``prepare``: auto-wrap policy, ``fully_shard`` of each
 unit, the optimizer remapped to the sharded parameters; ``clip_grad_norm_``) is the one that runs -- and is
 tested -- on CPUs. Full state dicts are gathered with torch's ``get_model_state_dict`` (what accelerate's
-``get_state_dict`` calls on GPUs). DeepSpeed needs GPUs; its branch is
-written against accelerate's and DeepSpeed's documented APIs and is untested here.
+``get_state_dict`` calls on GPUs). DeepSpeed is demoted the same way and given back the same way; DeepSpeed itself
+runs on the CPU (its CPU accelerator, gloo), so its branch is tested on CPUs too, not yet on GPUs.
 """
 
 from __future__ import annotations
