@@ -6,9 +6,10 @@ reduces): the same completions from the same seed (ZeRO-3: sampled from the gath
 log-probs (ZeRO-3: a partitioned reference), and after one update the same loss, gradient norm, metrics and
 weights. Then a 2-step run with the default reference (the starting policy; under ZeRO-3 loaded again rather than
 deep-copied from the partitioned policy): finite numbers logged, one checkpoint that from_pretrained loads, a
-resume to step 3; and a resume of that run's last checkpoint holds its weights and updates them like one process
-starting from them (DeepSpeed restarts AdamW's moments). Slow (one launch per stage, ~20 s); skipped where
-DeepSpeed is not installed."""
+resume to step 3, evaluations before, during and after training (rank 0 alone generating) that equal one
+process evaluating the same weights; and a resume of that run's last checkpoint holds its weights and updates
+them like one process starting from them (DeepSpeed restarts AdamW's moments). Slow (one launch per stage,
+~20 s); skipped where DeepSpeed is not installed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.metrics import read_metrics
 from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.dist_worker import update_metrics
-from tests.test_distributed import ROOT, WORKER, accelerate_launch, config_dict, single_process_update
+from tests.test_distributed import (EVAL_REWARD, ROOT, WORKER, accelerate_launch, check_evaluations_match_one_process,
+                                    config_dict, single_process_update)
 
 # find_spec, not importorskip: collecting the default suite should not import DeepSpeed (seconds)
 NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
@@ -48,6 +50,9 @@ def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, pertur
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
     train_dict = deepspeed_config(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
     train_dict["kl"].pop("reference")  # the default: the reference is the policy's starting weights
+    train_dict["eval"] = {"every": 1, "sets": [  # rank 0 generates alone (ZeRO-3: no DeepSpeed hook may remain)
+        {"name": "first", "source": str(addition_file), "limit": 6, "reward": EVAL_REWARD},
+        {"name": "second", "source": str(addition_file), "limit": 3, "reward": EVAL_REWARD}]}
     (tmp_path / "train.json").write_text(json.dumps(train_dict))
     accelerate_launch(CONFIGS[stage], [str(WORKER), "deepspeed", str(tmp_path / "cfg.json"),
                                        str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"),
@@ -61,6 +66,7 @@ def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, pertur
     check_same_update(out["metrics"], out["weights"], metrics, weights)
     check_run_and_resume(train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json").read_text()),
                          torch.load(tmp_path / "resumed.pt", weights_only=False), batch, tmp_path)
+    check_evaluations_match_one_process(train_dict, perturbed_model_dir)
 
 
 def check_same_update(got_metrics, got_weights, metrics, weights):

@@ -400,17 +400,25 @@ def _fsdp2_unsharded(model):
 @contextmanager
 def _zero3_gathered(ds_engine):
     """ZeRO-3: gather every parameter and take DeepSpeed's forward hooks off (they would release the gathered
-    parameters after each submodule), then put them back."""
+    parameters after each submodule, and the root's start-of-forward hook runs a collective at every forward,
+    which hangs when one rank evaluates alone or the ranks sample for different numbers of tokens), then put
+    them back, the start-of-forward hook first as DeepSpeed orders them."""
     import deepspeed
 
     offload = ds_engine.optimizer.parameter_offload
+    module = offload.module
+    start = getattr(offload, "fwd_pre_hook", None)  # DeepSpeed >= 0.16 keeps its handle; older ones have none
+    start_fn = module._forward_pre_hooks.get(start.id) if start is not None else None
     with deepspeed.zero.GatheredParameters(list(ds_engine.module.parameters())):
-        for hook in offload.forward_hooks + offload.backward_hooks:
+        for hook in offload.forward_hooks + offload.backward_hooks + ([start] if start_fn is not None else []):
             hook.remove()
         offload.forward_hooks.clear()
         offload.backward_hooks.clear()
         try:
             yield
-        finally:  # the method's name differs between DeepSpeed versions
+        finally:
+            if start_fn is not None:
+                offload.fwd_pre_hook = module.register_forward_pre_hook(start_fn)
+            # the method's name differs between DeepSpeed versions
             register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
-            register(offload.module)
+            register(module)
