@@ -200,8 +200,7 @@ class Engine:
         scale = 1.0 if same_on_every_rank else float(self.world_size)
         if self.kind == "deepspeed":
             # Its config says one micro-batch per step (gradient_accumulation_steps 1), so without this every
-            # backward would be a boundary, and ZeRO would reduce each micro-batch into the same partitioned
-            # buffer, keeping only part of the step's gradient.
+            # backward is a boundary, and ZeRO-2 then keeps only part of the step's gradient (tested on CPUs).
             self._ds_engine.set_gradient_accumulation_boundary(last)
             # accelerate's backward would also run the DeepSpeed step; the step waits for ``step`` below.
             self._ds_engine.backward(loss * scale)
@@ -407,7 +406,7 @@ def _zero3_gathered(ds_engine):
 
     offload = ds_engine.optimizer.parameter_offload
     module = offload.module
-    start = getattr(offload, "fwd_pre_hook", None)  # DeepSpeed >= 0.16 keeps its handle; older ones have none
+    start = getattr(offload, "fwd_pre_hook", None)  # kept by recent DeepSpeed (0.19.8 tested); absent: nothing to do
     start_fn = module._forward_pre_hooks.get(start.id) if start is not None else None
     with deepspeed.zero.GatheredParameters(list(ds_engine.module.parameters())):
         for hook in offload.forward_hooks + offload.backward_hooks + ([start] if start_fn is not None else []):
