@@ -6,6 +6,8 @@ Everything is built locally (no network); models load back through the real tran
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +42,22 @@ def write_jsonl(path, rows):
 def addition_file(tmp_path_factory):
     rows = [{"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"} for a in range(0, 40, 3) for b in range(5)]
     return write_jsonl(tmp_path_factory.mktemp("data") / "add.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def perturbed_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model moved off its initial weights: the policy, with the tiny model as the reference, so the
+    KL and its gradient are not zero at the first step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    out = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(out)
+    for f in Path(tiny_model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out

@@ -73,25 +73,6 @@ def config_dict(model_dir, reference_dir, data_file, out, **train):
     }
 
 
-@pytest.fixture(scope="module")
-def perturbed_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model moved off its initial weights: the policy, with the tiny model as the reference, so the
-    KL and its gradient are not zero at the first step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    out = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(out)
-    for f in Path(tiny_model_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, out / f.name)
-    return out
-
-
 def single_process_update(cfg_dict, tmp_path):
     """One process: the global batch, the per-slice completions from the worker's seeds, one update."""
     single = GRPOTrainer(GRPOConfig.from_dict(cfg_dict), log=lambda *_: None)

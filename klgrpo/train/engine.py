@@ -18,8 +18,8 @@ CPU over gloo. ``Engine`` then sets the state's FSDP plugin (parsed from the sam
 distributed type itself, so accelerate's own FSDP2 path (``prepare``: auto-wrap policy, ``fully_shard`` of each
 unit, the optimizer remapped to the sharded parameters; ``clip_grad_norm_``) is the one that runs -- and is
 tested -- on CPUs. Full state dicts are gathered with torch's ``get_model_state_dict`` (what accelerate's
-``get_state_dict`` calls on GPUs). DeepSpeed needs GPUs; its branch is
-written against accelerate's and DeepSpeed's documented APIs and is untested here.
+``get_state_dict`` calls on GPUs). DeepSpeed is demoted the same way and given back the same way; DeepSpeed itself
+runs on the CPU (its CPU accelerator, gloo), so its branch is tested on CPUs too, not yet on GPUs.
 """
 
 from __future__ import annotations
@@ -59,13 +59,12 @@ class Engine:
     # ------------------------------------------------------------------------------------------ set-up
     def _start_accelerator(self) -> None:
         from accelerate import Accelerator
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+        from accelerate.utils import DistributedType
 
         on_cpu = not torch.cuda.is_available()
         acc = Accelerator(cpu=on_cpu)
-        if _env_flag("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
-            acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables
-            acc.state.distributed_type = DistributedType.FSDP
+        if acc.distributed_type == DistributedType.MULTI_CPU:
+            _restore_cpu_engine(acc)
         self.accelerator = acc
         kind = acc.distributed_type
         if kind == DistributedType.FSDP:
@@ -191,14 +190,18 @@ class Engine:
         reference.sync(model, alpha)
 
     # ------------------------------------------------------------------------------------------ a step
-    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False) -> None:
+    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False, last: bool = True) -> None:
         """loss.backward() leaving the SUM over ranks of each rank's gradient in .grad (see the module doc);
-        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once."""
+        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once. ``last``:
+        no other backward follows before ``step`` (DeepSpeed reduces the accumulated gradients only then)."""
         if self.kind == "single":
             loss.backward()
             return
         scale = 1.0 if same_on_every_rank else float(self.world_size)
         if self.kind == "deepspeed":
+            # Its config says one micro-batch per step (gradient_accumulation_steps 1), so without this every
+            # backward is a boundary, and ZeRO-2 then keeps only part of the step's gradient (tested on CPUs).
+            self._ds_engine.set_gradient_accumulation_boundary(last)
             # accelerate's backward would also run the DeepSpeed step; the step waits for ``step`` below.
             self._ds_engine.backward(loss * scale)
             return
@@ -295,12 +298,50 @@ class Engine:
 
         weights = load_file(str(path), device=str(device))
         check_weight_names(model, weights.keys(), path, fix="resume from an intact checkpoint of this run")
+        if self.kind == "deepspeed":
+            _load_into_zero(self._ds_engine, model, weights, self.zero_stage)
+            return
         if self.kind != "fsdp2":
             model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _load_into_zero(ds_engine, model, weights: dict[str, Tensor], zero_stage: int) -> None:
+    """Full weights into a model under DeepSpeed: ZeRO-3 gathers its partitioned parameters to load them (and
+    partitions them again on leaving); then the optimizer's own fp32 copy of the partitions is refreshed from
+    them, or its next step would write the weights it held before back into the model."""
+    import deepspeed
+
+    params = list(model.parameters()) if zero_stage == 3 else []
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero_stage == 3):
+        model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
+    ds_engine.optimizer.refresh_fp32_params()
+
+
+def _restore_cpu_engine(acc) -> None:
+    """accelerate 1.15 turns FSDP and DeepSpeed into plain multi-CPU data parallel when no GPU is present (see
+    the module doc); give the state back the engine the launcher asked for, its plugin parsed from the same
+    launcher variables, over the gloo process group accelerate already started."""
+    from accelerate import PartialState
+    from accelerate.utils import DeepSpeedPlugin, DistributedType, FullyShardedDataParallelPlugin
+
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables
+        kind = DistributedType.FSDP
+    elif _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        plugin = DeepSpeedPlugin()  # reads the launcher's ACCELERATE_DEEPSPEED_* variables
+        plugin.set_mixed_precision(acc.state.mixed_precision)
+        plugin.select(_from_accelerator_state=True)
+        acc.state.deepspeed_plugins = plugin
+        kind = DistributedType.DEEPSPEED
+    else:
+        return
+    # Both shared states: every later AcceleratorState() (DeepSpeed's prepare makes one) copies PartialState's
+    # distributed type over its own.
+    acc.state.distributed_type = PartialState().distributed_type = kind
 
 
 def _load_sharded_adapter(model, ckpt: Path) -> None:
@@ -358,17 +399,25 @@ def _fsdp2_unsharded(model):
 @contextmanager
 def _zero3_gathered(ds_engine):
     """ZeRO-3: gather every parameter and take DeepSpeed's forward hooks off (they would release the gathered
-    parameters after each submodule), then put them back."""
+    parameters after each submodule, and the root's start-of-forward hook runs a collective at every forward,
+    which hangs when one rank evaluates alone or the ranks sample for different numbers of tokens), then put
+    them back, the start-of-forward hook first as DeepSpeed orders them."""
     import deepspeed
 
     offload = ds_engine.optimizer.parameter_offload
+    module = offload.module
+    start = getattr(offload, "fwd_pre_hook", None)  # kept by recent DeepSpeed (0.19.8 tested); absent: nothing to do
+    start_fn = module._forward_pre_hooks.get(start.id) if start is not None else None
     with deepspeed.zero.GatheredParameters(list(ds_engine.module.parameters())):
-        for hook in offload.forward_hooks + offload.backward_hooks:
+        for hook in offload.forward_hooks + offload.backward_hooks + ([start] if start_fn is not None else []):
             hook.remove()
         offload.forward_hooks.clear()
         offload.backward_hooks.clear()
         try:
             yield
-        finally:  # the method's name differs between DeepSpeed versions
+        finally:
+            if start_fn is not None:
+                offload.fwd_pre_hook = module.register_forward_pre_hook(start_fn)
+            # the method's name differs between DeepSpeed versions
             register = getattr(offload, "_register_deepspeed_module", None) or offload._register_hooks_recursively
-            register(offload.module)
+            register(module)

@@ -157,9 +157,10 @@ class GRPOStep:
         entropy_sum = torch.zeros((), device=self.device)
         logp_sum = torch.zeros((), device=self.device)  # logp/policy_mean
         kept, token_kl, token_entropy = [], [], []
-        for sl in self._micro_slices(batch.rollout.size):
+        slices = self._micro_slices(batch.rollout.size)
+        for i, sl in enumerate(slices):
             loss, out, logp, entropy, custom = self._micro_batch_loss(batch, sl, kl)
-            self.engine.backward(loss)
+            self.engine.backward(loss, last=i == len(slices) - 1 and self.replay is None)
             objective = out.sums if objective is None else objective + out.sums
             for k, v in custom.items():
                 custom_sums[k] = custom_sums.get(k, 0.0) + v.detach()

@@ -70,13 +70,22 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
                            model=model, sampler=sampler, reference=reference)
 
 
+def _partitioned_by_zero3(model) -> bool:
+    """transformers loads a model already partitioned (deepspeed.zero.Init) once accelerate's DeepSpeed ZeRO-3
+    config is active, whatever its zero3_init_flag; a deep copy of it would share the policy's partitions."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _reference(cfg: GRPOConfig, model, device: torch.device, log: Callable | None):
     """The frozen reference: the model at kl.reference, or the policy itself (its LoRA adapter off, or a copy)."""
     if not needs_reference(cfg):
         return None
     if log:
         log("building the reference model")
-    own = load_reference_model(cfg.kl.reference, cfg.model, device, model) if cfg.kl.reference else None
+    source = cfg.kl.reference
+    if not source and cfg.model.lora.r == 0 and _partitioned_by_zero3(model):
+        source = cfg.model.name_or_path  # the policy's starting weights, loaded again rather than deep-copied
+    own = load_reference_model(source, cfg.model, device, model) if source else None
     return build_reference(model, own, adapter=cfg.model.lora.r > 0, fast_path=fast_forward(cfg, device))
 
 

@@ -1,4 +1,4 @@
-"""Run under ``accelerate launch`` with 2 CPU processes (an examples/accelerate config: DDP or FSDP2).
+"""Run under ``accelerate launch`` with 2 CPU processes (an examples/accelerate config: DDP, FSDP2 or DeepSpeed).
 
 ``update CONFIG BATCH OUT``: each rank samples its slice of prompts under the engine's full weights, computes the
 reference log-probs of its shard of a saved global batch, then runs one optimizer update on that shard through
@@ -9,6 +9,10 @@ updated weights for the test to compare with one process.
 same 2 processes; rank 0 writes what the first run left in checkpoints/.
 
 ``both UPDATE_CONFIG BATCH UPDATE_OUT TRAIN_CONFIG TRAIN_OUT``: the two above in one launch.
+
+``deepspeed UPDATE_CONFIG BATCH UPDATE_OUT TRAIN_CONFIG TRAIN_OUT RESUMED_OUT``: ``both``, then a trainer resumes
+the run's last checkpoint and runs one update on its shard of the saved global batch; rank 0 writes the weights
+after the resume and after that update.
 
 ``sharded CONFIG ONE_CHECKPOINT OUT``: a 2-step run with train.sharded_checkpoints (step_1 sharded, step_2
 whole); a second trainer resumes the sharded step_1 and rank 0 saves the full weights and AdamW moments it
@@ -98,6 +102,27 @@ def run_both(update_config, batch_file, update_out, train_config, train_out):
     run_train(train_config, train_out)
 
 
+def run_resumed_update(config_file, batch_file, out_file):
+    """Resume the run's latest checkpoint, then one update on this rank's shard of the saved global batch; rank 0
+    writes the weights right after the resume and after the update."""
+    cfg = GRPOConfig.from_dict(json.loads(open(config_file).read()))
+    trainer = GRPOTrainer(cfg, log=lambda *_: None)
+    trainer.resume("latest")
+    resumed = full_weights(trainer)
+    d = trainer.dist
+    batch = torch.load(batch_file, weights_only=False)["batch"]
+    metrics = update_metrics(trainer, batch.rows(d.local_slice(batch.rollout.size)))
+    updated = full_weights(trainer)
+    if d.is_main:
+        torch.save({"resumed": resumed, "metrics": metrics, "weights": updated}, out_file)
+
+
+def run_deepspeed(update_config, batch_file, update_out, train_config, train_out, resumed_out):
+    """``both``, then an update after resuming the 2-process run's last checkpoint, in one launch."""
+    run_both(update_config, batch_file, update_out, train_config, train_out)
+    run_resumed_update(train_config, batch_file, resumed_out)
+
+
 def full_training_state(trainer) -> dict:
     """The full weights and the optimizer state in the single-process layout (collective under FSDP2)."""
     return {"weights": full_weights(trainer),
@@ -131,7 +156,8 @@ def run_sharded(config_file, one_checkpoint, out_file):
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    {"update": run_update, "train": run_train, "both": run_both, "sharded": run_sharded}[mode](*args)
+    {"update": run_update, "train": run_train, "both": run_both, "sharded": run_sharded,
+     "deepspeed": run_deepspeed}[mode](*args)
     # Every result is written: leave without the interpreter's teardown. On these 2-core machines one rank
     # sometimes aborts there, after its work ("terminate called without an active exception": gloo's threads
     # torn down; seen in about 1 of 20 launches under load, also with the process group destroyed first), and

@@ -1,0 +1,114 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 on 2 CPU processes over gloo (DeepSpeed's CPU accelerator, no CUDA), through
+``accelerate launch`` with the shipped examples/accelerate/deepspeed-zero2.yaml and -zero3.yaml.
+
+Against one process on the same global batch, with 2 micro-batches per rank (so DeepSpeed accumulates before it
+reduces): the same completions from the same seed (ZeRO-3: sampled from the gathered weights), the same reference
+log-probs (ZeRO-3: a partitioned reference), and after one update the same loss, gradient norm, metrics and
+weights. Then a 2-step run with the default reference (the starting policy; under ZeRO-3 loaded again rather than
+deep-copied from the partitioned policy): finite numbers logged, one checkpoint that from_pretrained loads, a
+resume to step 3, evaluations before, during and after training (rank 0 alone generating) that equal one
+process evaluating the same weights; and a resume of that run's last checkpoint holds its weights and updates
+them like one process starting from them (DeepSpeed restarts AdamW's moments). Slow (one launch per stage,
+~20 s); skipped where DeepSpeed is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.train.metrics import read_metrics
+from klgrpo.train.trainer import GRPOTrainer
+from tests.helpers.dist_worker import update_metrics
+from tests.test_distributed import (EVAL_REWARD, ROOT, WORKER, accelerate_launch, check_evaluations_match_one_process,
+                                    config_dict, single_process_update)
+
+# find_spec, not importorskip: collecting the default suite should not import DeepSpeed (seconds)
+NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(NO_DEEPSPEED, reason="DeepSpeed is not installed (pip install 'klgrpo[deepspeed]')")]
+CONFIGS = {2: ROOT / "examples" / "accelerate" / "deepspeed-zero2.yaml",
+           3: ROOT / "examples" / "accelerate" / "deepspeed-zero3.yaml"}
+
+
+def deepspeed_config(model_dir, reference_dir, data_file, out):
+    cfg = config_dict(model_dir, reference_dir, data_file, out)  # 2 prompts x 4 completions per rank
+    cfg["train"]["micro_batch_size"] = 4  # 2 micro-batches per rank
+    cfg["kl"].pop("replay")  # refused with DeepSpeed (one line, see docs/distributed.md)
+    return cfg
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, perturbed_model_dir, tiny_model_dir,
+                                                                   addition_file, tmp_path):
+    cfg_dict = deepspeed_config(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "run")
+    batch, completions, metrics, _, weights = single_process_update(cfg_dict, tmp_path)
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))
+    train_dict = deepspeed_config(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "train_run")
+    train_dict["kl"].pop("reference")  # the default: the reference is the policy's starting weights
+    train_dict["eval"] = {"every": 1, "sets": [  # rank 0 generates alone (ZeRO-3: no DeepSpeed hook may remain)
+        {"name": "first", "source": str(addition_file), "limit": 6, "reward": EVAL_REWARD},
+        {"name": "second", "source": str(addition_file), "limit": 3, "reward": EVAL_REWARD}]}
+    (tmp_path / "train.json").write_text(json.dumps(train_dict))
+    accelerate_launch(CONFIGS[stage], [str(WORKER), "deepspeed", str(tmp_path / "cfg.json"),
+                                       str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"),
+                                       str(tmp_path / "train.json"), str(tmp_path / "train_out.json"),
+                                       str(tmp_path / "resumed.pt")])
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert (out["kind"], out["world_size"]) == ("deepspeed", 2)
+    assert out["completions"] == completions  # same seed, same weights: the same tokens
+    # ZeRO-3's reference runs transformers' forward, one process klgrpo's fast path (as FSDP2 in test_distributed)
+    torch.testing.assert_close(out["ref_logp"], batch.ref_logp, rtol=0, atol=2e-4)
+    check_same_update(out["metrics"], out["weights"], metrics, weights)
+    check_run_and_resume(train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json").read_text()),
+                         torch.load(tmp_path / "resumed.pt", weights_only=False), batch, tmp_path)
+    check_evaluations_match_one_process(train_dict, perturbed_model_dir)
+
+
+def check_same_update(got_metrics, got_weights, metrics, weights):
+    """DeepSpeed's gradient norm is its own computation over the partitions; the rest is klgrpo's. The weight
+    tolerance is test_distributed's: AdamW's first step moves a weight by up to lr = 1e-2, and entries whose
+    gradient is near 0 turn float32 rounding of the gradient into up to ~2e-5 there; a micro-batch or rank
+    missing from the gradient moves entries the wrong way, by ~1e-2."""
+    assert got_metrics.keys() == metrics.keys()
+    for k, v in metrics.items():
+        assert got_metrics[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert got_weights.keys() == weights.keys()
+    for name, w in weights.items():
+        torch.testing.assert_close(got_weights[name], w, rtol=0, atol=1e-4, msg=name)
+
+
+def check_run_and_resume(train_dict, base_model_dir, train_out, resumed, batch, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "train_run"
+    assert train_out["kind"] == "deepspeed" and train_out["summary"]["world_size"] == 2
+    assert train_out["checkpoints_after_run"] == ["step_2"]
+    rows = [r for r in read_metrics(run) if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # 2 steps, then resumed on 2 processes to step 3
+    for row in rows:
+        assert all(math.isfinite(row[k]) for k in ("train/loss", "grad_norm", "kl/k3", "entropy")), row
+    # Step 1 samples from the starting weights, which the reference holds (ZeRO-3: loaded again, partitioned):
+    # the KL is float32 rounding (~1e-14), where a reference off by one update would give ~1e-2.
+    assert rows[0]["kl/k3"] < 1e-6 < rows[1]["kl/k3"]
+    base = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).state_dict()
+    for step in (2, 3):
+        loaded = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / f"step_{step}", dtype=torch.float32)
+        assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in base.items()}
+        assert any(not torch.equal(v, base[k]) for k, v in loaded.state_dict().items())  # it trained
+
+    # The resume holds the checkpoint's weights, and its update equals one process starting from them with
+    # fresh AdamW moments (what DeepSpeed's resume restarts).
+    ckpt = run / "checkpoints" / "step_3"
+    saved = load_file(str(ckpt / "model.safetensors"))
+    assert all(torch.equal(resumed["resumed"][k], v) for k, v in saved.items())
+    one = dict(train_dict, model={**train_dict["model"], "name_or_path": str(ckpt)},
+               train={**train_dict["train"], "output_dir": str(tmp_path / "one")})
+    single = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
+    metrics = update_metrics(single, batch)
+    check_same_update(resumed["metrics"], resumed["weights"], metrics, single.model.state_dict())
