@@ -270,3 +270,22 @@ def test_kl_min_and_mean_logps_equal_the_batch_computed_by_hand(tiny_model_dir, 
         assert metrics["kl/min"] < 0  # some token is now less likely under the policy than under the reference
     else:
         assert 0 <= metrics["kl/min"] <= metrics["kl/max"]
+
+
+@pytest.mark.parametrize("kl, advice", [
+    ({"estimator": "k3_st", "placement": "loss", "is_correction": "in_graph"},
+     "for the reverse KL use kl.is_correction=detached with kl.estimator=k3_st"),
+    ({"estimator": "k3_st", "placement": "reward", "is_correction": "detached"},
+     "for the reverse KL use kl.estimator=k3_st or k2 in the loss (kl.placement=loss, kl.is_correction=detached)"),
+])
+def test_reverse_kl_advice_starts_from_the_users_estimator(kl, advice):
+    """A straight-through estimator with the weight in the graph is told to detach the weight, not to use the
+    estimator it already uses."""
+    from klgrpo.config.validation import _warnings
+
+    cfg = GRPOConfig()
+    cfg.kl.coef = 0.04
+    for key, value in kl.items():
+        setattr(cfg.kl, key, value)
+    (warning,) = [w for w in _warnings(cfg) if "not the reverse KL" in w]
+    assert advice in warning

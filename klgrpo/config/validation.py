@@ -162,6 +162,15 @@ def _check_kl(cfg: GRPOConfig) -> None:
     need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
 
 
+def _reverse_kl_fix(estimator: str, placement: str) -> str:
+    """The advice of the reverse-KL warning, starting from the estimator the user already chose."""
+    if estimator in ("k3_st", "k2") and placement == "loss":
+        return (f"kl.is_correction=detached with kl.estimator={estimator} (a straight-through estimator already "
+                f"carries the reverse-KL gradient; the weight in the graph adds to it)")
+    return ("kl.estimator=k3_st or k2 in the loss (kl.placement=loss, kl.is_correction=detached), kl.estimator=k3 with "
+            "kl.is_correction=in_graph (TRL's default, use_bias_correction_kl=True), or k1 with kl.placement=reward")
+
+
 def _warnings(cfg: GRPOConfig) -> list[str]:
     """The surprising but runnable choices: a deprecated field, a KL gradient that is not the reverse KL's, the
     reward KL reused across updates, a one-sided clip."""
@@ -177,9 +186,7 @@ def _warnings(cfg: GRPOConfig) -> list[str]:
                 f"kl.estimator={k.estimator} with kl.placement={k.placement} and kl.is_correction={k.is_correction}"
                 f" (num_iterations={t.num_iterations}) has an expected gradient that follows "
                 f"{'the FORWARD KL(ref||pi)' if target == 'forward' else target!r}, not the reverse KL(pi||ref) "
-                f"(see `klgrpo verify-kl`); for the reverse KL use kl.estimator=k3_st or k2 (with "
-                f"kl.is_correction=detached), kl.estimator=k3 with kl.is_correction=in_graph (TRL's default, "
-                f"use_bias_correction_kl=True), or k1 with kl.placement=reward")
+                f"(see `klgrpo verify-kl`); for the reverse KL use {_reverse_kl_fix(k.estimator, k.placement)}")
     if (k.coef > 0 or k.controller != "fixed") and k.placement in ("reward", "both") and t.num_iterations > 1:
         warnings.append(
             f"kl.placement={k.placement} with train.num_iterations={t.num_iterations}: the reward KL is the "
