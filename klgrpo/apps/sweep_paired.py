@@ -16,6 +16,7 @@ from typing import Any
 RETENTION = "retention"        # the mean of a run's retention-set changes, in points
 RESAMPLES = 10_000             # bootstrap resamples of the seeds' differences (fixed generator: repeatable)
 LEVEL = 0.95                   # the interval's coverage
+TIE = 1e-9                     # points: differences this small are ties (float noise of equal accuracies)
 
 
 def retention_change(values: dict, retention: list[str]) -> float | None:
@@ -42,7 +43,8 @@ def sign_test(diffs: list[float]) -> tuple[int, int, float]:
     """(seeds above 0, seeds below 0, two-sided exact binomial p of that split at 1/2); ties are left out, as
     the sign test does. With 5 seeds the smallest possible p is 2/32 = 0.0625: 5 seeds can show a direction
     every time but never reach p < 0.05 on their own."""
-    up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    # A tie within float noise is a tie: two changes of whole prompts that agree differ by ~1e-14 points.
+    up, down = sum(d > TIE for d in diffs), sum(d < -TIE for d in diffs)
     n, k = up + down, min(up, down)
     if n == 0:
         return up, down, 1.0
