@@ -151,7 +151,7 @@ def test_static_cache_table_is_the_results_log():
 def test_ablation_tables_are_the_sweeps_table():
     """docs/ablation.md's measured table is the sweep's table.md, row by row; its per-seed table is table.json."""
     results = (ROOT / "docs/results/ablation/table.md").read_text()
-    docs = (ROOT / "docs/ablation.md").read_text()
+    docs = _section((ROOT / "docs/ablation.md").read_text(), "## The first measurement")
     rows = [line for line in results.splitlines() if line.startswith("| kl.")]
     assert len(rows) == 6
     for line in rows:
@@ -258,3 +258,121 @@ def test_readme_first_run_times_are_the_recorded_fresh_clone_run():
     assert f"{sft:.0f} s of SFT, {grpo:.0f} s of GRPO" in readme
     assert "+30.0" in record and "seed 0, what `klgrpo train` runs, gains +30.0" in readme
 
+
+
+def _section(text: str, heading: str) -> str:
+    """``text`` from ``heading`` to the next heading of the same level."""
+    start = text.index(heading)
+    level = heading.split(" ")[0] + " "
+    end = text.find("\n" + level, start + len(heading))
+    return text[start:] if end < 0 else text[start:end]
+
+
+FORGETTING = ROOT / "docs/results/forgetting"
+
+
+def test_forgetting_sweep_tables_are_the_sweeps_table():
+    """docs/ablation.md's forgetting section quotes the sweep's table.md: every row of both tables and every
+    paired sentence; every setting has five seeds; the sentences' numbers are table.json's."""
+    results = (FORGETTING / "table.md").read_text()
+    docs = _section((ROOT / "docs/ablation.md").read_text(), "## Where forgetting happens")
+    rows = [line for line in results.splitlines() if line.startswith("| kl.")]
+    assert len(rows) == 7 + 6  # the table's settings, then each but beta 0 against beta 0
+    for line in rows:
+        assert line in docs, line
+    sentences = [line for line in results.splitlines() if line.startswith("- kl.")]
+    assert len(sentences) == 6 and all(s in docs for s in sentences)
+    table = json.loads((FORGETTING / "table.json").read_text())
+    assert [c["seeds"] for c in table["cells"]] == [[0, 1, 2, 3, 4]] * 7
+    assert table["paired"]["baseline"] == "kl.coef=0"
+    for row in table["paired"]["rows"]:
+        r = row["retention"]
+        assert (f"- {row['setting']}: retention change vs kl.coef=0: {r['mean']:+.1f} points (95% interval "
+                f"{r['low']:+.1f}..{r['high']:+.1f}) over 5 seeds") in results
+    before = results[results.index("Before training"):].split("\n")[0]
+    assert before in docs
+
+
+def test_forgetting_probes_are_the_probe_runs():
+    probes = json.loads((FORGETTING / "probes.json").read_text())["runs"]
+    docs = _section((ROOT / "docs/ablation.md").read_text(), "## Where forgetting happens")
+    assert len(probes) == 8
+    for p in probes:
+        change = {k: 100 * (p["eval_after"][k] - p["eval_before"][k]) for k in p["eval_after"]}
+        row = (f"| {p['lr'] * 1e4:g}e-4 | {p['schedule']} | {p['seed']} | {100 * p['eval_after']['add']:.1f}% | "
+               f"{change['add']:+.1f} | {change['capitals']:+.1f} | {change['opposites']:+.1f} | "
+               f"{p['final_kl']:.2f} |")
+        assert row in docs, row
+    # The sweep's beta-0 runs at seeds 0 and 1 are the 1.2e-4 probes again, bit for bit.
+    table = json.loads((FORGETTING / "table.json").read_text())
+    sweep = {r["seed"]: r["values"] for c in table["cells"] if c["setting"] == "kl.coef=0" for r in c["runs"]}
+    for p in (p for p in probes if p["lr"] == 1.2e-4):
+        assert [sweep[p["seed"]][f"{k}/after"] for k in ("add", "capitals", "opposites")] == \
+            [p["eval_after"][k] for k in ("add", "capitals", "opposites")]
+
+
+def test_forgetting_counts_are_the_runs():
+    """The per-setting counts (task learned: add up >= 10 points; forgot: a retention set down >= 10 points)
+    recomputed from every run of table.json."""
+    docs = _section((ROOT / "docs/ablation.md").read_text(), "## Where forgetting happens")
+    table = json.loads((FORGETTING / "table.json").read_text())
+    for cell in table["cells"]:
+        vals = [r["values"] for r in cell["runs"]]
+        worst = [min(v["capitals/change"], v["opposites/change"]) for v in vals]
+        learned = [v["add/change"] >= 10 - 1e-9 for v in vals]
+        forgot = [w <= -10 + 1e-9 for w in worst]
+        n = len(vals)
+        row = (f"| {cell['setting']} | {sum(learned)} of {n} | {sum(forgot)} of {n} | "
+               f"{sum(a and b for a, b in zip(learned, forgot))} of {n} | {min(worst):+.1f} |")
+        assert row in docs, row
+
+
+def test_forgetting_sweep_command_and_time_are_the_tables():
+    table = json.loads((FORGETTING / "table.json").read_text())
+    docs = " ".join(_section((ROOT / "docs/ablation.md").read_text(), "## Where forgetting happens").split())
+    header = " ".join(table["header"])
+    assert "--optim.lr 1.2e-4 --optim.warmup_steps 4 --optim.schedule cosine --train.steps 20" in header
+    assert "--optim.lr 1.2e-4 --optim.warmup_steps 4 --optim.schedule cosine --train.steps 20" in docs
+    assert f"{table['sweep_wall_seconds'] / 60:.0f} min of sweep wall time" in docs
+
+
+def test_forgetting_every_run_is_the_tables():
+    docs = _section((ROOT / "docs/ablation.md").read_text(), "## Where forgetting happens")
+    table = json.loads((FORGETTING / "table.json").read_text())
+    for cell in table["cells"]:
+        runs = sorted(cell["runs"], key=lambda r: r["seed"])
+        parts = [f"{v['add/change']:+.1f} / {v['capitals/change']:+.1f} / {v['opposites/change']:+.1f} "
+                 f"({v['final_kl']:.2f})" for v in (r["values"] for r in runs)]
+        assert f"| {cell['setting']} | " + " | ".join(parts) + " |" in docs, cell["setting"]
+
+
+def test_readme_forgetting_statement_is_the_sweeps():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    table = json.loads((FORGETTING / "table.json").read_text())
+    rows = {r["setting"]: r["retention"] for r in table["paired"]["rows"]}
+
+    def said(name):
+        r = rows[name]
+        return f"{r['mean']:+.1f} points (95% interval {r['low']:+.1f}..{r['high']:+.1f})"
+    assert (f"{said('kl.coef=0.01')} at beta 0.01, {said('kl.coef=0.1')} at 0.1 and "
+            f"{said('kl.controller=adaptive,kl.coef=0.01')} with the adaptive controller") in readme
+    assert f"{said('kl.coef=0,kl.replay.coef=1')} against beta 0 over 5 seeds" in readme
+    assert f"--train.steps 20 # {table['sweep_wall_seconds'] / 60:.0f} min on 2 cores" in readme
+    plain = [c for c in table["cells"] if "replay" not in c["setting"]]
+    lost = [-min(v["capitals/change"], v["opposites/change"]) for c in plain for v in (r["values"] for r in c["runs"])]
+    lost = [x for x in lost if x >= 10 - 1e-9]
+    assert f"had runs that lost {min(lost):.1f} to {max(lost):.1f} points of a retention set" in readme
+    anchored = [min(v["capitals/change"], v["opposites/change"]) for c in table["cells"] if "replay" in c["setting"]
+                for v in (r["values"] for r in c["runs"])]
+    assert f"no anchored run lost more than {-min(anchored):.1f} points" in readme
+
+
+def test_kl_guide_forgetting_advice_is_the_sweeps():
+    guide = " ".join((ROOT / "docs/kl_guide.md").read_text().split())
+    table = json.loads((FORGETTING / "table.json").read_text())
+    anchored = [min(v["capitals/change"], v["opposites/change"]) for c in table["cells"] if "replay" in c["setting"]
+                for v in (r["values"] for r in c["runs"])]
+    assert f"kept every run within {-min(anchored):.1f} points of where it started" in guide
+    for row in table["paired"]["rows"]:
+        if "replay" not in row["setting"]:  # "no fixed beta ... kept them measurably better": 0 is in every interval
+            assert row["retention"]["low"] <= 0 <= row["retention"]["high"], row["setting"]
