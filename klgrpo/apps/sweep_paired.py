@@ -118,9 +118,10 @@ def paired_markdown(paired: dict[str, Any]) -> str:
         lines.append(f"| {row['setting']} | {seeds} | " + " | ".join(_cell_text(row[k]) for k in keys) + " |")
         r = row.get(RETENTION)
         if r:
+            n = len(r["seeds"])
             sentences.append(f"- {row['setting']}: retention change vs {paired['baseline']}: {r['mean']:+.1f} points "
                              f"({100 * paired['level']:.0f}% interval {r['low']:+.1f}..{r['high']:+.1f}) over "
-                             f"{len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''} ({r['higher']} above, {r['lower']} below; sign test "
+                             f"{n} seed{'s' if n > 1 else ''} ({r['higher']} above, {r['lower']} below; sign test "
                              f"p={r['sign_p']:.3g})")
     return "\n".join(lines + ([""] + sentences if sentences else [])) + "\n"
 
