@@ -206,7 +206,8 @@ def _run_readme_line(command: str, run_yaml: Path, workdir: Path) -> int:
 
         buffer = io.StringIO()
         with contextlib.redirect_stdout(buffer):
-            assert sweep.main(rest + ["--dry-run"]) == 0
+            cut = rest.index("--") if "--" in rest else len(rest)  # after "--" come the runs' overrides
+            assert sweep.main(rest[:cut] + ["--dry-run"] + rest[cut:]) == 0
         lines = [shlex.split(line) for line in buffer.getvalue().splitlines() if line.strip()]
         assert lines
         for run_argv in lines:

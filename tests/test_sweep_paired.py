@@ -124,3 +124,11 @@ def test_float_noise_is_a_tie():
     b = (100 * (38 / 46 - 32 / 46) + 100 * (32 / 46 - 35 / 46)) / 2
     assert sign_test([a - b, 0.0, 5.0])[:2] == (1, 0)
     assert sign_test([1e-12, -1e-12]) == (0, 0, 1.0)
+
+
+def test_a_sweep_option_after_the_double_dash_is_refused_in_one_line(fake_trainer, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "s"
+    code = sweep.main(["--grid", "kl.coef=0,0.2", "--output-dir", str(out), "--", "--train.steps", "2", "--dry-run"])
+    assert code == 2 and not out.exists()
+    assert capsys.readouterr().err.strip() == ("klgrpo sweep: error: --dry-run comes after --, where only the runs' "
+                                               "train overrides go; it is an option of the sweep: put it before --")

@@ -327,6 +327,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The sweep's own options that are not also `klgrpo train` options (--config and --output-dir are both).
+_SWEEP_OPTIONS = {"--grid", "--cell", "--seeds", "--jobs", "--baseline", "--dry-run", "--table-only"}
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv = list(argv)
     extra: list[str] = []
@@ -350,6 +354,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise SweepError(f"--config {args.config}: no such file")
     if args.output_dir is not None:
         check_sweep_folder(args.output_dir)
+    misplaced = [a for a in extra if a.split("=")[0] in _SWEEP_OPTIONS]
+    if misplaced:
+        raise SweepError(f"{misplaced[0]} comes after --, where only the runs' train overrides go; it is an option "
+                         f"of the sweep: put it before --")
     clash = overrides_in(extra) & set(RESERVED)
     if clash:
         raise SweepError(f"-- {' '.join(sorted(clash))}: set by the sweep for each run (use --seeds and --output-dir)")
