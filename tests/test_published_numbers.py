@@ -313,7 +313,7 @@ def test_forgetting_probes_are_the_probe_runs():
 
 def test_forgetting_counts_are_the_runs():
     """The per-setting counts (task learned: add up >= 10 points; forgot: a retention set down >= 10 points)
-    recomputed from every run of table.json."""
+    recomputed from every run of table.json, and each setting's range over its seeds."""
     docs = _section((ROOT / "docs/ablation.md").read_text(), "## Where forgetting happens")
     table = json.loads((FORGETTING / "table.json").read_text())
     for cell in table["cells"]:
@@ -325,6 +325,14 @@ def test_forgetting_counts_are_the_runs():
         row = (f"| {cell['setting']} | {sum(learned)} of {n} | {sum(forgot)} of {n} | "
                f"{sum(a and b for a, b in zip(learned, forgot))} of {n} | {min(worst):+.1f} |")
         assert row in docs, row
+
+    # and the range (min..max) of each setting over its seeds, from the table's stats
+    for cell in table["cells"]:
+        st = cell["stats"]
+        spans = [f"{st[k]['min']:+.1f}..{st[k]['max']:+.1f}" for k in ("add/change", "capitals/change",
+                                                                      "opposites/change")]
+        kl = f"{st['final_kl']['min']:.2f}..{st['final_kl']['max']:.2f}"
+        assert f"| {cell['setting']} | {' | '.join(spans)} | {kl} |" in docs, cell["setting"]
 
 
 def test_forgetting_sweep_command_and_time_are_the_tables():
