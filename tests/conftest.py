@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
+
+# A shell that starts pytest in the background (`nohup ... &`) hands it SIGINT ignored, and Python then leaves
+# it so; the Ctrl-C tests need Python's usual handler to find and restore, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 torch.set_num_threads(1)  # tests run beside other processes on 2 cores; one thread avoids oversubscription
 
