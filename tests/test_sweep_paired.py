@@ -76,6 +76,10 @@ def test_paired_table_uses_the_common_seeds_only(tmp_path):
     assert "| kl.coef=0.1 | 0,1,2 | +15.0 (+15.0..+15.0); 3+ 0- p=0.25 |" in md
     assert ("- kl.coef=0.1: retention change vs kl.coef=0: +15.0 points (95% interval +15.0..+15.0) over 3 seeds "
             "(3 above, 0 below; sign test p=0.25)") in md
+    # --table-only before any run finished: the section says so instead of an empty table
+    missing = [Run(Cell((("kl.coef", c),)), 0, tmp_path / c, status="missing") for c in ("0", "0.1")]
+    md = paired_markdown(paired_table(build_table(missing), "kl.coef=0"))
+    assert md == "## Paired against kl.coef=0 (same seeds)\n\nNo finished runs to compare yet.\n"
 
 
 def test_plot_of_every_run(tmp_path):

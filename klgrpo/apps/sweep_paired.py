@@ -105,6 +105,8 @@ def _cell_text(c: dict | None) -> str:
 def paired_markdown(paired: dict[str, Any]) -> str:
     """The paired table and one sentence per setting on the retention mean."""
     keys = paired["keys"]
+    if not keys:  # no run has finished yet (--table-only early): nothing names the sets to compare
+        return f"## Paired against {paired['baseline']} (same seeds)\n\nNo finished runs to compare yet.\n"
     lines = [f"## Paired against {paired['baseline']} (same seeds)", "",
              f"Per seed: the setting's change minus the baseline's, in points. Each cell: mean difference "
              f"({100 * paired['level']:.0f}% percentile bootstrap interval over the seeds, {paired['resamples']} "
