@@ -284,11 +284,14 @@ def plot_vs_beta(table: dict[str, Any], path: Path) -> Path | None:
             ax.errorbar([b for b, _ in line], [scale * v["mean"] for _, v in line],
                         yerr=[scale * v["std"] for _, v in line], fmt="o-", color="C0", capsize=3,
                         label=f"{BETA_KEY} alone")
+        labelled = set()  # one legend entry per setting kind, however many betas it sits at
         for b, others, st in points:
             if others and st.get(key):
                 marker = marker_of.setdefault(others, next(markers, "o"))
                 ax.errorbar([b], [scale * st[key]["mean"]], yerr=[scale * st[key]["std"]], fmt=marker, ms=8,
-                            capsize=3, color=f"C{1 + list(marker_of).index(others)}", label=others)
+                            capsize=3, color=f"C{1 + list(marker_of).index(others)}",
+                            label=None if others in labelled else others)
+                labelled.add(others)
         if before_key:
             befores = [st[before_key]["mean"] for _, _, st in points if st.get(before_key)]
             if befores:
