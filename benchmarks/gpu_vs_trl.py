@@ -142,6 +142,7 @@ def run_klgrpo(args, model_dir: Path, prompts: Path, out: Path, overrides: dict)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"exit": code, "wall_s": wall, "steps": [r["time/step"] for r in rows],
             "phases": [{k: r.get(f"time/{k}", 0.0) for k in ("generate", "reference", "update")} for r in rows],
+            "mean_lengths": [r["completions/mean_length"] for r in rows],
             "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
@@ -169,6 +170,7 @@ def run_trl(args, model_dir: Path, prompts: Path, out: Path, static: bool, peft_
         model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32}, **extra)
     phases = TRLPhases(args.device)
     steps: list[float] = []
+    mean_lengths: list[float] = []
 
     class StepClock(TrainerCallback):
         began = 0.0
@@ -184,6 +186,10 @@ def run_trl(args, model_dir: Path, prompts: Path, out: Path, static: bool, peft_
             steps.append(time.perf_counter() - self.began)
             phases.close_step()
 
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                mean_lengths.append(float(logs["completions/mean_length"]))
+
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[has_zero], args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(model_dir),
                           callbacks=[StepClock(), phases.callback()], peft_config=peft_config)
@@ -192,7 +198,7 @@ def run_trl(args, model_dir: Path, prompts: Path, out: Path, static: bool, peft_
     trainer.train()
     return {"exit": 0, "wall_s": time.perf_counter() - start, "steps": steps,
             "phases": [{k: s.get(k, 0.0) for k in TRLPhases.KEYS} for s in phases.steps],
-            "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+            "mean_lengths": mean_lengths, "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
 def variants(args) -> dict[str, tuple[str, dict]]:

@@ -166,19 +166,23 @@ def local_model(args, root: Path, dtype: str) -> Path:
     folder, gguf_file = split_gguf(args.model, args.gguf_file)
     if not gguf_file:
         return Path(folder)
+    return dequantized_folder(args.model, args.gguf_file, root / f"{Path(gguf_file).stem}-{dtype}", dtype)
+
+
+def dequantized_folder(source: str, gguf_file: str, out: Path, dtype: str) -> Path:
+    """The GGUF model ``source`` (a .gguf path, package:NAME/FILE, or a folder with ``gguf_file``) dequantized
+    by klgrpo's loader to ``dtype`` and saved with its tokenizer in ``out``, once."""
     import torch
 
     from klgrpo.apps.demo.model import quiet_progress_bars
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer
     from klgrpo.config.schema import ModelConfig
 
-    out = root / f"{Path(gguf_file).stem}-{dtype}"
     if not (out / "config.json").exists():
-        model = load_causal_lm(args.model, ModelConfig(), torch.device("cpu"), getattr(torch, dtype),
-                               gguf_file=args.gguf_file)
+        model = load_causal_lm(source, ModelConfig(), torch.device("cpu"), getattr(torch, dtype), gguf_file=gguf_file)
         with quiet_progress_bars():
             model.save_pretrained(out, safe_serialization=True)
-        load_tokenizer(args.model, gguf_file=args.gguf_file).save_pretrained(out)
+        load_tokenizer(source, gguf_file=gguf_file).save_pretrained(out)
     return out
 
 
