@@ -103,3 +103,21 @@ def test_full_vocabulary_kl_trains_on_cuda(tiny_model_dir, addition_file, tmp_pa
     first, second = rows[0], rows[1]
     assert abs(first["kl/k1"]) < 1e-5 and first["kl/max"] < 1e-5
     assert 0.0 < second["kl/k3"] < 10.0 and second["kl/max"] > 0.0
+
+
+def test_warm_up_leaves_no_shape_for_the_batches_to_compile():
+    """On CUDA the static cache's generate compiles one kernel per cache shape: after warm_up_sampler over the
+    data's prompts, batches of those prompts at every width compile nothing more (dynamo's graph count stays)."""
+    from torch._dynamo.utils import counters
+
+    from klgrpo.core.rollout import warm_up_sampler
+
+    tok, model = _tokenizer(), _qwen2(torch.bfloat16)
+    prompts = ["1+1=", "12+34=" * 8, "7-3=" * 20]  # 4, 48 and 80 tokens: widths 64 and 128
+    params = SamplingParams(group_size=2, max_new_tokens=8, sampler="generate_static")
+    widths = warm_up_sampler(model, tok, prompts, params, prompts_per_batch=2)
+    assert widths == [64, 128]
+    graphs = counters["stats"]["unique_graphs"]
+    for batch in (prompts[:2], prompts[1:], prompts[::2]):
+        generate_groups(model, tok, batch, params)
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -9,6 +9,8 @@ gives generate's very tokens.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -348,3 +350,74 @@ def test_the_loop_hands_over_to_generate_where_it_cannot_reproduce_the_call():
     model.config.model_type = "mistral"
     model.config.sliding_window = 16
     assert resolve_sampler("kv_loop", model, 32, params) is SAMPLERS["generate"]
+
+
+def test_batch_widths_are_the_buckets_a_batch_can_be_padded_to():
+    """A batch is as wide as its longest prompt, so at least the (prompts per batch)-th shortest: lengths below
+    that floor never set a batch's width."""
+    from klgrpo.core.rollout import batch_widths
+
+    def bucket(n):
+        return -(-n // 64) * 64
+
+    lengths = [130, 42, 70, 43, 60]
+    assert batch_widths(lengths, 1, bucket) == [64, 128, 192]
+    assert batch_widths(lengths, 2, bucket) == [64, 128, 192]   # floor 43: 43 and 60 still pad to 64
+    assert batch_widths(lengths, 4, bucket) == [128, 192]       # floor 70
+    assert batch_widths(lengths, 5, bucket) == [192]
+    assert batch_widths(lengths, 9, bucket) == [192]            # more prompts per batch than prompts
+    assert batch_widths(lengths, 2, lambda n: n) == [43, 60, 70, 130]
+    assert batch_widths([], 2, bucket) == []
+
+
+def test_warm_up_compiles_every_batch_width_before_the_first_step_and_changes_no_sample(
+        tiny_model_dir, addition_file, tmp_path, monkeypatch):
+    """Where the sampler compiles per shape (the static cache on CUDA: made to say so here on the CPU), the run
+    generates once per width its batches can have, at the batch's row count and full cache length, stopped after
+    two tokens, before step 1, with one line saying so; the random state is restored, so the run's metrics and
+    weights are those of a run without the warm-up, bit for bit."""
+    from klgrpo.backends.samplers import STATIC_PROMPT_BUCKET, GenerateSampler
+    from klgrpo.core.rollout import batch_widths
+    from klgrpo.train.trainer import GRPOTrainer
+    from tests.helpers.configs import make_config
+
+    runs = {}
+    for warm in (False, True):
+        monkeypatch.setattr(GenerateSampler, "compiles",
+                            lambda self, model, params, w=warm: w and self.cache == "static")
+        cfg = make_config(tiny_model_dir, addition_file, tmp_path / f"run-{warm}",
+                          rollout={"sampler": "generate_static"})
+        lines, calls = [], []
+        trainer = GRPOTrainer(cfg, log=lines.append)
+        real = trainer.model.generate
+
+        def spy(*a, **kw):
+            out = real(*a, **kw)
+            calls.append((kw["input_ids"].shape, kw["max_new_tokens"], "stopping_criteria" in kw, out.shape[1]))
+            return out
+
+        monkeypatch.setattr(trainer.model, "generate", spy)
+        import klgrpo.train.metrics as metrics_module
+        monkeypatch.setattr(metrics_module.tqdm, "write", lambda text, *a, **k: lines.append(text))
+        trainer.train()
+        rows = [json.loads(x) for x in (tmp_path / f"run-{warm}" / "metrics.jsonl").read_text().splitlines()]
+        weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        runs[warm] = (lines, calls, rows, weights, trainer)
+
+    (_, cold_calls, cold_rows, cold_weights, _), (lines, calls, rows, weights, trainer) = runs[False], runs[True]
+    assert all(not stopped for *_, stopped, _ in cold_calls) and len(cold_calls) == 2
+    texts = trainer.tokenizer(trainer.grpo_step.dataset.prompts)["input_ids"]
+    widths = batch_widths([len(t) for t in texts], 4, lambda n: -(-n // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET)
+    assert widths  # the addition prompts: all under one bucket
+    warm_calls = calls[:len(widths)]
+    assert [c[0] for c in warm_calls] == [(16, w) for w in widths]          # 4 prompts x 4 rows at each width
+    assert all(c[1] == 4 and c[2] and c[3] == c[0][1] + 2 for c in warm_calls)  # full cache, 2 tokens, then stop
+    assert calls[len(widths):] == cold_calls                               # then the run's own batches
+    [line] = [x for x in lines if x.startswith("compiling the sampler")]
+    assert f"16 rows can have: {', '.join(map(str, widths))} tokens" in line and "generate_static" in line
+
+    def untimed(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "wall_time"} for r in rows]
+
+    assert untimed(rows) == untimed(cold_rows)
+    assert all(torch.equal(weights[k], cold_weights[k]) for k in weights)

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
@@ -70,6 +71,12 @@ class Sampler(Protocol):
         """Completion ids [N * G, T], T <= max_new_tokens, rows [i*G, (i+1)*G) continuing prompt i, ``pad_id``
         after a row's EOS. Called under no_grad with the model in eval mode."""
 
+    # A sampler that compiles a kernel per input shape may also define (core/rollout.py:warm_up_sampler calls
+    # them before step 1, so no step pays for a shape it meets for the first time):
+    #   compiles(model, params) -> bool            whether it compiles per shape here
+    #   padded_width(width) -> int                 the prompt width its kernel sees for a batch this wide
+    #   warm_up(model, width, prompts, params, pad_id, eos_ids)   compile that width for ``prompts`` prompts
+
 
 SAMPLERS: Registry[Sampler] = Registry("sampler")
 
@@ -107,17 +114,50 @@ class GenerateSampler:
         return True
 
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
+        return self._generate(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
+
+    def _generate(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids, stop_after: int = 0):
+        """``sample``; ``stop_after`` > 0 stops every row after that many tokens (the cache keeps its full size)."""
         g, width = params.group_size, prompt_ids.shape[1]
-        if self.bucket and width % self.bucket:  # left padding changes no logit: the mask hides it
-            extra = self.bucket - width % self.bucket
+        if self.padded_width(width) > width:  # left padding changes no logit: the mask hides it
+            extra = self.padded_width(width) - width
             prompt_ids = torch.nn.functional.pad(prompt_ids, (extra, 0), value=pad_id)
             prompt_mask = torch.nn.functional.pad(prompt_mask, (extra, 0), value=0)
+        stop = {"stopping_criteria": StoppingCriteriaList([_StopAtLength(prompt_ids.shape[1] + stop_after)])
+                } if stop_after else {}
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0), attention_mask=prompt_mask.repeat_interleave(g, 0),
             do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids,
-            **({"cache_implementation": self.cache} if self.cache else {}))
+            **({"cache_implementation": self.cache} if self.cache else {}), **stop)
         return out[:, prompt_ids.shape[1]:]
+
+    def padded_width(self, width: int) -> int:
+        return -(-width // self.bucket) * self.bucket if self.bucket else width
+
+    def compiles(self, model, params: SamplingParams) -> bool:
+        """transformers compiles the static cache's decoding step on CUDA, once per cache shape."""
+        return self.cache == "static" and next(model.parameters()).device.type == "cuda"
+
+    def warm_up(self, model, width: int, prompts: int, params: SamplingParams, pad_id: int, eos_ids: list[int]):
+        """Compile the kernels of a batch of ``prompts`` prompts ``width`` wide: a generate of that shape (the
+        cache at its full length) stopped after two tokens, the first decoding step being the one compiled."""
+        device = next(model.parameters()).device
+        ids = torch.full((prompts, width), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        mask[:, -1] = 1
+        self._generate(model, ids, mask, params, pad_id, eos_ids, stop_after=2)
+
+
+class _StopAtLength(StoppingCriteria):
+    """Stops every row once the sequences are ``length`` tokens long (a warm-up's generate)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
 
 
 for _sampler in (KVLoopSampler(), GenerateSampler("generate"),

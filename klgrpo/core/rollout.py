@@ -3,6 +3,7 @@
 ``generate_groups`` encodes the prompts, hands them to a sampler (klgrpo/backends/samplers.py: klgrpo's KV-cached
 loop, transformers' generate with a dynamic or a static cache; ``SamplingParams.sampler`` names it, "auto" picks
 the fastest for the device), and turns its completion ids into the padded batch with masks through the first EOS.
+``warm_up_sampler`` compiles, before a run's first batch, every shape a compiling sampler will meet.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from torch import Tensor
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
 from klgrpo.errors import ConfigError
 
-__all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "completion_mask_from_ids", "encode_prompts",
-           "eos_token_ids", "generate_groups"]
+__all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "completion_mask_from_ids",
+           "encode_prompts", "eos_token_ids", "generate_groups", "warm_up_sampler"]
 
 
 class PromptTooLong(ConfigError):
@@ -165,6 +166,44 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         prompts=[prompt for prompt in prompts for _ in range(p.group_size)],
         completions=completions,
     )
+
+
+def batch_widths(lengths: list[int], prompts_per_batch: int, padded_width) -> list[int]:
+    """The padded widths a batch of ``prompts_per_batch`` of prompts with these token lengths can have: a batch is
+    as wide as its longest prompt, which is at least the ``prompts_per_batch``-th shortest."""
+    if not lengths:
+        return []
+    floor = sorted(lengths)[min(prompts_per_batch, len(lengths)) - 1]
+    return sorted({padded_width(n) for n in lengths if n >= floor})
+
+
+@torch.no_grad()
+def warm_up_sampler(model, tokenizer, prompts: list, params: SamplingParams, prompts_per_batch: int,
+                    announce=None) -> list[int]:
+    """Compile now every shape the sampler will meet on batches of ``prompts_per_batch`` of ``prompts``, where it
+    compiles one kernel per shape (transformers' static-cache generate on CUDA), so that no later step pays for a
+    shape it meets for the first time. ``announce(widths)`` is called before the compiling starts. The random
+    state is restored: the run samples what it would have sampled without the warm-up. Returns the widths
+    compiled; [] where the sampler compiles nothing."""
+    sampler = resolve_sampler(params.sampler, model, 1, params)
+    if not getattr(sampler, "compiles", lambda *a: False)(model, params):
+        return []
+    texts = encode_prompts(tokenizer, prompts, params.system_prompt, params.as_chat)
+    widths = batch_widths([len(ids) for ids in tokenizer(texts)["input_ids"]], prompts_per_batch,
+                          sampler.padded_width)
+    if announce is not None:
+        announce(widths)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for width in widths:
+                sampler.warm_up(model, width, prompts_per_batch, params, tokenizer.pad_token_id,
+                                eos_token_ids(model, tokenizer))
+    finally:
+        model.train(was_training)
+    return widths
 
 
 def longest_prompt_tokens(tokenizer, prompts, system_prompt: str = "", as_chat: bool = False,

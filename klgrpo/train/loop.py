@@ -105,6 +105,8 @@ class TrainingRun:
         with logger:
             if self.eval_before and step.completed == 0:
                 logger.log(0, self.eval_before)
+            if step.completed < cfg.train.steps:
+                step.warm_up(logger.message if main else None)
             self._steps(logger, history, start, evaluate)
             if self.stop_reason:
                 logger.message(f"stopped at step {step.completed}: {self.stop_reason}")

@@ -28,7 +28,7 @@ from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.core.loss_api import LossInput, call_loss
 from klgrpo.core.rewards import RewardComputer
 from klgrpo.backends.samplers import Sampler
-from klgrpo.core.rollout import PromptTooLong, SamplingParams, generate_groups
+from klgrpo.core.rollout import PromptTooLong, SamplingParams, generate_groups, warm_up_sampler
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
@@ -89,6 +89,25 @@ class GRPOStep:
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat,
                               compiled=cfg.train.compile, sampler=self.sampler)
+
+    def warm_up(self, log: Callable | None = None) -> list[int]:
+        """Before the first step of this process: compile every prompt width the sampler will meet, where it
+        compiles per shape (transformers' static cache on CUDA), so no step pays for a shape it meets first;
+        ``log`` gets one line saying so. Sampling afterwards is what it would have been without. Returns the
+        widths compiled."""
+        prompts = getattr(self.dataset, "prompts", None)
+        prompts = prompts if prompts is not None else [row["prompt"] for row in self.dataset]
+        n = self.cfg.rollout.prompts_per_step
+        per_rank = len(range(n)[self.dist.local_slice(n)])
+        params = self.sampling_params()
+
+        def announce(widths: list[int]) -> None:
+            if log is not None:
+                log(f"compiling the sampler ({self.sampler.name}) before the first step, once per prompt width a "
+                    f"batch of {per_rank * params.group_size} rows can have: {', '.join(map(str, widths))} tokens")
+
+        with self.engine.full_weights(self.model):
+            return warm_up_sampler(self.model, self.tokenizer, prompts, params, per_rank, announce)
 
     def kl_term(self) -> KLTerm:
         return kl_term(self.cfg.kl, self.controller.value)
