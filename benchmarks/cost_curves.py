@@ -153,7 +153,8 @@ def child(args) -> None:
 def summary(result: dict) -> dict:
     later = result["steps"][1:] or result["steps"]
     return {"mean_s": statistics.mean(later), "max_s": max(later), "median_s": statistics.median(later),
-            "first_s": result["steps"][0], "max_over_median": max(later) / statistics.median(later),
+            "first_s": result["steps"][0] + result.get("warm_up_s", 0.0),
+            "max_over_median": max(later) / statistics.median(later),
             "peak_gb": result["peak_gb"], "mean_length": statistics.mean(result["mean_lengths"]),
             **{f"{k}_s": statistics.mean(p[k] for p in (result["phases"][1:] or result["phases"]))
                for k in ("generate", "reference", "update")}}

@@ -15,13 +15,13 @@ reference, token-mean aggregation (TRL loss_type "dapo"), AdamW lr 1e-6, grad-no
 checkpointing off, no evaluation, no saving. klgrpo runs its DEFAULT config otherwise (its KL estimator k3_st,
 ``rollout.sampler: auto``). A random model rarely emits EOS, so completions run to 64 tokens.
 
-Rows: klgrpo's default; the default again in a second process (torch's compile caches are then warm: its first
-step is what a user's second run sees); klgrpo with each other sampler; klgrpo with model.fast_path false;
-TRL's default; TRL with cache_implementation "static". Per row: mean s/step over steps 2..N, median over steps
-4..N, max over steps 2..N, the first step, phases (generate, reference, update: klgrpo's time/* metrics with
-synchronised timers; TRL's by wrapping its methods as benchmarks/vs_trl.py does) and peak GPU memory. Step times
-are each trainer's own step clock (klgrpo's time/step; TRL from on_step_begin to on_step_end), model loading
-excluded. Output: a markdown table, and everything as JSON (--json, default gpu_out/gpu_vs_trl.json).
+Rows: klgrpo's default; the default again in a second process (torch's compile caches are then warm: its first step
+is what a user's second run sees); klgrpo with each other sampler; klgrpo with model.fast_path false; TRL's default;
+TRL with cache_implementation "static". Per row: mean s/step over steps 2..N, median over steps 4..N, max over steps
+2..N, the first step (klgrpo's with the sampler's warm-up before it), phases (generate, reference, update: klgrpo's
+time/* metrics with synchronised timers; TRL's by wrapping its methods as benchmarks/vs_trl.py does) and peak GPU
+memory. Step times are each trainer's own step clock (klgrpo's time/step; TRL from on_step_begin to on_step_end),
+model loading excluded. Output: a markdown table, and everything as JSON (--json, default gpu_out/gpu_vs_trl.json).
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ def run_klgrpo(args, model_dir: Path, prompts: Path, out: Path, overrides: dict)
     return {"exit": code, "wall_s": wall, "steps": [r["time/step"] for r in rows],
             "phases": [{k: r.get(f"time/{k}", 0.0) for k in ("generate", "reference", "update")} for r in rows],
             "mean_lengths": [r["completions/mean_length"] for r in rows],
+            # the run's start to step 1's: the sampler's warm-up before step 1 (compiling its shapes) is step 1's cost
+            "warm_up_s": max(0.0, rows[0]["wall_time"] - rows[0]["time/step"]),
             "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
 
 
@@ -234,7 +236,8 @@ def summarise(label: str, r: dict) -> dict:
     phase = {k: statistics.mean(p[k] for p in r["phases"][1:] or r["phases"]) for k in ("generate", "reference",
                                                                                          "update")}
     return {"variant": label, "mean": statistics.mean(later), "median": statistics.median(tail), "max": max(later),
-            "first": s[0], "max_over_median": max(later) / statistics.median(tail), "peak_gb": r["peak_gb"],
+            "first": s[0] + r.get("warm_up_s", 0.0), "max_over_median": max(later) / statistics.median(tail),
+            "peak_gb": r["peak_gb"],
             "wall_s": r["wall_s"], **{f"{k}_mean": v for k, v in phase.items()},
             "update_max": max(p["update"] for p in r["phases"][1:] or r["phases"])}
 
