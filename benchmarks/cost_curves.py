@@ -191,6 +191,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_table(rows: list[dict]) -> str:
+    """Where each trainer's step goes: mean seconds of generation, reference and update (steps 2..N)."""
+    lines = ["| point | trainer | generate | reference | update | step |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for who, name in (("trl", "TRL"), ("klgrpo", "klgrpo")):
+            t = r[who]
+            lines.append(f"| {r['point']} | {name} | {t['generate_s']:.2f} | {t['reference_s']:.2f} | "
+                         f"{t['update_s']:.2f} | {t['mean_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def curve_rows(rows: list[dict], mode: str) -> dict[str, list[dict]]:
     """{curve: its rows}, each curve after the first starting from the completion point it grows from (same
     completion length; for the model curve also the same group)."""
@@ -249,7 +260,7 @@ def parent(args) -> int:
                "steps": args.steps, "machine": _machine(), "prompts_file": str(data.name), "rows": rows}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")  # after every point: a cut run keeps it
-    print("\n" + table(rows))
+    print("\n" + table(rows) + "\n\nmean seconds per phase, steps 2..N\n\n" + phase_table(rows))
     if args.plot:
         plot(rows, Path(args.plot), args.mode)
     print(f"\nwrote {args.json}")

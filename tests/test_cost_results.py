@@ -35,6 +35,26 @@ def test_docs_cost_curve_table_is_the_results_file():
         assert row["klgrpo"]["mean_s"] == pytest.approx(sum(later) / len(later))
 
 
+def test_docs_real_weights_tables_are_the_results_file():
+    """The SmolLM2 real-weights rows: tables, the 128-token ratio, the update's and generation's shares."""
+    from benchmarks.cost_curves import phase_table, table
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "cost_curves_real_cpu.json").read_text())
+    assert result["command"].startswith("python benchmarks/cost_curves.py --real") and result["mode"] == "real"
+    assert result["machine"]["cpus"] == "2"
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert table(result["rows"]) in docs and phase_table(result["rows"]) in docs
+    short, long = result["rows"]
+    k, t = long["klgrpo"], long["trl"]
+    assert k["mean_length"] > 2 * short["klgrpo"]["mean_length"]  # real completions: much longer at 128 tokens
+    text = " ".join(docs.split())
+    assert (f"At 128 new tokens klgrpo's step is {long['ratio_mean']:.2f}x TRL's: the update costs less than half of "
+            "TRL's") in text and k["update_s"] < 0.5 * t["update_s"]
+    assert f"is close to TRL's ({k['generate_s'] / t['generate_s']:.2f}x)" in text
+    for row in result["rows"]:
+        assert row["ratio_mean"] == pytest.approx(row["klgrpo"]["mean_s"] / row["trl"]["mean_s"])
+
+
 @pytest.mark.slow
 def test_tiny_cost_curves_run_both_trainers(tmp_path):
     pytest.importorskip("trl")

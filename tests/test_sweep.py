@@ -21,11 +21,13 @@ FAKE_TRAIN = textwrap.dedent("""
     kv = dict(zip([a[2:] for a in args[0::2]], args[1::2]))
     coef, seed = float(kv.get("kl.coef", 0)), int(kv["train.seed"])
     print("fake training", coef, seed)
+    out = pathlib.Path(kv["output-dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints" / "step_2").mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints" / "step_2" / "model.safetensors").write_bytes(b"weights")
     if coef == 0.5:
         print("RuntimeError: boom at step 3")
         sys.exit(3)
-    out = pathlib.Path(kv["output-dir"])
-    out.mkdir(parents=True, exist_ok=True)
     # Hand-made numbers: addition gains 10 + 10 * seed points; subtraction loses 100 * coef points.
     summary = {"steps": 5, "wall_seconds": 2.0 + seed,
                "eval_before": {"addition": 0.30, "subtraction": 0.80},
@@ -152,6 +154,20 @@ def test_failed_run_is_reported_and_others_run(fake_trainer, tmp_path, capsys):
     assert "| kl.coef=0.5 | - (failed: 0,1) |" in md and "boom at step 3" in md
     assert (tmp_path / "s" / "kl.coef=0.5" / "seed=0" / "sweep.log").read_text().count("fake training") == 1
     assert (tmp_path / "s" / sweep.PLOT_FILE).stat().st_size > 0
+
+
+def test_no_checkpoints_deletes_the_finished_runs_checkpoints_only(fake_trainer, tmp_path):
+    """--no-checkpoints: a finished run keeps its summary, log and sweep record but not its checkpoints; a failed
+    run keeps everything (its log and last checkpoint say what happened); without it every checkpoint stays."""
+    assert sweep.main(["--grid", "kl.coef=0,0.5", "--output-dir", str(tmp_path / "s"), "--no-checkpoints"]) == 1
+    done, failed = tmp_path / "s" / "kl.coef=0" / "seed=0", tmp_path / "s" / "kl.coef=0.5" / "seed=0"
+    assert not (done / "checkpoints").exists()
+    assert {p.name for p in done.iterdir()} == {"summary.json", sweep.LOG_FILE, sweep.IDENTITY_FILE}
+    assert (failed / "checkpoints" / "step_2" / "model.safetensors").read_bytes() == b"weights"
+    assert sweep.main(["--grid", "kl.coef=0", "--output-dir", str(tmp_path / "kept")]) == 0
+    assert (tmp_path / "kept" / "kl.coef=0" / "seed=0" / "checkpoints" / "step_2" / "model.safetensors").exists()
+    with pytest.raises(SweepError, match="--no-checkpoints comes after --"):
+        sweep.parse_args(["--grid", "kl.coef=0", "--", "--no-checkpoints"])
 
 
 def test_finished_runs_are_skipped(fake_trainer, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ command again skips the runs that finished with the same resolved config (a run'
 its full resolved config, kept in ``sweep_cell.json``) and reruns failed or interrupted ones from scratch
 (``--overwrite``). A finished run (one with a summary.json) is never trained over: when its config changed
 (overrides, config file, sweep-wide options) it is named, kept as it is and left out of the table; the new config
-trains in another --output-dir.
+trains in another --output-dir. With --no-checkpoints each finished run's checkpoints are deleted once its summary
+is written (the metrics, summary, config and log stay), so a sweep of a real model fits on a small disk.
 
 The table (printed, and saved as table.md and table.json, plus accuracy_vs_retention.png, accuracy_vs_beta.png
 and runs_accuracy_vs_retention.png, one point per run):
@@ -42,6 +43,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +60,7 @@ from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Ru
 from klgrpo.apps.sweep_paired import paired_markdown, paired_table, plot_runs
 from klgrpo.apps.train import resolved_config
 from klgrpo.errors import KLGRPOError
+from klgrpo.run.checkpoint import CHECKPOINTS_DIR
 from klgrpo.train.metrics import SUMMARY_FILE
 from klgrpo.run.stop_signals import sigterm_as_interrupt
 
@@ -74,7 +77,8 @@ SWEEP_DEFAULTS = {"logging.progress": "false", "logging.tensorboard": "false", "
 DEMO_COEF_SWEEP_DEFAULTS = {"kl.controller": "fixed"}
 
 USAGE = """usage: klgrpo sweep --grid KEY=V1,V2,... [--grid ...] [--cell KEY=V,KEY=V,...] [--seeds 0,1] [--config FILE]
-                    [--output-dir DIR] [--jobs N] [--baseline SETTING] [--dry-run] [-- extra train overrides ...]
+                    [--output-dir DIR] [--jobs N] [--baseline SETTING] [--no-checkpoints] [--dry-run]
+                    [-- extra train overrides ...]
 
 Runs `klgrpo train` for every combination of the --grid values and every seed (no --config and no
 model.name_or_path: the embedded demo). Re-running the same command skips finished runs.
@@ -89,6 +93,8 @@ model.name_or_path: the embedded demo). Re-running the same command skips finish
   --baseline SETTING    compare every other setting with this one on the same seeds (e.g. kl.coef=0, as the
                         table names it): per seed the difference in retention and accuracy change, its mean with
                         a 95% bootstrap interval and a sign test, in table.md and table.json
+  --no-checkpoints      delete each run's checkpoints once it has finished (its metrics, summary and log stay):
+                        every run of SmolLM2-135M keeps ~1.6 GB of weights and optimizer state otherwise
   --dry-run             print the commands and exit
   --table-only          train nothing: write the table and plots from the runs that finished (a partial table
                         while the sweep runs, or after an upgrade of klgrpo)
@@ -270,9 +276,10 @@ def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | 
 
 
 def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
-              log: Callable[[str], None] = print) -> list[Run]:
+              log: Callable[[str], None] = print, keep_checkpoints: bool = True) -> list[Run]:
     """Train the planned runs that have no result yet. A folder that holds a summary.json is never trained over
-    nor changed: reused when its config is the same, else named ("changed") and left as it is."""
+    nor changed: reused when its config is the same, else named ("changed") and left as it is.
+    ``keep_checkpoints`` False deletes the checkpoints of each run this call finishes."""
     runs = plan_runs(cells, seeds, out)
     identities = {id(run): run_identity(run, config, extra) for run in runs}
     todo, found = sort_runs(runs, identities)
@@ -293,6 +300,8 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
 
         earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
         execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
+        if run.status == "finished" and not keep_checkpoints:
+            shutil.rmtree(run.run_dir / CHECKPOINTS_DIR, ignore_errors=True)
         verdict = f"{run.seconds:.0f} s" if run.status == "finished" else f"FAILED ({run.error})"
         log(f"  [{next(counter)}/{len(runs)}] {run.cell.name} seed={run.seed}: {verdict}")
         return run
@@ -321,6 +330,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--baseline")
+    p.add_argument("--no-checkpoints", action="store_true")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--table-only", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
@@ -328,7 +338,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 #: The sweep's own options that are not also `klgrpo train` options (--config and --output-dir are both).
-_SWEEP_OPTIONS = {"--grid", "--cell", "--seeds", "--jobs", "--baseline", "--dry-run", "--table-only"}
+_SWEEP_OPTIONS = {"--grid", "--cell", "--seeds", "--jobs", "--baseline", "--no-checkpoints", "--dry-run",
+                  "--table-only"}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -412,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.table_only:
                 runs = finished_runs(cells, seeds, out, args.config, extra)
             else:
-                runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs)
+                runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs,
+                                 keep_checkpoints=not args.no_checkpoints)
     except KeyboardInterrupt:
         _stop_live_runs()
         print(f"klgrpo sweep: interrupted; run the same command with --output-dir {out} to continue "

@@ -36,6 +36,10 @@ _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
 _TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
 
 
+#: The folder of a run that holds its checkpoints, one ``step_N`` folder each.
+CHECKPOINTS_DIR = "checkpoints"
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -73,7 +77,7 @@ def check_finite_weights(model, step: int) -> None:
 
 def step_folder(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of step ``step`` lives (or will)."""
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step}"
 
 
 def is_sharded(checkpoint: Path) -> bool:
@@ -93,7 +97,7 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
     if not sharded:
         check_finite_weights(model if model_state is None else model_state, step)
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     final = step_folder(run_dir, step)
     tmp = shard_folder(run_dir, step).parent
     try:
@@ -170,7 +174,7 @@ _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
 def shard_folder(run_dir: Path, step: int, pid: int | None = None) -> Path:
     """Where every rank writes its shards of step ``step`` (inside the temporary folder of process ``pid``,
     rank 0's, renamed into place once the checkpoint is whole)."""
-    return Path(run_dir) / "checkpoints" / f".tmp_step_{step}_{pid or os.getpid()}" / SHARDS_DIR
+    return Path(run_dir) / CHECKPOINTS_DIR / f".tmp_step_{step}_{pid or os.getpid()}" / SHARDS_DIR
 
 
 def _save_error(exc: Exception, final: Path, run_dir: Path) -> KLGRPOError:
@@ -208,7 +212,7 @@ def is_complete(folder: Path) -> bool:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)]
@@ -218,7 +222,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def clean_incomplete(run_dir: Path) -> list[Path]:
     """Remove what killed saves and prunes leave behind: .tmp_step_* of dead processes, .trash_step_* and
     step_N folders that are incomplete and older than the newest complete checkpoint. Returns the removed."""
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     complete = list_checkpoints(run_dir)
@@ -254,7 +258,7 @@ def resume_candidates(resume: str, run_dir: Path) -> list[Path]:
     if resume == "latest":
         found = list_checkpoints(run_dir)
         if not found:
-            _refuse_pickled(Path(run_dir) / "checkpoints")
+            _refuse_pickled(Path(run_dir) / CHECKPOINTS_DIR)
             raise ConfigError(f"--resume latest: no checkpoint in {Path(run_dir) / 'checkpoints'}; "
                               f"pass --output-dir of the run to resume or a checkpoint folder")
         return found[::-1]
