@@ -13,6 +13,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from klgrpo.apps.sweep_table import save_change_plot
+
 RETENTION = "retention"        # the mean of a run's retention-set changes, in points
 RESAMPLES = 10_000             # bootstrap resamples of the seeds' differences (fixed generator: repeatable)
 LEVEL = 0.95                   # the interval's coverage
@@ -147,12 +149,6 @@ def plot_runs(table: dict[str, Any], path: Path) -> Path | None:
             continue
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], s=40,
                    color=f"C{i % 10}", label=c["setting"], alpha=0.8)
-    ax.axvline(0, color="grey", lw=0.8)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel(f"retention change (points, mean of {', '.join(retention)}): higher is better")
-    ax.set_ylabel(f"{trained} change (points): the trained skill")
-    ax.set_title("each run: trained skill vs retention")
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return save_change_plot(fig, ax, path, f"retention change (points, mean of {', '.join(retention)}): higher is "
+                            "better", trained, "each run: trained skill vs retention")

@@ -232,11 +232,18 @@ def plot(table: dict[str, Any], path: Path) -> Path | None:
         ax.errorbar(x["mean"], y["mean"], xerr=x["std"], yerr=y["std"], fmt="o", capsize=3)
         ax.annotate(c["setting"], (x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
     ax.margins(x=0.3, y=0.15)  # room for the labels
+    return save_change_plot(fig, ax, path, f"{retention[0]} change (points): retention, higher is better", trained,
+                            "accuracy vs retention (mean ± std over seeds)")
+
+
+def save_change_plot(fig, ax, path: Path, xlabel: str, trained: str, title: str) -> Path:
+    """Finish and save a plot of the trained skill's change (y) against a retention change (x): the zero lines
+    (above them: improved; right of them: kept), the axes' labels and the title."""
     ax.axvline(0, color="grey", lw=0.8)
     ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel(f"{retention[0]} change (points): retention, higher is better")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{trained} change (points): the trained skill")
-    ax.set_title("accuracy vs retention (mean ± std over seeds)")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path)
     return path
