@@ -3,8 +3,8 @@ process (`klgrpo train --config FILE` and TRL's `GRPOTrainer.train()`, benchmark
 seconds per step (mean and max over steps 2..N) and peak memory as the completion length, the group and the
 model grow.
 
-    python benchmarks/cost_curves.py --cpu      # the CPU curves (~35 min on 2 cores)
-    python benchmarks/cost_curves.py --real     # SmolLM2-135M-Instruct's real weights on the CPU (~15 min)
+    python benchmarks/cost_curves.py --cpu      # the CPU curves (~20 min on 2 cores)
+    python benchmarks/cost_curves.py --real     # SmolLM2-135M-Instruct's real weights on the CPU (~13 min)
     python benchmarks/cost_curves.py            # one GPU: Qwen2.5 shapes 0.5B -> 1.5B -> 3B (bf16), 7B with LoRA
     python benchmarks/cost_curves.py --tiny     # the same code on the CPU at toy sizes (checks that it runs)
 

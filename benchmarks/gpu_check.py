@@ -368,7 +368,8 @@ def part_real_model(args, work: Path) -> dict:
     t0 = time.perf_counter()
     code = klgrpo_main(["sweep", "--config", str(EXAMPLE.parent / "smollm2-beta-ablation.yaml"), "--grid", grid,
                         *[a for c in cells for a in ("--cell", c)], "--baseline", "kl.coef=0",
-                        "--no-checkpoints", "--seeds", seeds, "--jobs", "1" if args.tiny else "4", "--output-dir", str(out), "--",
+                        "--no-checkpoints", "--seeds", seeds, "--jobs", "1" if args.tiny else "4",
+                        "--output-dir", str(out), "--",
                         "--model.name_or_path", str(gguf), "--model.device", args.device, "--model.dtype",
                         "float32" if args.tiny else "bfloat16", *FORGETTING_REGIME, "--train.steps", str(steps)])
     result = {"exit": code, "wall_s": time.perf_counter() - t0, "steps": steps, "seeds": seeds, "grid": grid}
