@@ -8,7 +8,7 @@ weights. Then a 2-step run with the default reference (the starting policy; unde
 deep-copied from the partitioned policy): finite numbers logged, one checkpoint that from_pretrained loads, a
 resume to step 3, evaluations before, during and after training (rank 0 alone generating) that equal one
 process evaluating the same weights; and a resume of that run's last checkpoint holds its weights and updates
-them like one process starting from them (DeepSpeed restarts AdamW's moments). Slow (one launch per stage,
+them like one process resuming the same checkpoint (AdamW's moments included). Slow (one launch per stage,
 ~20 s); skipped where DeepSpeed is not installed."""
 
 from __future__ import annotations
@@ -102,13 +102,19 @@ def check_run_and_resume(train_dict, base_model_dir, train_out, resumed, batch, 
         assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in base.items()}
         assert any(not torch.equal(v, base[k]) for k, v in loaded.state_dict().items())  # it trained
 
-    # The resume holds the checkpoint's weights, and its update equals one process starting from them with
-    # fresh AdamW moments (what DeepSpeed's resume restarts).
+    # The resume holds the checkpoint's weights and AdamW moments (gathered from the ranks' partitions into the
+    # single-process layout), and its update equals one process resuming the same checkpoint.
     ckpt = run / "checkpoints" / "step_3"
     saved = load_file(str(ckpt / "model.safetensors"))
     assert all(torch.equal(resumed["resumed"][k], v) for k, v in saved.items())
-    one = dict(train_dict, model={**train_dict["model"], "name_or_path": str(ckpt)},
-               train={**train_dict["train"], "output_dir": str(tmp_path / "one")})
+    one = dict(train_dict, train={**train_dict["train"], "output_dir": str(tmp_path / "one")})
     single = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
+    single.resume(str(ckpt))
+    moments = single.optimizer.state_dict()["state"]
+    assert len(moments) == len(resumed["moments"]) == len(list(single.model.parameters()))
+    for i, s in moments.items():
+        assert float(s["step"]) == float(resumed["moments"][i]["step"]) == 3.0
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(resumed["moments"][i][k], s[k]) and s[k].abs().sum() > 0, (i, k)
     metrics = update_metrics(single, batch)
     check_same_update(resumed["metrics"], resumed["weights"], metrics, single.model.state_dict())

@@ -259,7 +259,7 @@ class Engine:
         numbered in order), so a checkpoint resumes on any number of processes."""
         inner = getattr(optimizer, "optimizer", optimizer)
         if self.kind == "deepspeed":
-            return {}  # ZeRO's partitioned moments are not gathered: a resume restarts them (see docs)
+            return _zero_optimizer_state(self._ds_engine)
         state = inner.state_dict()
         if self.kind != "fsdp2":
             return state
@@ -269,6 +269,7 @@ class Engine:
         """The inverse of ``optimizer_state_dict`` (each rank keeps its shard of every full tensor)."""
         inner = getattr(optimizer, "optimizer", optimizer)
         if self.kind == "deepspeed":
+            _load_zero_optimizer_state(self._ds_engine, state)
             return
         if self.kind == "fsdp2" and state.get("state"):
             params = [p for group in inner.param_groups for p in group["params"]]
@@ -319,6 +320,80 @@ def _load_into_zero(ds_engine, model, weights: dict[str, Tensor], zero_stage: in
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero_stage == 3):
         model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
     ds_engine.optimizer.refresh_fp32_params()
+
+
+#: AdamW's per-parameter state that ZeRO partitions (the step count is one number per flat group).
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _zero_flat_groups(zero_optimizer) -> list[Tensor]:
+    """The flat fp32 partitions ZeRO's base optimizer steps (ZeRO-1/2 and ZeRO-3 name them differently)."""
+    return list(getattr(zero_optimizer, "single_partition_of_fp32_groups", None)
+                or zero_optimizer.fp32_partitioned_groups_flat)
+
+
+def _zero_optimizer_state(ds_engine) -> dict:
+    """Every rank calls this (each moment is gathered from the ranks' partitions). ZeRO's AdamW state in the
+    single-process layout: {"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}, parameter i
+    being the i-th trainable parameter of the model, full tensors on the CPU; {} before the first step."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    zero = ds_engine.optimizer
+    base = zero.optimizer
+    flats = [f for f in _zero_flat_groups(zero) if base.state.get(f)]
+    if not flats:
+        return {}
+    step = base.state[flats[0]]["step"]
+    params = [p for p in ds_engine.module.parameters() if p.requires_grad]
+    state = {i: {"step": torch.as_tensor(step, dtype=torch.float32).detach().cpu().clone(),
+                 **{k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in _ADAM_MOMENTS}}
+             for i, p in enumerate(params)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))}
+              for g in base.param_groups[:1]]
+    return {"state": state, "param_groups": groups}
+
+
+def _load_zero_optimizer_state(ds_engine, state: dict) -> None:
+    """The inverse of ``_zero_optimizer_state``, before the first step of a resumed run: ZeRO's base optimizer
+    holds no state yet, so it gets zero moments over its flat partitions (through its own load_state_dict, which
+    places the step count as the optimizer wants it), ZeRO-1/2 links each parameter's fragment to them, and every
+    rank copies its partition of each full moment in. A checkpoint written without moments ({}) leaves AdamW to
+    start afresh, as those runs did."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    if not state.get("state"):
+        return
+    zero = ds_engine.optimizer
+    base = zero.optimizer
+    params = [p for p in ds_engine.module.parameters() if p.requires_grad]
+    if len(state["state"]) != len(params):
+        raise ConfigError(f"the checkpoint's optimizer state has {len(state['state'])} parameters and the model "
+                          f"{len(params)} trainable ones; resume with the model and LoRA settings it was written with")
+    entries = {int(i): s for i, s in state["state"].items()}  # a checkpoint's JSON turns the numbers into text
+    step = entries[0]["step"]
+    saved = (state.get("param_groups") or [{}])[0]
+    # ZeRO-3 hands its base optimizer the flat partitions only for the length of a step: hand them over here too.
+    lend = not any(g["params"] for g in base.param_groups) and hasattr(zero, "_set_fp32_optimizer_param_groups")
+    if lend:
+        zero._set_fp32_optimizer_param_groups()
+    try:
+        flats = [p for group in base.param_groups for p in group["params"]]
+        base_state = base.state_dict()
+        base_state["state"] = {i: {"step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                                   **{k: torch.zeros_like(flat) for k in _ADAM_MOMENTS}}
+                               for i, flat in enumerate(flats)}
+        for group in base_state["param_groups"]:  # the learning rate and the rest as the checkpoint had them
+            group.update({k: v for k, v in saved.items() if k in group and k != "params"})
+        base.load_state_dict(base_state)
+    finally:
+        if lend:
+            zero._clear_fp32_optimizer_param_groups()
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2: fragments point into the new state
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+    for i, p in enumerate(params):
+        for k in _ADAM_MOMENTS:
+            safe_set_full_optimizer_state(p, entries[i][k].to(p.device, torch.float32), k)
 
 
 def _restore_cpu_engine(acc) -> None:

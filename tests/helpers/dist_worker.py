@@ -109,12 +109,13 @@ def run_resumed_update(config_file, batch_file, out_file):
     trainer = GRPOTrainer(cfg, log=lambda *_: None)
     trainer.resume("latest")
     resumed = full_weights(trainer)
+    moments = trainer.engine.optimizer_state_dict(trainer.optimizer).get("state", {})  # collective under ZeRO
     d = trainer.dist
     batch = torch.load(batch_file, weights_only=False)["batch"]
     metrics = update_metrics(trainer, batch.rows(d.local_slice(batch.rollout.size)))
     updated = full_weights(trainer)
     if d.is_main:
-        torch.save({"resumed": resumed, "metrics": metrics, "weights": updated}, out_file)
+        torch.save({"resumed": resumed, "moments": moments, "metrics": metrics, "weights": updated}, out_file)
 
 
 def run_deepspeed(update_config, batch_file, update_out, train_config, train_out, resumed_out):
