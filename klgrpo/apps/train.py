@@ -29,7 +29,10 @@ def main(argv: list[str]) -> int:
             from klgrpo.apps.demo_run import run_demo
 
             _early_checks_of_demo(cfg, opts)
-            return run_demo(command, user=cfg)  # the config resolved once, above
+            code = run_demo(command, user=cfg)  # the config resolved once, above
+            if code == 0:  # every rank finished (a barrier waiting for a failed rank would hang)
+                _close_process_group()
+            return code
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
@@ -43,6 +46,7 @@ def main(argv: list[str]) -> int:
         summary = trainer.train(resume=opts["resume"], overwrite=opts["overwrite"])
         if trainer.dist.is_main:  # once, not once per process
             print_run_summary(summary, trainer.run_dir)
+        _close_process_group()
         return 0
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
@@ -123,3 +127,11 @@ def _check_rewards(cfg) -> None:
     # A reward model's config is read here; its weights load with the trainer.
     RewardComputer(reward_specs(cfg.rewards.functions),
                    trust_remote_code=cfg.model.trust_remote_code)
+
+
+def _close_process_group() -> None:
+    """A finished multi-process run takes its process group down before the interpreter exits."""
+    if "torch" in sys.modules:  # the demo's early exits never load it
+        from klgrpo.train.distributed import close_process_group
+
+        close_process_group()

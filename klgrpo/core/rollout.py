@@ -16,8 +16,8 @@ from torch import Tensor
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
 from klgrpo.errors import ConfigError
 
-__all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "completion_mask_from_ids",
-           "encode_prompts", "eos_token_ids", "generate_groups", "warm_up_sampler"]
+__all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "compiling_sampler",
+           "completion_mask_from_ids", "encode_prompts", "eos_token_ids", "generate_groups", "warm_up_sampler"]
 
 
 class PromptTooLong(ConfigError):
@@ -177,6 +177,13 @@ def batch_widths(lengths: list[int], prompts_per_batch: int, padded_width) -> li
     return sorted({padded_width(n) for n in lengths if n >= floor})
 
 
+def compiling_sampler(model, params: SamplingParams):
+    """``params.sampler`` when it compiles a kernel per input shape on ``model``'s device (``Sampler.compiles``),
+    else None."""
+    sampler = resolve_sampler(params.sampler, model, 1, params)
+    return sampler if getattr(sampler, "compiles", lambda *a: False)(model, params) else None
+
+
 @torch.no_grad()
 def warm_up_sampler(model, tokenizer, prompts: list, params: SamplingParams, prompts_per_batch: int,
                     announce=None) -> list[int]:
@@ -185,8 +192,8 @@ def warm_up_sampler(model, tokenizer, prompts: list, params: SamplingParams, pro
     shape it meets for the first time. ``announce(widths)`` is called before the compiling starts. The random
     state is restored: the run samples what it would have sampled without the warm-up. Returns the widths
     compiled; [] where the sampler compiles nothing."""
-    sampler = resolve_sampler(params.sampler, model, 1, params)
-    if not getattr(sampler, "compiles", lambda *a: False)(model, params):
+    sampler = compiling_sampler(model, params)
+    if sampler is None:
         return []
     texts = encode_prompts(tokenizer, prompts, params.system_prompt, params.as_chat)
     widths = batch_widths([len(ids) for ids in tokenizer(texts)["input_ids"]], prompts_per_batch,

@@ -64,6 +64,15 @@ def lost_peer_message(exc: BaseException) -> str | None:
             f"stalled past train.dist_timeout_s; its own output says why; continue with --resume latest")
 
 
+def close_process_group() -> None:
+    """At the end of a multi-process command, once every rank is done: wait for all of them, then take the process
+    group down, so that no communication thread is still running while the interpreter exits (gloo's can abort
+    the process there: "terminate called without an active exception", after a run that had finished)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 class Distributed:
     """Rank, world size and collectives; a no-op stand-in for a single process. ``timeout_s``: how long a
     collective waits for the other ranks (applies when this call creates the process group)."""

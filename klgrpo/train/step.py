@@ -28,7 +28,8 @@ from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.core.loss_api import LossInput, call_loss
 from klgrpo.core.rewards import RewardComputer
 from klgrpo.backends.samplers import Sampler
-from klgrpo.core.rollout import PromptTooLong, SamplingParams, generate_groups, warm_up_sampler
+from klgrpo.core.rollout import (PromptTooLong, SamplingParams, compiling_sampler, generate_groups,
+                                 warm_up_sampler)
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
@@ -95,11 +96,13 @@ class GRPOStep:
         compiles per shape (transformers' static cache on CUDA), so no step pays for a shape it meets first;
         ``log`` gets one line saying so. Sampling afterwards is what it would have been without. Returns the
         widths compiled."""
+        params = self.sampling_params()
+        if compiling_sampler(self.model, params) is None:  # nothing to compile: no gathering of sharded weights
+            return []
         prompts = getattr(self.dataset, "prompts", None)
         prompts = prompts if prompts is not None else [row["prompt"] for row in self.dataset]
         n = self.cfg.rollout.prompts_per_step
         per_rank = len(range(n)[self.dist.local_slice(n)])
-        params = self.sampling_params()
 
         def announce(widths: list[int]) -> None:
             if log is not None:
