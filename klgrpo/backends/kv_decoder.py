@@ -91,6 +91,10 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, start
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         k_all, v_all, gqa = keys[:, :, :end], values[:, :, :end], h != k.shape[1]
+        if torch.compiler.is_compiling():
+            # Under train.compile, once the width goes dynamic, inductor's backward took these slices of the
+            # cache for contiguous tensors and failed its own stride check (torch 2.13, the CPU): give it copies.
+            k_all, v_all = k_all.contiguous(), v_all.contiguous()
         if gqa and q.is_cuda:
             # CUDA's fused SDPA kernels refuse enable_gqa together with a mask and fall back to the math kernel,
             # which materialises the [B, H, S, L] scores in float32 and runs far slower on a GQA model:
