@@ -64,13 +64,18 @@ def lost_peer_message(exc: BaseException) -> str | None:
             f"stalled past train.dist_timeout_s; its own output says why; continue with --resume latest")
 
 
-def close_process_group() -> None:
-    """At the end of a multi-process command, once every rank is done: wait for all of them, then take the process
-    group down, so that no communication thread is still running while the interpreter exits (gloo's can abort
-    the process there: "terminate called without an active exception", after a run that had finished)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+def close_process_group(wait_s: float = 30.0) -> None:
+    """At the end of a multi-process command whose ranks have all passed the run's last barrier: take this rank's
+    process group down, so that no communication thread is still running while the interpreter exits (gloo's can
+    abort the process there: "terminate called without an active exception", after a run that had finished). No
+    collective: each rank closes its own group. Waits at most ``wait_s`` for it, then lets the process exit."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    import threading
+
+    closing = threading.Thread(target=torch.distributed.destroy_process_group, daemon=True)
+    closing.start()
+    closing.join(wait_s)
 
 
 class Distributed:
