@@ -46,11 +46,31 @@ def test_docs_cost_curve_table_is_the_results_file():
     g32 = result["rows"][points.index("small, 2 x 32, 128 tokens")]
     assert (f"at 128 tokens and G 32, {g32['klgrpo']['update_s']:.1f} s against {g32['trl']['update_s']:.1f} s"
             in text)
+    check_earlier_run_comparison()
     for row in result["rows"]:  # the ratios are the trainers' own means and maxima
         assert row["ratio_mean"] == pytest.approx(row["klgrpo"]["mean_s"] / row["trl"]["mean_s"])
         assert row["ratio_max"] == pytest.approx(row["klgrpo"]["max_s"] / row["trl"]["max_s"])
         later = row["klgrpo"]["steps"][1:]
         assert row["klgrpo"]["mean_s"] == pytest.approx(sum(later) / len(later))
+
+
+def check_earlier_run_comparison():
+    """The docs' comparison with the earlier run of the same command: TRL slower by 1.3-1.4x in the earlier run
+    at the points both runs have, klgrpo within 5%, and the quoted 64-token figures."""
+    now, earlier = (json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+                    for name in ("cost_curves_cpu.json", "cost_curves_cpu_earlier_run.json"))
+    assert earlier["command"].startswith("python benchmarks/cost_curves.py --cpu")
+    rows = {r["point"]: r for r in now["rows"]}
+    pairs = [(rows[r["point"]], r) for r in earlier["rows"] if r["point"] in rows]
+    assert len(pairs) == 3
+    trl = [e["trl"]["mean_s"] / n["trl"]["mean_s"] for n, e in pairs]
+    klgrpo = [abs(e["klgrpo"]["mean_s"] / n["klgrpo"]["mean_s"] - 1) for n, e in pairs]
+    assert f"{min(trl):.1f}-{max(trl):.1f}" == "1.3-1.4" and max(klgrpo) < 0.05
+    n64, e64 = next((n, e) for n, e in pairs if e["point"] == "small, 2 x 8, 64 tokens")
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert (f"measured TRL 1.3-1.4x slower at the same points ({e64['trl']['mean_s']:.1f} s/step at 64 tokens against "
+            f"{n64['trl']['mean_s']:.1f} s here, its update {e64['trl']['update_s']:.1f} s against "
+            f"{n64['trl']['update_s']:.1f} s) with klgrpo within 5% of this run") in text
 
 
 def test_docs_real_weights_tables_are_the_results_file():
