@@ -58,6 +58,13 @@ class PromptDataset:
         return prompts, columns
 
 
+def dataset_prompts(dataset) -> list:
+    """Every prompt of a training set: a PromptDataset's own list, or the "prompt" of each row of a dataset a
+    caller handed in (anything indexable whose rows are dicts)."""
+    prompts = getattr(dataset, "prompts", None)
+    return prompts if prompts is not None else [row["prompt"] for row in dataset]
+
+
 def load_prompts(
     source: str,
     *,

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from klgrpo.core.batch import StepBatch, micro_slices
-from klgrpo.core.data import PromptSampler
+from klgrpo.core.data import PromptSampler, dataset_prompts
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.core.loss_api import LossInput, call_loss
@@ -99,10 +99,7 @@ class GRPOStep:
         params = self.sampling_params()
         if compiling_sampler(self.model, params) is None:  # nothing to compile: no gathering of sharded weights
             return []
-        prompts = getattr(self.dataset, "prompts", None)
-        prompts = prompts if prompts is not None else [row["prompt"] for row in self.dataset]
-        n = self.cfg.rollout.prompts_per_step
-        per_rank = len(range(n)[self.dist.local_slice(n)])
+        per_rank = self.cfg.rollout.prompts_per_step // self.dist.world_size  # local_slice's share
 
         def announce(widths: list[int]) -> None:
             if log is not None:
@@ -110,7 +107,8 @@ class GRPOStep:
                     f"batch of {per_rank * params.group_size} rows can have: {', '.join(map(str, widths))} tokens")
 
         with self.engine.full_weights(self.model):
-            return warm_up_sampler(self.model, self.tokenizer, prompts, params, per_rank, announce)
+            return warm_up_sampler(self.model, self.tokenizer, dataset_prompts(self.dataset), params, per_rank,
+                                   announce)
 
     def kl_term(self) -> KLTerm:
         return kl_term(self.cfg.kl, self.controller.value)

@@ -11,7 +11,7 @@ import torch
 from klgrpo.backends.hf import resolve_device
 from klgrpo.backends.policy import load_policy, load_reference_model
 from klgrpo.backends.samplers import pick_sampler
-from klgrpo.core.data import PromptSampler, load_prompts
+from klgrpo.core.data import PromptSampler, dataset_prompts, load_prompts
 from klgrpo.core.forward import uses_fast_forward
 from klgrpo.core.loss_api import resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
@@ -93,9 +93,7 @@ def _check_step_memory(cfg: GRPOConfig, dataset, tokenizer, model, world_size: i
                        reward_model_bytes: int) -> None:
     """Refuse a step that cannot fit in the free memory, estimated from the longest prompt as the rollout
     encodes it (the reward models' weights counted)."""
-    prompts = getattr(dataset, "prompts", None)
-    longest = longest_prompt_tokens(tokenizer, prompts if prompts is not None else [row["prompt"] for row in dataset],
-                                    cfg.data.system_prompt, cfg.data.as_chat)
+    longest = longest_prompt_tokens(tokenizer, dataset_prompts(dataset), cfg.data.system_prompt, cfg.data.as_chat)
     check_step_memory(cfg, model, longest, world_size, device, reward_model_bytes=reward_model_bytes)
 
 
