@@ -148,7 +148,11 @@ class TrainingRun:
                 step.stop_gate.release()  # the step is complete and logged: a stop that waited for it comes now
                 stop = self.should_stop(start, signals)
                 if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop:
+                    # A stop waits for the checkpoint: raised inside the save (shutil.rmtree pruning an old one),
+                    # it could turn into an OSError that skipped the interrupted run's own save.
+                    step.stop_gate.hold()
                     self.save()
+                    step.stop_gate.release()
                 if stop:
                     break
 
