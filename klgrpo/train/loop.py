@@ -235,7 +235,7 @@ class TrainingRun:
                                    trainer_state={**state, **self.state_dict(), "rng_by_rank": rng},
                                    model_state=model_state, reference=step.reference,
                                    keep=self.cfg.train.keep_checkpoints, reference_state=reference_state,
-                                   sharded=sharded)
+                                   sharded=sharded, run_config=self.cfg.to_dict())
         dist.barrier()
         return path
 

@@ -18,6 +18,7 @@ from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardModelContext
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
+from klgrpo.run.checkpoint import check_checkpoint
 from klgrpo.train.building import build_optimizer, make_scheduler
 from klgrpo.config.entries import reward_specs
 from klgrpo.config.schema import GRPOConfig
@@ -50,6 +51,9 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     device = resolve_device(cfg.model.device)
     if dist.device is not None and cfg.model.device == "auto":
         device = dist.device
+    if model is None:
+        check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
+    check_checkpoint(cfg.kl.reference, "kl.reference")
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache)
     if main_log:
