@@ -38,7 +38,14 @@ LOWER_BOUNDS = {
     "eval.every": (0, True, "0: before and after training only"),
     "eval.max_new_tokens": (0, True, "0: rollout.max_new_tokens"), "eval.batch_size": (1, True, ""),
     "model.lora.r": (0, True, "0: no LoRA"), "model.lora.alpha": (0, False, ""),
+    # added with their declarations: an entropy and VESPO's Gamma shape are never negative
+    "loss.entropy_target": (0, True, "an entropy is never negative"),
+    "loss.vespo_k_pos": (0, True, ""), "loss.vespo_k_neg": (0, True, ""),
+    "loss.vespo_lambda_pos": (0, True, ""), "loss.vespo_lambda_neg": (0, True, ""),
 }
+#: The upper bounds declared (``high``): VESPO's power and decay stay where its weight is a float32 number.
+UPPER_BOUNDS = {"loss.vespo_k_pos": 100.0, "loss.vespo_k_neg": 100.0, "loss.vespo_lambda_pos": 100.0,
+                "loss.vespo_lambda_neg": 100.0}
 #: The fields a resume may change, as the run folder listed them before they were declared.
 RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
@@ -50,6 +57,17 @@ def test_the_declared_bounds_are_the_checked_ones():
     declared = {path: (f.metadata["low"], not f.metadata["above"], f.metadata["at_low"])
                 for path, f in all_field_paths() if f.metadata.get("low") is not None}
     assert declared == LOWER_BOUNDS
+
+
+def test_the_declared_upper_bounds_refuse_past_them_in_one_line():
+    declared = {path: f.metadata["high"] for path, f in all_field_paths() if f.metadata.get("high") is not None}
+    assert declared == UPPER_BOUNDS
+    for path, high in UPPER_BOUNDS.items():
+        group, name = path.split(".")
+        GRPOConfig.from_dict({**BASE, group: {name: high}}).validate()  # the bound itself is allowed
+        for past in (high * 1.01, 1e300):  # (an infinity is refused as not finite before any bound)
+            with pytest.raises(ConfigError, match=rf"^{re.escape(path)} must be <= {high}, got "):
+                GRPOConfig.from_dict({**BASE, group: {name: past}}).validate()
 
 
 @pytest.mark.parametrize("path", sorted(LOWER_BOUNDS))

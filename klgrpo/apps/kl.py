@@ -24,6 +24,7 @@ import math
 import torch
 
 from klgrpo.apps.commands import command_parser, whole_number
+from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", default="", help="system message for --as-chat prompts")
     p.add_argument("--batch-size", type=whole_number, default=32, help="completions per forward (default 32)")
     p.add_argument("--seed", type=whole_number, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="model dtype (default float32)")
     p.add_argument("--device", default="auto", help="device (default auto: cuda when present)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON (never over an input)")
     p.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")

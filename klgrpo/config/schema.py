@@ -33,6 +33,8 @@ from klgrpo.config.fields import Names, coerce, group
 from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
 from klgrpo.config.validation import validate_config
 
+#: The largest vespo_k_* / vespo_lambda_* a config may set (see LossConfig).
+VESPO_MAX = 100.0
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 #: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
@@ -205,7 +207,8 @@ class LossConfig:
                                           "use_adaptive_entropy: +entropy_coef_delta while the step's entropy is at "
                                           "or below entropy_target, else -entropy_coef_delta; applied only then)",
                                  Names(ENTROPY_CONTROLLERS))
-    entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)")
+    entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)",
+                               low=0, at_low="an entropy is never negative")
     entropy_coef_delta: float = _f(0.005, "adaptive entropy controller: the coefficient's step", low=0)
     entropy_coef_min: float = _f(0.0, "adaptive entropy controller: lower bound on the coefficient", low=0)
     entropy_coef_max: float = _f(1.0, "adaptive entropy controller: upper bound on the coefficient")
@@ -217,10 +220,16 @@ class LossConfig:
                                                "TRL's off_policy_mask_threshold); 0: off", low=0, at_low="0: off")
     sapo_temperature_pos: float = _f(1.0, "policy_loss sapo: the gate's temperature where A > 0", low=0, above=True)
     sapo_temperature_neg: float = _f(1.05, "policy_loss sapo: the gate's temperature where A <= 0", low=0, above=True)
-    vespo_k_pos: float = _f(2.0, "policy_loss vespo: the Gamma weight's power k where A >= 0")
-    vespo_lambda_pos: float = _f(3.0, "policy_loss vespo: the Gamma weight's decay lambda where A >= 0")
-    vespo_k_neg: float = _f(3.0, "policy_loss vespo: the Gamma weight's power k where A < 0")
-    vespo_lambda_neg: float = _f(2.0, "policy_loss vespo: the Gamma weight's decay lambda where A < 0")
+    # A Gamma shape's power and decay are >= 0 (VESPO uses single digits); the bound keeps the weight a finite
+    # float32 number for sequence ratios within 2.4x of 1 (100 * log 2.4 = 87.5 < log of float32's max, 88.7).
+    vespo_k_pos: float = _f(2.0, "policy_loss vespo: the Gamma weight's power k where A >= 0", low=0,
+                            high=VESPO_MAX)
+    vespo_lambda_pos: float = _f(3.0, "policy_loss vespo: the Gamma weight's decay lambda where A >= 0", low=0,
+                                 high=VESPO_MAX)
+    vespo_k_neg: float = _f(3.0, "policy_loss vespo: the Gamma weight's power k where A < 0", low=0,
+                            high=VESPO_MAX)
+    vespo_lambda_neg: float = _f(2.0, "policy_loss vespo: the Gamma weight's decay lambda where A < 0", low=0,
+                                 high=VESPO_MAX)
 
 
 @dataclass
