@@ -386,3 +386,40 @@ def test_kl_guide_forgetting_advice_is_the_sweeps():
     for row in table["paired"]["rows"]:
         if "replay" not in row["setting"]:  # "no fixed beta ... kept them measurably better": 0 is in every interval
             assert row["retention"]["low"] <= 0 <= row["retention"]["high"], row["setting"]
+
+
+def test_readme_verify_kl_count_and_time_are_the_recorded_run():
+    """The README's count of verify-kl's checks and its wall time are those of docs/results/verify_kl.txt."""
+    record = (ROOT / "docs/results/verify_kl.txt").read_text()
+    passed, total = re.search(r"^verify-kl: PASSED: (\d+)/(\d+) checks passed$", record, flags=re.M).groups()
+    wall = re.search(r"^wall time ([\d.]+) s", record, flags=re.M).group(1)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert passed == total
+    assert f"{total} checks ([docs/results/verify_kl.txt](docs/results/verify_kl.txt): {wall} s wall" in readme
+
+
+def test_every_policy_loss_the_docs_name_as_trls_is_registered():
+    """TRL's loss types the README says klgrpo has are registered policy losses, the help of loss.policy_loss
+    names every registered one, and no page says one of them has no counterpart."""
+    from klgrpo.config.schema import config_help
+    from klgrpo.integrations.trl_mapping import map_trl
+    from klgrpo.math.policy_loss import POLICY_LOSSES
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for name in ("sapo", "vespo"):
+        assert f"`loss.policy_loss: {name}`" in readme or f"and `{name}`" in readme
+        assert name in POLICY_LOSSES
+        assert map_trl({"loss_type": name}).klgrpo_config().loss.policy_loss == name
+    assert "no klgrpo counterpart yet" not in readme
+    help_line = next(line for line in config_help().splitlines() if "policy surrogate" in line)
+    assert all(name in help_line for name in POLICY_LOSSES), help_line
+
+
+def test_distributed_docs_say_what_the_deepspeed_resume_test_checks():
+    """The DeepSpeed resume restores AdamW's moments (tests/test_deepspeed_cpu.py compares them), and the page
+    quotes no time for a test whose first launch compiles DeepSpeed's op."""
+    page = " ".join((ROOT / "docs/distributed.md").read_text().split())
+    test = (ROOT / "tests/test_deepspeed_cpu.py").read_text()
+    assert "fresh AdamW moments" not in page and "AdamW's moments included" in page
+    assert 'resumed["moments"]' in test
+    assert "about 25 s" not in page and "compiles its `deepspeed_shm_comm` op inside the first launch" in page

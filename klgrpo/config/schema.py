@@ -195,8 +195,8 @@ class LossConfig:
                               Names(ADVANTAGE_SCALES))
     std_eps: float = _f(1e-4, "added to the std before dividing", low=0)
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
-    policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
-                                      "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
+    policy_loss: str = _f("ppo_clip", f"policy surrogate, one of the registered losses ({', '.join(POLICY_LOSSES)}; "
+                                      f"klgrpo/math/policy_loss.py says what each computes; docs/custom_loss.md)",
                           Names(POLICY_LOSSES))
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
