@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path, seed_everything
@@ -32,11 +33,13 @@ from klgrpo.train.tally import StepTally
 
 
 class TrainingRun:
-    """A run of ``step`` in ``run_dir``: ``train()`` to train.steps, ``save()``, ``resume()``, ``evaluate()``."""
+    """A run of ``step`` in ``run_dir`` with the config ``cfg``: ``train()`` to train.steps, ``save()``,
+    ``resume()``, ``evaluate()``."""
 
-    def __init__(self, step: GRPOStep, run_dir: Path, eval_sets: dict[str, Any], log: Callable = print):
+    def __init__(self, cfg: GRPOConfig, step: GRPOStep, run_dir: Path, eval_sets: dict[str, Any],
+                 log: Callable = print):
         self.grpo_step, self.run_dir, self.eval_sets, self.log = step, Path(run_dir), eval_sets, log
-        self.cfg, self.dist = step.cfg, step.dist
+        self.cfg, self.dist = cfg, step.dist
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
         self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)

@@ -25,7 +25,7 @@ from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step import GRPOStep
-from klgrpo.config.terms import build_entropy_controller, build_kl_controller
+from klgrpo.config.terms import build_entropy_controller, build_kl_controller, step_plan
 from klgrpo.train.step_memory import check_step_memory
 
 
@@ -122,7 +122,7 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
     if engine.kind != "single":
         train_forward, optimizer = engine.prepare(model, optimizer)
         engine.prepare_reference(reference)
-    return GRPOStep(cfg=cfg, dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
+    return GRPOStep(plan=step_plan(cfg), dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
                     scheduler=scheduler, controller=build_kl_controller(cfg.kl),
                     entropy_controller=build_entropy_controller(cfg.loss),
                     guard=NonFiniteGuard(cfg.train.max_skipped_steps), replay=replay,
