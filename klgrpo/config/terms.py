@@ -111,6 +111,7 @@ class StepPlan:
     max_grad_norm: float          # inf: no clipping
     sync_every: int               # reference sync (0: never) and its mix
     sync_alpha: float
+    seed: int                     # train.seed: a resume on another process count reseeds from it
 
     @property
     def with_entropy(self) -> bool:
@@ -137,4 +138,4 @@ def step_plan(cfg: GRPOConfig) -> StepPlan:
                     kl=kl_term(cfg.kl, cfg.kl.coef), entropy_in_loss=entropy_in_use(loss),
                     entropy_metrics=t.entropy_metrics, top_entropy_quantile=loss.top_entropy_quantile,
                     max_grad_norm=cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
-                    sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha)
+                    sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed)
