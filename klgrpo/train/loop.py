@@ -32,8 +32,7 @@ from klgrpo.train.tally import StepTally
 
 
 class TrainingRun:
-    """A run of ``step`` in ``run_dir`` with the config ``cfg``: ``train()`` to train.steps, ``save()``,
-    ``resume()``, ``evaluate()``."""
+    """A run of ``step`` in ``run_dir``: ``train()`` to train.steps, ``save()``, ``resume()``, ``evaluate()``."""
 
     def __init__(self, step: GRPOStep, run_dir: Path, eval_sets: dict[str, Any], cfg: GRPOConfig,
                  dist: Distributed, log: Callable = print):
