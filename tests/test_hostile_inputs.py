@@ -287,8 +287,8 @@ def test_resume_skips_a_flipped_checkpoint_whose_checksums_were_stripped(finishe
 
 # ------------------------------------------------------------------------------------------------------- values
 @pytest.mark.parametrize("override, expected", [
-    ("--loss.vespo_k_pos=1e300", "loss.vespo_k_pos must be <= 100.0, got 1e+300"),
-    ("--loss.vespo_k_neg=-2", "loss.vespo_k_neg must be >= 0, got -2.0"),
+    ("--loss.vespo_k_pos=1e300", "loss.vespo_k_pos must be in [0, 100.0], got 1e+300"),
+    ("--loss.vespo_k_neg=-2", "loss.vespo_k_neg must be in [0, 100.0], got -2.0"),
     ("--loss.entropy_target=-1", "loss.entropy_target must be >= 0, got -1.0"),
 ])
 def test_out_of_range_loss_values_are_refused_by_train(tiny_model_dir, addition_file, tmp_path, capsys, override,

@@ -85,6 +85,19 @@ def parse(argv: list[str]):
     return model_path, cfg, str(source), sets, json_path, overwrite
 
 
+def _for_evaluation(cfg, chosen: list[str]):
+    """A changed copy of ``cfg`` (the config itself stays as read): only the ``chosen`` sets (all when none), and
+    no progress bar."""
+    from dataclasses import replace
+
+    from klgrpo.config.entries import eval_set_specs
+
+    sets = cfg.eval.sets
+    if chosen:
+        sets = [entry for entry, spec in zip(sets, eval_set_specs(sets)) if spec.name in chosen]
+    return replace(cfg, eval=replace(cfg.eval, sets=sets), logging=replace(cfg.logging, progress=False))
+
+
 def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.apps.models import load_model_for_inference
     from klgrpo.apps.outputs import check_output, write_text_file
@@ -94,16 +107,13 @@ def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.train.metric_names import eval_entropy, eval_set
 
     model_path, cfg, source, chosen, json_path, overwrite = parse(argv)
-    if chosen:
-        cfg.eval.sets = [entry for entry, spec in zip(cfg.eval.sets, eval_set_specs(cfg.eval.sets))
-                         if spec.name in chosen]
+    cfg = _for_evaluation(cfg, chosen)
     sets = load_eval_sets(cfg)
     if json_path is not None:
         inputs = {"the model": model_path, "the config": source,
                   **{f"eval set {spec.name}": spec.source for spec in eval_set_specs(cfg.eval.sets)}}
         check_output(json_path, "--json", inputs, overwrite)
     model, tokenizer = load_model_for_inference(model_path, cfg.model, field="CHECKPOINT_OR_MODEL")
-    cfg.logging.progress = False
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     for name, s in sets.items():
         texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)

@@ -126,13 +126,7 @@ def _early_checks_of_demo(cfg, opts) -> None:
     from klgrpo.run.run_folder import check_run_folder
     from klgrpo.config.validation import check_finite_and_ranges
 
-    def need(ok, message):
-        if not ok:
-            from klgrpo.errors import ConfigError
-
-            raise ConfigError(message)
-
-    check_finite_and_ranges(cfg, need)
+    check_finite_and_ranges(cfg)
     if cfg.train.output_dir and not opts["resume"]:
         check_run_folder(cfg.train.output_dir, cfg, None, opts["overwrite"])
 
