@@ -69,7 +69,8 @@ class Sampler(Protocol):
     def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, pad_id: int,
                eos_ids: list[int]) -> Tensor:
         """Completion ids [N * G, T], T <= max_new_tokens, rows [i*G, (i+1)*G) continuing prompt i, ``pad_id``
-        after a row's EOS. Called under no_grad with the model in eval mode."""
+        after a row's EOS; or (those ids, their log-probs [N * G, T] under the distribution the sampler drew
+        from) for a sampler that scores its own tokens. Called under no_grad with the model in eval mode."""
 
     # A sampler that compiles a kernel per input shape may also define (core/rollout.py:warm_up_sampler calls
     # them before step 1, so no step pays for a shape it meets for the first time):
@@ -82,7 +83,8 @@ SAMPLERS: Registry[Sampler] = Registry("sampler")
 
 
 class KVLoopSampler:
-    """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache."""
+    """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache; it gives
+    the log-probs it drew each token with (read off the probabilities it sampled from: no extra work)."""
 
     name = "kv_loop"
 
@@ -92,7 +94,7 @@ class KVLoopSampler:
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
         loop = KVSampler.for_model(model, prompt_ids.shape[1] + params.max_new_tokens)
         return loop.sample(prompt_ids, prompt_mask, params.max_new_tokens, params.temperature, params.top_p,
-                           params.top_k, pad_id, eos_ids, params.group_size, params.compiled)
+                           params.top_k, pad_id, eos_ids, params.group_size, params.compiled, with_logprobs=True)
 
 
 #: generate_static left-pads the prompts to a multiple of this many positions. transformers sizes a static cache

@@ -29,6 +29,7 @@ from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
+from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS
 from klgrpo.config.fields import Names, coerce, group
 from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
 from klgrpo.config.validation import validate_config
@@ -104,6 +105,17 @@ class RolloutConfig:
                       Names((AUTO,), SAMPLERS))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
                              Names(("", *LEGACY_GENERATE_CACHES)))
+    sampler_correction: str = _f("none", "correct the sampler's mismatch (its log-probs mu against the trainer's "
+                                         "pi_old) with the weight pi_old/mu on the policy AND the KL term, as TRL "
+                                         "1.16's vllm_importance_sampling_mode: token_truncate, token_mask, "
+                                         "sequence_truncate, sequence_mask (the sequence modes are exact for the "
+                                         "KL while the bounds do not bind); none: off",
+                                 Names(SAMPLER_CORRECTIONS))
+    sampler_correction_min: float = _f(0.0, "lower bound of the sampler correction's ratio (TRL's "
+                                            "vllm_importance_sampling_clip_min; 0: none)", low=0)
+    sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
+                                            "vllm_importance_sampling_clip_max; 0: none)", low=0,
+                                       at_low="0: no upper bound")
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import Any
 from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller,
                                     init_keywords)
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
-from klgrpo.config.schema import KLConfig, LossConfig
+from klgrpo.math.sampler_correction import SamplerCorrection
+from klgrpo.config.schema import KLConfig, LossConfig, RolloutConfig
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
 CONTROLLER_FIELDS = {"lr": "dual_lr"}
@@ -34,6 +35,12 @@ def policy_term(loss: LossConfig) -> PolicyTerm:
                       sapo_temperature_pos=loss.sapo_temperature_pos, sapo_temperature_neg=loss.sapo_temperature_neg,
                       vespo_k_pos=loss.vespo_k_pos, vespo_lambda_pos=loss.vespo_lambda_pos,
                       vespo_k_neg=loss.vespo_k_neg, vespo_lambda_neg=loss.vespo_lambda_neg)
+
+
+def sampler_correction(rollout: RolloutConfig) -> SamplerCorrection:
+    """The sampler-mismatch correction; a bound of 0 is "none" on that side (a ratio is never below 0)."""
+    return SamplerCorrection(mode=rollout.sampler_correction, clip_min=rollout.sampler_correction_min or None,
+                             clip_max=rollout.sampler_correction_max or None)
 
 
 def entropy_term(loss: LossConfig, coef: float) -> EntropyTerm:
