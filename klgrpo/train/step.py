@@ -262,6 +262,8 @@ class GRPOStep:
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
                 self.scheduler.step()
+                if (changed := getattr(self.sampler, "weights_changed", None)) is not None:
+                    changed(self.model)  # an engine holding its own copy of the weights refreshes it
             else:
                 self.optimizer.zero_grad(set_to_none=True)
         if dump_kl is not None:
