@@ -178,7 +178,8 @@ def auto_sampler(model, fast_path: bool = True) -> str:
     static-cache generate (compiled; 0.26-0.31 s for 64 x 64 tokens of a 0.5B model on one H200, against
     0.7-3.3 s for the KV loop, whose per-token kernel launches leave the GPU idle); elsewhere klgrpo's KV loop
     where it reproduces the architecture (0.6x of generate's time for the demo model), else generate.
-    ``fast_path`` false (model.fast_path) keeps klgrpo's loop out."""
+    ``fast_path`` false (model.fast_path) keeps klgrpo's loop out. ``vllm`` is never the automatic choice: on
+    the CPU kv_loop generates faster (benchmarks/results/vllm_cpu.json), on CUDA it has not been measured."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "generate_static"
