@@ -150,6 +150,8 @@ def _check_sampler_correction(r, loss) -> None:
           "(TRL's default 3.0) or rollout.sampler_correction_min")
     _need(not (low and high and low >= high), f"rollout.sampler_correction_min ({low}) must be below "
                                               f"rollout.sampler_correction_max ({high})")
+    _need(not loss.function, "rollout.sampler_correction weights the built-in objective; with loss.function apply "
+                             "the weight in your own loss, or set rollout.sampler_correction none")
     _need(loss.policy_loss != "vespo", "rollout.sampler_correction with loss.policy_loss vespo: VESPO weighs whole "
                                        "sequences itself; set rollout.sampler_correction none (or another policy "
                                        "loss)")

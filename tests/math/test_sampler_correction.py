@@ -187,6 +187,7 @@ def test_the_mismatch_per_token_by_hand():
       "rollout.sampler_correction_max": 1.5}, "must be below"),
     ({"rollout.sampler_correction": "token_mask", "loss.policy_loss": "vespo"}, "vespo"),
     ({"rollout.sampler_correction": "tokens"}, "rollout.sampler_correction"),
+    ({"rollout.sampler_correction": "token_mask", "loss.function": "my_loss.py:loss"}, "loss.function"),
 ])
 def test_bad_settings_are_one_line_naming_the_field(overrides, fragment):
     with pytest.raises(ConfigError) as info:
