@@ -221,7 +221,8 @@ class TrainingRun:
     def state_dict(self) -> dict[str, Any]:
         """The run's own part of a checkpoint (the step writes its own)."""
         return {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
-                "entropy_watch": self.entropy_watch.state_dict()}
+                "entropy_watch": self.entropy_watch.state_dict(),
+                "run_config": self.cfg.to_dict()}  # the settings a resume checks config.yaml against
 
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
