@@ -59,3 +59,11 @@ def test_a_shifted_sampler_is_measured_and_corrected(tmp_path, tiny_model_dir, a
     masked = _run(tmp_path, tiny_model_dir, addition_file, "masked", sampler_correction="token_mask",
                   sampler_correction_max=0.9)
     assert masked[m.LOSS] == 0.0
+
+
+def test_vllm_memory_fraction_default_is_the_samplers():
+    """The config declares its default without importing the sampler (the config imports no torch)."""
+    from klgrpo.backends.vllm_sampler import DEFAULT_MEMORY_FRACTION
+    from klgrpo.config.schema import VLLMConfig
+
+    assert VLLMConfig().memory_fraction == DEFAULT_MEMORY_FRACTION
