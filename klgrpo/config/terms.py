@@ -14,9 +14,10 @@ from typing import Any
 from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller,
                                     init_keywords)
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
+from klgrpo.math.sampler_correction import SamplerCorrection
 from klgrpo.math.policy_loss import POLICY_LOSSES
 from klgrpo.backends.samplers import SamplingParams
-from klgrpo.config.schema import GRPOConfig, KLConfig, LossConfig
+from klgrpo.config.schema import GRPOConfig, KLConfig, LossConfig, RolloutConfig
 from klgrpo.config.validation import policy_settings
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
@@ -38,6 +39,12 @@ def policy_term(loss: LossConfig) -> PolicyTerm:
                       delta=loss.delta or None, dual_clip=loss.dual_clip or None,
                       off_policy_mask=loss.off_policy_mask_threshold or None,
                       params=declared(**policy_settings(loss)) if declared is not None else None)
+
+
+def sampler_correction(rollout: RolloutConfig) -> SamplerCorrection:
+    """The sampler-mismatch correction; a bound of 0 is "none" on that side (a ratio is never below 0)."""
+    return SamplerCorrection(mode=rollout.sampler_correction, clip_min=rollout.sampler_correction_min or None,
+                             clip_max=rollout.sampler_correction_max or None)
 
 
 def entropy_term(loss: LossConfig, coef: float) -> EntropyTerm:
@@ -112,6 +119,7 @@ class StepPlan:
     sync_every: int               # reference sync (0: never) and its mix
     sync_alpha: float
     seed: int                     # train.seed: a resume on another process count reseeds from it
+    sampler_correction: SamplerCorrection = SamplerCorrection()  # the sampler-mismatch weight (rollout.*)
 
     @property
     def with_entropy(self) -> bool:
@@ -138,4 +146,5 @@ def step_plan(cfg: GRPOConfig) -> StepPlan:
                     kl=kl_term(cfg.kl, cfg.kl.coef), entropy_in_loss=entropy_in_use(loss),
                     entropy_metrics=t.entropy_metrics, top_entropy_quantile=loss.top_entropy_quantile,
                     max_grad_norm=cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
-                    sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed)
+                    sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed,
+                    sampler_correction=sampler_correction(r))

@@ -132,6 +132,24 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
          f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
 
+    _check_sampler_correction(r, loss)
+
+
+def _check_sampler_correction(r, loss) -> None:
+    if r.sampler_correction == "none":
+        return
+    low, high = r.sampler_correction_min, r.sampler_correction_max
+    need(not (r.sampler_correction.endswith("truncate") and not low and not high),
+          f"rollout.sampler_correction {r.sampler_correction} needs a bound: set rollout.sampler_correction_max "
+          "(TRL's default 3.0) or rollout.sampler_correction_min")
+    need(not (low and high and low >= high), f"rollout.sampler_correction_min ({low}) must be below "
+                                              f"rollout.sampler_correction_max ({high})")
+    need(not loss.function, "rollout.sampler_correction weights the built-in objective; with loss.function apply "
+                             "the weight in your own loss, or set rollout.sampler_correction none")
+    need(loss.policy_loss != "vespo", "rollout.sampler_correction with loss.policy_loss vespo: VESPO weighs whole "
+                                       "sequences itself; set rollout.sampler_correction none (or another policy "
+                                       "loss)")
+
 
 def _check_kl(cfg: GRPOConfig) -> None:
     k = cfg.kl

@@ -12,7 +12,9 @@
                                                            at prefix t, math/full_kl.py; no clamp needed)
     pg_it  = m_i * e_it * pg_it                          (m: the off-policy sequence mask, 1 off; e: the
                                                            top-entropy token mask, 1 off; policy_loss.py)
-    loss   = aggregate(pg + beta * kl, mask, mode, global normaliser)
+    loss   = aggregate(v * (pg + beta * kl), mask, mode, global normaliser)
+                                                          (v: the sampler-mismatch weight, 1 unless
+                                                           rollout.sampler_correction; math/sampler_correction.py)
            - c * (B_mb / G) * sum_it e_it H_it / sum_it e_it  (the entropy bonus, c = loss.entropy_coef at this step:
                                                            the micro-batch's mean per-token entropy over the tokens
                                                            the policy term acts on, weighted by its share of the
@@ -40,6 +42,7 @@ from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
 from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight, off_policy_mask
+from klgrpo.math.sampler_correction import SamplerCorrection, sampler_weight
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,9 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
                    mask_BT: Tensor, *, kl: KLTerm, policy: PolicyTerm = PolicyTerm(), aggregation: str,
                    normalizer: Normalizer, full_kl_BT: Tensor | None = None, row_weights_B: Tensor | None = None,
                    metrics: bool = True, entropy_BT: Tensor | None = None, entropy: EntropyTerm = EntropyTerm(),
-                   entropy_cut: Tensor | None = None, sampling_logp_BT: Tensor | None = None) -> ObjectiveOut:
+                   entropy_cut: Tensor | None = None, sampling_logp_BT: Tensor | None = None,
+                   sampler_logp_BT: Tensor | None = None,
+                   sampler_correction: SamplerCorrection = SamplerCorrection()) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
     ``policy``: the surrogate and its clip; ``kl``: how the KL enters (beta included); ``aggregation`` (an
@@ -248,7 +253,9 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
     expectations by enumeration). ``metrics=False`` leaves ``sums`` None. ``entropy_BT``: the policy's per-token
     entropy, in the graph (when ``entropy`` needs it); ``entropy_cut``: the top-entropy threshold when the caller
     pools more tokens (None: :func:`entropy_threshold` of these); ``sampling_logp_BT``: the sampling policy's
-    log-probs for the off-policy mask (None: ``old_logp_BT``)."""
+    log-probs for the off-policy mask (None: ``old_logp_BT``); ``sampler_logp_BT``: the sampler's own log-probs
+    mu of the tokens, which ``sampler_correction`` (when on) turns into the weight v on the policy and KL terms
+    (None: no sampler log-probs, no weight)."""
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
@@ -263,6 +270,8 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
                                    full_kl_BT=full_kl_BT)
         per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, mask, kl, aggregation, normalizer, metrics)
         kl_sums, token_kl = _kl_monitors(penalty, mask, kl) if metrics else (None, None)
+    if sampler_logp_BT is not None and sampler_correction.on:
+        per_token = per_token * sampler_weight(old_logp_BT, sampler_logp_BT, mask, sampler_correction)
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)

@@ -45,10 +45,14 @@ from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.run.stop_signals import StopGate
-from klgrpo.train.step_metrics import StepSums, step_metrics
+from klgrpo.train.step_metrics import StepSums, sampler_metrics, step_metrics
 from klgrpo.train.step_state import load_step, save_step
 from klgrpo.config.terms import StepPlan
 from klgrpo.train.timing import phase_timer as _timed
+
+
+def _rows(values: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    return None if values is None else values[sl]
 
 
 @dataclass
@@ -223,7 +227,9 @@ class GRPOStep:
                                  policy=plan.policy, kl=kl, aggregation=plan.aggregation,
                                  normalizer=batch.normalizer, full_kl_BT=full_kl,
                                  entropy_BT=entropy if plan.entropy_in_loss else None,
-                                 entropy=plan.entropy_term(self.entropy_controller.applied))
+                                 entropy=plan.entropy_term(self.entropy_controller.applied),
+                                 sampler_logp_BT=_rows(batch.rollout.sampler_logp, sl),
+                                 sampler_correction=plan.sampler_correction)
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
         rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
@@ -243,9 +249,11 @@ class GRPOStep:
         # The first update of a batch runs at the sampling policy, so its log-probs ARE pi_old: later updates of
         # the same batch reuse them instead of paying a separate no-grad forward.
         keep_old = batch.old_logp is None and self.plan.num_iterations > 1
+        scores_sampler = batch.rollout.sampler_logp is not None and batch.old_logp is None  # pi_old is this logp
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, names.TIME_UPDATE):
-            sums, logp = self.accumulate_gradients(batch, keep_logp=dump_kl is not None or keep_old)
+            sums, logp = self.accumulate_gradients(batch, keep_logp=dump_kl is not None or keep_old or scores_sampler)
+            old_logp = batch.old_logp if batch.old_logp is not None else logp
             if keep_old:
                 batch.old_logp = logp
             replay_metrics = (self._replay_gradients(sums.loss) if self.replay is not None else {})
@@ -256,6 +264,8 @@ class GRPOStep:
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
                 self.scheduler.step()
+                if (changed := getattr(self.sampler, "weights_changed", None)) is not None:
+                    changed(self.model)  # an engine holding its own copy of the weights refreshes it
             else:
                 self.optimizer.zero_grad(set_to_none=True)
         if dump_kl is not None:
@@ -265,6 +275,9 @@ class GRPOStep:
         if self.plan.entropy_in_loss:
             metrics[names.ENTROPY_COEF] = self.entropy_controller.applied
         metrics.update(replay_metrics)
+        if batch.rollout.sampler_logp is not None:
+            metrics.update(sampler_metrics(old_logp, batch.rollout.sampler_logp, batch.rollout.completion_mask,
+                                           int(batch.normalizer.max_len), self.dist))
         metrics.update(self._custom_metrics(sums.custom, batch))
         metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
         return metrics, observation

@@ -55,7 +55,8 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
         check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
     check_checkpoint(cfg.kl.reference, "kl.reference")
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
-    sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache)
+    sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
+                                options={"memory_fraction": cfg.rollout.vllm.memory_fraction})
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
     reference = _reference(cfg, model, device, main_log)
