@@ -62,6 +62,8 @@ RANGES = {
     # added with their declarations (klgrpo/math/policy_params.py): VESPO's Gamma shape, kept a float32 number
     "loss.vespo_k_pos": (0, True, 100.0, True, ""), "loss.vespo_k_neg": (0, True, 100.0, True, ""),
     "loss.vespo_lambda_pos": (0, True, 100.0, True, ""), "loss.vespo_lambda_neg": (0, True, 100.0, True, ""),
+    # added with their declarations: a vLLM server's request timeout (a day at most) and its retries
+    "rollout.vllm.server_timeout": (0, False, 86400, True, ""), "rollout.vllm.server_retries": (0, True, 20, True, ""),
 }
 #: Other settings a field needs to be valid at its bound (a cross-field check would refuse it otherwise).
 AT_BOUND_WITH = {"kl.log_ratio_clamp": {"kl.estimator": "k1"}}
@@ -69,7 +71,10 @@ AT_BOUND_WITH = {"kl.log_ratio_clamp": {"kl.estimator": "k1"}}
 RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
                "train.dist_timeout_s", "train.sharded_checkpoints", "train.compile", "kl.dump_every", "model.device",
-               "model.gradient_checkpointing", "model.fast_path", "model.forward", "model.lora.save_merged"}
+               "model.gradient_checkpointing", "model.fast_path", "model.forward", "model.lora.save_merged",
+               # added with their declarations: where the vLLM server is and how long to wait, not what it computes
+               "rollout.vllm.server_url", "rollout.vllm.server_timeout", "rollout.vllm.server_retries",
+               "rollout.vllm.weights_dir"}
 
 
 def test_the_declared_bounds_are_the_checked_ones():
@@ -102,7 +107,8 @@ def test_a_value_past_a_declared_bound_is_refused_in_one_line_and_the_bound_itse
 def test_a_value_outside_a_declared_range_is_refused_in_one_line_and_its_ends_as_declared(path):
     low, low_ok, high, high_ok, note = RANGES[path]
     wanted = f"{path} must be in {'[' if low_ok else '('}{low}, {high}{']' if high_ok else ')'}"
-    for past, end, allowed in ((low - 0.5, low, low_ok), (high + 0.5, high, high_ok)):
+    step = 1 if dict(all_field_paths())[path].type == "int" else 0.5  # an int field refuses 0.5 as not an int
+    for past, end, allowed in ((low - step, low, low_ok), (high + step, high, high_ok)):
         with pytest.raises(ConfigError) as err:
             GRPOConfig.from_dict(BASE).override({path: past}).validate()
         assert str(err.value) == f"{wanted}, got {past!r}" + (f" ({note})" if note else "")

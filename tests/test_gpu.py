@@ -39,7 +39,7 @@ def _tokenizer():
     return build_char_tokenizer()
 
 
-@pytest.mark.parametrize("sampler", ["auto", *SAMPLERS])
+@pytest.mark.parametrize("sampler", ["auto", *(s for s in SAMPLERS if s != "vllm_server")])  # that one needs a server
 def test_one_training_step_on_cuda_with_each_sampler(tiny_model_dir, addition_file, tmp_path, sampler):
     from klgrpo.train.trainer import GRPOTrainer
 
