@@ -7,13 +7,16 @@ A demo-sized Llama with head_dim 64 (vLLM's CPU attention refuses the demo's 16)
     trainer's recomputed pi_old to 1e-4; a planted skipped reload fails it
     a server killed mid-run: one line naming the URL and the fix, the last checkpoint loadable, none after it
 
-Without vllm (the main suite) only the tests that need no server run: a server never up ends the run in one line
-after the bounded retry, and an empty rollout.vllm.server_url is refused.
+Without vllm (the main suite) the tests that need no vLLM server run: a server never up ends the run in one line
+after the bounded retry; an empty rollout.vllm.server_url is refused; the completions request carries the fields
+TRL 1.16's client sends (captured from TRL's code) and an answer reads alike; a server without the development
+endpoints (an HTTP stub) is named in one line; docs/vllm.md's settings table is the declarations.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,3 +193,89 @@ def test_an_empty_server_url_is_refused(tmp_path, tiny_model_dir, addition_file)
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "nourl", rollout={"sampler": "vllm_server"})
     with pytest.raises(ConfigError, match="rollout.vllm.server_url"):
         GRPOTrainer(cfg, log=quiet).train()
+
+
+def test_the_completions_request_is_trls_and_its_answer_reads_alike():
+    """The fields TRL 1.16's VLLMClient.generate sends (captured from TRL's own code, its HTTP post replaced)
+    are in klgrpo's request with the same values, to the same endpoint; one answer parsed by both gives the same
+    token ids and log-probs."""
+    vllm_client = pytest.importorskip("trl.generation.vllm_client")
+    answer = {"choices": [{"index": i, "prompt_token_ids": [5, 6], "token_ids": ids,
+                           "logprobs": {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": lps,
+                                        "top_logprobs": [None] * len(ids)}}
+                          for i, (ids, lps) in enumerate((([7, 2], [-0.25, -1.5]), ([9, 9, 8], [-2.0, -0.5, -3.0])))]}
+    sent = {}
+    trl = object.__new__(vllm_client.VLLMClient)  # no server, no vllm: only its request and its parsing
+    trl.base_url, trl.model = "http://h:1", "m"
+    trl._post = lambda url, json: sent.setdefault("trl", (url.removeprefix("http://h:1"), json)) and answer
+    trl_out = trl.generate([[5, 6]], n=2, temperature=0.7, top_p=0.9, top_k=5, max_tokens=3, logprobs=0)
+    ours = vllm_server.ServerClient("http://h:1", 1, 0, weights_dir="unused")
+    ours._model_name = "m"
+    ours.request = lambda path, body=None: sent.setdefault("klgrpo", (path, body)) and answer
+    params = SamplingParams(group_size=2, max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=5)
+    ids, logp = ours.generate(torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]]), params, pad_id=0, eos_ids=[2])
+    (trl_path, trl_body), (path, body) = sent["trl"], sent["klgrpo"]
+    assert path == trl_path == "/v1/completions"
+    differing = {k: (v, body.get(k)) for k, v in trl_body.items() if k not in ("repetition_penalty", "min_p")
+                 and body.get(k) != v}
+    assert not differing  # prompts as token ids, n, temperature, top_p, top_k, max_tokens, logprobs, ...
+    assert trl_body["repetition_penalty"] == 1.0 and trl_body["min_p"] == 0.0  # vLLM's defaults: off
+    assert body["stop_token_ids"] == [2] and body["ignore_eos"] is True  # klgrpo's stop rule on top
+    assert ids.tolist() == [[7, 2, 0], [9, 9, 8]] == [c + [0] * (3 - len(c)) for c in trl_out["completion_ids"]]
+    assert logp.tolist() == [[-0.25, -1.5, 0.0], [-2.0, -0.5, -3.0]]
+    assert [[lp[0] for lp in row] for row in trl_out["logprobs"]] == [[-0.25, -1.5], [-2.0, -0.5, -3.0]]
+
+
+def test_a_server_without_the_development_endpoints_is_named_in_one_line(tiny_model_dir):
+    """A vLLM server started without VLLM_SERVER_DEV_MODE answers 404 to /collective_rpc: no retry, one line."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from transformers import AutoModelForCausalLM
+
+    class NoDevEndpoints(BaseHTTPRequestHandler):
+        def _answer(self, code, body):
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def do_GET(self):
+            self._answer(200, '{"data": [{"id": "m"}]}' if self.path == "/v1/models" else "{}")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer(404, '{"detail": "Not Found"}')
+
+        def log_message(self, *_):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NoDevEndpoints)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        client = vllm_server.ServerClient(url, 10, 5)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        started = time.monotonic()
+        with pytest.raises(KLGRPOError) as error:
+            client.sync(model)
+        assert time.monotonic() - started < vllm_server.RETRY_PAUSE_S  # a 4xx is an answer: not tried again
+    finally:
+        httpd.shutdown()
+    message = str(error.value)
+    assert "\n" not in message and url in message and "/collective_rpc" in message
+    assert "VLLM_SERVER_DEV_MODE=1" in message and client.reloads == 0
+
+
+def test_the_docs_settings_table_is_the_declarations():
+    from pathlib import Path
+
+    from klgrpo.config.schema import VLLMConfig
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    rows = dict(re.findall(r"^\| `(server_timeout|server_retries)` \| (\d+) \|", doc, flags=re.M))
+    assert rows == {"server_timeout": f"{VLLMConfig().server_timeout:g}",
+                    "server_retries": str(VLLMConfig().server_retries)}
+    assert VLLMConfig().server_timeout == vllm_server.DEFAULT_TIMEOUT_S
+    assert VLLMConfig().server_retries == vllm_server.DEFAULT_RETRIES
+    assert f"pauses of {vllm_server.RETRY_PAUSE_S:g}, {2 * vllm_server.RETRY_PAUSE_S:g}, " in doc
