@@ -15,7 +15,8 @@ from klgrpo.math.objective import KLTerm
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import controller_params, kl_term
 
-FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
+FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOConfig, Unsloth's defaults and loss)",
+                "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}
 AGGREGATION_WEIGHTING = {
     "token_mean": "every token weighs the same (a long completion's KL counts in proportion to its length)",
@@ -134,7 +135,8 @@ def format_report(origin: str, report: dict) -> str:
     values = report["value"] if isinstance(report["value"], list) else [report["value"]]
     value = "; ".join(f"{v['estimator']}: {'unbiased' if v['unbiased'] else 'biased'} estimate of "
                       f"{v['estimates']}" for v in values)
-    lines = [f"{origin}: {FORMAT_NAMES[report['source']]}",
+    releases = report.get("releases")
+    lines = [f"{origin}: {FORMAT_NAMES[report['source']]}" + (f", on {' and on '.join(releases)}" if releases else ""),
              f"  KL gradient: token {g['token_on_policy']}, sequence {g['sequence_on_policy']} (first update "
              f"on a batch){off}",
              f"  KL value: {value}",
