@@ -132,7 +132,7 @@ def _candidates(shape: str, data: Any) -> list[str]:
         found.append("klgrpo")
     if top & set(VERL_ROOTS) and {str(key).split(".")[0] for key in top} <= set(VERL_ROOTS):
         found.append("verl")
-    if not nested:
+    if not nested and "verl" not in found:  # a Hydra config's defaults: list is no TRL field
         found.append("adaptive_kl" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
     return found
 

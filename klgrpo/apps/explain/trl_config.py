@@ -41,8 +41,21 @@ LAUNCHER_FIELDS = {
 OLDER_TRAINING_ARGUMENTS = {
     "warmup_ratio": "changes training, not mapped: the warm-up as a fraction of the run's steps; klgrpo's "
                     "optim.warmup_steps counts steps",
+    "dataset_configs": "changes training, not mapped: the dataset's configurations (TRL's ScriptArguments before "
+                       "0.17); klgrpo's data.source takes NAME:CONFIG",
     "overwrite_output_dir": None, "logging_dir": None, "evaluation_strategy": None, "push_to_hub_model_id": None,
     "no_cuda": None, "use_mps_device": None,
+}
+#: GRPOConfig fields of earlier TRL releases (klgrpo/integrations/versions/trl.json's removed_since) -> what they do.
+REMOVED_FIELDS = {
+    "max_prompt_length": "changes training, not mapped: TRL cut each prompt to this many tokens (from the left); "
+                         "klgrpo keeps whole prompts",
+    "vllm_guided_decoding_regex": "changes training, not mapped: vLLM samples only completions matching the regex",
+    "vllm_device": "speed and memory only: where vLLM runs", "vllm_dtype": "speed and memory only: vLLM's dtype",
+    "vllm_max_model_len": "speed and memory only: vLLM's context length",
+    "vllm_enable_prefix_caching": "speed only: vLLM's prefix cache",
+    "use_liger_loss": "speed and memory only: Liger's fused loss computes the same objective",
+    "wandb_log_unique_prompts": "logging only",
 }
 #: Keys TRL's parser takes beside the dataclass fields (``env``: environment variables it sets).
 PARSER_KEYS = {"env": "environment variables TRL sets before the run"}
@@ -116,7 +129,7 @@ def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Prof
     known = known_fields(adaptive, profile)
     unknown = [key for key in data if key not in known]
     if profile is not None:
-        later = sorted(str(key) for key in unknown if key in profile.absent)
+        later = sorted(str(key) for key in unknown if key in profile.absent or key in other_releases_fields())
         if later:
             raise NotInRange(f"{origin}: {', '.join(later)}: no field of {profile.label}")
     where = profile.label if profile is not None else f"TRL {TRL_FIELDS_VERSION}"
@@ -138,6 +151,13 @@ def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Prof
                           "DatasetMixtureConfig, nor of a known launcher)")
     for key, value in data.items():
         _check_type(key, value, origin)
+
+
+def other_releases_fields() -> set[str]:
+    """GRPOConfig fields of some TRL release that the newest no longer has."""
+    from klgrpo.integrations.versions import trl_profiles
+
+    return set().union(*(p.removed_since for p in trl_profiles()))
 
 
 class NotInRange(ConfigError):
@@ -207,8 +227,8 @@ def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | N
             if key not in mapped.unmapped and key not in _mapped_fields(data):
                 mapped.ignored.append(key)
         elif profile is not None and key in profile.removed_since:
-            mapped.unmapped.setdefault(key, f"a field of {profile.label} that later TRL removed: not read by "
-                                            "the mapping; check that it does not change the objective")
+            why = REMOVED_FIELDS.get(key, "not read by the mapping; check that it does not change the objective")
+            mapped.unmapped.setdefault(key, f"a field of {profile.label} that later TRL removed: {why}")
         elif key not in mapped.unmapped:
             mapped.unmapped[key] = "not read by the mapping: check that it does not change the objective"
     return mapped
