@@ -26,6 +26,8 @@ CONFIG, TRAINER = "trl/trainer/grpo_config.py", "trl/trainer/grpo_trainer.py"
 DECIDING = ("beta", "loss_type", "scale_rewards", "use_bias_correction_kl", "num_iterations", "epsilon",
             "max_completion_length", "temperature", "num_generations")
 #: Before loss_type existed, the trainer's one loss line, as the loss_type that later names it.
+#: Modules a script imports that appeared in one release: an import of one bounds the release from below.
+MODULES = ("trl.rewards", "trl.experimental", "trl.experimental.openenv", "trl.experimental.async_grpo")
 LOSS_LINES = {"completion_mask.sum(dim=1)).mean()": "grpo", ".sum() / completion_mask.sum()": "bnpo"}
 
 
@@ -85,6 +87,22 @@ def from_git(clone: Path) -> list[dict[str, object]]:
         show = [subprocess.run(["git", "-C", str(clone), "show", f"{tag}:{path}"], capture_output=True, text=True,
                                check=True).stdout for path in (CONFIG, TRAINER)]
         out.append(release(tag.lstrip("v"), *show, f"huggingface/trl {CONFIG}, {TRAINER} at tag {tag}"))
+    return out
+
+
+def modules_first(clone: Path) -> dict[str, str]:
+    """Each of MODULES -> the first minor release whose tree has it (a package folder or a module file)."""
+    tags = subprocess.run(["git", "-C", str(clone), "tag"], capture_output=True, text=True, check=True).stdout.split()
+    minors = sorted((t for t in tags if re.fullmatch(r"v\d+\.\d+\.0", t)), key=_key)
+    out = {}
+    for module in MODULES:
+        path = module.replace(".", "/")
+        for tag in minors:
+            found = [subprocess.run(["git", "-C", str(clone), "cat-file", "-e", f"{tag}:{p}"], capture_output=True)
+                     .returncode == 0 for p in (path, path + ".py")]
+            if any(found):
+                out[module] = tag.lstrip("v")
+                break
     return out
 
 
@@ -153,7 +171,7 @@ def main() -> None:
              "note": "from: first release of the range; to: first release of the next range (null: open); "
                      "last_read: the newest release read for the range; absent: GRPOConfig fields of the newest "
                      "release that the range lacks; removed_since: fields of the range the newest lacks",
-             "ranges": rows}
+             "modules_first": modules_first(args.git), "ranges": rows}
     TARGET.parent.mkdir(parents=True, exist_ok=True)
     TARGET.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {TARGET}: {len(table['ranges'])} ranges")

@@ -180,6 +180,19 @@ def parse_option(text: str) -> dict[str, list[Constraint]]:
     return out
 
 
+def imports_in(text: str) -> list[Constraint]:
+    """``>=`` the first release of each TRL module the file imports that not every release has."""
+    first = _table("trl")["modules_first"]
+    found = []
+    for module, release in first.items():
+        if re.search(rf"^\s*(from\s+{re.escape(module)}(\s|\.)|import\s+{re.escape(module)}\b)", text, re.M):
+            found.append(Constraint(">=", parse_version(release)))
+    return found
+
+
 def stated_in(text: str) -> dict[str, list[Constraint]]:
-    """The clauses a file states for TRL and Unsloth."""
-    return {name: found for name in ("trl", "unsloth") if (found := pins_in(text, name))}
+    """The clauses a file states for TRL and Unsloth: pins, and for TRL the modules it imports."""
+    out = {name: found for name in ("trl", "unsloth") if (found := pins_in(text, name))}
+    if imported := imports_in(text):
+        out["trl"] = out.get("trl", []) + imported
+    return out
