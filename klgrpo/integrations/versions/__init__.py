@@ -20,7 +20,8 @@ from klgrpo.errors import ConfigError
 HERE = Path(__file__).resolve().parent
 Version = tuple[int, ...]
 _OPS = ("==", "~=", ">=", "<=", "!=", ">", "<")
-_PIN = r"(?<![\w-]){name}(?:\[[\w,\s-]*\])?\s*(==|~=|>=|<=|!=|>|<)\s*v?(\d+(?:\.\d+){{0,2}})"
+_CLAUSE = r"(?:==|~=|>=|<=|!=|>|<)\s*v?\d+(?:\.\d+){0,2}"
+_PIN = r"(?<![\w-]){name}(?:\[[\w,\s-]*\])?\s*(" + _CLAUSE + r"(?:\s*,\s*" + _CLAUSE + r")*)"
 
 
 def parse_version(text: str) -> Version:
@@ -75,8 +76,8 @@ def constraints(spec: str) -> list[Constraint]:
 def pins_in(text: str, package: str) -> list[Constraint]:
     """The version clauses a file states for ``package``: pins, requirements lines, ``pip install pkg==X``."""
     found = []
-    for match in re.finditer(_PIN.format(name=re.escape(package)), text, re.I):
-        found.append(Constraint(match.group(1), parse_version(match.group(2))))
+    for match in re.finditer(_PIN.replace("{name}", re.escape(package)), text, re.I):
+        found.extend(constraints(re.sub(r"\s+|v(?=\d)", "", match.group(1))))
     return found
 
 
