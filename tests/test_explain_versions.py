@@ -148,3 +148,20 @@ def test_beta_zero_has_no_kl_value_line_and_klgrpo_rules_are_not_the_sources(tmp
     assert "klgrpo rule (for the config below, not the source's): rollout.group_size" in printed
     status, report = _run(tmp_path, VERL.format(estimator="grpo", coef=0.001))
     assert "KL value: k2" in capsys.readouterr().out
+
+
+def test_the_docs_release_table_is_the_data():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
+    rows = [line.split(" | ") for line in docs.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")]
+    firsts = [tuple(int(x) for x in row[0][2:].split(" ")[0].rstrip(",").split(".")) for row in rows]
+    for rng in _table("trl")["ranges"]:
+        start = tuple(int(x) for x in rng["from"].split(".")[:2])
+        row = rows[max(i for i, first in enumerate(firsts) if first <= start)]
+        defaults = rng["defaults"]
+        assert float(row[1]) == defaults["beta"], rng
+        assert (defaults["loss_type"] in row[2]) or (defaults["loss_type"] == "grpo" and "per-sequence" in row[2])
+        weight = rng["kl_weight_field"]
+        expected = "none" if weight is None else f"default {str(defaults['use_bias_correction_kl']).lower()}"
+        assert expected in row[3], (rng["from"], row)
