@@ -165,3 +165,23 @@ def test_the_docs_release_table_is_the_data():
         weight = rng["kl_weight_field"]
         expected = "none" if weight is None else f"default {str(defaults['use_bias_correction_kl']).lower()}"
         assert expected in row[3], (rng["from"], row)
+
+
+@pytest.mark.parametrize("line, named", [("beta: .nan", "beta must be a finite number"),
+                                         ("beta: .inf", "beta must be a finite number"),
+                                         ("beta: -0.5", "beta must be >= 0"),
+                                         ("loss_type: magic", "loss_type 'magic' is none of TRL's"),
+                                         ("top_entropy_quantile: 2.0", "top_entropy_quantile must be in [0, 1]")])
+def test_invalid_values_are_refused_in_one_line(tmp_path, capsys, line, named):
+    status, _ = _run(tmp_path, line + "\n", extra=["--version", "trl==1.16.0"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and named in err
+
+
+def test_run_options_and_rows_out_of_bounds_are_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": ' + "[" * 50_000 + "]" * 50_000 + "}\n")
+    assert main(["--run", str(tmp_path), "--warn-above", "nan"]) == 2
+    assert main(["--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "klgrpo explain: --warn-above must be a finite number >= 0 (a KL per token), got nan"
+    assert len(err) == 2 and "nests too deeply" in err[1]

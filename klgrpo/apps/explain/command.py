@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -64,6 +65,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError("--config, --plot, --warn-above and --warn-below go with --run FOLDER")
         if (args.write or args.json) and len(args.files) != 1:
             raise ConfigError("--write and --json take one FILE; explain the files one at a time")
+    for option, value in (("--warn-above", args.warn_above), ("--warn-below", args.warn_below)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{option} must be a finite number >= 0 (a KL per token), got {value}")
     inputs = [*args.files, *([args.config] if args.config else [])]
     for option, out in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
         if out is not None:

@@ -81,6 +81,9 @@ def _klgrpo_rows(file: Path, folder: str) -> list[dict]:
         return read_metrics(file)
     except UnicodeDecodeError:
         raise ConfigError(f"{file} is not UTF-8 text; a klgrpo run's metrics.jsonl is JSON lines") from None
+    except RecursionError:
+        raise ConfigError(f"{file}: a row nests too deeply to be a metrics row (a row is one flat JSON object); "
+                          "remove it") from None
 
 
 def _trl_state_file(path: Path) -> Path | None:

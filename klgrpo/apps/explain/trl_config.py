@@ -8,13 +8,14 @@ TRL's field names, types and defaults come from :mod:`klgrpo.apps.explain.trl_fi
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
-from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS, map_trl
+from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, LOSS_TYPES, TRL_DEFAULTS, map_trl
 from klgrpo.integrations.versions import Profile
 
 #: Names of earlier TRL releases that ``trl grpo`` configs still carry -> the 1.16 name.
@@ -151,6 +152,29 @@ def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Prof
                           "DatasetMixtureConfig, nor of a known launcher)")
     for key, value in data.items():
         _check_type(key, value, origin)
+        _check_bound(key, value, origin)
+
+
+#: TRL's bounds on the fields that shape the objective (its GRPOConfig and trainer refuse or misbehave outside):
+#: field -> (low, high, what), both inclusive.
+BOUNDS = {"beta": (0.0, math.inf, ">= 0"), "epsilon": (0.0, math.inf, ">= 0"),
+          "epsilon_high": (0.0, math.inf, ">= 0"), "top_entropy_quantile": (0.0, 1.0, "in [0, 1]"),
+          "temperature": (0.0, math.inf, "> 0"), "learning_rate": (0.0, math.inf, ">= 0"),
+          "num_iterations": (1, math.inf, ">= 1"), "num_generations": (1, math.inf, ">= 1"),
+          "entropy_coef": (0.0, math.inf, ">= 0"), "top_p": (0.0, 1.0, "in (0, 1]")}
+
+
+def _check_bound(key: str, value: Any, origin: str) -> None:
+    """A number must be finite, and within TRL's bound where it has one; loss_type one of TRL's names."""
+    if key == "loss_type" and isinstance(value, str) and value.lower() not in LOSS_TYPES:
+        raise ConfigError(f"{origin}: loss_type {_short(value)} is none of TRL's: {', '.join(LOSS_TYPES)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{origin}: {key} must be a finite number, got {value}")
+    low, high, what = BOUNDS.get(key, (-math.inf, math.inf, ""))
+    if not low <= value <= high or key == "temperature" and value == 0 or key == "top_p" and value == 0:
+        raise ConfigError(f"{origin}: {key} must be {what}, got {value}")
 
 
 def other_releases_fields() -> set[str]:
