@@ -22,7 +22,6 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
@@ -123,7 +122,7 @@ class GenerateSampler:
             extra = self.padded_width(width) - width
             prompt_ids = torch.nn.functional.pad(prompt_ids, (extra, 0), value=pad_id)
             prompt_mask = torch.nn.functional.pad(prompt_mask, (extra, 0), value=0)
-        stop = {"stopping_criteria": StoppingCriteriaList([_StopAtLength(prompt_ids.shape[1] + stop_after)])
+        stop = {"stopping_criteria": _stop_at_length(prompt_ids.shape[1] + stop_after)
                 } if stop_after else {}
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0), attention_mask=prompt_mask.repeat_interleave(g, 0),
@@ -149,15 +148,17 @@ class GenerateSampler:
         self._generate(model, ids, mask, params, pad_id, eos_ids, stop_after=2)
 
 
-class _StopAtLength(StoppingCriteria):
-    """Stops every row once the sequences are ``length`` tokens long (a warm-up's generate)."""
+def _stop_at_length(length: int):
+    """transformers' stopping criteria that stop every row once the sequences are ``length`` tokens long (a
+    warm-up's generate); transformers is imported here, not with the module (the config reads SAMPLERS' names)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
-    def __init__(self, length: int):
-        self.length = length
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= length, dtype=torch.bool,
+                              device=input_ids.device)
 
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
-                          device=input_ids.device)
+    return StoppingCriteriaList([StopAtLength()])
 
 
 for _sampler in (KVLoopSampler(), GenerateSampler("generate"),

@@ -28,7 +28,8 @@ micro-batches and divides once per step by global counts; nothing here syncs wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -76,7 +77,8 @@ class PolicyTerm:
     """The policy (surrogate) part of the loss: which registered surrogate and its clip settings.
 
     ``name`` is a POLICY_LOSSES name; ``delta`` (TRL's two-sided clip) and ``dual_clip`` (verl's clip_ratio_c)
-    guard ppo_clip only, None: off (policy_loss.clipped_surrogate)."""
+    guard ppo_clip only, None: off (policy_loss.clipped_surrogate). ``params``: the loss's own settings, an
+    instance of the dataclass it registered (``POLICY_LOSSES.params(name)``); None: that dataclass's defaults."""
 
     name: str = "ppo_clip"
     eps_low: float = 0.2
@@ -84,21 +86,14 @@ class PolicyTerm:
     delta: float | None = None
     dual_clip: float | None = None
     off_policy_mask: float | None = None  # DeepSeek-V3.2's delta (policy_loss.off_policy_mask); None: off
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    params: Any = None
 
     def _settings(self) -> dict:
-        """The keywords of this surrogate beyond the clip: ppo_clip's guards, SAPO's and VESPO's settings."""
-        if self.name == "sapo":
-            return {"temperature_pos": self.sapo_temperature_pos, "temperature_neg": self.sapo_temperature_neg}
-        if self.name == "vespo":
-            return {"k_pos": self.vespo_k_pos, "lambda_pos": self.vespo_lambda_pos, "k_neg": self.vespo_k_neg,
-                    "lambda_neg": self.vespo_lambda_neg}
-        return {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
+        """The keywords of this surrogate beyond the clip: ppo_clip's guards and the loss's own settings."""
+        guards = {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
+        declared = POLICY_LOSSES.params(self.name)
+        params = self.params if self.params is not None else (declared() if declared is not None else None)
+        return guards if params is None else {**guards, **asdict(params)}
 
     def surrogate(self, logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor):
         return POLICY_LOSSES[self.name](logp_BT, old_logp_BT, advantages, mask_BT, self.eps_low, self.eps_high,

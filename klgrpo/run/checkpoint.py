@@ -17,23 +17,33 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from klgrpo.errors import ConfigError, KLGRPOError, NonFiniteError, first_line
-from klgrpo.run.state_io import (StateFileError, file_sha256, load_state, read_state_doc, save_state,
-                                   state_files)
+from klgrpo.run.state_io import (StateFileError, file_sha256, load_state, read_state_doc, read_state_metadata,
+                                   save_state, state_files)
 
 STATE_STEM = "trainer_state"
 STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io
 LEGACY_STATE_FILE = "trainer_state.pt"
 WEIGHTS_SUMS = "weights_sha256"  # in trainer_state.json: {file inside the checkpoint: sha256}
+#: A checkpoint's layout version, in trainer_state.json and in trainer_state.safetensors' header: 2 and above
+#: record checksums (WEIGHTS_SUMS, and the sha256 of the tensors file), which a reader then requires.
+VERSION_KEY = "checkpoint_version"
+RUN_CONFIG = "run_config"  # in the trainer state (its JSON tree): the run's settings when the checkpoint was saved
+CHECKPOINT_VERSION = 2
 SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weights and AdamW moments
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
 _TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
+
+
+class CheckpointLoadError(KLGRPOError):
+    """A checkpoint's file cannot be read, or holds a state the run cannot use."""
 
 
 #: The folder of a run that holds its checkpoints, one ``step_N`` folder each.
@@ -85,28 +95,33 @@ def is_sharded(checkpoint: Path) -> bool:
     return (Path(checkpoint) / SHARDS_DIR).is_dir()
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
-                    reference=None, keep: int = 0, model_state: dict | None = None,
-                    reference_state: dict | None = None, sharded: bool = False) -> Path:
-    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``
-    (``reference_state``): the full state dict of a sharded model (reference), gathered by the engine, saved
-    instead of the module's own. ``sharded``: every rank has written its shards into ``shard_folder`` already;
-    the checkpoint gets the architecture and the trainer state beside them.
+@contextmanager
+def checkpoint_writer(run_dir: Path, step: int, *, owner: bool = True, pid: int | None = None, keep: int = 0,
+                      ready: Callable[[], None] | None = None) -> Iterator[Path]:
+    """The atomic folder of checkpoints/step_<step>: yields the temporary folder to write into (process ``pid``'s,
+    rank 0's; created by the ``owner``), then renames it into place and prunes to the newest ``keep`` (0: keep
+    all). Every process of a run enters it (``ready()``: a barrier once the folder exists, so every rank can write
+    its shards into it); only the owner creates, renames and prunes.
 
-    Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
-    folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
-    if not sharded:
-        check_finite_weights(model if model_state is None else model_state, step)
+    A full disk or a read-only folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they
+    were; whatever is raised inside removes the temporary folder."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     final = step_folder(run_dir, step)
-    tmp = shard_folder(run_dir, step).parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not sharded:
+    tmp = shard_folder(run_dir, step, pid).parent
+    if owner:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state,
-                          sharded)
+        except OSError as exc:
+            raise _save_error(exc, final, run_dir) from None
+    if ready is not None:
+        ready()
+    if not owner:
+        yield tmp
+        return
+    try:
+        yield tmp
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
@@ -118,12 +133,18 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
             _remove(old)
-    return final
 
 
-def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
-                      model_state: dict | None = None, reference_state: dict | None = None,
-                      sharded: bool = False) -> None:
+def write_checkpoint_files(folder: Path, *, model, tokenizer, trainer_state: dict[str, Any], reference=None,
+                           model_state: dict | None = None, reference_state: dict | None = None,
+                           sharded: bool = False) -> None:
+    """Write a checkpoint's files into ``folder``: the model (``save_pretrained``; only its architecture when
+    ``sharded``: the shards are in folder/sharded already), the tokenizer, the reference, then the trainer state
+    with the sha256 of every weights file. ``model_state`` (``reference_state``): the full state dict of a sharded
+    model (reference), gathered by the engine, saved instead of the module's own. Refuses (NonFiniteError) weights
+    that hold a NaN or an infinity, before writing anything."""
+    if not sharded:
+        check_finite_weights(model if model_state is None else model_state, int(trainer_state["step"]))
     if sharded:
         model.config.save_pretrained(folder)  # the architecture, for `klgrpo export`
     elif hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
@@ -134,8 +155,9 @@ def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: 
         tokenizer.save_pretrained(folder)
     if reference is not None:
         reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
-    save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step},
-               extra={WEIGHTS_SUMS: weights_checksums(folder)})
+    save_state(folder, STATE_STEM, trainer_state,
+               extra={WEIGHTS_SUMS: weights_checksums(folder), VERSION_KEY: CHECKPOINT_VERSION},
+               metadata={VERSION_KEY: str(CHECKPOINT_VERSION)})
 
 
 def _weights_files(folder: Path) -> list[Path]:
@@ -153,11 +175,19 @@ def weights_checksums(folder: Path) -> dict[str, str]:
 
 def verify_checksums(checkpoint: Path) -> None:
     """The weights files of ``checkpoint`` are byte for byte those it was saved with (the sha256 recorded in
-    its trainer_state.json); a checkpoint written before checksums were recorded passes unchecked. Raises
-    StateFileError naming the first file that is missing or changed."""
+    its trainer_state.json), and no weights file was added. Raises StateFileError naming the first file that is
+    missing, changed or unlisted, or the checkpoint whose checksum entries were removed. Only a checkpoint that
+    predates checksums passes unchecked: its trainer_state.json has neither checksum entry nor a
+    ``checkpoint_version``, and its trainer_state.safetensors header no ``checkpoint_version`` either (every
+    checkpoint written since records all of them)."""
     checkpoint = Path(checkpoint)
-    sums = read_state_doc(checkpoint, STATE_STEM).get(WEIGHTS_SUMS)
+    doc = read_state_doc(checkpoint, STATE_STEM)
+    sums = doc.get(WEIGHTS_SUMS)
     if not isinstance(sums, dict):
+        if _records_checksums(checkpoint, doc):
+            raise StateFileError(f"{checkpoint / STATE_FILE} has no {WEIGHTS_SUMS} entries, which a checkpoint "
+                                 f"of this layout (checkpoint_version {CHECKPOINT_VERSION}) records; its weights "
+                                 f"cannot be checked (an edited or cut trainer state)")
         return
     for name, digest in sorted(sums.items()):
         path = checkpoint / name
@@ -166,6 +196,39 @@ def verify_checksums(checkpoint: Path) -> None:
         if file_sha256(path) != digest:
             raise StateFileError(f"{path} cannot be read as saved: its sha256 differs from the one in {STATE_FILE} "
                                  f"(a disk error, a cut copy or an edit)")
+    unlisted = [p for p in _weights_files(checkpoint) if p.relative_to(checkpoint).as_posix() not in sums]
+    if unlisted:
+        raise StateFileError(f"{unlisted[0]} is not listed in {STATE_FILE} (it was not saved with the checkpoint)")
+
+
+def _records_checksums(checkpoint: Path, doc: dict) -> bool:
+    """Whether the checkpoint was written by a klgrpo that records checksums (see ``verify_checksums``)."""
+    meta = read_state_metadata(checkpoint, STATE_STEM)
+    return VERSION_KEY in doc or "sha256" in doc or VERSION_KEY in meta
+
+
+def recorded_config(checkpoint: Path) -> dict | None:
+    """The run's settings recorded with ``checkpoint`` (None: an older checkpoint, or an unreadable state)."""
+    try:
+        tree = read_state_doc(Path(checkpoint), STATE_STEM).get("tree")
+    except StateFileError:
+        return None
+    config = tree.get(RUN_CONFIG) if isinstance(tree, dict) else None  # plain JSON: no tensor or tag inside
+    return config if isinstance(config, dict) else None
+
+
+def check_checkpoint(path, field: str) -> None:
+    """Before a model folder ``path`` is read (as ``field``: model.name_or_path, kl.reference, CHECKPOINT, ...):
+    a klgrpo checkpoint (a folder with trainer_state.json) must pass ``verify_checksums``; anything else (a
+    transformers folder, a hub name) is left to its loader. One ConfigError line otherwise."""
+    folder = Path(str(path))
+    if not str(path) or not (folder / STATE_FILE).is_file():
+        return
+    try:
+        verify_checksums(folder)
+    except StateFileError as exc:
+        raise ConfigError(f"{field} {path}: {exc}; pass an intact checkpoint (an older one of the run: "
+                          f"checkpoints/step_N)") from None
 
 
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")

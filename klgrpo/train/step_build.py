@@ -18,6 +18,7 @@ from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardModelContext
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
+from klgrpo.run.checkpoint import check_checkpoint
 from klgrpo.train.building import build_optimizer, make_scheduler
 from klgrpo.config.entries import reward_specs
 from klgrpo.config.schema import GRPOConfig
@@ -25,7 +26,7 @@ from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step import GRPOStep
-from klgrpo.config.terms import build_entropy_controller, build_kl_controller
+from klgrpo.config.terms import build_entropy_controller, build_kl_controller, step_plan
 from klgrpo.train.step_memory import check_step_memory
 
 
@@ -50,6 +51,9 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     device = resolve_device(cfg.model.device)
     if dist.device is not None and cfg.model.device == "auto":
         device = dist.device
+    if model is None:
+        check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
+    check_checkpoint(cfg.kl.reference, "kl.reference")
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache)
     if main_log:
@@ -115,14 +119,15 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
     if cfg.kl.replay.coef > 0 and (dist.is_main or engine.kind != "single"):
         from klgrpo.train.replay import ReplayAnchor
 
-        # A new or empty folder gets the cache now; one that holds files only once the run has opened it.
+        # A new or empty folder gets the cache now, under its lock, so the ranks of a run share one cache (the replay
+        # batch must be the same on every rank); one that holds files only once the run has opened it (GRPOStep.start).
         fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
         replay = ReplayAnchor.build(cfg, model, parts["tokenizer"], reference, run_dir, log=log,
                                     sampler=parts["sampler"], write_now=fresh)
     if engine.kind != "single":
         train_forward, optimizer = engine.prepare(model, optimizer)
         engine.prepare_reference(reference)
-    return GRPOStep(cfg=cfg, dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
+    return GRPOStep(plan=step_plan(cfg), dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
                     scheduler=scheduler, controller=build_kl_controller(cfg.kl),
                     entropy_controller=build_entropy_controller(cfg.loss),
                     guard=NonFiniteGuard(cfg.train.max_skipped_steps), replay=replay,

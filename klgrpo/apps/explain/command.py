@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
                                                             "on LINE, when a script has several")
     p.add_argument("--write", metavar="YAML", help="write the klgrpo config to YAML (one FILE)")
-    p.add_argument("--overwrite", action="store_true", help="let --write / --json replace an existing file")
+    p.add_argument("--overwrite", action="store_true", help="let --write, --json or --plot replace an existing file")
     p.add_argument("--json", metavar="OUT", help="write the explanation as JSON to OUT (one FILE or --run)")
     p.add_argument("--strict", action="store_true",
                    help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
@@ -68,34 +67,29 @@ def _check_arguments(args: argparse.Namespace) -> None:
     for option, value in (("--warn-above", args.warn_above), ("--warn-below", args.warn_below)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"{option} must be a finite number >= 0 (a KL per token), got {value}")
-    inputs = [*args.files, *([args.config] if args.config else [])]
+    inputs = [*args.files, *([args.config] if args.config else []), *([args.run] if args.run else [])]
     for option, out in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
         if out is not None:
-            _check_output(option, out, inputs, args.overwrite, refuse_existing=option == "--write")
+            _check_output(option, out, inputs, args.overwrite)
 
 
-def _check_output(option: str, out: str, inputs: list[str], overwrite: bool, refuse_existing: bool) -> None:
-    """Before anything is computed: the folder exists and is writable, and no input or (for --write) no existing
-    file is replaced unless --overwrite."""
-    path = Path(out)
-    if out == "" or path.is_dir():
-        raise ConfigError(f"{option} {out!r} is {'a folder' if out else 'empty'}; pass a file path")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
+def _check_output(option: str, out: str, inputs: list[str], overwrite: bool) -> None:
+    """Before anything is computed: the one rule of every command's outputs (klgrpo/apps/outputs.py): not an
+    input, nor inside one (a run folder), and an existing file replaced only with --overwrite."""
+    from klgrpo.apps.outputs import check_output
+
+    if out and Path(out).is_dir():
+        raise ConfigError(f"{option} {out!r} is a folder; pass a file path")
+    parent = Path(out).parent if str(Path(out).parent) else Path(".")
+    if out and not parent.is_dir():
         raise ConfigError(f"{option} {out}: the folder {parent} does not exist; create it or pick another path")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{option} {out}: the folder {parent} is not writable; pick another path")
-    same = [i for i in inputs if i != "-" and Path(i).exists() and path.exists() and Path(i).samefile(path)]
-    if not overwrite and (same or refuse_existing and path.exists()):
-        what = "is the input being explained" if same else "exists"
-        raise ConfigError(f"{option} {out} {what}; pass another path, or --overwrite to replace it")
+    check_output(out, option, inputs, overwrite)
 
 
 def _write(option: str, out: str, text: str) -> None:
-    try:
-        Path(out).write_text(text, encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{option} {out}: cannot write ({err.strerror}); pick another path") from None
+    from klgrpo.apps.outputs import write_text_file
+
+    write_text_file(out, text, option)
 
 
 def _one_line(text: str) -> str:
