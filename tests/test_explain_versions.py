@@ -15,7 +15,7 @@ from klgrpo.integrations.versions import _table, parse_option, profiles, stated_
 def _run(tmp_path, text, name="cfg.yaml", extra=()):
     src = tmp_path / name
     src.write_text(text)
-    out = tmp_path / "out.json"
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*.json')))}.json"  # a new file each run
     status = main([str(src), "--json", str(out), *extra])
     return status, (json.loads(out.read_text()) if status == 0 else None)
 
