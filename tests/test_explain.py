@@ -25,7 +25,7 @@ EXPECTED = {
     "verl_low_var_kl_and_reward.yaml": ("verl", {"token_on_policy": "neither", "sequence_on_policy": "neither",
                                                  "token_off_policy": "neither"}),
     "openrlhf_k3_loss.txt": ("openrlhf", {"token_on_policy": "forward", "sequence_on_policy": "neither"}),
-    "unsloth_dynamic.yaml": ("unsloth", {"token_on_policy": "reverse", "sequence_on_policy": "neither"}),
+    "unsloth_dynamic.yaml": ("adaptive_kl", {"token_on_policy": "reverse", "sequence_on_policy": "neither"}),
 }
 
 
@@ -178,7 +178,7 @@ def test_stdin(monkeypatch, capsys):
 
     monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump({"beta": 0.04})))
     assert main(["-"]) == 0
-    assert capsys.readouterr().out.startswith("<stdin>: TRL 1.16 GRPOConfig")
+    assert capsys.readouterr().out.startswith("<stdin>: TRL GRPOConfig, on TRL 1.10.0 or later")
 
 
 def test_fields_outside_the_tables_are_named_or_ignored(tmp_path):

@@ -110,7 +110,7 @@ def test_several_calls_are_refused_with_their_lines_and_call_picks_one(tmp_path,
     assert main([str(src)]) == 2
     assert "has 2 GRPOConfig calls (lines 3, 4); pass --call LINE" in capsys.readouterr().err
     report = _report(tmp_path, src, "--call", "4")
-    assert report["source"] == "unsloth" and report["config"]["kl"]["controller"] == "dual"
+    assert report["source"] == "adaptive_kl" and report["config"]["kl"]["controller"] == "dual"
     assert main([str(src), "--call", "2"]) == 2
     assert "no GRPOConfig call on line 2; the calls are on lines 3, 4" in capsys.readouterr().err
 

@@ -457,6 +457,33 @@ def test_sequence_level_refuses_only_what_gspo_lacks():
     assert "vllm_importance_sampling_mode" not in token_vllm.source_runtime
     assert "per token" in token_vllm.unmapped["vllm_importance_sampling_mode"]
     sequence_vllm = map_trl({**base, "use_vllm": True, "vllm_importance_sampling_mode": "sequence_mask"})
-    assert set(sequence_vllm.unmapped) == sequence_vllm.source_runtime == {"use_vllm"}  # kept by TRL's trainer
+    # use_vllm maps onto klgrpo's vLLM sampler and its correction; the KL term's weighting differs (klgrpo weights it
+    # too), which the bridge leaves to TRL's trainer
+    assert sequence_vllm.config["rollout.sampler"] == "vllm"
+    assert sequence_vllm.config["rollout.sampler_correction"] == "sequence_mask"
+    assert set(sequence_vllm.unmapped) == sequence_vllm.source_runtime == {"vllm_importance_sampling_correction"}
     opted_in = map_trl({**base, "use_bias_correction_kl": True, "kl_importance_weight": "in_graph"})
     assert not opted_in.unmapped  # the user accepts klgrpo's per-token KL weight
+
+
+def test_use_vllm_maps_onto_the_vllm_sampler_and_its_correction():
+    """TRL's use_vllm picks klgrpo's vLLM sampler of the same mode; its importance ratio is
+    rollout.sampler_correction with the same mode and bounds (cap: the deprecated name of clip_max; None: 0, no
+    bound); beta 0 leaves nothing unmapped, since only the KL term's weighting differs."""
+    from klgrpo.integrations.trl_mapping import map_trl
+
+    base = {"beta": 0.0, "use_vllm": True}
+    default = map_trl(base)
+    assert (default.config["rollout.sampler"], default.config["rollout.sampler_correction"],
+            default.config["rollout.sampler_correction_min"], default.config["rollout.sampler_correction_max"]) == (
+        "vllm", "sequence_mask", 0.0, 3.0) and not default.unmapped
+    server = map_trl({**base, "vllm_mode": "server", "vllm_importance_sampling_mode": "token_truncate",
+                      "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_cap": 2.0})
+    assert (server.config["rollout.sampler"], server.config["rollout.sampler_correction"],
+            server.config["rollout.sampler_correction_min"], server.config["rollout.sampler_correction_max"]) == (
+        "vllm_server", "token_truncate", 0.5, 2.0)
+    unbounded = map_trl({**base, "vllm_importance_sampling_clip_max": None})
+    assert unbounded.config["rollout.sampler_correction_max"] == 0.0
+    off = map_trl({**base, "vllm_importance_sampling_correction": False})
+    assert "rollout.sampler_correction" not in off.config and off.config["rollout.sampler"] == "vllm"
+    assert "rollout.sampler" not in map_trl({"beta": 0.0}).config

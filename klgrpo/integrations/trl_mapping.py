@@ -100,15 +100,17 @@ ADAPTIVE_KL_FIELDS = (
 
 #: TRL 1.16's defaults of the fields the mapping reads beyond the tables.
 TRL_OTHER_DEFAULTS = {
-    "gradient_accumulation_steps": 1, "steps_per_generation": None, "use_vllm": False,
+    "gradient_accumulation_steps": 1, "steps_per_generation": None, "use_vllm": False, "vllm_mode": "colocate",
     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
+    "vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": 3.0,
+    "vllm_importance_sampling_cap": None,
     "multi_objective_aggregation": "sum_then_normalize", "reward_weights": None,
 }
 TRL_DEFAULTS = {**{row.field: row.default for row in TRL_FIELDS}, **TRL_OTHER_DEFAULTS}
 ADAPTIVE_KL_DEFAULTS = {row.field: row.default for row in ADAPTIVE_KL_FIELDS}
 #: Fields TRL's trainer applies around the loss that klgrpo's own trainer has no counterpart for; the bridge
 #: keeps TRL's (it runs inside TRL's trainer), ``klgrpo explain`` names them.
-TRL_RUNTIME_FIELDS = ("steps_per_generation", "use_vllm", "multi_objective_aggregation", "reward_weights")
+TRL_RUNTIME_FIELDS = ("steps_per_generation", "multi_objective_aggregation", "reward_weights")
 SCALE_REWARDS = {"group": "group", True: "group", "true": "group", "batch": "batch", "none": "none", False: "none",
                  "false": "none"}
 
@@ -125,13 +127,15 @@ def resolved_is_correction(values: MappingType[str, Any]) -> str:
     return "in_graph" if values["use_bias_correction_kl"] else "none"
 
 
-def map_trl(fields: MappingType[str, Any]) -> Mapped:
-    """TRL (and adaptive-KL) field values -> klgrpo keys; absent fields take TRL 1.16's (and the adaptive-KL
-    fields') defaults. Fields whose objective klgrpo's math lacks land in ``unmapped`` with the reason."""
-    v = {**TRL_DEFAULTS, **ADAPTIVE_KL_DEFAULTS, **fields}
+def map_trl(fields: MappingType[str, Any], defaults: MappingType[str, Any] | None = None) -> Mapped:
+    """TRL (and adaptive-KL) field values -> klgrpo keys; absent fields take ``defaults`` (another TRL release's,
+    klgrpo.integrations.versions) or else TRL 1.16's (and the adaptive-KL fields') defaults. Fields whose
+    objective klgrpo's math lacks land in ``unmapped`` with the reason."""
+    v = {**TRL_DEFAULTS, **ADAPTIVE_KL_DEFAULTS, **(defaults or {}), **fields}
     out = Mapped()
     _map_kl(v, out)
     _map_policy(v, out)
+    _map_sampler(v, out)
     _map_rest(v, out)
     drop_unread_kl_keys(out.config)
     return out
@@ -217,6 +221,26 @@ def _sequence_level(v: dict, policy: str, out: Mapped) -> None:
             out.unmapped[name] = reason
 
 
+def _map_sampler(v: dict, out: Mapped) -> None:
+    """use_vllm: klgrpo's vLLM sampler of the same mode; TRL's vLLM importance ratio is rollout.sampler_correction
+    with the same mode and bounds (vllm_importance_sampling_cap: the deprecated name of clip_max)."""
+    if not v["use_vllm"]:
+        return
+    out.config["rollout.sampler"] = "vllm_server" if v["vllm_mode"] == "server" else "vllm"
+    if not v["vllm_importance_sampling_correction"] or "use_vllm" in out.unmapped:  # vespo: see _map_policy
+        return
+    clip_max = v["vllm_importance_sampling_cap"] or v["vllm_importance_sampling_clip_max"]
+    out.config.update({"rollout.sampler_correction": v["vllm_importance_sampling_mode"],
+                       "rollout.sampler_correction_min": float(v["vllm_importance_sampling_clip_min"] or 0.0),
+                       "rollout.sampler_correction_max": float(clip_max or 0.0)})
+    if v["beta"] != 0.0:
+        out.unmapped["vllm_importance_sampling_correction"] = (
+            "TRL weights the policy term by vLLM's ratio and leaves the KL term unweighted, so with samples from vLLM "
+            "its KL gradient follows neither KL; klgrpo weights both terms (the same policy term, a KL term whose "
+            "gradient follows the reverse KL): docs/kl_guide.md, 'A sampler that is not the policy'")
+        out.source_runtime.add("vllm_importance_sampling_correction")  # klgrpo.trl: TRL's trainer applies its ratio
+
+
 def _map_rest(v: dict, out: Mapped) -> None:
     if v["scale_rewards"] not in SCALE_REWARDS:
         out.unmapped["scale_rewards"] = f"{v['scale_rewards']!r} is not one of TRL's scalings"
@@ -235,8 +259,6 @@ def _map_rest(v: dict, out: Mapped) -> None:
         "steps_per_generation": (steps_per_generation > accumulation,
                                  "one generation feeds several optimizer steps on different completions; "
                                  "klgrpo's train.num_iterations reuses the whole batch"),
-        "use_vllm": (v["use_vllm"] and v["vllm_importance_sampling_correction"],
-                     "klgrpo samples with the policy it trains: no vLLM importance ratio"),
         "multi_objective_aggregation": (v["multi_objective_aggregation"] != "sum_then_normalize",
                                         "klgrpo sums the weighted rewards, then normalises"),
         "reward_weights": (v["reward_weights"] is not None, "give each reward its weight in rewards.functions"),

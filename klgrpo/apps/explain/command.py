@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import yaml
 from klgrpo.apps.commands import command_parser
 from klgrpo.apps.explain.reading import read_text
 from klgrpo.apps.explain.report import explain, format_report
-from klgrpo.apps.explain.sources import FORMATS, load_source
+from klgrpo.apps.explain.sources import FORMATS, TRL_KINDS, load_source, load_variants
 from klgrpo.apps.explain.trl_fields import TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError, KLGRPOError
 
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="*", metavar="FILE", help="config file(s), launch or training script(s), or - "
                                                             "for standard input")
     p.add_argument("--from", dest="source", choices=FORMATS, help="the format (default: detected)")
+    p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
+                                                     "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'); "
+                                                     "default: what the file states, else every release range")
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
                                                             "on LINE, when a script has several")
     p.add_argument("--write", metavar="YAML", help="write the klgrpo config to YAML (one FILE)")
@@ -60,6 +64,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError("--config, --plot, --warn-above and --warn-below go with --run FOLDER")
         if (args.write or args.json) and len(args.files) != 1:
             raise ConfigError("--write and --json take one FILE; explain the files one at a time")
+    for option, value in (("--warn-above", args.warn_above), ("--warn-below", args.warn_below)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{option} must be a finite number >= 0 (a KL per token), got {value}")
     inputs = [*args.files, *([args.config] if args.config else []), *([args.run] if args.run else [])]
     for option, out in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
         if out is not None:
@@ -92,7 +99,7 @@ def _one_line(text: str) -> str:
 
 def _version_note(source: str) -> list[str]:
     """Which TRL's fields and defaults were used, when the installed TRL is another release."""
-    if source not in ("trl", "unsloth"):
+    if source not in TRL_KINDS:
         return []
     from importlib.metadata import PackageNotFoundError, version
 
@@ -106,12 +113,36 @@ def _version_note(source: str) -> list[str]:
 
 
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The report of FILE; for TRL and Unsloth, under each release range the file may run on: one report when
+    their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
+    from klgrpo.integrations.versions import parse_option, spans, stated_in
+
     text, origin = read_text(path)
-    source, mapped = load_source(text, origin, args.source, args.call)
-    report = explain(source, mapped)
-    report["notes"] = _version_note(source)
-    report["origin"] = origin
+    versions = parse_option(args.version) if args.version else stated_in(text)
+    source, variants = load_variants(text, origin, args.source, args.call, versions)
+    if source not in TRL_KINDS and args.version:
+        raise ConfigError(f"--version reads TRL or Unsloth releases; {origin} is {source}")
+    reports = []
+    for profile, mapped in variants:  # the newest range first: the top-level verdict is its
+        report = explain(source, mapped)
+        report["notes"] = _version_note(source) if profile is None else []
+        reports.append((profile, report))
+    groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
+    report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0])}
+    if len(groups) > 1:
+        report["versions"] = [{**one, "releases": spans(found)} for found, one in groups]
     return report
+
+
+def group_by_verdict(reports: list[tuple[Any, dict[str, Any]]]) -> list[tuple[list[Any], dict[str, Any]]]:
+    """(range, report) pairs with the same verdicts (gradients, value, beta's rule, aggregation, risks) -> one
+    entry with every range that gives it, in the order first seen."""
+    groups: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+    for profile, report in reports:
+        key = json.dumps([report[k] for k in ("gradient", "value", "controller", "aggregation", "risks")],
+                         sort_keys=True, default=str)
+        groups.setdefault(key, ([], report))[0].append(profile)
+    return list(groups.values())
 
 
 def _config_file(path: str) -> dict[str, Any]:
@@ -148,11 +179,23 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_report(report: dict[str, Any]) -> None:
+    versions = report.get("versions")
+    for entry in versions or [report]:
+        print(format_report(report["origin"], entry))
+    if not versions:
+        return
+    said = "; ".join(f"on {' and '.join(e['releases'])}: token {e['gradient']['token_on_policy']}, "
+                     f"sequence {e['gradient']['sequence_on_policy']}, beta {e['controller']}" for e in versions)
+    print(f"{report['origin']}: the answer depends on the release ({said}): which do you run? Pass --version "
+          "(e.g. --version trl==0.18), or pin it in the file")
+
+
 def _explain_files(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
         report = explain_file(path, args)
-        print(format_report(report["origin"], report))
+        _print_report(report)
         if args.write:
             header = "".join(f"# no counterpart: {_one_line(k)}: {_one_line(v)}\n"
                              for k, v in report["unmapped"].items())
@@ -160,7 +203,8 @@ def _explain_files(args: argparse.Namespace) -> int:
                    f"{header}" + yaml.safe_dump(report["config"], sort_keys=False))
         if args.json:
             _write("--json", args.json, json.dumps(report, indent=2) + "\n")
-        if args.strict and report["gradient"]["token_on_policy"] != "reverse":
+        verdicts = [e["gradient"]["token_on_policy"] for e in report.get("versions", [report])]
+        if args.strict and any(v != "reverse" for v in verdicts):
             status = STRICT_EXIT
     return status
 
