@@ -482,6 +482,10 @@ def test_use_vllm_maps_onto_the_vllm_sampler_and_its_correction():
     assert (server.config["rollout.sampler"], server.config["rollout.sampler_correction"],
             server.config["rollout.sampler_correction_min"], server.config["rollout.sampler_correction_max"]) == (
         "vllm_server", "token_truncate", 0.5, 2.0)
+    assert server.config["rollout.vllm.server_url"] == "http://0.0.0.0:8000"  # TRL's client's default address
+    based = map_trl({**base, "vllm_mode": "server", "vllm_server_base_url": "http://gen:8001"})
+    assert based.config["rollout.vllm.server_url"] == "http://gen:8001"
+    assert "rollout.vllm.server_url" not in default.config
     unbounded = map_trl({**base, "vllm_importance_sampling_clip_max": None})
     assert unbounded.config["rollout.sampler_correction_max"] == 0.0
     off = map_trl({**base, "vllm_importance_sampling_correction": False})
