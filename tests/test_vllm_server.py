@@ -279,3 +279,29 @@ def test_the_docs_settings_table_is_the_declarations():
     assert VLLMConfig().server_timeout == vllm_server.DEFAULT_TIMEOUT_S
     assert VLLMConfig().server_retries == vllm_server.DEFAULT_RETRIES
     assert f"pauses of {vllm_server.RETRY_PAUSE_S:g}, {2 * vllm_server.RETRY_PAUSE_S:g}, " in doc
+
+
+def test_a_weights_file_klgrpo_did_not_write_is_never_overwritten(tmp_path, tiny_model_dir):
+    """rollout.vllm.weights_dir pointed at a model folder: refused in one line, the user's file unchanged; klgrpo's
+    own file there (a resumed run) is replaced."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    users = tmp_path / "users_model"
+    shutil.copytree(tiny_model_dir, users)
+    before = (users / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="rollout.vllm.weights_dir .* klgrpo did not write"):
+        vllm_server.write_weights(model, str(users))
+    assert (users / "model.safetensors").read_bytes() == before
+    ours = tmp_path / "ours"
+    vllm_server.write_weights(model, str(ours))
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    vllm_server.write_weights(model, str(ours))  # its own file: replaced
+    from safetensors.torch import load_file
+
+    written = load_file(str(ours / "model.safetensors"))
+    assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())
+    assert sorted(p.name for p in ours.iterdir()) == ["model.safetensors"]  # no partial file left

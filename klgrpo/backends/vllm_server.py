@@ -24,8 +24,10 @@ and the last checkpoint stays as it was.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 import urllib.error
@@ -92,7 +94,10 @@ class ServerClient:
 
     def __init__(self, url: str, timeout_s: float, retries: int, weights_dir: str = ""):
         self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
-        self.weights_dir = weights_dir or tempfile.mkdtemp(prefix="klgrpo-vllm-weights-")
+        if not weights_dir:  # a policy-sized file: removed when the process ends
+            weights_dir = tempfile.mkdtemp(prefix="klgrpo-vllm-weights-")
+            atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
+        self.weights_dir = weights_dir
         self.sent: tuple | None = None  # weights_version of the policy at the last reload
         self.reloads = 0
         self._model_name: str | None = None
@@ -172,11 +177,24 @@ def completions_to_tensors(choices: list[dict], pad_id: int, device) -> tuple[Te
     return ids.to(device), logp.to(device)
 
 
+#: the metadata entry marking a weights file as klgrpo's: only such a file is ever overwritten
+WRITER = ("written_by", "klgrpo vllm_server")
+
+
 def write_weights(model, folder: str) -> None:
     """The policy's weights (a LoRA policy merged) as ``folder``/model.safetensors, written to a temporary name
     and renamed, so the server never reads half a file. Tensors sharing storage (tied embeddings) are copied:
-    safetensors stores each once."""
+    safetensors stores each once. A model.safetensors there that klgrpo did not write (a model folder given as
+    rollout.vllm.weights_dir) is refused, never overwritten."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
+
+    target = os.path.join(folder, "model.safetensors")
+    if os.path.exists(target):
+        with safe_open(target, "pt") as existing:
+            if (existing.metadata() or {}).get(WRITER[0]) != WRITER[1]:
+                raise ConfigError(f"rollout.vllm.weights_dir {folder} holds a model.safetensors klgrpo did not "
+                                  "write: give an empty folder for the weights sent to the vLLM server")
 
     tensors, seen = {}, set()
     for name, value in full_weights(model):
@@ -185,5 +203,5 @@ def write_weights(model, folder: str) -> None:
         seen.add(value.data_ptr())
     os.makedirs(folder, exist_ok=True)
     partial = os.path.join(folder, "model.safetensors.partial")
-    save_file(tensors, partial, metadata={"format": "pt"})
-    os.replace(partial, os.path.join(folder, "model.safetensors"))
+    save_file(tensors, partial, metadata={"format": "pt", WRITER[0]: WRITER[1]})
+    os.replace(partial, target)
