@@ -38,6 +38,8 @@ LOWER_BOUNDS = {
     "eval.every": (0, True, "0: before and after training only"),
     "eval.max_new_tokens": (0, True, "0: rollout.max_new_tokens"), "eval.batch_size": (1, True, ""),
     "model.lora.r": (0, True, "0: no LoRA"), "model.lora.alpha": (0, False, ""),
+    "kl.runaway_above": (0, False, ""), "kl.runaway_beta_factor": (1, True, ""), "kl.runaway_lr_factor": (0, False, ""),
+    "kl.runaway_max_rollbacks": (1, True, ""),
 }
 #: The fields a resume may change, as the run folder listed them before they were declared.
 RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
@@ -67,6 +69,45 @@ def test_a_value_past_a_declared_bound_is_refused_in_one_line_and_the_bound_itse
     else:
         with pytest.raises(ConfigError, match=re.escape(f"{path} must be > {low}, got {low!r}")):
             at_bound.validate()
+
+
+def test_an_upper_bound_is_read_from_the_declaration_and_refused_in_one_line():
+    declared = {path: f.metadata["high"] for path, f in all_field_paths() if f.metadata.get("high") is not None}
+    assert declared == {"kl.runaway_lr_factor": 1.0}
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig.from_dict(BASE).override({"kl.runaway_lr_factor": 1.5}).validate()
+    assert str(err.value) == "kl.runaway_lr_factor must be <= 1, got 1.5"
+    GRPOConfig.from_dict(BASE).override({"kl.runaway_lr_factor": 1.0}).validate()
+
+
+@pytest.mark.parametrize("dotted, message", [
+    ({"kl.on_runaway": "undo"}, "kl.on_runaway in command line is 'undo'; choose one of: warn, stop, rollback"),
+    ({"kl.horizon": "fast"}, "kl.horizon in command line must be a number or auto, got 'fast'"),
+    ({"kl.on_runaway": "rollback", "kl.runaway_beta_factor": 1, "kl.runaway_lr_factor": 1},
+     "kl.on_runaway rollback with kl.runaway_beta_factor 1 and kl.runaway_lr_factor 1 would repeat the same steps: "
+     "set kl.runaway_beta_factor > 1 or kl.runaway_lr_factor < 1"),
+    ({"kl.on_runaway": "stop", "kl.coef": 0, "kl.monitor": False},
+     "kl.on_runaway stop watches the KL, which kl.coef 0 with kl.monitor false does not compute: set kl.monitor "
+     "true or kl.on_runaway warn"),
+])
+def test_the_runaway_settings_and_the_auto_horizon_are_refused_in_one_line(dotted, message):
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig.from_dict(BASE).override(dotted).validate()
+    assert str(err.value) == message
+
+
+def test_the_auto_horizon_is_a_word_the_number_field_takes_and_the_run_sizes():
+    from klgrpo.config.terms import run_controller_params, run_horizon
+
+    cfg = GRPOConfig.from_dict(BASE).override({"kl.controller": "adaptive", "kl.horizon": "auto", "train.steps": 20,
+                                               "rollout.prompts_per_step": 4, "rollout.group_size": 8})
+    cfg.validate()
+    assert cfg.kl.horizon == "auto" and cfg.to_dict()["kl"]["horizon"] == "auto"
+    # 20 steps: 10^(4/20) - 1 = 0.585 per update is above the 0.5 cap, so H = 0.2 x 32 / 0.5 = 12.8
+    assert run_horizon(cfg) == pytest.approx(12.8, rel=1e-12)
+    assert run_controller_params(cfg)["horizon"] == pytest.approx(12.8, rel=1e-12)
+    # 1000 steps: 0.2 x 32 / (10^(4/1000) - 1) = 6.4 / 0.0092529 = 691.68
+    assert run_horizon(cfg.override({"train.steps": 1000})) == pytest.approx(691.68, abs=0.01)
 
 
 def test_only_the_declared_fields_may_be_infinite():

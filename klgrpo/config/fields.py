@@ -30,17 +30,20 @@ class Names:
 
 
 def setting(default: Any, help: str, choices: Any = None, *, low: float | None = None, above: bool = False,
-            at_low: str = "", infinite_ok: bool = False, resume_safe: bool = False) -> Any:
+            at_low: str = "", infinite_ok: bool = False, resume_safe: bool = False, high: float | None = None,
+            words: tuple[str, ...] = ()) -> Any:
     """A config field: its default, its one-line help (`klgrpo train --help`), its valid values (None: any), and
     what the checks and a resume read from its declaration:
 
     low, above    the lowest value allowed: ``value >= low``, or ``value > low`` with above=True (None: no bound)
     at_low        what the field means at its bound ("0: off"), said in the refusal
+    high          the highest value allowed: ``value <= high`` (None: no bound)
+    words         the words a number field also takes as they are ("auto"), resolved where the field is read
     infinite_ok   a float that may be infinite ("no upper bound"); NaN is refused everywhere
     resume_safe   a resume may change it (with a warning): it does not change what the steps compute
     """
     meta = {"help": help, "choices": choices, "low": low, "above": above, "at_low": at_low,
-            "infinite_ok": infinite_ok, "resume_safe": resume_safe}
+            "infinite_ok": infinite_ok, "resume_safe": resume_safe, "high": high, "words": tuple(words)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -52,7 +55,13 @@ def group(cls: type, *, resume_safe: bool = False) -> Any:
 
 
 def bound_problem(path: str, spec: dataclasses.Field, value: Any) -> str | None:
-    """The refusal of ``value`` under the lower bound declared on the field ``spec`` (None: it is in bounds)."""
+    """The refusal of ``value`` outside the bounds declared on the field ``spec`` (None: it is in bounds; a word
+    the field takes has no bound)."""
+    if isinstance(value, str) and value in spec.metadata.get("words", ()):
+        return None
+    high = spec.metadata.get("high")
+    if high is not None and not value <= high:
+        return f"{path} must be <= {high:g}, got {value!r}"
     low = spec.metadata.get("low")
     if low is None:
         return None

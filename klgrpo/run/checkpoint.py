@@ -87,8 +87,9 @@ def is_sharded(checkpoint: Path) -> bool:
 
 def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
                     reference=None, keep: int = 0, model_state: dict | None = None,
-                    reference_state: dict | None = None, sharded: bool = False) -> Path:
-    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all). ``model_state``
+                    reference_state: dict | None = None, sharded: bool = False, protect: tuple = ()) -> Path:
+    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all) but the folders in
+    ``protect`` (the states kl.on_runaway keeps). ``model_state``
     (``reference_state``): the full state dict of a sharded model (reference), gathered by the engine, saved
     instead of the module's own. ``sharded``: every rank has written its shards into ``shard_folder`` already;
     the checkpoint gets the architecture and the trainer state beside them.
@@ -117,8 +118,23 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         raise _save_error(exc, final, run_dir) from None
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
-            _remove(old)
+            if old not in {Path(p) for p in protect}:
+                _remove(old)
     return final
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoints/step_<N> folder."""
+    return int(_STEP_DIR.match(Path(folder).name).group(1))
+
+
+def remove_checkpoints_after(run_dir: Path, step: int) -> list[Path]:
+    """Delete the checkpoints of steps after ``step`` (a rollback undid those steps: a resume must not find
+    them); returns the folders removed."""
+    later = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) > step]
+    for folder in later:
+        _remove(folder)
+    return later
 
 
 def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from klgrpo.config.terms import run_horizon
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path, seed_everything
@@ -24,6 +25,7 @@ from klgrpo.train.evaluation import evaluate_sets
 from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.kl_watch import EntropyWatch, KLWatch
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
+from klgrpo.train.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
 from klgrpo.run.resume import load_resumable_checkpoint
 from klgrpo.run.run_folder import open_run_folder, resolve_auto_resume
 from klgrpo.train.step import GRPOStep
@@ -40,6 +42,8 @@ class TrainingRun:
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
         self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)
+        self.runaway = RunawayGuard(kl)  # kl.on_runaway (train/runaway.py)
+        self.kl_reach = KLReach(kl.target, kl.warn_window) if kl.controller == "adaptive" else None
         self.lock = None  # rank 0's, while train() runs
         self.stop_reason = ""
         self.eval_before: dict[str, float] = {}  # measured before the first step; a resumed run keeps it
@@ -116,6 +120,8 @@ class TrainingRun:
         self._finish_checkpoints()
         summary = self.summary(history, eval_after, time.perf_counter() - start)
         if main:
+            if "kl_reach" in summary:
+                self.log(summary["kl_reach"]["line"])
             if summary_extras is not None:
                 summary.update(summary_extras(summary))
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -132,6 +138,8 @@ class TrainingRun:
         cfg, step = self.cfg, self.grpo_step
         gate = None if self.dist.enabled else step.stop_gate  # several processes: every stop waits for the boundary
         with sigterm_as_interrupt(deferred=self.dist.enabled, gate=gate) as signals, save_on_interrupt(self, logger):
+            if step.completed < cfg.train.steps:
+                self.runaway.begin(self, logger.message)
             while step.completed < cfg.train.steps:
                 metrics, observation = self.train_step()
                 done = step.completed
@@ -144,17 +152,29 @@ class TrainingRun:
                     for line in watch.observe(done, value):
                         logger.message(line)
                         logger.text(name, line, done)
+                verdict = self._runaway_verdict(done, kl, logger)  # a rollback leaves step.completed < done
                 history.append(metrics)
                 step.stop_gate.release()  # the step is complete and logged: a stop that waited for it comes now
-                stop = self.should_stop(start, signals)
-                if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop:
+                stop = verdict == STOPPED or self.should_stop(start, signals)
+                if verdict == STOPPED:
+                    self.stop_reason = self.runaway.stop_reason
+                if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop and verdict != ROLLED_BACK:
                     # A stop waits for the checkpoint: raised inside the save (shutil.rmtree pruning an old one),
                     # it could turn into an OSError that skipped the interrupted run's own save.
                     step.stop_gate.hold()
                     self.save()
                     step.stop_gate.release()
+                if not stop:
+                    self.runaway.keep(self, verdict)  # after the save: a checkpoint of this step is reused
                 if stop:
                     break
+
+    def _runaway_verdict(self, done: int, kl: float | None, logger) -> str | None:
+        """The KL's reach (adaptive controller) and kl.on_runaway's verdict on the window ending at ``done``; both
+        observe after the warning signs, so a rollback restores their windows with the rest."""
+        if self.kl_reach is not None:
+            self.kl_reach.observe(done, kl)
+        return self.runaway.after_step(self, done, kl, logger)
 
     def _finish_checkpoints(self) -> None:
         """The last checkpoint is always whole (sharded or missing: written now); with model.lora.save_merged the
@@ -205,7 +225,18 @@ class TrainingRun:
             "stopped_early": self.stop_reason or None,
             "world_size": self.dist.world_size,
             "run_dir": str(self.run_dir),
+            **self._kl_summaries(),
         }
+
+    def _kl_summaries(self) -> dict[str, Any]:
+        """kl_reach (the adaptive controller) and runaway (kl.on_runaway stop or rollback), where they apply."""
+        out, cfg = {}, self.cfg
+        if self.kl_reach is not None:
+            out["kl_reach"] = self.kl_reach.summary(self.grpo_step.controller, cfg.kl.coef, run_horizon(cfg),
+                                                    cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+        if self.runaway.enabled:
+            out["runaway"] = self.runaway.summary()
+        return out
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, whole: bool = False) -> Path:
@@ -235,14 +266,19 @@ class TrainingRun:
                                    trainer_state={**state, **self.state_dict(), "rng_by_rank": rng},
                                    model_state=model_state, reference=step.reference,
                                    keep=self.cfg.train.keep_checkpoints, reference_state=reference_state,
-                                   sharded=sharded)
+                                   sharded=sharded, protect=self.runaway.protected)
         dist.barrier()
         return path
 
     def state_dict(self) -> dict[str, Any]:
         """The run's own part of a checkpoint (the step's is ``GRPOStep.state_dict``)."""
-        return {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
-                "entropy_watch": self.entropy_watch.state_dict()}
+        state = {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
+                 "entropy_watch": self.entropy_watch.state_dict()}
+        if self.runaway.enabled:
+            state["runaway"] = self.runaway.state_dict()
+        if self.kl_reach is not None:
+            state["kl_reach"] = self.kl_reach.state_dict()
+        return state
 
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
@@ -256,6 +292,9 @@ class TrainingRun:
         self.grpo_step.load_state_dict(state, same_layout=same_layout)
         self.kl_watch.load_state_dict(state.get("kl_watch"))
         self.entropy_watch.load_state_dict(state.get("entropy_watch"))
+        self.runaway.load_state_dict(state.get("runaway"))
+        if self.kl_reach is not None:
+            self.kl_reach.load_state_dict(state.get("kl_reach"))
         rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
         if len(rng_by_rank) == dist.world_size:
             set_rng_state(rng_by_rank[dist.rank])
@@ -277,6 +316,9 @@ class SilentLogger:
         pass
 
     def message(self, text):
+        pass
+
+    def rewind(self, step):
         pass
 
     def text(self, name, text, step):

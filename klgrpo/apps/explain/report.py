@@ -13,7 +13,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.math.objective import KLTerm
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.config.terms import controller_params, kl_term
+from klgrpo.config.terms import kl_term, run_controller_params
 
 FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}
@@ -70,7 +70,7 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
 
 def controller_rule(cfg: GRPOConfig) -> str:
     kl = cfg.kl
-    params = controller_params(kl)
+    params = run_controller_params(cfg)
     rules = {
         "fixed": f"fixed at {kl.coef:g}",
         "adaptive": f"beta <- beta (1 + clip(KL / {params.get('target', 0):g} - 1, -0.2, 0.2) n / "
