@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,8 @@ def test_each_action_is_one_console_line_and_a_tracker_text_entry(rolled_back):
     tracker = [entry for entry in said if entry[0] == "warnings/kl_runaway"]
     assert len(console) == 1 and "rolled back to step 0" in console[0] and "kept in memory" in console[0]
     assert tracker == [("warnings/kl_runaway", console[0], 4)]
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text().split())
+    assert f"`{console[0]}`" in docs  # the line docs/metrics.md quotes is this run's
     assert any(where == "console" and text.startswith("kl.on_runaway rollback: the start of the last healthy "
                                                       "window is kept in memory") for where, text, *_ in said)
 
@@ -105,6 +108,8 @@ def test_the_reach_line_on_a_known_kl_trace():
     # beta had to move by 0.02 / 0.01 x 0.5 / 0.08 = 12.5 in 6 updates: 12.5^(1/6) = 1.52342, so
     # H = 0.2 x 16 / 0.52342 = 6.1136
     assert r["horizon_to_reach"] == pytest.approx(6.1136, abs=1e-4)
+    assert " ".join(r["line"].split("; a kl.horizon")[0].split()) in " ".join(
+        (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text().split())  # the line it quotes
     assert r["line"] == ("KL reach: the KL ended outside its band [0.04, 0.12] (kl.target 0.08) at 0.5 (mean of "
                          "steps 5-6), never in the band; a kl.horizon of about 6.11 (this run's 32) would have brought "
                          "it to the target in these 6 updates (estimate: KL ~ 1/beta, the controller's error "

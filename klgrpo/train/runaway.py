@@ -164,6 +164,7 @@ class RunawayGuard:
         self.store = ""  # "memory" or "disk", chosen by begin()
         self.window_start: Kept | None = None
         self.target: Kept | None = None
+        self._saving: Kept | None = None  # the state being written as a checkpoint
         self._steps_at_load: tuple[int | None, int | None] = (None, None)  # (window start, target) of a checkpoint
         self.stop_reason = ""
 
@@ -174,7 +175,8 @@ class RunawayGuard:
     @property
     def protected(self) -> tuple[Path, ...]:
         """The checkpoints that pruning must keep: the window start and the target, on disk."""
-        return tuple(k.folder for k in (self.window_start, self.target) if k is not None and k.folder is not None)
+        kept = (self.window_start, self.target, self._saving)
+        return tuple(k.folder for k in kept if k is not None and k.folder is not None)
 
     @property
     def store_words(self) -> str:
@@ -192,20 +194,25 @@ class RunawayGuard:
         where = (f"in memory (CPU copies, 2 x {need / 2**30:.2f} GiB of {free / 2**30:.1f} GiB available)"
                  if self.store == "memory" else "on disk (checkpoints kept while they are needed)")
         log(f"kl.on_runaway {self.action}: the start of the last healthy window is kept {where}")
-        now = self._keep_now(run)
-        window_step, target_step = self._steps_at_load
-        self.window_start = now if window_step in (None, now.step) else self._on_disk(run, window_step, now, log)
-        self.target = now if target_step in (None, now.step) else self._on_disk(run, target_step, now, log)
+        completed = run.grpo_step.completed
+        window_step, target_step = self._steps_at_load  # a resumed run's; None: a fresh run
+        # the kept states of the process before (on disk: protected from the save below) ...
+        self.target = self._on_disk(run, target_step, completed, log)
+        self.window_start = self._on_disk(run, window_step, completed, log)
+        now = self._keep_now(run)  # ... and this step's, which stands in for any of them that is not
+        self.target, self.window_start = self.target or now, self.window_start or now
 
-    def _on_disk(self, run, step: int, now: Kept, log) -> Kept:
-        """A kept state of the process before this resume: its checkpoint, else (it was in that process's memory)
-        the resumed state stands in."""
+    def _on_disk(self, run, step: int | None, completed: int, log) -> Kept | None:
+        """A kept state of the process before this resume, from its checkpoint; None where it is this step's
+        state, or was in the memory of the stopped process (said in a line: the resumed state stands in)."""
+        if step is None or step == completed:
+            return None
         folder = step_folder(run.run_dir, step)
         if is_complete(folder):
             return Kept(step, folder=folder)
         log(f"kl.on_runaway: the state of step {step} was in the memory of the stopped process; the resumed state "
-            f"of step {now.step} stands in for it")
-        return now
+            f"of step {completed} stands in for it")
+        return None
 
     def _keep_now(self, run) -> Kept:
         step = run.grpo_step.completed
@@ -214,8 +221,9 @@ class RunawayGuard:
         folder = step_folder(run.run_dir, step)
         kept = Kept(step, folder=folder)
         if not is_complete(folder):
-            self.window_start = kept  # protected from the save's own pruning
+            self._saving = kept  # protected from the save's own pruning
             run.save()
+            self._saving = None
         return kept
 
     def keep(self, run, verdict: str | None) -> None:
