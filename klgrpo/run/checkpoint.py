@@ -17,8 +17,9 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -34,6 +35,10 @@ SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weig
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
 _TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
+
+
+class CheckpointLoadError(KLGRPOError):
+    """A checkpoint's file cannot be read, or holds a state the run cannot use."""
 
 
 #: The folder of a run that holds its checkpoints, one ``step_N`` folder each.
@@ -85,29 +90,33 @@ def is_sharded(checkpoint: Path) -> bool:
     return (Path(checkpoint) / SHARDS_DIR).is_dir()
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state: dict[str, Any],
-                    reference=None, keep: int = 0, model_state: dict | None = None,
-                    reference_state: dict | None = None, sharded: bool = False, protect: tuple = ()) -> Path:
-    """Write checkpoints/step_<step> atomically; prune to the newest ``keep`` (0: keep all) but the folders in
-    ``protect`` (the states kl.on_runaway keeps). ``model_state``
-    (``reference_state``): the full state dict of a sharded model (reference), gathered by the engine, saved
-    instead of the module's own. ``sharded``: every rank has written its shards into ``shard_folder`` already;
-    the checkpoint gets the architecture and the trainer state beside them.
+@contextmanager
+def checkpoint_writer(run_dir: Path, step: int, *, owner: bool = True, pid: int | None = None, keep: int = 0,
+                      ready: Callable[[], None] | None = None, protect: tuple = ()) -> Iterator[Path]:
+    """The atomic folder of checkpoints/step_<step>: yields the temporary folder to write into (process ``pid``'s,
+    rank 0's; created by the ``owner``), then renames it into place and prunes to the newest ``keep`` (0: keep
+    all) but the folders in ``protect``. Every process of a run enters it (``ready()``: a barrier once the folder
+    exists, so every rank can write its shards into it); only the owner creates, renames and prunes.
 
-    Refuses (NonFiniteError) to write weights that hold a NaN or an infinity; a full disk or a read-only
-    folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they were."""
-    if not sharded:
-        check_finite_weights(model if model_state is None else model_state, step)
+    A full disk or a read-only folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they
+    were; whatever is raised inside removes the temporary folder."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     final = step_folder(run_dir, step)
-    tmp = shard_folder(run_dir, step).parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not sharded:
+    tmp = shard_folder(run_dir, step, pid).parent
+    if owner:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        _write_checkpoint(tmp, step, model, tokenizer, trainer_state, reference, model_state, reference_state,
-                          sharded)
+        except OSError as exc:
+            raise _save_error(exc, final, run_dir) from None
+    if ready is not None:
+        ready()
+    if not owner:
+        yield tmp
+        return
+    try:
+        yield tmp
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
@@ -118,9 +127,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model, tokenizer, trainer_state
         raise _save_error(exc, final, run_dir) from None
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
-            if old not in {Path(p) for p in protect}:
+            if old not in {Path(p) for p in protect}:  # the states kl.on_runaway keeps
                 _remove(old)
-    return final
 
 
 def checkpoint_step(folder: Path) -> int:
@@ -137,9 +145,16 @@ def remove_checkpoints_after(run_dir: Path, step: int) -> list[Path]:
     return later
 
 
-def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: dict[str, Any], reference,
-                      model_state: dict | None = None, reference_state: dict | None = None,
-                      sharded: bool = False) -> None:
+def write_checkpoint_files(folder: Path, *, model, tokenizer, trainer_state: dict[str, Any], reference=None,
+                           model_state: dict | None = None, reference_state: dict | None = None,
+                           sharded: bool = False) -> None:
+    """Write a checkpoint's files into ``folder``: the model (``save_pretrained``; only its architecture when
+    ``sharded``: the shards are in folder/sharded already), the tokenizer, the reference, then the trainer state
+    with the sha256 of every weights file. ``model_state`` (``reference_state``): the full state dict of a sharded
+    model (reference), gathered by the engine, saved instead of the module's own. Refuses (NonFiniteError) weights
+    that hold a NaN or an infinity, before writing anything."""
+    if not sharded:
+        check_finite_weights(model if model_state is None else model_state, int(trainer_state["step"]))
     if sharded:
         model.config.save_pretrained(folder)  # the architecture, for `klgrpo export`
     elif hasattr(model, "peft_config"):  # the trainable adapter only; the reference adapter is saved separately
@@ -150,8 +165,7 @@ def _write_checkpoint(folder: Path, step: int, model, tokenizer, trainer_state: 
         tokenizer.save_pretrained(folder)
     if reference is not None:
         reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
-    save_state(folder, STATE_STEM, {**trainer_state, "rng": rng_state(), "step": step},
-               extra={WEIGHTS_SUMS: weights_checksums(folder)})
+    save_state(folder, STATE_STEM, trainer_state, extra={WEIGHTS_SUMS: weights_checksums(folder)})
 
 
 def _weights_files(folder: Path) -> list[Path]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -17,10 +16,9 @@ from typing import Any, Callable
 import torch
 
 from klgrpo.config.terms import run_horizon
-from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.train import metric_names as names
-from klgrpo.train.building import base_model_path, seed_everything
-from klgrpo.run.checkpoint import is_sharded, rng_state, save_checkpoint, set_rng_state, shard_folder, step_folder
+from klgrpo.train.building import base_model_path
+from klgrpo.run.checkpoint import checkpoint_writer, is_sharded, step_folder
 from klgrpo.train.evaluation import evaluate_sets
 from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.kl_watch import EntropyWatch, KLWatch
@@ -28,6 +26,8 @@ from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
 from klgrpo.train.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
 from klgrpo.run.resume import load_resumable_checkpoint
 from klgrpo.run.run_folder import open_run_folder, resolve_auto_resume
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.train.distributed import Distributed
 from klgrpo.train.step import GRPOStep
 from klgrpo.run.stop_signals import sigterm_as_interrupt
 from klgrpo.train.tally import StepTally
@@ -36,9 +36,10 @@ from klgrpo.train.tally import StepTally
 class TrainingRun:
     """A run of ``step`` in ``run_dir``: ``train()`` to train.steps, ``save()``, ``resume()``, ``evaluate()``."""
 
-    def __init__(self, step: GRPOStep, run_dir: Path, eval_sets: dict[str, Any], log: Callable = print):
+    def __init__(self, step: GRPOStep, run_dir: Path, eval_sets: dict[str, Any], cfg: GRPOConfig,
+                 dist: Distributed, log: Callable = print):
         self.grpo_step, self.run_dir, self.eval_sets, self.log = step, Path(run_dir), eval_sets, log
-        self.cfg, self.dist = step.cfg, step.dist
+        self.cfg, self.dist = cfg, dist
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
         self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)
@@ -67,8 +68,8 @@ class TrainingRun:
     def evaluate(self) -> dict[str, float]:
         """Rank 0 evaluates; with sharded parameters every rank enters (to gather the weights) and waits."""
         step = self.grpo_step
-        with step.engine.full_weights(step.model):
-            return evaluate_sets(step.model, step.tokenizer, self.eval_sets, self.cfg) if self.dist.is_main else {}
+        with step.full_weights() as model:
+            return evaluate_sets(model, step.tokenizer, self.eval_sets, self.cfg) if self.dist.is_main else {}
 
     # ------------------------------------------------------------------------------------------ the run
     def train(self, resume: str | None = None, overwrite: bool = False,
@@ -82,8 +83,6 @@ class TrainingRun:
         if resume == "auto":
             resume, overwrite = dist.agreed(lambda: resolve_auto_resume(self.run_dir, cfg), shared=True)
         self.lock = dist.agreed(lambda: open_run_folder(self.run_dir, cfg, resume, overwrite, log=self.log))
-        if self.grpo_step.replay is not None and dist.is_main:
-            self.grpo_step.replay.write_cache()  # sampled before the folder was open: written now that it is ours
         try:
             if resume:
                 self.resume(resume)
@@ -97,8 +96,8 @@ class TrainingRun:
     def _train(self, summary_extras=None) -> dict[str, Any]:
         cfg, step, main = self.cfg, self.grpo_step, self.dist.is_main
         start = time.perf_counter()
-        # Greedy evaluation runs on rank 0 only (sharded parameters: the others help gather the weights).
-        evaluate = bool(self.eval_sets) and (main or step.engine.shards_parameters)
+        # Greedy evaluation runs on rank 0 only; every rank enters it (sharded weights: the others help gather them).
+        evaluate = bool(self.eval_sets)
         if evaluate and step.completed == 0:
             self.eval_before = self.evaluate()
         history = StepTally()  # what the summary needs, not every row (constant memory per step)
@@ -110,7 +109,7 @@ class TrainingRun:
             if self.eval_before and step.completed == 0:
                 logger.log(0, self.eval_before)
             if step.completed < cfg.train.steps:
-                step.warm_up(logger.message if main else None)
+                step.start(logger.message if main else None)
             self._steps(logger, history, start, evaluate)
             if self.stop_reason:
                 logger.message(f"stopped at step {step.completed}: {self.stop_reason}")
@@ -146,7 +145,7 @@ class TrainingRun:
                 if evaluate and cfg.eval.every and done % cfg.eval.every == 0 and done < cfg.train.steps:
                     metrics.update(self.evaluate())
                 logger.log(done, metrics)
-                kl = observation.token_mean if step.reference is not None else None  # no reference: no KL seen
+                kl = observation.token_mean if names.RAW_KL in metrics else None  # no reference: no KL seen
                 for watch, value, name in ((self.kl_watch, kl, "warnings/kl"),
                                            (self.entropy_watch, metrics.get(names.ENTROPY), "warnings/entropy")):
                     for line in watch.observe(done, value):
@@ -199,7 +198,7 @@ class TrainingRun:
         over = bool(cfg.train.max_wall_seconds) and time.perf_counter() - start > cfg.train.max_wall_seconds
         if dist.enabled:
             noted = signals is not None and signals.signal is not None
-            verdict = dist.max(torch.tensor([float(over and dist.is_main), float(noted)], device=self.grpo_step.device))
+            verdict = dist.max(torch.tensor([float(over and dist.is_main), float(noted)], device=dist.device))
             over = bool(verdict[0].item())
             if verdict[1].item():
                 raise signals.interrupt()
@@ -240,38 +239,19 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, whole: bool = False) -> Path:
-        """Every rank calls this (RNG states are gathered); rank 0 writes the checkpoint, into which, with
-        train.sharded_checkpoints (unless ``whole``), every rank first writes its shards."""
+        """Every rank calls this: the step writes what it owns (with train.sharded_checkpoints, unless ``whole``,
+        every rank its shards) into the checkpoint folder that run/checkpoint.py makes atomic and prunes."""
         step, dist = self.grpo_step, self.dist
-        rng = dist.gather_objects(rng_state())
         sharded = self.cfg.train.sharded_checkpoints and not whole
-        model_state = None
-        if sharded:
-            folder = shard_folder(self.run_dir, step.completed, dist.broadcast_object(os.getpid()))
-            if dist.is_main:
-                shutil.rmtree(folder.parent, ignore_errors=True)
-                folder.mkdir(parents=True)
-            dist.barrier()
-            step.engine.save_sharded(folder, step.model, step.optimizer)
-            state = step.state_dict(with_optimizer=False)
-        else:
-            state = step.state_dict()
-            model_state = step.engine.full_state_dict(step.model)  # collectives
-        reference_state = None
-        if isinstance(step.reference, FrozenCopyReference) and step.reference.synced:  # kl.sync_every's weights
-            reference_state = step.engine.full_state_dict(step.reference.model)  # a collective under FSDP2
-        path = step_folder(self.run_dir, step.completed)
-        if dist.is_main:
-            path = save_checkpoint(self.run_dir, step.completed, model=step.model, tokenizer=step.tokenizer,
-                                   trainer_state={**state, **self.state_dict(), "rng_by_rank": rng},
-                                   model_state=model_state, reference=step.reference,
-                                   keep=self.cfg.train.keep_checkpoints, reference_state=reference_state,
-                                   sharded=sharded, protect=self.runaway.protected)
+        with checkpoint_writer(self.run_dir, step.completed, owner=dist.is_main, keep=self.cfg.train.keep_checkpoints,
+                               pid=dist.broadcast_object(os.getpid()), ready=dist.barrier,
+                               protect=self.runaway.protected) as folder:
+            step.save(folder, sharded=sharded, run_state=self.state_dict())
         dist.barrier()
-        return path
+        return step_folder(self.run_dir, step.completed)
 
     def state_dict(self) -> dict[str, Any]:
-        """The run's own part of a checkpoint (the step's is ``GRPOStep.state_dict``)."""
+        """The run's own part of a checkpoint (the step writes its own)."""
         state = {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
                  "entropy_watch": self.entropy_watch.state_dict()}
         if self.runaway.enabled:
@@ -283,23 +263,21 @@ class TrainingRun:
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
         skipped for an older one)."""
-        ckpt, _ = load_resumable_checkpoint(self.grpo_step, self.run_dir, resume, apply=self._load_state)
+        ckpt, _ = load_resumable_checkpoint(self.run_dir, resume, load=self._load)
         self.log(f"resumed from {ckpt} at step {self.grpo_step.completed}")
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        dist = self.dist
-        same_layout = len(state.get("rng_by_rank", [None])) == dist.world_size
-        self.grpo_step.load_state_dict(state, same_layout=same_layout)
+    def _load(self, folder: Path) -> dict[str, Any]:
+        state = self.grpo_step.load(folder)
+        self.load_state_dict(state)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The run's own part of a trainer state (``state_dict``'s keys; a rollback in memory restores it too)."""
         self.kl_watch.load_state_dict(state.get("kl_watch"))
         self.entropy_watch.load_state_dict(state.get("entropy_watch"))
         self.runaway.load_state_dict(state.get("runaway"))
         if self.kl_reach is not None:
             self.kl_reach.load_state_dict(state.get("kl_reach"))
-        rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
-        if len(rng_by_rank) == dist.world_size:
-            set_rng_state(rng_by_rank[dist.rank])
-        else:  # another world size: resumes correctly but not bit-identically
-            seed_everything(self.cfg.train.seed + dist.rank + 7919 * int(state["step"]))
         self.eval_before = state.get("eval_before") or {}
 
 
@@ -334,8 +312,7 @@ def save_on_interrupt(run: TrainingRun, logger):
         # A second Ctrl-C (or a SIGTERM) must not cut the save short.
         previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            run.grpo_step.rollback()
-            path = run.save()
+            path = run.save()  # the step interrupted before its optimizer step is undone first
             logger.message(f"interrupted: saved {path}; continue with --resume latest")
         finally:
             for s, handler in previous.items():

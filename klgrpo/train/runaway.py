@@ -30,8 +30,9 @@ import torch
 
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl_control import horizon_to_reach
-from klgrpo.run.checkpoint import is_complete, remove_checkpoints_after, rng_state, step_folder
+from klgrpo.run.checkpoint import is_complete, remove_checkpoints_after, rng_state, set_rng_state, step_folder
 from klgrpo.run.resume import load_resumable_checkpoint
+from klgrpo.train.step_state import load_step_state, step_state
 
 HEALTHY, WINDOW_END, RUNAWAY = "healthy", "window_end", "runaway"
 ROLLED_BACK, STOPPED = "rolled_back", "stopped"
@@ -97,7 +98,7 @@ def capture(run) -> dict[str, Any]:
     and the RNG."""
     step = run.grpo_step
     reference = _synced_reference(step)
-    state = {**step.state_dict(), **run.state_dict(), "rng_by_rank": [rng_state()]}
+    state = {**run.state_dict(), **step_state(step), "rng": rng_state()}
     return {"weights": _cpu_copy(_trainable(step.model)),
             "reference": _cpu_copy(reference.state_dict()) if reference is not None else None,
             "state": _cpu_copy(state)}
@@ -112,7 +113,10 @@ def restore(run, snapshot: dict[str, Any]) -> None:
         reference = _synced_reference(step)
         if snapshot["reference"] is not None and reference is not None:
             reference.load_state_dict(snapshot["reference"])
-    run._load_state(_cpu_copy(snapshot["state"]))
+    state = _cpu_copy(snapshot["state"])
+    load_step_state(step, state)
+    set_rng_state(state["rng"])
+    run.load_state_dict(state)
 
 
 def snapshot_bytes(step) -> int:
@@ -278,7 +282,7 @@ class RunawayGuard:
             if target.snapshot is not None:
                 restore(run, target.snapshot)
             else:
-                load_resumable_checkpoint(grpo, run.run_dir, str(target.folder), apply=run._load_state)
+                load_resumable_checkpoint(run.run_dir, str(target.folder), load=run._load)
             self._load_progress(progress)
             logger.rewind(target.step)
             beta, lr = self._apply_factors(grpo)

@@ -7,17 +7,20 @@ A "step" is one optimizer update (TRL's convention): a batch of prompts_per_step
 is generated every ``num_iterations`` steps and reused, off-policy, by the steps in between.
 
 ``GRPOStep`` holds what a step needs (policy, reference, optimizer, scheduler, KL controller, non-finite guard,
-the batch being reused) and knows nothing of folders, locks or logs: ``make_batch()``, ``update(batch)``,
-``advance()`` (both, as a run calls them) and ``state_dict()`` / ``load_state_dict()``. It is built by
-``train/step_build.py``; the run around the steps is ``train/loop.py``'s ``TrainingRun``.
+the batch being reused) and knows nothing of run folders, locks or logs: ``make_batch()``, ``update(batch)``,
+``advance()`` (both, as a run calls them), and ``save(folder)`` / ``load(folder)``, which write and read everything
+it owns in a checkpoint folder the run names (train/step_state.py). It is built by ``train/step_build.py``; the run
+around the steps is ``train/loop.py``'s ``TrainingRun``.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,9 +45,9 @@ from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
-from klgrpo.run.state_io import to_device
 from klgrpo.run.stop_signals import StopGate
 from klgrpo.train.step_metrics import StepSums, step_metrics
+from klgrpo.train.step_state import load_step, save_step
 from klgrpo.config.terms import entropy_in_use, entropy_term, kl_term, policy_term
 from klgrpo.train.timing import phase_timer as _timed
 
@@ -90,6 +93,14 @@ class GRPOStep:
                               temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat,
                               compiled=cfg.train.compile, sampler=self.sampler)
+
+    def start(self, log: Callable | None = None) -> list[int]:
+        """Before the first step of this process, once the run has opened its folder: the files the step keeps
+        there (the replay anchor's sampled cache: before that the folder may be another run's), then the sampler's
+        warm-up (``warm_up``). Returns the prompt widths compiled."""
+        if self.replay is not None and self.dist.is_main:
+            self.replay.write_cache()
+        return self.warm_up(log)
 
     def warm_up(self, log: Callable | None = None) -> list[int]:
         """Before the first step of this process: compile every prompt width the sampler will meet, where it
@@ -317,6 +328,9 @@ class GRPOStep:
         """Undo the data and RNG side effects of a step that did not reach its optimizer step (Ctrl-C mid-step;
         from the optimizer step on, ``stop_gate`` lets the step finish)."""
         self.stop_gate.reset()
+        self._undo_unfinished()
+
+    def _undo_unfinished(self) -> None:
         if self._started is None:
             return
         order, rng, batch, iterations_done = self._started
@@ -327,31 +341,21 @@ class GRPOStep:
             batch.iterations_done = iterations_done
         self._started = None
 
-    # ---------------------------------------------------------------------------------------------- state
-    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
-        """Everything a resume needs from the step but the weights; ``with_optimizer=False``: the AdamW moments
-        travel with a sharded checkpoint's shards."""
-        optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None
-        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
-                "controller": self.controller.state_dict(), "sampler": self.prompt_order.state_dict(),
-                "entropy_controller": self.entropy_controller.state_dict(),
-                "pending_batch": self.batch, "replay": self.replay.state_dict() if self.replay else None,
-                "guard": self.guard.state_dict(), "step": self.completed}
+    # ----------------------------------------------------------------------------------------- checkpoint
+    def save(self, folder: Path, *, sharded: bool = False, run_state: dict | None = None) -> None:
+        """Write everything the step owns into ``folder`` (train/step_state.py); every rank calls it. A step
+        interrupted before its optimizer step is undone first: a checkpoint holds the last completed step.
+        ``run_state``: the run's own part of the state, stored beside the step's and returned by ``load``."""
+        self._undo_unfinished()
+        save_step(self, folder, sharded=sharded, run_state=run_state)
 
-    def load_state_dict(self, state: dict[str, Any], same_layout: bool = True) -> None:
-        """Restore ``state_dict()``'s output; ``same_layout=False`` (another world size) drops a half-used batch,
-        which belongs to the old process layout."""
-        if state["optimizer"] is not None:  # None: a sharded checkpoint's moments, loaded with its weights
-            self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.controller.load_state_dict(state["controller"])
-        if state.get("entropy_controller") is not None:  # absent in checkpoints written before the entropy bonus
-            self.entropy_controller.load_state_dict(state["entropy_controller"])
-        self.prompt_order.load_state_dict(state["sampler"])
-        batch = state.get("pending_batch")
-        self.batch = to_device(batch, self.device) if batch is not None and same_layout else None
-        self.guard.load_state_dict(state.get("guard"))
-        if self.replay is not None and state.get("replay") is not None:
-            self.replay.load_state_dict(state["replay"])
-        self.completed = int(state["step"])
+    def load(self, folder: Path) -> dict[str, Any]:
+        """Read everything the step owns from the checkpoint ``folder``; returns the whole trainer state."""
+        return load_step(self, folder)
+
+    @contextmanager
+    def full_weights(self) -> Iterator[Any]:
+        """The policy with its full weights (sharded engines gather them; every rank enters), for evaluation."""
+        with self.engine.full_weights(self.model):
+            yield self.model
 

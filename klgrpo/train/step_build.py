@@ -115,7 +115,8 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
     if cfg.kl.replay.coef > 0 and (dist.is_main or engine.kind != "single"):
         from klgrpo.train.replay import ReplayAnchor
 
-        # A new or empty folder gets the cache now; one that holds files only once the run has opened it.
+        # A new or empty folder gets the cache now, under its lock, so the ranks of a run share one cache (the replay
+        # batch must be the same on every rank); one that holds files only once the run has opened it (GRPOStep.start).
         fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
         replay = ReplayAnchor.build(cfg, model, parts["tokenizer"], reference, run_dir, log=log,
                                     sampler=parts["sampler"], write_now=fresh)

@@ -55,7 +55,7 @@ class GRPOTrainer:
         self.grpo_step: GRPOStep = build_step(cfg, self.dist, self.engine, self.run_dir, model=model,
                                               tokenizer=tokenizer, train_dataset=train_dataset, loss_fn=loss_fn,
                                               log=log)
-        self.run = TrainingRun(self.grpo_step, self.run_dir, eval_sets, log=log)
+        self.run = TrainingRun(self.grpo_step, self.run_dir, eval_sets, cfg, self.dist, log=log)
 
     # ---------------------------------------------------------------------------------- the live objects
     @property
