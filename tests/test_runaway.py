@@ -60,7 +60,7 @@ def test_a_planted_runaway_is_caught_within_one_window_rolled_back_and_training_
     assert (action["action"], action["step"], action["to_step"]) == ("rolled_back", 4, 0)
     assert 0.5 < action["kl"] < 0.6
     assert action["beta"] == pytest.approx(0.02, rel=1e-12)  # 0.01 x 2
-    assert action["lr"] == pytest.approx(0.005, rel=1e-12)  # 0.05 x 0.1, constant schedule
+    assert action["base_lr"] == pytest.approx(0.005, rel=1e-12)  # 0.05 x 0.1
     rows = [r for r in _rows(out) if "adaptive_kl/raw_kl" in r]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # the undone steps' rows are gone
     assert max(r["adaptive_kl/raw_kl"] for r in rows) < 0.5

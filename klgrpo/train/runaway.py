@@ -288,7 +288,7 @@ class RunawayGuard:
             beta, lr = self._apply_factors(grpo)
             self.rollbacks += 1
             record = {"action": "rolled_back", "step": step, "kl": mean, "to_step": target.step, "beta": beta,
-                      "lr": lr, "rollback": self.rollbacks, "store": self.store,
+                      "base_lr": lr, "rollback": self.rollbacks, "store": self.store,
                       "removed_checkpoints": [p.name for p in removed]}
             self.records.append(record)
             self.window_start = self.target = Kept(target.step, folder=step_folder(run.run_dir, target.step))
@@ -303,7 +303,8 @@ class RunawayGuard:
         return ROLLED_BACK
 
     def _apply_factors(self, grpo) -> tuple[float, float]:
-        """beta x kl.runaway_beta_factor, the learning rate and its schedule x kl.runaway_lr_factor."""
+        """beta x kl.runaway_beta_factor, the learning rate and its schedule x kl.runaway_lr_factor; returns the new
+        beta and the schedule's base learning rate (the lr of this step may be a warm-up's 0)."""
         beta_factor, lr_factor = self.cfg.runaway_beta_factor, self.cfg.runaway_lr_factor
         grpo.controller.value *= beta_factor
         optimizer = getattr(grpo.optimizer, "optimizer", grpo.optimizer)
@@ -314,7 +315,7 @@ class RunawayGuard:
         grpo.scheduler.base_lrs = [lr * lr_factor for lr in grpo.scheduler.base_lrs]
         self.beta_scale *= beta_factor
         self.lr_scale *= lr_factor
-        return grpo.controller.value, optimizer.param_groups[0]["lr"]
+        return grpo.controller.value, grpo.scheduler.base_lrs[0]
 
     def _announce(self, logger, step: int, line: str) -> None:
         logger.message(line)
