@@ -54,6 +54,7 @@ from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
 from klgrpo.config.schema import GRPOConfig as KlgrpoConfig  # noqa: E402
 from klgrpo.math.objective import entropy_threshold  # noqa: E402
+from klgrpo.run.checkpoint import check_checkpoint  # noqa: E402
 from klgrpo.config.terms import build_entropy_controller  # noqa: E402
 from klgrpo.config.terms import build_kl_controller as build_controller_from_config  # noqa: E402
 from klgrpo.integrations.trl_mapping import (  # noqa: E402
@@ -191,6 +192,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not isinstance(args, GRPOConfig):
             raise ConfigError("klgrpo.trl.GRPOTrainer needs args from klgrpo.trl.GRPOConfig, not "
                               f"{type(args).__module__}.{type(args).__name__}")
+        if isinstance(model, str):  # a klgrpo checkpoint is read only if its weights are the ones saved
+            check_checkpoint(model, "model")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self.klgrpo_config = klgrpo_config(args)
         self.kl_controller = build_kl_controller(args)

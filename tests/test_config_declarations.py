@@ -23,6 +23,8 @@ BASE = {"data": {"source": "x.jsonl"}, "model": {"name_or_path": "m"}}
 #: config enforced before they moved into the declarations, written out to show that none was lost or changed.
 LOWER_BOUNDS = {
     "rollout.top_k": (0, True, "0 turns top-k off"), "optim.warmup_steps": (0, True, "0: no warm-up"),
+    "rollout.sampler_correction_min": (0, True, ""), "rollout.sampler_correction_max": (0, True, "0: no upper bound"),
+    "rollout.vllm.memory_fraction": (0, False, ""),
     "optim.weight_decay": (0, True, ""), "train.save_every": (0, True, "0 saves only at the end"),
     "train.keep_checkpoints": (0, True, "0 keeps all"), "train.max_wall_seconds": (0, True, "0: no limit"),
     "train.micro_batch_size": (0, True, "0: the whole batch"), "train.torch_threads": (0, True, "0: torch's default"),
@@ -38,9 +40,34 @@ LOWER_BOUNDS = {
     "eval.every": (0, True, "0: before and after training only"),
     "eval.max_new_tokens": (0, True, "0: rollout.max_new_tokens"), "eval.batch_size": (1, True, ""),
     "model.lora.r": (0, True, "0: no LoRA"), "model.lora.alpha": (0, False, ""),
-    "kl.runaway_above": (0, False, ""), "kl.runaway_beta_factor": (1, True, ""), "kl.runaway_lr_factor": (0, False, ""),
+    # the checks written out by hand in klgrpo/config/validation.py before they were declared, same bounds
+    "rollout.group_size": (2, True, "GRPO's baseline is the mean of a prompt's group"),
+    "rollout.prompts_per_step": (1, True, ""), "rollout.max_new_tokens": (1, True, ""),
+    "rollout.temperature": (0, False, "use a small value such as 0.1 for near-greedy"),
+    "train.steps": (1, True, ""), "train.num_iterations": (1, True, ""), "optim.lr": (0, False, ""),
+    "optim.max_grad_norm": (0, True, "0 turns clipping off"), "loss.eps_high": (0, True, ""),
+    "kl.log_ratio_clamp": (0, True, "0 turns the guard off"),
+    "kl.replay.coef": (0, True, "0 turns the replay anchor off"), "kl.sync_every": (0, True, "0: never"),
+    # added with its declaration: an entropy is never negative
+    "loss.entropy_target": (0, True, "an entropy is never negative"),
+    "kl.runaway_above": (0, False, ""), "kl.runaway_beta_factor": (1, True, ""),
     "kl.runaway_max_rollbacks": (1, True, ""),
 }
+#: (field, lowest, whether allowed, highest, whether allowed, what the refusal adds): the two-sided bounds that were
+#: hand-written checks before (same bounds; the refusal now ends with the value given).
+RANGES = {
+    "rollout.top_p": (0, False, 1, True, ""), "kl.decay": (0, False, 1, True, ""),
+    "kl.sync_alpha": (0, False, 1, True, ""), "optim.beta1": (0, True, 1, False, ""),
+    "optim.beta2": (0, True, 1, False, ""), "model.lora.dropout": (0, True, 1, False, ""),
+    "loss.eps_low": (0, True, 1, True, "the ratio's lower clip is 1 - eps_low; 1: no lower clip, as TRL's cispo"),
+    "loss.top_entropy_quantile": (0, True, 1, True, "1 keeps every token"),
+    # added with their declarations (klgrpo/math/policy_params.py): VESPO's Gamma shape, kept a float32 number
+    "loss.vespo_k_pos": (0, True, 100.0, True, ""), "loss.vespo_k_neg": (0, True, 100.0, True, ""),
+    "loss.vespo_lambda_pos": (0, True, 100.0, True, ""), "loss.vespo_lambda_neg": (0, True, 100.0, True, ""),
+    "kl.runaway_lr_factor": (0, False, 1, True, ""),
+}
+#: Other settings a field needs to be valid at its bound (a cross-field check would refuse it otherwise).
+AT_BOUND_WITH = {"kl.log_ratio_clamp": {"kl.estimator": "k1"}}
 #: The fields a resume may change, as the run folder listed them before they were declared.
 RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "train.max_wall_seconds",
                "train.output_dir", "train.run_name", "train.torch_threads", "train.max_skipped_steps",
@@ -50,8 +77,11 @@ RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "tra
 
 def test_the_declared_bounds_are_the_checked_ones():
     declared = {path: (f.metadata["low"], not f.metadata["above"], f.metadata["at_low"])
-                for path, f in all_field_paths() if f.metadata.get("low") is not None}
+                for path, f in all_field_paths() if f.metadata.get("low") is not None and f.metadata["high"] is None}
     assert declared == LOWER_BOUNDS
+    ranges = {path: (f.metadata["low"], not f.metadata["above"], f.metadata["high"], not f.metadata["below"],
+                     f.metadata["at_low"]) for path, f in all_field_paths() if f.metadata.get("high") is not None}
+    assert ranges == RANGES
 
 
 @pytest.mark.parametrize("path", sorted(LOWER_BOUNDS))
@@ -63,7 +93,7 @@ def test_a_value_past_a_declared_bound_is_refused_in_one_line_and_the_bound_itse
         GRPOConfig.from_dict(BASE).override({path: past}).validate()
     op = ">=" if inclusive else ">"
     assert str(err.value) == f"{path} must be {op} {low}, got {past!r}" + (f" ({meaning})" if meaning else "")
-    at_bound = GRPOConfig.from_dict(BASE).override({path: low})
+    at_bound = GRPOConfig.from_dict(BASE).override({path: low, **AT_BOUND_WITH.get(path, {})})
     if inclusive:
         at_bound.validate()
     else:
@@ -71,13 +101,19 @@ def test_a_value_past_a_declared_bound_is_refused_in_one_line_and_the_bound_itse
             at_bound.validate()
 
 
-def test_an_upper_bound_is_read_from_the_declaration_and_refused_in_one_line():
-    declared = {path: f.metadata["high"] for path, f in all_field_paths() if f.metadata.get("high") is not None}
-    assert declared == {"kl.runaway_lr_factor": 1.0}
-    with pytest.raises(ConfigError) as err:
-        GRPOConfig.from_dict(BASE).override({"kl.runaway_lr_factor": 1.5}).validate()
-    assert str(err.value) == "kl.runaway_lr_factor must be <= 1, got 1.5"
-    GRPOConfig.from_dict(BASE).override({"kl.runaway_lr_factor": 1.0}).validate()
+@pytest.mark.parametrize("path", sorted(RANGES))
+def test_a_value_outside_a_declared_range_is_refused_in_one_line_and_its_ends_as_declared(path):
+    low, low_ok, high, high_ok, note = RANGES[path]
+    wanted = f"{path} must be in {'[' if low_ok else '('}{low}, {high}{']' if high_ok else ')'}"
+    for past, end, allowed in ((low - 0.5, low, low_ok), (high + 0.5, high, high_ok)):
+        with pytest.raises(ConfigError) as err:
+            GRPOConfig.from_dict(BASE).override({path: past}).validate()
+        assert str(err.value) == f"{wanted}, got {past!r}" + (f" ({note})" if note else "")
+        if allowed:
+            GRPOConfig.from_dict(BASE).override({path: end}).validate()
+        else:
+            with pytest.raises(ConfigError, match=re.escape(f"{wanted}, got {float(end)!r}")):
+                GRPOConfig.from_dict(BASE).override({path: end}).validate()
 
 
 @pytest.mark.parametrize("dotted, message", [

@@ -16,7 +16,7 @@ from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.config.fields import setting
 from klgrpo.config.schema import GRPOConfig, KLConfig
-from klgrpo.config.terms import controller_params
+from klgrpo.config.terms import controller_params, step_plan
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import drop_unread_kl_keys
 
@@ -62,7 +62,31 @@ def test_the_policy_loss_recipe_is_selected_by_name():
                              normalizer=Normalizer.of(torch.ones(1, 2)))
         assert float(out.loss.detach()) == pytest.approx(-2.0 * (-0.5 - 1.0) / 2)  # -A * mean log pi = 1.5
     finally:
-        policy_loss.POLICY_LOSSES._items.pop("reinforce")
+        policy_loss.POLICY_LOSSES.unregister("reinforce")
+
+
+def test_the_policy_loss_recipe_gets_its_own_setting_from_the_config_checked_against_its_declaration():
+    """The one edit of the recipe is all it takes: loss.policy_params reaches the function through the step's
+    PolicyTerm, and the bound declared on the setting refuses a bad value in one line."""
+    run_in(policy_loss, recipe("### Adding a policy loss"), policy_loss.POLICY_LOSSES, "reinforce")
+    base = ["--data.source", "x.jsonl", "--model.name_or_path", "m", "--loss.policy_loss", "reinforce"]
+    try:
+        cfg, _ = parse_args([*base, "--loss.policy_params", "{scale: 2.0}"])
+        cfg.validate()
+        term = step_plan(cfg).policy
+        assert term.params == policy_loss.POLICY_LOSSES.params("reinforce")(scale=2.0)
+        logp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+        out = grpo_objective(logp, logp.detach(), None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2),
+                             kl=KLTerm(), policy=term, aggregation="token_mean",
+                             normalizer=Normalizer.of(torch.ones(1, 2)))
+        assert float(out.loss.detach()) == pytest.approx(3.0)  # -2 * A * mean log pi = -2 * 2 * (-0.75)
+        with pytest.raises(ConfigError, match=r"^loss.policy_params.scale must be > 0, got 0$"):
+            parse_args([*base, "--loss.policy_params", "{scale: 0}"])[0].validate()
+        with pytest.raises(ConfigError, match=r"^loss.policy_params.sacle: loss.policy_loss reinforce has the "
+                                              r"settings scale$"):
+            parse_args([*base, "--loss.policy_params", "{sacle: 2}"])[0].validate()
+    finally:
+        policy_loss.POLICY_LOSSES.unregister("reinforce")
 
 
 def test_the_controller_recipe_gets_its_settings_from_the_config():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,16 @@ def trainer64(tiny_model_dir, addition_file, tmp_path):
     return trainer, batch
 
 
+def _replan(trainer, **changes) -> None:
+    """The step's plan with ``changes`` (its config is read-only once validated; the step reads only the plan)."""
+    step = trainer.grpo_step
+    step.plan = replace(step.plan, **changes)
+
+
 def _accumulate(trainer, batch, loss_fn=None, micro=0):
     trainer.model.zero_grad(set_to_none=True)
-    trainer.grpo_step.loss_fn, trainer.cfg.train.micro_batch_size = loss_fn, micro
+    trainer.grpo_step.loss_fn = loss_fn
+    _replan(trainer, micro_batch_size=micro)
     sums = trainer.grpo_step.accumulate_gradients(batch)[0]
     return _grads(trainer.model), sums
 
@@ -96,7 +104,7 @@ def test_normalised_custom_loss_is_micro_batch_invariant(trainer64):
 def test_datum_signature_runs_in_the_trainer(trainer64):
     """A datum-shaped loss through as_typed: sum over every datum's tokens = seq_mean_token_sum x G."""
     trainer, batch = trainer64
-    trainer.cfg.loss.aggregation = "seq_mean_token_sum"
+    _replan(trainer, aggregation="seq_mean_token_sum")
     datum, _ = _accumulate(trainer, batch, as_typed(_example("compute_grpo_kl_loss_fixed")))
     typed, _ = _accumulate(trainer, batch, lambda inp: _example("grpo_kl_typed")(
         LossInput(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask, 0.01, inp.normalizer,
@@ -221,14 +229,14 @@ def test_builtin_datum_losses_equal_the_trainers_objective(trainer64, loss_fn, c
         logp, _ = completion_logprobs(trainer.model, batch.rollout, 1.0)
     gen = torch.Generator().manual_seed(3)
     batch.old_logp = logp + 0.02 * torch.randn(logp.shape, generator=gen, dtype=logp.dtype)
-    cfg = trainer.cfg
-    cfg.loss.aggregation, (cfg.loss.eps_low, cfg.loss.eps_high) = "seq_mean_token_sum", eps
+    plan = trainer.grpo_step.plan
+    _replan(trainer, aggregation="seq_mean_token_sum", policy=replace(plan.policy, eps_low=eps[0], eps_high=eps[1]))
     if loss_fn == "ppo":
         trainer.controller.value = 0.0  # the trainer's objective without its KL term
     else:
         trainer.controller.value = config.get("kl_coef", 0.04)
-        cfg.kl.estimator = config.get("kl_estimator", "k3_st")
-        cfg.kl.is_correction = config.get("kl_is_correction", "detached")
+        _replan(trainer, kl=replace(plan.kl, estimator=config.get("kl_estimator", "k3_st"),
+                                    is_correction=config.get("kl_is_correction", "detached")))
     builtin, sums = _accumulate(trainer, batch)
     data = datums_from_batch(trainer.model, batch)
     trainer.model.zero_grad(set_to_none=True)

@@ -182,6 +182,7 @@ def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_pa
     # Resume the 2-process checkpoint on 1 process: weights and full-size AdamW moments load as written.
     one = dict(cfg_dict, train={**cfg_dict["train"], "steps": 3, "output_dir": str(tmp_path / "one")})
     shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "one" / "checkpoints" / "step_2")
+    shutil.copy(run / "config.yaml", tmp_path / "one" / "config.yaml")  # the run's record, which a resume continues
     trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
     trainer.resume("latest")
     saved = load_file(str(ckpt / "model.safetensors"))
@@ -222,6 +223,7 @@ def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_mod
 
     one = dict(cfg_dict, train={**cfg_dict["train"], "steps": 3, "output_dir": str(tmp_path / "one")})
     shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "one" / "checkpoints" / "step_2")
+    shutil.copy(run / "config.yaml", tmp_path / "one" / "config.yaml")  # the run's record, which a resume continues
     trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
     trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
     assert trainer.train(resume="latest")["steps"] == 3

@@ -25,7 +25,7 @@ EXPECTED = {
     "verl_low_var_kl_and_reward.yaml": ("verl", {"token_on_policy": "neither", "sequence_on_policy": "neither",
                                                  "token_off_policy": "neither"}),
     "openrlhf_k3_loss.txt": ("openrlhf", {"token_on_policy": "forward", "sequence_on_policy": "neither"}),
-    "unsloth_dynamic.yaml": ("unsloth", {"token_on_policy": "reverse", "sequence_on_policy": "neither"}),
+    "unsloth_dynamic.yaml": ("adaptive_kl", {"token_on_policy": "reverse", "sequence_on_policy": "neither"}),
 }
 
 
@@ -53,7 +53,7 @@ def test_risks_name_their_fix(tmp_path):
     main([str(EXAMPLES / "trl_no_bias_correction.yaml"), "--json", str(out)])
     risks = json.loads(out.read_text())["risks"]
     assert any("forward KL" in r and "kl.is_correction in_graph" in r for r in risks)
-    main([str(EXAMPLES / "verl_low_var_kl_and_reward.yaml"), "--json", str(out)])
+    main([str(EXAMPLES / "verl_low_var_kl_and_reward.yaml"), "--json", str(out), "--overwrite"])
     risks = json.loads(out.read_text())["risks"]
     assert any(r.startswith("KL in the reward with several updates per batch") for r in risks)
     assert any("clipped at 10" in r for r in risks) and any("advantage epsilon 1e-06" in r for r in risks)
@@ -178,7 +178,7 @@ def test_stdin(monkeypatch, capsys):
 
     monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump({"beta": 0.04})))
     assert main(["-"]) == 0
-    assert capsys.readouterr().out.startswith("<stdin>: TRL 1.16 GRPOConfig")
+    assert capsys.readouterr().out.startswith("<stdin>: TRL GRPOConfig, on TRL 1.10.0 or later")
 
 
 def test_fields_outside_the_tables_are_named_or_ignored(tmp_path):
@@ -194,7 +194,7 @@ def test_fields_outside_the_tables_are_named_or_ignored(tmp_path):
     assert report["ignored"] == ["actor_rollout_ref.actor.fsdp_config.param_offload", "trainer.total_epochs"]
     trl_src = tmp_path / "trl.yaml"
     trl_src.write_text("beta: 0.04\nbf16: true\nrepetition_penalty: 1.1\n")
-    assert main([str(trl_src), "--json", str(out)]) == 0
+    assert main([str(trl_src), "--json", str(out), "--overwrite"]) == 0
     report = json.loads(out.read_text())
     assert report["ignored"] == ["bf16"] and "repetition_penalty" in report["unmapped"]
 
@@ -226,7 +226,7 @@ def test_a_klgrpo_configs_reward_functions_and_models_are_listed(tmp_path, capsy
     assert "  reward: function my_rewards.py:brevity, weight -0.1\n" in printed
     config["data"]["as_chat"] = True
     path.write_text(yaml.safe_dump(config))
-    assert main([str(path), "--json", str(out)]) == 0
+    assert main([str(path), "--json", str(out), "--overwrite"]) == 0
     rendering = json.loads(out.read_text())["rewards"][4]["rendering"]
     assert rendering == "its own chat template (data.as_chat), the completion as the assistant's turn"
 

@@ -557,7 +557,7 @@ def test_unsloth_fields_map_as_the_bridge_maps_them(fields, tmp_path):
     from klgrpo.trl import GRPOConfig, build_kl_controller, klgrpo_config
 
     source, mapped = load_source(yaml.safe_dump(fields), "unsloth.yaml")
-    assert source == "unsloth"
+    assert source == "adaptive_kl"
     bridge_args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fields)
     assert mapped.klgrpo_config().kl == klgrpo_config(bridge_args).kl
     assert mapped.klgrpo_config().loss == klgrpo_config(bridge_args).loss

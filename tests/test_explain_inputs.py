@@ -110,7 +110,7 @@ def test_several_calls_are_refused_with_their_lines_and_call_picks_one(tmp_path,
     assert main([str(src)]) == 2
     assert "has 2 GRPOConfig calls (lines 3, 4); pass --call LINE" in capsys.readouterr().err
     report = _report(tmp_path, src, "--call", "4")
-    assert report["source"] == "unsloth" and report["config"]["kl"]["controller"] == "dual"
+    assert report["source"] == "adaptive_kl" and report["config"]["kl"]["controller"] == "dual"
     assert main([str(src), "--call", "2"]) == 2
     assert "no GRPOConfig call on line 2; the calls are on lines 3, 4" in capsys.readouterr().err
 
@@ -286,7 +286,9 @@ def test_write_never_replaces_a_file_unless_asked(tmp_path, capsys):
     src = tmp_path / "trl.yaml"
     src.write_text("beta: 0.04\n")
     assert main([str(src), "--write", str(src)]) == 2
-    assert f"--write {src} is the input being explained; pass another path, or --overwrite" in capsys.readouterr().err
+    assert f"--write {src} is {src}, an input of this command; pass another path" in capsys.readouterr().err
+    assert src.read_text() == "beta: 0.04\n"
+    assert main([str(src), "--write", str(src), "--overwrite"]) == 2  # an input is never an output
     assert src.read_text() == "beta: 0.04\n"
     existing = tmp_path / "mine.yaml"
     existing.write_text("my notes\n")
@@ -300,7 +302,7 @@ def test_write_never_replaces_a_file_unless_asked(tmp_path, capsys):
 @pytest.mark.parametrize("where, message", [
     ("missing/r.json", "the folder {tmp}/missing does not exist"),
     ("trl.yaml/r.json", "the folder {tmp}/trl.yaml does not exist"),
-    ("trl.yaml", "is the input being explained"),
+    ("trl.yaml", "an input of this command"),
     ("", "is empty"),
 ])
 def test_json_into_a_folder_that_is_not_there_or_onto_the_input_is_one_line(tmp_path, capsys, where, message):

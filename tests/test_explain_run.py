@@ -49,6 +49,7 @@ def test_a_klgrpo_run_in_numbers_of_its_own_log(klgrpo_run, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith(f"{klgrpo_run}: klgrpo run") and "KL (adaptive_kl/raw_kl): first " in printed
     assert "beta (adaptive_kl/current_beta): from 0.1 to " in printed and f"{klgrpo_run}/config.yaml: klgrpo" in printed
+    assert "shorter than one warning window" not in printed  # 4 logged steps fill two windows of 2
 
 
 def test_the_bands_can_be_overridden(klgrpo_run, tmp_path):
@@ -88,6 +89,7 @@ def test_a_trl_output_dir_reads_the_newest_checkpoint(tmp_path, capsys):
     # windows of 20 (klgrpo's default) do not fill with 4 steps: none judged
     assert summary["bands"]["windows"] == []
     printed = capsys.readouterr().out
+    assert "the run is shorter than one warning window (4 logged KL values, a window is 20): no band judged" in printed
     assert "training_args.bin is a pickle and is not read: pass --config FILE" in printed
     assert "beta is not logged: TRL's beta is fixed at GRPOConfig.beta" in printed
 

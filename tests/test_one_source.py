@@ -14,6 +14,7 @@ from klgrpo.apps.args import parse_args
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.core.rewards import BUILTIN_REWARDS, exact_match
 from klgrpo.errors import ConfigError
+from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
 from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
@@ -45,6 +46,7 @@ SOURCES = {
     "loss.entropy_controller": ENTROPY_CONTROLLERS,
     "rollout.sampler": (AUTO, *SAMPLERS),
     "rollout.generate_cache": ("", *LEGACY_GENERATE_CACHES),
+    "rollout.sampler_correction": SAMPLER_CORRECTIONS,
     "optim.schedule": LR_SCHEDULES,
 }
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from helpers.checkpoints import strip_checksums
 from helpers.configs import make_config, quiet
 from klgrpo.errors import ConfigError, KLGRPOError, KLGRPOWarning
 from klgrpo.train.metrics import read_metrics
@@ -553,8 +554,7 @@ def test_a_checkpoint_missing_weights_is_refused_and_the_older_one_used(tiny_mod
     GRPOTrainer(cfg, log=quiet).train()
     save_file({}, str(run / "checkpoints" / "step_2" / "model.safetensors"))
     # As a checkpoint written before weights checksums were recorded: the load itself must refuse it.
-    doc = run / "checkpoints" / "step_2" / "trainer_state.json"
-    doc.write_text(json.dumps({k: v for k, v in json.loads(doc.read_text()).items() if k != "weights_sha256"}))
+    strip_checksums(run / "checkpoints" / "step_2", as_before_checksums=True)
     trainer = GRPOTrainer(cfg.override({"train.steps": 3}), log=quiet)
     with pytest.warns(KLGRPOWarning) as record:
         trainer.resume("latest")

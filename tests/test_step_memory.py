@@ -33,32 +33,34 @@ TINY = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2
 @pytest.mark.parametrize("micro, world, expected", [
     # 2 x 4 = 8 sequences of 5 + 3 = 8 positions, float32 (4 bytes); head_dim 8 / 2 = 4, one key/value head.
     # rollout: 8 seq x 8 pos x 2 layers x (keys + values) 2 x 4 x 4 bytes = 4096
-    # update:  8 seq x (2 x 3 completion positions x 10 vocab + 8 pos x 2 layers x 8 hidden) x 4 = 8 x 188 x 4 = 6016
-    (0, 1, (4096, 6016)),
-    # micro-batches of 2 split the update (2 x 188 x 4 = 1504), not the rollout (4096)
-    (2, 1, (4096, 1504)),
-    # two processes: 4 sequences each; rollout 2048, update of 2 = 1504
-    (2, 2, (2048, 1504)),
+    # update:  8 seq x (2 x 3 completion positions x 10 vocab + 8 pos x 2 layers x (8 hidden + 2 x 4 keys/values
+    #          + 2 x 0 intermediate)) x 4 = 8 x (60 + 256) x 4 = 10112
+    (0, 1, (4096, 10112)),
+    # micro-batches of 2 split the update (2 x 316 x 4 = 2528), not the rollout (4096)
+    (2, 1, (4096, 2528)),
+    # two processes: 4 sequences each; rollout 2048, update of 2 = 2528
+    (2, 2, (2048, 2528)),
 ])
 def test_estimate_is_the_hand_derived_count(micro, world, expected):
     assert estimate_step_memory(_cfg(micro=micro), TINY, 4, longest_prompt=5, world_size=world) == expected
 
 
 def test_estimate_reads_head_dim_when_the_config_gives_it():
-    # head_dim 16 (not 8 / 2): rollout 8 x 8 x 2 x 2 x 16 x 2 bytes = 8192; update 8 x 188 x 2 = 3008
+    # head_dim 16 (not 8 / 2): rollout 8 x 8 x 2 x 2 x 16 x 2 bytes = 8192;
+    # update 8 x (60 + 8 x 2 x (8 + 2 x 16)) x 2 = 8 x 700 x 2 = 11200
     config = SimpleNamespace(**vars(TINY), head_dim=16)
-    assert estimate_step_memory(_cfg(), config, 2, longest_prompt=5) == (8192, 3008)
+    assert estimate_step_memory(_cfg(), config, 2, longest_prompt=5) == (8192, 11200)
 
 
 def test_a_135m_model_with_8x8x256_fits_24_gb():
     """SmolLM2-135M's sizes (config.json) in bfloat16, 8 prompts x 8 completions of 256 tokens after a prompt of
     400 tokens (longer than GSM8K's): rollout 64 x 656 x 30 x 2 x 192 x 2 = 0.90 GiB; update 64 x (2 x 256 x 49152
-    + 656 x 30 x 576) x 2 = 4.35 GiB."""
+    + 656 x 30 x (576 + 2 x 192 + 2 x 1536)) x 2 = 64 x 104515584 x 2 = 12.46 GiB."""
     smollm2 = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                              head_dim=64, vocab_size=49152)
+                              head_dim=64, vocab_size=49152, intermediate_size=1536)
     rollout, update = estimate_step_memory(_cfg(prompts=8, group=8, new_tokens=256), smollm2, 2, longest_prompt=400)
-    assert (rollout, update) == (64 * 656 * 30 * 2 * 192 * 2, 64 * (2 * 256 * 49152 + 656 * 30 * 576) * 2)
-    assert max(rollout, update) < 5 * GIB
+    assert (rollout, update) == (64 * 656 * 30 * 2 * 192 * 2, 64 * 104515584 * 2)
+    assert max(rollout, update) < 24 * 10 ** 9
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +113,14 @@ def test_an_update_beyond_memory_points_at_micro_batches(tiny_model_dir):
     model = build_tiny_model(1000, 0, hidden=32, layers=1, heads=2, intermediate=64)  # a vocabulary of 1000
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # 64 sequences of 6 + 3 = 9 positions; one layer of 32, two heads of 16, float32:
-    # rollout 64 x 9 x 1 x 2 x 32 x 4 = 147456; update 64 x (2 x 3 x 1000 + 9 x 32) x 4 = 1609728
+    # rollout 64 x 9 x 1 x 2 x 32 x 4 = 147456;
+    # update 64 x (2 x 3 x 1000 + 9 x 1 x (32 + 2 x 32 + 2 x 64)) x 4 = 64 x 8016 x 4 = 2052096
     cfg, prompts = _cfg(prompts=8, group=8), ["12+34=", "1+2="]
     with pytest.raises(ConfigError, match="the update needs at least .*; set train.micro_batch_size"):
-        check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=1609727)
-    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=1609728)
-    cfg.train.micro_batch_size = 8  # an eighth of the update: 201216
-    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=201216)
+        check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=2052095)
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=2052096)
+    cfg.train.micro_batch_size = 8  # an eighth of the update: 256512
+    check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=256512)
     with pytest.raises(ConfigError, match="the rollout needs at least"):
         check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=147455)
 
@@ -129,8 +132,8 @@ def test_a_tiny_budget_refuses_what_a_larger_one_accepts(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg, prompts = _cfg(), ["12+34=", "1+2="]
     # 6 tokens of "12+34=" (a character each) + 3 = 9 positions; one layer of 32, two heads of 16, float32;
-    # rollout 8 x 9 x 1 x 2 x 32 x 4 = 18432; update 8 x (2 x 3 x vocab + 9 x 32) x 4
-    need = max(18432, 8 * (6 * model.config.vocab_size + 9 * 32) * 4)  # the larger phase
+    # rollout 8 x 9 x 1 x 2 x 32 x 4 = 18432; update 8 x (2 x 3 x vocab + 9 x (32 + 2 x 32 + 2 x 64)) x 4
+    need = max(18432, 8 * (6 * model.config.vocab_size + 9 * 224) * 4)  # the larger phase
     check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=need)
     with pytest.raises(ConfigError, match="rollout.group_size=4"):
         check_step_memory(cfg, model, _longest(tokenizer, prompts, cfg), available_bytes=need - 1)

@@ -321,3 +321,47 @@ def test_entropy_check_catches_a_bonus_without_the_entropys_gradient(monkeypatch
     rows = entropy_check.entropy_rows(categorical.make_categorical(), sequence_toy.make_toy())
     failed = {(r.level, r.target) for r in rows if not r.passed}
     assert ("token", "grad H(pi)") in failed and ("sequence", "grad of the per-position entropy") in failed
+
+
+# ------------------------------------------------------------------------------------ a sampler that is not pi
+def _mismatch_rows():
+    from klgrpo.verify.sampler_mismatch import sampler_mismatch_rows
+
+    return sampler_mismatch_rows(categorical.make_categorical(), sequence_toy.make_toy())
+
+
+def test_a_mismatched_sampler_needs_the_correction_for_the_reverse_kl():
+    """Without the correction no setting follows either KL; with the exact weight (per token at one position,
+    per sequence on sequences) every one follows the reverse KL; a bound that binds biases it again."""
+    from klgrpo.verify.sampler_mismatch import sequence_ratios_bind
+
+    rows = _mismatch_rows()
+    assert all(r.passed for r in rows)
+    found = {(r.level, r.estimator, r.placement, r.correction): r.gradient_target for r in rows}
+    assert {v for (level, *_, c), v in found.items() if c == "none"} == {"neither"}
+    assert {v for (level, *_, c), v in found.items() if c == "sequence_mask (no bounds)"} == {"reverse"}
+    assert {v for (level, *_, c), v in found.items() if c == "token_mask (no bounds)" and level == "token"} == {
+        "reverse"}
+    assert {v for (level, *_, c), v in found.items() if c == "token_mask (no bounds)" and level == "sequence"} == {
+        "neither"}
+    assert {level for level, *_ in found} == {"token", "sequence"}
+    assert sequence_ratios_bind(sequence_toy.make_toy(), 1.0)  # the truncated row's bound does bind
+    # "neither" is far from both KLs, not a rounding miss: >= 5% of ||grad KL(pi||ref)|| away from each
+    assert min(min(r.rel_err_reverse, r.rel_err_forward) for r in rows if r.gradient_target == "neither") > 0.05
+
+
+def test_the_mismatch_rows_catch_an_ignored_or_per_token_correction(monkeypatch):
+    """Planted bugs: the weight computed and then ignored (1) fails every corrected row; a sequence mode whose
+    weight is taken per token fails the sequence-level rows only."""
+    import klgrpo.math.objective as objective
+    from klgrpo.math.sampler_correction import SamplerCorrection
+
+    with monkeypatch.context() as patch:
+        patch.setattr(objective, "sampler_weight", lambda old, *a: torch.ones_like(old))
+        failed = {(r.level, r.correction) for r in _mismatch_rows() if not r.passed}
+    assert ("token", "token_mask (no bounds)") in failed and ("sequence", "sequence_mask (no bounds)") in failed
+    with monkeypatch.context() as patch:
+        patch.setattr(SamplerCorrection, "sequence_level", property(lambda self: False))
+        failed = {(r.level, r.correction) for r in _mismatch_rows() if not r.passed}
+    assert ("sequence", "sequence_mask (no bounds)") in failed
+    assert not any(level == "token" for level, _ in failed)

@@ -1,3 +1,4 @@
+# Requires trl==1.16.0.
 # A TRL training script, the way TRL's documentation writes one. klgrpo explain reads its GRPOConfig call
 # without running it.
 from datasets import load_dataset

@@ -1,5 +1,6 @@
-"""``klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] [--group.field VALUE ...]``:
-the evaluation sets of a config (``eval.sets``) on any model folder, greedy, without training.
+"""``klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE [--overwrite]]
+[--group.field VALUE ...]``: the evaluation sets of a config (``eval.sets``) on any model folder, greedy,
+without training.
 
 The numbers are the ones training logs as ``eval/<name>`` for that checkpoint: the same sets, prompt templating,
 greedy decoding, length limit and reward (the trainer's ``evaluate_sets``). Without ``--config`` a checkpoint
@@ -12,7 +13,7 @@ import json
 
 from klgrpo.errors import ConfigError
 
-USAGE = """usage: klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE] \
+USAGE = """usage: klgrpo eval CHECKPOINT_OR_MODEL [--config FILE] [--set NAME ...] [--json FILE [--overwrite]] \
 [--group.field VALUE ...]
 
 Greedy accuracy of a model folder (a checkpoint, a merged export, a hub name) on the eval.sets of a config,
@@ -22,7 +23,8 @@ the same numbers `klgrpo train` logs as eval/<name> for that checkpoint.
   --config FILE        the YAML whose eval.sets (and data.as_chat, system_prompt, eval.max_new_tokens, model.dtype
                        and device) apply; default: the run's config.yaml when the model is a run's checkpoint
   --set NAME           evaluate only this set (repeat for several); default: all of eval.sets
-  --json FILE          also write the results as JSON
+  --json FILE          also write the results as JSON (never over the model, the config or an eval set)
+  --overwrite          let --json replace an existing file
   --group.field VALUE  override a config field, as in klgrpo train (e.g. --eval.max_new_tokens 16)
 """
 
@@ -35,7 +37,7 @@ def main(argv: list[str]) -> int:
 
 
 def parse(argv: list[str]):
-    """(model path, config, config source, set names, json path)."""
+    """(model path, config, config source, set names, json path, overwrite)."""
     from klgrpo.apps.args import parse_args
     from klgrpo.apps.models import checkpoint_run_config
     from klgrpo.config.entries import eval_set_specs
@@ -43,11 +45,13 @@ def parse(argv: list[str]):
     model_path, rest = argv[0], list(argv[1:])
     if model_path.startswith("--"):
         raise ConfigError("klgrpo eval needs the model first: klgrpo eval CHECKPOINT_OR_MODEL --config FILE")
-    sets, json_path, config_file, train_args = [], None, None, []
+    sets, json_path, config_file, train_args, overwrite = [], None, None, [], False
     i = 0
     while i < len(rest):
         arg, _, value = rest[i].partition("=")
-        if arg in ("--set", "--json", "--config"):
+        if rest[i] == "--overwrite":
+            overwrite = True
+        elif arg in ("--set", "--json", "--config"):
             if not value:
                 if i + 1 >= len(rest):
                     raise ConfigError(f"{arg} needs a value")
@@ -78,26 +82,38 @@ def parse(argv: list[str]):
     unknown = [s for s in sets if s not in names]
     if unknown:
         raise ConfigError(f"--set {unknown[0]}: no such set in eval.sets of {source}; the sets are {', '.join(names)}")
-    return model_path, cfg, str(source), sets, json_path
+    return model_path, cfg, str(source), sets, json_path, overwrite
+
+
+def _for_evaluation(cfg, chosen: list[str]):
+    """A changed copy of ``cfg`` (the config itself stays as read): only the ``chosen`` sets (all when none), and
+    no progress bar."""
+    from dataclasses import replace
+
+    from klgrpo.config.entries import eval_set_specs
+
+    sets = cfg.eval.sets
+    if chosen:
+        sets = [entry for entry, spec in zip(sets, eval_set_specs(sets)) if spec.name in chosen]
+    return replace(cfg, eval=replace(cfg.eval, sets=sets), logging=replace(cfg.logging, progress=False))
 
 
 def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.apps.models import load_model_for_inference
-    from klgrpo.apps.outputs import check_writable_file, write_text_file
+    from klgrpo.apps.outputs import check_output, write_text_file
     from klgrpo.config.entries import eval_set_specs
     from klgrpo.core.rollout import context_overflow, encode_prompts
     from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
     from klgrpo.train.metric_names import eval_entropy, eval_set
 
-    model_path, cfg, source, chosen, json_path = parse(argv)
-    if chosen:
-        cfg.eval.sets = [entry for entry, spec in zip(cfg.eval.sets, eval_set_specs(cfg.eval.sets))
-                         if spec.name in chosen]
+    model_path, cfg, source, chosen, json_path, overwrite = parse(argv)
+    cfg = _for_evaluation(cfg, chosen)
     sets = load_eval_sets(cfg)
     if json_path is not None:
-        check_writable_file(json_path, "--json")
+        inputs = {"the model": model_path, "the config": source,
+                  **{f"eval set {spec.name}": spec.source for spec in eval_set_specs(cfg.eval.sets)}}
+        check_output(json_path, "--json", inputs, overwrite)
     model, tokenizer = load_model_for_inference(model_path, cfg.model, field="CHECKPOINT_OR_MODEL")
-    cfg.logging.progress = False
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     for name, s in sets.items():
         texts = encode_prompts(tokenizer, s["prompts"], cfg.data.system_prompt, cfg.data.as_chat)

@@ -39,12 +39,12 @@ def export(checkpoint: Path, out: Path) -> None:
 
 
 def _check_paths(checkpoint: Path, out: Path) -> None:
+    from klgrpo.apps.outputs import check_output
+
     if not (checkpoint / "config.json").is_file():
         raise KLGRPOError(f"{checkpoint} is not a checkpoint folder (no config.json); pass "
                           f"runs/<name>/checkpoints/step_N")
-    inside = out.resolve() == checkpoint.resolve() or checkpoint.resolve() in out.resolve().parents
-    if inside:
-        raise KLGRPOError(f"OUT {out} is inside the checkpoint {checkpoint} it reads; pass a folder outside it")
+    check_output(out, "OUT", {"the checkpoint": checkpoint}, folder=True)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise KLGRPOError(f"{out} exists and is not an empty folder; pass a new folder as OUT")
 

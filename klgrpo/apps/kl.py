@@ -24,6 +24,7 @@ import math
 import torch
 
 from klgrpo.apps.commands import command_parser, whole_number
+from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
@@ -46,18 +47,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", default="", help="system message for --as-chat prompts")
     p.add_argument("--batch-size", type=whole_number, default=32, help="completions per forward (default 32)")
     p.add_argument("--seed", type=whole_number, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="model dtype (default float32)")
     p.add_argument("--device", default="auto", help="device (default auto: cuda when present)")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON (never over an input)")
+    p.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     return p
 
 
 def main(argv: list[str]) -> int:
-    from klgrpo.apps.outputs import check_writable_file, write_text_file
+    from klgrpo.apps.outputs import check_output, write_text_file
 
     args = _parser().parse_args(argv)
     if args.json is not None:
-        check_writable_file(args.json, "--json")
+        check_output(args.json, "--json", {"POLICY": args.policy, "REFERENCE": args.reference,
+                                           "--prompts": args.prompts}, args.overwrite)
     report = measure(args)
     print(format_report(report))
     if args.json:

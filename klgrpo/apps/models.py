@@ -21,18 +21,12 @@ def checkpoint_run_config(path: str):
     return None, None
 
 
-def verify_checkpoint(path: Path) -> None:
+def verify_checkpoint(path: Path, field: str = "CHECKPOINT") -> None:
     """A klgrpo checkpoint folder's weights files match the sha256 saved with them (a ConfigError line naming
     the file otherwise); any other folder passes (it has no checksums)."""
-    from klgrpo.run.checkpoint import STATE_FILE, verify_checksums
-    from klgrpo.run.state_io import StateFileError
+    from klgrpo.run.checkpoint import check_checkpoint
 
-    if not (Path(path) / STATE_FILE).is_file():
-        return
-    try:
-        verify_checksums(Path(path))
-    except StateFileError as exc:
-        raise ConfigError(f"{exc}; pass an intact checkpoint (an older one of the run: checkpoints/step_N)") from None
+    check_checkpoint(path, field)
 
 
 def load_model_for_inference(path: str, model_cfg, field: str):
@@ -49,7 +43,7 @@ def load_model_for_inference(path: str, model_cfg, field: str):
     device = resolve_device(model_cfg.device)
     dtype = resolve_dtype(model_cfg.dtype, device)
     gguf = model_cfg.gguf_file if path == model_cfg.name_or_path else ""
-    verify_checkpoint(Path(path))
+    verify_checkpoint(Path(path), field)
     if (Path(path) / "adapter_config.json").is_file():
         model = _load_lora_merged(Path(path), dtype).to(device)
     else:

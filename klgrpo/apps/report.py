@@ -8,7 +8,7 @@ from pathlib import Path
 from klgrpo.apps.commands import command_parser
 from klgrpo.errors import KLGRPOError
 from klgrpo.train.metrics import METRICS_FILE
-from klgrpo.train.report import make_plots, summary_table
+from klgrpo.train.report import PLOT_FILES, PLOTS_DIR, make_plots, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
               f"from its first logged step on.", file=sys.stderr)
         return 2
     try:
+        if not args.no_plots:
+            _check_plot_paths(run_dir)
         print(summary_table(run_dir))
         if not args.no_plots:
             paths = make_plots(run_dir)
@@ -42,3 +44,17 @@ def main(argv: list[str] | None = None) -> int:
               f"--no-plots, or copy the run folder somewhere writable", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_plot_paths(run_dir: Path) -> None:
+    """The plots report redraws (its own, in RUN_DIR/plots) never land on or in what it reads, also through a
+    symbolic link there (the one rule of every command's outputs, klgrpo/apps/outputs.py)."""
+    from klgrpo.apps.outputs import overlap
+    from klgrpo.run.checkpoint import CHECKPOINTS_DIR
+    from klgrpo.run.run_folder import CONFIG_FILE, SUMMARY_FILE
+
+    inputs = [run_dir / name for name in (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS_DIR)]
+    for name in PLOT_FILES:
+        plot = run_dir / PLOTS_DIR / name
+        if (why := overlap(plot, inputs)) is not None:
+            raise KLGRPOError(f"the plot {plot} {why} (through a symbolic link); remove the link, or pass --no-plots")

@@ -89,6 +89,11 @@ def run(args, overrides: list[str]) -> dict:
     if not cfg.data.source:
         raise ConfigError(f"data.source is empty in {args.config}: name the prompt/answer file or dataset")
     out = _check_options(args)
+    from klgrpo.apps.outputs import check_output
+
+    check_output(out, "--output-dir", {"--config": args.config, "model.name_or_path": cfg.model.name_or_path,
+                                       "model.tokenizer": cfg.model.tokenizer, "data.source": cfg.data.source},
+                 folder=True)
     try:
         import datasets  # noqa: F401
         import trl  # noqa: F401
@@ -176,7 +181,9 @@ def _save(trainer, tokenizer, summary: dict, tmp: Path, out: Path) -> None:
 
 def _load(cfg):
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
+    from klgrpo.run.checkpoint import check_checkpoint
 
+    check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path, cfg.model.trust_remote_code,

@@ -417,6 +417,38 @@ def main(argv: list[str] | None = None) -> int:
         for run in plan_runs(cells, seeds, out):
             print(" ".join(run_argv(run, args.config, extra)))
         return 0
+    try:
+        lock = take_sweep_folder(out, cells, seeds, args.config, lock=not args.table_only)
+    except KLGRPOError as exc:
+        print(f"klgrpo sweep: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _sweep(cells, grid, extra_cells, seeds, args, extra, out)
+    finally:
+        lock.release()
+
+
+def take_sweep_folder(out: Path, cells: list[Cell], seeds: list[int], config: str | None, lock: bool = True):
+    """Before anything is written: the sweep folder holds none of the inputs where the sweep writes (the one
+    rule of every command's outputs, klgrpo/apps/outputs.py), then its lock (``.klgrpo.lock``, as a run
+    folder's): a second sweep into the folder of a live one is refused, never run beside it. --table-only
+    (``lock`` False) trains nothing and may run beside the sweep whose partial table it writes."""
+    from klgrpo.apps.outputs import overlap
+    from klgrpo.run.run_folder import RunLock
+
+    writes = {run.run_dir.relative_to(out).parts[0] for run in plan_runs(cells, seeds, out)}
+    writes |= {"table.md", "table.json", PLOT_FILE, BETA_PLOT_FILE, RUNS_PLOT_FILE}
+    if (why := overlap(out, {"--config": config} if config else {}, folder=True, writes=writes)) is not None:
+        raise SweepError(f"--output-dir {out} {why}; pass another folder")
+    held = RunLock(out)
+    if lock:
+        held.check_free("sweep")
+        out.mkdir(parents=True, exist_ok=True)
+        held.acquire()
+    return held
+
+
+def _sweep(cells, grid, extra_cells, seeds, args, extra, out: Path) -> int:
     t0 = time.perf_counter()
     try:
         with sigterm_as_interrupt():  # SIGTERM stops the sweep (and its live runs) like Ctrl-C

@@ -99,9 +99,26 @@ def _early_checks(cfg, opts):
 
     cfg.validate()  # errors only here; the trainer prints the warnings
     run_dir = run_dir_for(cfg)
+    _check_output_dir(run_dir, cfg)
     check_run_folder(run_dir, cfg, opts["resume"], opts["overwrite"])
     _check_rewards(cfg)
     return run_dir
+
+
+def _check_output_dir(run_dir, cfg) -> None:
+    """The run folder is none of the run's inputs, nor inside one, and holds none where the run writes or
+    --overwrite deletes (the one rule of every command's outputs, klgrpo/apps/outputs.py)."""
+    from klgrpo.apps.outputs import check_output
+    from klgrpo.config.entries import eval_set_specs, reward_specs
+    from klgrpo.run.run_folder import CONFIG_FILE, RUN_FILES
+
+    inputs = {"model.name_or_path": cfg.model.name_or_path, "model.tokenizer": cfg.model.tokenizer,
+              "kl.reference": cfg.kl.reference, "data.source": cfg.data.source,
+              **{f"eval set {s.name}": s.source for s in eval_set_specs(cfg.eval.sets)},
+              **{f"reward model {s.model}": s.model for s in reward_specs(cfg.rewards.functions)
+                 if hasattr(s, "model")}}
+    # config.yaml is the run's record (a resume reads it as --config), not an input it writes over
+    check_output(run_dir, "--output-dir", inputs, folder=True, writes=[n for n in RUN_FILES if n != CONFIG_FILE])
 
 
 def _early_checks_of_demo(cfg, opts) -> None:
@@ -109,13 +126,7 @@ def _early_checks_of_demo(cfg, opts) -> None:
     from klgrpo.run.run_folder import check_run_folder
     from klgrpo.config.validation import check_finite_and_ranges
 
-    def need(ok, message):
-        if not ok:
-            from klgrpo.errors import ConfigError
-
-            raise ConfigError(message)
-
-    check_finite_and_ranges(cfg, need)
+    check_finite_and_ranges(cfg)
     if cfg.train.output_dir and not opts["resume"]:
         check_run_folder(cfg.train.output_dir, cfg, None, opts["overwrite"])
 

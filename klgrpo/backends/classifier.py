@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from klgrpo.backends.hf import check_local_model_path, hub_access
+from klgrpo.backends.hf import check_local_model_path, hub_access, unreadable_weights
 from klgrpo.errors import ConfigError, first_line
 
 #: What a sequence classifier's architecture name ends with (AutoModelForSequenceClassification's classes).
@@ -56,6 +56,8 @@ def load_classifier(name_or_path: str, device: torch.device, dtype: torch.dtype,
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a reward model from {name_or_path!r} ({field}): "
                           f"{first_line(exc, limit=None)}") from None
+    except Exception as exc:  # truncated or random bytes, a pickle: safetensors' and torch's own error types
+        raise unreadable_weights(exc, f"cannot load a reward model from {name_or_path!r} ({field})") from None
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise ConfigError(f"reward model {name_or_path!r} ({field}): its weights lack {', '.join(missing[:3])}"

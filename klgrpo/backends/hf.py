@@ -49,6 +49,8 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not a dtype klgrpo loads models in; use {', '.join(DTYPE_NAMES)}")
     return _DTYPES[name]
 
 
@@ -254,19 +256,26 @@ def pretrained_causal_lm(folder: str, gguf_file: str, failure: str, fix: str = "
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{failure}: {first_line(exc, limit=None)}{fix}") from None
     except Exception as exc:  # a truncated safetensors file, a pickle that torch's weights_only loader refuses
-        if type(exc).__name__ == "RuntimeError" and "mismatched" in str(exc):  # a header's shape altered
-            raise ConfigError(f"{failure}: a weight in its weights file has another shape than config.json gives "
-                              f"it; {_STRICT_FIX}") from None
-        if type(exc).__name__ not in ("SafetensorError", "UnpicklingError"):
-            raise
-        raise ConfigError(f"{failure}: its weights file cannot be read ({type(exc).__name__}: {first_line(exc)}); "
-                          f"restore the model folder (safetensors weights; a pickled file is not loaded)") from None
+        raise unreadable_weights(exc, failure) from None
     model = loaded[0] if strict else loaded
     if strict:
         _check_strict_load(model, loaded[1], folder, gguf_file)
     if gguf_file:
         forget_gguf_origin(model)
     return model
+
+
+def unreadable_weights(exc: Exception, failure: str) -> Exception:
+    """The one-line ConfigError for a weights file from_pretrained cannot read (truncated or random bytes, a
+    pickle torch's weights_only loader refuses, a header's shape altered); any other error is returned as it is
+    (the caller raises it with its traceback)."""
+    if type(exc).__name__ == "RuntimeError" and "mismatched" in str(exc):  # a header's shape altered
+        return ConfigError(f"{failure}: a weight in its weights file has another shape than config.json gives it; "
+                           f"{_STRICT_FIX}")
+    if type(exc).__name__ not in ("SafetensorError", "UnpicklingError"):
+        return exc
+    return ConfigError(f"{failure}: its weights file cannot be read ({type(exc).__name__}: {first_line(exc)}); "
+                       f"restore the model folder (safetensors weights; a pickled file is not loaded)")
 
 
 def _check_strict_load(model, info: dict, folder: str, gguf_file: str) -> None:

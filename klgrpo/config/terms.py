@@ -1,5 +1,5 @@
 """The run's config as the math's typed arguments: the KL term, the policy term, the controller and its
-parameters.
+parameters, and the step's whole plan (``StepPlan``: everything a GRPOStep reads from the config).
 
 The trainer, the TRL bridge (klgrpo.trl) and ``klgrpo explain`` build what klgrpo/math/ takes here, so a setting
 reaches the objective and the controller through one mapping.
@@ -8,12 +8,17 @@ reaches the objective and the controller through one mapping.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, replace
 from typing import Any
 
 from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, auto_horizon,
                                     build_controller, init_keywords)
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
-from klgrpo.config.schema import GRPOConfig, KLConfig, LossConfig
+from klgrpo.math.sampler_correction import SamplerCorrection
+from klgrpo.math.policy_loss import POLICY_LOSSES
+from klgrpo.backends.samplers import SamplingParams
+from klgrpo.config.schema import GRPOConfig, KLConfig, LossConfig, RolloutConfig
+from klgrpo.config.validation import policy_settings
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
 CONTROLLER_FIELDS = {"lr": "dual_lr"}
@@ -27,13 +32,19 @@ def kl_term(kl: KLConfig, beta: float) -> KLTerm:
 
 
 def policy_term(loss: LossConfig) -> PolicyTerm:
-    """The surrogate and its clip; the config's 0 ("off") for delta and dual_clip becomes None."""
+    """The surrogate, its clip and its own settings (the dataclass it registered, filled from the config:
+    ``validation.policy_settings``); the config's 0 ("off") for delta and dual_clip becomes None."""
+    declared = POLICY_LOSSES.params(loss.policy_loss)
     return PolicyTerm(name=loss.policy_loss, eps_low=loss.eps_low, eps_high=loss.eps_high,
                       delta=loss.delta or None, dual_clip=loss.dual_clip or None,
                       off_policy_mask=loss.off_policy_mask_threshold or None,
-                      sapo_temperature_pos=loss.sapo_temperature_pos, sapo_temperature_neg=loss.sapo_temperature_neg,
-                      vespo_k_pos=loss.vespo_k_pos, vespo_lambda_pos=loss.vespo_lambda_pos,
-                      vespo_k_neg=loss.vespo_k_neg, vespo_lambda_neg=loss.vespo_lambda_neg)
+                      params=declared(**policy_settings(loss)) if declared is not None else None)
+
+
+def sampler_correction(rollout: RolloutConfig) -> SamplerCorrection:
+    """The sampler-mismatch correction; a bound of 0 is "none" on that side (a ratio is never below 0)."""
+    return SamplerCorrection(mode=rollout.sampler_correction, clip_min=rollout.sampler_correction_min or None,
+                             clip_max=rollout.sampler_correction_max or None)
 
 
 def entropy_term(loss: LossConfig, coef: float) -> EntropyTerm:
@@ -99,3 +110,58 @@ def build_kl_controller(kl: KLConfig, steps: int = 0, batch: int = 0) -> KLContr
     """The controller ``kl.controller`` starting at beta = ``kl.coef`` (it applies its own floors, e.g. the dual
     controller's DUAL_BETA_FLOOR); ``steps`` and ``batch`` size kl.horizon auto."""
     return build_controller(kl.controller, kl.coef, **controller_params(kl, steps, batch))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything a GRPOStep reads from the config, read once per run from the validated config (``step_plan``):
+    the step never looks at the config itself."""
+
+    sampling: SamplingParams      # how the rollout samples; the step sets the sampler it was built with
+    prompts_per_step: int         # N, all processes together
+    data_source: str              # named in the refusal of a prompt too long for the model
+    micro_batch_size: int         # 0: the whole batch in one forward/backward
+    mask_truncated: bool          # truncated completions out of the loss
+    num_iterations: int           # updates per generated batch
+    advantage_scale: str          # group_advantages' scale, eps and ddof
+    std_eps: float
+    std_ddof: int
+    aggregation: str
+    policy: PolicyTerm
+    kl: KLTerm                    # the fixed parts; beta at a step is the controller's (``kl_term``)
+    entropy_in_loss: bool         # the loss reads the policy's entropy (bonus, its controller, top-entropy mask)
+    entropy_metrics: bool         # train.entropy_metrics
+    top_entropy_quantile: float
+    max_grad_norm: float          # inf: no clipping
+    sync_every: int               # reference sync (0: never) and its mix
+    sync_alpha: float
+    seed: int                     # train.seed: a resume on another process count reseeds from it
+    sampler_correction: SamplerCorrection = SamplerCorrection()  # the sampler-mismatch weight (rollout.*)
+
+    @property
+    def with_entropy(self) -> bool:
+        """The log-prob pass computes the entropy: for the metrics or for the loss."""
+        return self.entropy_metrics or self.entropy_in_loss
+
+    def kl_term(self, beta: float) -> KLTerm:
+        return replace(self.kl, coef=beta)
+
+    def entropy_term(self, coef: float) -> EntropyTerm:
+        return EntropyTerm(coef=coef, top_quantile=self.top_entropy_quantile)
+
+
+def step_plan(cfg: GRPOConfig) -> StepPlan:
+    """The plan of a run's steps, from its validated config (GRPOConfig.validate: once per run)."""
+    r, t, loss = cfg.rollout, cfg.train, cfg.loss
+    sampling = SamplingParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, system_prompt=cfg.data.system_prompt,
+                              as_chat=cfg.data.as_chat, compiled=t.compile)
+    return StepPlan(sampling=sampling, prompts_per_step=r.prompts_per_step, data_source=cfg.data.source,
+                    micro_batch_size=t.micro_batch_size, mask_truncated=r.mask_truncated,
+                    num_iterations=t.num_iterations, advantage_scale=loss.advantage_scale, std_eps=loss.std_eps,
+                    std_ddof=loss.std_ddof, aggregation=loss.aggregation, policy=policy_term(loss),
+                    kl=kl_term(cfg.kl, cfg.kl.coef), entropy_in_loss=entropy_in_use(loss),
+                    entropy_metrics=t.entropy_metrics, top_entropy_quantile=loss.top_entropy_quantile,
+                    max_grad_norm=cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
+                    sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed,
+                    sampler_correction=sampler_correction(r))

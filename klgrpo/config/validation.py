@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
@@ -12,9 +14,10 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.math.kl_control import CONTROLLERS, init_keywords
+from klgrpo.math.policy_loss import POLICY_LOSSES
 
-#: What these checks read: a klgrpo.config.schema.GRPOConfig. Not imported: config.py imports this module
-#: (GRPOConfig.validate), and the import runs one way.
+#: What these checks read: a klgrpo.config.schema.GRPOConfig. Not imported: schema.py imports this module
+#: (GRPOConfig.validate, when it first checks), and the import runs one way.
 GRPOConfig = Any
 
 
@@ -43,7 +46,9 @@ def kl_gradient_target(cfg: GRPOConfig) -> str:
     return ESTIMATORS[cfg.kl.estimator].gradient_target(cfg.kl.placement, sampling, level="token")
 
 
-def _need(ok: bool, message: str) -> None:
+def need(ok: bool, message: str) -> None:
+    """The one form of every check across fields: refuse (ConfigError, one line: the field and the fix) unless
+    ``ok``. A single field's bound is declared on the field instead (klgrpo/config/fields.py:setting)."""
     if not ok:
         raise ConfigError(message)
 
@@ -52,29 +57,27 @@ def validate_replay(cfg: GRPOConfig) -> None:
     """The kl.replay settings of an active anchor (kl.replay.coef > 0); the one place that checks them.
     kl.replay.estimator is refused, like every named choice, when the config is built."""
     r = cfg.kl.replay
-    _need(bool(r.source), "kl.replay.source is empty: name a file of replay prompts (other skills, no answers "
-                          "needed), or set kl.replay.coef 0")
-    _need(r.num_prompts >= 1, "kl.replay.num_prompts must be >= 1")
-    _need(r.completions_per_prompt >= 1, "kl.replay.completions_per_prompt must be >= 1")
-    _need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
-    _need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
-    _need(r.temperature > 0, "kl.replay.temperature must be > 0")
+    need(bool(r.source), "kl.replay.source is empty: name a file of replay prompts (other skills, no answers "
+                         "needed), or set kl.replay.coef 0")
+    need(r.num_prompts >= 1, "kl.replay.num_prompts must be >= 1")
+    need(r.completions_per_prompt >= 1, "kl.replay.completions_per_prompt must be >= 1")
+    need(r.batch_size >= 1, "kl.replay.batch_size must be >= 1")
+    need(r.max_new_tokens >= 0, "kl.replay.max_new_tokens must be >= 0 (0: rollout.max_new_tokens)")
+    need(r.temperature > 0, "kl.replay.temperature must be > 0")
 
 
 def validate_full_kl(cfg: GRPOConfig) -> None:
     """kl.estimator full: the exact KL over the vocabulary, a loss term of the built-in objective only."""
-    _need(cfg.kl.placement == "loss", f"kl.estimator=full is the exact KL over the vocabulary and enters the loss "
-                                      f"only: set kl.placement loss (not {cfg.kl.placement}), or pick a "
-                                      f"per-token estimator for the reward")
-    _need(not cfg.loss.function, "kl.estimator=full needs the built-in objective: leave loss.function empty, or "
-                                 "use a per-token estimator with your own loss")
+    need(cfg.kl.placement == "loss", f"kl.estimator=full is the exact KL over the vocabulary and enters the loss "
+                                     f"only: set kl.placement loss (not {cfg.kl.placement}), or pick a "
+                                     f"per-token estimator for the reward")
+    need(not cfg.loss.function, "kl.estimator=full needs the built-in objective: leave loss.function empty, or "
+                                "use a per-token estimator with your own loss")
 
 
-def validate_entropy(cfg: GRPOConfig, need) -> None:
+def validate_entropy(cfg: GRPOConfig) -> None:
     """The entropy bonus, its controller and the top-entropy mask."""
     loss = cfg.loss
-    need(0 <= loss.top_entropy_quantile <= 1,
-         f"loss.top_entropy_quantile must be in [0, 1] (1 keeps every token), got {loss.top_entropy_quantile!r}")
     need(loss.entropy_coef_min <= loss.entropy_coef_max,
          f"loss.entropy_coef_min ({loss.entropy_coef_min:g}) must be <= loss.entropy_coef_max "
          f"({loss.entropy_coef_max:g})")
@@ -91,11 +94,12 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     """Raise ConfigError (one line: the field and the fix) for a config that cannot run; return the warnings of one
     that runs with a surprising choice. ``dataset_given``: the prompts come from Python (GRPOTrainer's
     train_dataset), data.source may be empty."""
-    check_finite_and_ranges(cfg, _need)
+    check_finite_and_ranges(cfg)
     _check_rollout_and_update(cfg)
     _check_kl(cfg)
-    validate_entropy(cfg, _need)
-    need, k = _need, cfg.kl
+    validate_entropy(cfg)
+    policy_params_problems(cfg.loss)
+    k = cfg.kl
     need(not (cfg.model.lora.r > 0 and k.reference and k.sync_every),
          "kl.sync_every with LoRA needs the adapter-disabled reference: leave kl.reference empty (a separate "
          "reference checkpoint cannot be synced from adapter weights)")
@@ -108,7 +112,6 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
         need(bool(cfg.data.source), "data.source is empty: name a prompt file or dataset (or leave "
                                     "model.name_or_path empty to run the embedded demo)")
     need(len(cfg.rewards.functions) > 0, "rewards.functions is empty: name at least one reward function")
-    need(k.replay.coef >= 0, "kl.replay.coef must be >= 0 (0 turns the replay anchor off)")
     if k.replay.coef > 0:
         validate_replay(cfg)
     eval_set_specs(cfg.eval.sets)
@@ -116,22 +119,12 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
 
 
 def _check_rollout_and_update(cfg: GRPOConfig) -> None:
-    need, r, t, o, loss = _need, cfg.rollout, cfg.train, cfg.optim, cfg.loss
-    need(r.group_size >= 2, "rollout.group_size must be >= 2: GRPO's baseline is the mean of a prompt's group")
-    need(r.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
-    need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
-    need(r.temperature > 0, "rollout.temperature must be > 0 (use a small value such as 0.1 for near-greedy)")
-    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
-    need(t.steps >= 1, "train.steps must be >= 1")
-    need(t.num_iterations >= 1, "train.num_iterations must be >= 1")
+    r, t, loss = cfg.rollout, cfg.train, cfg.loss
     batch = r.prompts_per_step * r.group_size
     if t.micro_batch_size:
         need(t.micro_batch_size > 0 and batch % t.micro_batch_size == 0,
              f"train.micro_batch_size={t.micro_batch_size} must divide the batch of "
              f"rollout.prompts_per_step x rollout.group_size = {batch} sequences")
-    need(o.lr > 0, "optim.lr must be > 0")
-    need(o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 turns clipping off)")
-    need(loss.eps_low >= 0 and loss.eps_high >= 0, "loss.eps_low and loss.eps_high must be >= 0")
     need(loss.std_ddof in (0, 1), "loss.std_ddof must be 0 (population std) or 1 (sample std)")
     need(loss.delta == 0 or loss.delta > 1, "loss.delta must be > 1 (TRL recommends > 1 + eps_high), or 0 for off")
     need(loss.dual_clip == 0 or loss.dual_clip > 1, "loss.dual_clip must be > 1 (verl uses 3), or 0 for off")
@@ -139,12 +132,29 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
          f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
 
+    _check_sampler_correction(r, loss)
+
+
+def _check_sampler_correction(r, loss) -> None:
+    if r.sampler_correction == "none":
+        return
+    low, high = r.sampler_correction_min, r.sampler_correction_max
+    need(not (r.sampler_correction.endswith("truncate") and not low and not high),
+          f"rollout.sampler_correction {r.sampler_correction} needs a bound: set rollout.sampler_correction_max "
+          "(TRL's default 3.0) or rollout.sampler_correction_min")
+    need(not (low and high and low >= high), f"rollout.sampler_correction_min ({low}) must be below "
+                                              f"rollout.sampler_correction_max ({high})")
+    need(not loss.function, "rollout.sampler_correction weights the built-in objective; with loss.function apply "
+                             "the weight in your own loss, or set rollout.sampler_correction none")
+    need(loss.policy_loss != "vespo", "rollout.sampler_correction with loss.policy_loss vespo: VESPO weighs whole "
+                                       "sequences itself; set rollout.sampler_correction none (or another policy "
+                                       "loss)")
+
 
 def _check_kl(cfg: GRPOConfig) -> None:
-    need, k = _need, cfg.kl
+    k = cfg.kl
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     need(k.coef >= 0, "kl.coef must be >= 0")
-    need(k.log_ratio_clamp >= 0, "kl.log_ratio_clamp must be >= 0 (0 turns the guard off)")
     if k.estimator == FULL_KL:
         validate_full_kl(cfg)
     need(k.log_ratio_clamp > 0 or k.estimator == FULL_KL or not ESTIMATORS[k.estimator].uses_clamp,
@@ -162,7 +172,6 @@ def _check_kl(cfg: GRPOConfig) -> None:
     need(k.horizon != "auto" or cfg.train.steps > 0, "kl.horizon auto is sized from train.steps: set train.steps > 0 "
                                                       "or give kl.horizon a number")
     _check_runaway(cfg)
-    need(k.sync_every >= 0 and 0 < k.sync_alpha <= 1, "kl.sync_every must be >= 0 and kl.sync_alpha in (0, 1]")
 
 
 def _check_runaway(cfg: GRPOConfig) -> None:
@@ -170,11 +179,11 @@ def _check_runaway(cfg: GRPOConfig) -> None:
     k = cfg.kl
     if k.on_runaway == "warn":
         return
-    _need(k.coef > 0 or k.monitor, f"kl.on_runaway {k.on_runaway} watches the KL, which kl.coef 0 with kl.monitor "
-                                   f"false does not compute: set kl.monitor true or kl.on_runaway warn")
-    _need(k.on_runaway != "rollback" or k.runaway_beta_factor != 1 or k.runaway_lr_factor != 1,
-          "kl.on_runaway rollback with kl.runaway_beta_factor 1 and kl.runaway_lr_factor 1 would repeat the same "
-          "steps: set kl.runaway_beta_factor > 1 or kl.runaway_lr_factor < 1")
+    need(k.coef > 0 or k.monitor, f"kl.on_runaway {k.on_runaway} watches the KL, which kl.coef 0 with kl.monitor "
+                                  f"false does not compute: set kl.monitor true or kl.on_runaway warn")
+    need(k.on_runaway != "rollback" or k.runaway_beta_factor != 1 or k.runaway_lr_factor != 1,
+         "kl.on_runaway rollback with kl.runaway_beta_factor 1 and kl.runaway_lr_factor 1 would repeat the same "
+         "steps: set kl.runaway_beta_factor > 1 or kl.runaway_lr_factor < 1")
 
 
 def _reverse_kl_fix(estimator: str, placement: str) -> str:
@@ -220,11 +229,9 @@ def active_trackers(cfg: GRPOConfig) -> list:
     return trackers_of(names, cfg.logging.tensorboard) if isinstance(names, list) else names
 
 
-def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
-    """No NaN anywhere, no infinity where the field does not declare it (infinite_ok), the lower bounds declared on
-    the fields (setting's low), the ranges of the rates, and the typed entries of rewards.functions."""
-    import math
-
+def check_finite_and_ranges(cfg: GRPOConfig) -> None:
+    """No NaN anywhere, no infinity where the field does not declare it (infinite_ok), the bounds declared on the
+    fields (setting's low and high), and the typed entries of rewards.functions."""
     for path, value, spec in leaves(cfg):
         if isinstance(value, float) and not isinstance(value, bool):
             need(not math.isnan(value), f"{path} is NaN; give it a number")
@@ -239,15 +246,43 @@ def check_finite_and_ranges(cfg: GRPOConfig, need) -> None:
     seed = cfg.train.seed
     need(isinstance(seed, int) and 0 <= seed <= 2**32 - 1,
          f"train.seed must be an integer in [0, 4294967295] (numpy's seed range), got {seed!r}")
-    o, loss, k = cfg.optim, cfg.loss, cfg.kl
-    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-    need(0 <= loss.eps_low <= 1, f"loss.eps_low must be in [0, 1] (the ratio's lower clip is 1 - eps_low; 1: "
-                                 f"no lower clip, as TRL's cispo), got {loss.eps_low!r}")
-    need(0 < k.decay <= 1, f"kl.decay must be in (0, 1], got {k.decay!r}")
+    k = cfg.kl
     check_report_to(active_trackers(cfg))
     need(not (k.warn_above > 0 and k.warn_below >= k.warn_above),
          f"kl.warn_below ({k.warn_below:g}) must be below kl.warn_above ({k.warn_above:g}); "
          "set either to 0 to turn it off")
-    need(0 <= cfg.model.lora.dropout < 1, "model.lora.dropout must be in [0, 1)")
     need(k.beta_min <= k.beta_max, "kl.beta_min must be <= kl.beta_max")
     reward_specs(cfg.rewards.functions)
+
+
+def policy_params_problems(loss) -> None:
+    """loss.policy_params names only settings the chosen policy loss declared (POLICY_LOSSES' params), none that
+    has a field of its own (loss.sapo_*, loss.vespo_*), each a number within its declared bounds."""
+    declared = POLICY_LOSSES.params(loss.policy_loss)
+    names = [f.name for f in dataclasses.fields(declared)] if declared is not None else []
+    for key, value in loss.policy_params.items():
+        need(key in names, f"loss.policy_params.{key}: loss.policy_loss {loss.policy_loss} has "
+                           + (f"the settings {', '.join(names)}" if names else "no settings of its own"))
+        own_field = f"{loss.policy_loss}_{key}"
+        need(not hasattr(loss, own_field), f"loss.policy_params.{key}: set loss.{own_field} instead")
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+             f"loss.policy_params.{key} must be a finite number, got {value!r}")
+    for spec in dataclasses.fields(declared) if declared is not None else ():
+        path = f"loss.{loss.policy_loss}_{spec.name}"
+        if not hasattr(loss, f"{loss.policy_loss}_{spec.name}"):
+            path = f"loss.policy_params.{spec.name}"
+        problem = bound_problem(path, spec, policy_settings(loss)[spec.name])
+        need(problem is None, problem)
+
+
+def policy_settings(loss) -> dict[str, Any]:
+    """The chosen policy loss's own settings by name: its ``loss.<name>_<setting>`` field where the config has
+    one, else loss.policy_params, else the declared default ({} for a loss without settings)."""
+    declared = POLICY_LOSSES.params(loss.policy_loss)
+    if declared is None:
+        return {}
+    settings = {}
+    for spec in dataclasses.fields(declared):
+        own_field = f"{loss.policy_loss}_{spec.name}"
+        settings[spec.name] = getattr(loss, own_field, loss.policy_params.get(spec.name, spec.default))
+    return settings

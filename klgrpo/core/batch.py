@@ -40,7 +40,8 @@ class StepBatch:
         rollout = RolloutBatch(
             input_ids=r.input_ids[sl], attention_mask=r.attention_mask[sl], completion_ids=r.completion_ids[sl],
             completion_mask=r.completion_mask[sl], truncated=r.truncated[sl], prompt_len=r.prompt_len,
-            group_size=g, prompts=r.prompts[sl], completions=r.completions[sl])
+            group_size=g, prompts=r.prompts[sl], completions=r.completions[sl],
+            sampler_logp=None if r.sampler_logp is None else r.sampler_logp[sl])
         pick = (lambda t: None if t is None else t[sl])
         return StepBatch(rollout=rollout, rewards=self.rewards[sl],
                          reward_columns={k: v[sl] for k, v in self.reward_columns.items()},

@@ -43,6 +43,8 @@ class RolloutBatch:
     completion_mask  [B, T] 1 on completion tokens up to and including the first EOS
     truncated        [B]    no EOS within max_new_tokens
     prompts          the B prompts as given (each repeated G times); completions: the B decoded texts
+    sampler_logp     [B, T] the sampler's own log-prob of each sampled token (log mu, float32; 0 after EOS), or
+                     None where the sampler gives none: what the sampler-mismatch metrics and correction read
     """
 
     input_ids: Tensor
@@ -54,6 +56,7 @@ class RolloutBatch:
     group_size: int
     prompts: list
     completions: list[str]
+    sampler_logp: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -142,13 +145,18 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     was_training = model.training
     model.eval()
     try:
-        completion_ids = sampler.sample(model, unique_ids, unique_mask, p, tokenizer.pad_token_id, eos_ids)
+        sampled = sampler.sample(model, unique_ids, unique_mask, p, tokenizer.pad_token_id, eos_ids)
     finally:
         model.train(was_training)
+    # a sampler that scores its own tokens returns (ids, log-probs), the others the ids alone
+    completion_ids, sampler_logp = sampled if isinstance(sampled, tuple) else (sampled, None)
     if completion_ids.shape[1] == 0:  # every row stopped at once: keep one (masked) column
         completion_ids = torch.full((prompt_ids.shape[0], 1), tokenizer.pad_token_id, device=device,
                                     dtype=prompt_ids.dtype)
+        sampler_logp = None if sampler_logp is None else torch.zeros(completion_ids.shape, device=device)
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
+    if sampler_logp is not None:
+        sampler_logp = sampler_logp.to(device, torch.float32).masked_fill(~completion_mask, 0.0)
     # Tokens after EOS are padding: give them a harmless id and no attention.
     completion_ids = torch.where(completion_mask, completion_ids, torch.full_like(completion_ids,
                                                                                   tokenizer.pad_token_id))
@@ -165,6 +173,7 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         group_size=p.group_size,
         prompts=[prompt for prompt in prompts for _ in range(p.group_size)],
         completions=completions,
+        sampler_logp=sampler_logp,
     )
 
 

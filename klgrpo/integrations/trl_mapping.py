@@ -125,10 +125,11 @@ def resolved_is_correction(values: MappingType[str, Any]) -> str:
     return "in_graph" if values["use_bias_correction_kl"] else "none"
 
 
-def map_trl(fields: MappingType[str, Any]) -> Mapped:
-    """TRL (and adaptive-KL) field values -> klgrpo keys; absent fields take TRL 1.16's (and the adaptive-KL
-    fields') defaults. Fields whose objective klgrpo's math lacks land in ``unmapped`` with the reason."""
-    v = {**TRL_DEFAULTS, **ADAPTIVE_KL_DEFAULTS, **fields}
+def map_trl(fields: MappingType[str, Any], defaults: MappingType[str, Any] | None = None) -> Mapped:
+    """TRL (and adaptive-KL) field values -> klgrpo keys; absent fields take ``defaults`` (another TRL release's,
+    klgrpo.integrations.versions) or else TRL 1.16's (and the adaptive-KL fields') defaults. Fields whose
+    objective klgrpo's math lacks land in ``unmapped`` with the reason."""
+    v = {**TRL_DEFAULTS, **ADAPTIVE_KL_DEFAULTS, **(defaults or {}), **fields}
     out = Mapped()
     _map_kl(v, out)
     _map_policy(v, out)

@@ -214,9 +214,9 @@ def _map_advantages(v: dict, out: Mapped) -> None:
     estimator = v[ALGORITHM + "adv_estimator"]
     if estimator != "grpo":
         out.unmapped[ALGORITHM + "adv_estimator"] = (
-            f"{estimator!r}: klgrpo's advantages are group-normalised rewards (verl's 'grpo'); the config below "
-            f"uses them")
-    scale = "group" if v[ALGORITHM + "norm_adv_by_std_in_grpo"] else "none"
+            f"{estimator!r}: klgrpo's advantages are group-relative rewards (verl's 'grpo'); {estimator} divides by "
+            "no group std, so the config below centres the rewards without dividing (advantage_scale none)")
+    scale = "group" if estimator == "grpo" and v[ALGORITHM + "norm_adv_by_std_in_grpo"] else "none"
     out.config.update({"loss.advantage_scale": scale, "loss.std_eps": 1e-6, "loss.std_ddof": 1})
 
 

@@ -12,7 +12,9 @@
                                                            at prefix t, math/full_kl.py; no clamp needed)
     pg_it  = m_i * e_it * pg_it                          (m: the off-policy sequence mask, 1 off; e: the
                                                            top-entropy token mask, 1 off; policy_loss.py)
-    loss   = aggregate(pg + beta * kl, mask, mode, global normaliser)
+    loss   = aggregate(v * (pg + beta * kl), mask, mode, global normaliser)
+                                                          (v: the sampler-mismatch weight, 1 unless
+                                                           rollout.sampler_correction; math/sampler_correction.py)
            - c * (B_mb / G) * sum_it e_it H_it / sum_it e_it  (the entropy bonus, c = loss.entropy_coef at this step:
                                                            the micro-batch's mean per-token entropy over the tokens
                                                            the policy term acts on, weighted by its share of the
@@ -28,7 +30,8 @@ micro-batches and divides once per step by global counts; nothing here syncs wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +42,7 @@ from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
 from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight, off_policy_mask
+from klgrpo.math.sampler_correction import SamplerCorrection, sampler_weight
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class PolicyTerm:
     """The policy (surrogate) part of the loss: which registered surrogate and its clip settings.
 
     ``name`` is a POLICY_LOSSES name; ``delta`` (TRL's two-sided clip) and ``dual_clip`` (verl's clip_ratio_c)
-    guard ppo_clip only, None: off (policy_loss.clipped_surrogate)."""
+    guard ppo_clip only, None: off (policy_loss.clipped_surrogate). ``params``: the loss's own settings, an
+    instance of the dataclass it registered (``POLICY_LOSSES.params(name)``); None: that dataclass's defaults."""
 
     name: str = "ppo_clip"
     eps_low: float = 0.2
@@ -84,21 +89,14 @@ class PolicyTerm:
     delta: float | None = None
     dual_clip: float | None = None
     off_policy_mask: float | None = None  # DeepSeek-V3.2's delta (policy_loss.off_policy_mask); None: off
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    params: Any = None
 
     def _settings(self) -> dict:
-        """The keywords of this surrogate beyond the clip: ppo_clip's guards, SAPO's and VESPO's settings."""
-        if self.name == "sapo":
-            return {"temperature_pos": self.sapo_temperature_pos, "temperature_neg": self.sapo_temperature_neg}
-        if self.name == "vespo":
-            return {"k_pos": self.vespo_k_pos, "lambda_pos": self.vespo_lambda_pos, "k_neg": self.vespo_k_neg,
-                    "lambda_neg": self.vespo_lambda_neg}
-        return {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
+        """The keywords of this surrogate beyond the clip: ppo_clip's guards and the loss's own settings."""
+        guards = {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
+        declared = POLICY_LOSSES.params(self.name)
+        params = self.params if self.params is not None else (declared() if declared is not None else None)
+        return guards if params is None else {**guards, **asdict(params)}
 
     def surrogate(self, logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor):
         return POLICY_LOSSES[self.name](logp_BT, old_logp_BT, advantages, mask_BT, self.eps_low, self.eps_high,
@@ -243,7 +241,9 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
                    mask_BT: Tensor, *, kl: KLTerm, policy: PolicyTerm = PolicyTerm(), aggregation: str,
                    normalizer: Normalizer, full_kl_BT: Tensor | None = None, row_weights_B: Tensor | None = None,
                    metrics: bool = True, entropy_BT: Tensor | None = None, entropy: EntropyTerm = EntropyTerm(),
-                   entropy_cut: Tensor | None = None, sampling_logp_BT: Tensor | None = None) -> ObjectiveOut:
+                   entropy_cut: Tensor | None = None, sampling_logp_BT: Tensor | None = None,
+                   sampler_logp_BT: Tensor | None = None,
+                   sampler_correction: SamplerCorrection = SamplerCorrection()) -> ObjectiveOut:
     """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
 
     ``policy``: the surrogate and its clip; ``kl``: how the KL enters (beta included); ``aggregation`` (an
@@ -253,7 +253,9 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
     expectations by enumeration). ``metrics=False`` leaves ``sums`` None. ``entropy_BT``: the policy's per-token
     entropy, in the graph (when ``entropy`` needs it); ``entropy_cut``: the top-entropy threshold when the caller
     pools more tokens (None: :func:`entropy_threshold` of these); ``sampling_logp_BT``: the sampling policy's
-    log-probs for the off-policy mask (None: ``old_logp_BT``)."""
+    log-probs for the off-policy mask (None: ``old_logp_BT``); ``sampler_logp_BT``: the sampler's own log-probs
+    mu of the tokens, which ``sampler_correction`` (when on) turns into the weight v on the policy and KL terms
+    (None: no sampler log-probs, no weight)."""
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
@@ -268,6 +270,8 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
                                    full_kl_BT=full_kl_BT)
         per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, mask, kl, aggregation, normalizer, metrics)
         kl_sums, token_kl = _kl_monitors(penalty, mask, kl) if metrics else (None, None)
+    if sampler_logp_BT is not None and sampler_correction.on:
+        per_token = per_token * sampler_weight(old_logp_BT, sampler_logp_BT, mask, sampler_correction)
     if row_weights_B is not None:
         per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)

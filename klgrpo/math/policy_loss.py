@@ -55,12 +55,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from klgrpo.math.policy_params import SapoParams, VespoParams
 from klgrpo.math.registry import Registry
 
 IS_CORRECTIONS = ("in_graph", "detached", "none")
 
 #: ``loss.policy_loss`` name -> surrogate ``fn(logp_BT, old_logp_BT, advantages, mask_BT, eps_low, eps_high,
-#: **guards) -> SurrogateOut``; the guards (delta, dual_clip) reach only a surrogate that takes them (ppo_clip).
+#: **guards, **settings) -> SurrogateOut``; the guards (delta, dual_clip) reach only a surrogate that takes them
+#: (ppo_clip), a loss's own settings (``register(name, params=...)``) reach it as keywords of the same names.
 #: Registration order is the order the config lists them in; ppo_clip, the default, first.
 POLICY_LOSSES: Registry = Registry("policy loss")
 
@@ -149,7 +151,7 @@ def cispo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, ma
     return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=low, clipped_high_BT=high)
 
 
-@POLICY_LOSSES.register("sapo")
+@POLICY_LOSSES.register("sapo", params=SapoParams)
 def sapo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
                    eps_low: float = 0.2, eps_high: float = 0.2, *, temperature_pos: float = 1.0,
                    temperature_neg: float = 1.05) -> SurrogateOut:
@@ -179,7 +181,7 @@ def vespo_weight(log_ratio_BT: Tensor, advantages: Tensor, mask_BT: Tensor, k_po
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-@POLICY_LOSSES.register("vespo")
+@POLICY_LOSSES.register("vespo", params=VespoParams)
 def vespo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
                     eps_low: float = 0.2, eps_high: float = 0.2, *, k_pos: float = 2.0, lambda_pos: float = 3.0,
                     k_neg: float = 3.0, lambda_neg: float = 2.0) -> SurrogateOut:

@@ -24,13 +24,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 from klgrpo.errors import ConfigError, KLGRPOError, NonFiniteError, first_line
-from klgrpo.run.state_io import (StateFileError, file_sha256, load_state, read_state_doc, save_state,
-                                   state_files)
+from klgrpo.run.state_io import (StateFileError, file_sha256, load_state, read_state_doc, read_state_metadata,
+                                   save_state, state_files)
 
 STATE_STEM = "trainer_state"
 STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io
 LEGACY_STATE_FILE = "trainer_state.pt"
 WEIGHTS_SUMS = "weights_sha256"  # in trainer_state.json: {file inside the checkpoint: sha256}
+#: A checkpoint's layout version, in trainer_state.json and in trainer_state.safetensors' header: 2 and above
+#: record checksums (WEIGHTS_SUMS, and the sha256 of the tensors file), which a reader then requires.
+VERSION_KEY = "checkpoint_version"
+RUN_CONFIG = "run_config"  # in the trainer state (its JSON tree): the run's settings when the checkpoint was saved
+CHECKPOINT_VERSION = 2
 SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weights and AdamW moments
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
@@ -165,7 +170,9 @@ def write_checkpoint_files(folder: Path, *, model, tokenizer, trainer_state: dic
         tokenizer.save_pretrained(folder)
     if reference is not None:
         reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
-    save_state(folder, STATE_STEM, trainer_state, extra={WEIGHTS_SUMS: weights_checksums(folder)})
+    save_state(folder, STATE_STEM, trainer_state,
+               extra={WEIGHTS_SUMS: weights_checksums(folder), VERSION_KEY: CHECKPOINT_VERSION},
+               metadata={VERSION_KEY: str(CHECKPOINT_VERSION)})
 
 
 def _weights_files(folder: Path) -> list[Path]:
@@ -183,11 +190,19 @@ def weights_checksums(folder: Path) -> dict[str, str]:
 
 def verify_checksums(checkpoint: Path) -> None:
     """The weights files of ``checkpoint`` are byte for byte those it was saved with (the sha256 recorded in
-    its trainer_state.json); a checkpoint written before checksums were recorded passes unchecked. Raises
-    StateFileError naming the first file that is missing or changed."""
+    its trainer_state.json), and no weights file was added. Raises StateFileError naming the first file that is
+    missing, changed or unlisted, or the checkpoint whose checksum entries were removed. Only a checkpoint that
+    predates checksums passes unchecked: its trainer_state.json has neither checksum entry nor a
+    ``checkpoint_version``, and its trainer_state.safetensors header no ``checkpoint_version`` either (every
+    checkpoint written since records all of them)."""
     checkpoint = Path(checkpoint)
-    sums = read_state_doc(checkpoint, STATE_STEM).get(WEIGHTS_SUMS)
+    doc = read_state_doc(checkpoint, STATE_STEM)
+    sums = doc.get(WEIGHTS_SUMS)
     if not isinstance(sums, dict):
+        if _records_checksums(checkpoint, doc):
+            raise StateFileError(f"{checkpoint / STATE_FILE} has no {WEIGHTS_SUMS} entries, which a checkpoint "
+                                 f"of this layout (checkpoint_version {CHECKPOINT_VERSION}) records; its weights "
+                                 f"cannot be checked (an edited or cut trainer state)")
         return
     for name, digest in sorted(sums.items()):
         path = checkpoint / name
@@ -196,6 +211,39 @@ def verify_checksums(checkpoint: Path) -> None:
         if file_sha256(path) != digest:
             raise StateFileError(f"{path} cannot be read as saved: its sha256 differs from the one in {STATE_FILE} "
                                  f"(a disk error, a cut copy or an edit)")
+    unlisted = [p for p in _weights_files(checkpoint) if p.relative_to(checkpoint).as_posix() not in sums]
+    if unlisted:
+        raise StateFileError(f"{unlisted[0]} is not listed in {STATE_FILE} (it was not saved with the checkpoint)")
+
+
+def _records_checksums(checkpoint: Path, doc: dict) -> bool:
+    """Whether the checkpoint was written by a klgrpo that records checksums (see ``verify_checksums``)."""
+    meta = read_state_metadata(checkpoint, STATE_STEM)
+    return VERSION_KEY in doc or "sha256" in doc or VERSION_KEY in meta
+
+
+def recorded_config(checkpoint: Path) -> dict | None:
+    """The run's settings recorded with ``checkpoint`` (None: an older checkpoint, or an unreadable state)."""
+    try:
+        tree = read_state_doc(Path(checkpoint), STATE_STEM).get("tree")
+    except StateFileError:
+        return None
+    config = tree.get(RUN_CONFIG) if isinstance(tree, dict) else None  # plain JSON: no tensor or tag inside
+    return config if isinstance(config, dict) else None
+
+
+def check_checkpoint(path, field: str) -> None:
+    """Before a model folder ``path`` is read (as ``field``: model.name_or_path, kl.reference, CHECKPOINT, ...):
+    a klgrpo checkpoint (a folder with trainer_state.json) must pass ``verify_checksums``; anything else (a
+    transformers folder, a hub name) is left to its loader. One ConfigError line otherwise."""
+    folder = Path(str(path))
+    if not str(path) or not (folder / STATE_FILE).is_file():
+        return
+    try:
+        verify_checksums(folder)
+    except StateFileError as exc:
+        raise ConfigError(f"{field} {path}: {exc}; pass an intact checkpoint (an older one of the run: "
+                          f"checkpoints/step_N)") from None
 
 
 _OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")

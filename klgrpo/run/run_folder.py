@@ -40,7 +40,8 @@ import yaml
 from klgrpo.errors import ConfigError, warn
 from klgrpo.config.fields import is_resume_safe
 from klgrpo.config.schema import GRPOConfig, safe_load_bounded
-from klgrpo.run.checkpoint import clean_incomplete, list_checkpoints, pid_alive, resume_candidates
+from klgrpo.run.checkpoint import (CHECKPOINTS_DIR, clean_incomplete, list_checkpoints, pid_alive,
+                                   recorded_config, resume_candidates)
 
 #: One JSON object per step (train/metrics.py writes it) and the run's summary (train/loop.py).
 METRICS_FILE = "metrics.jsonl"
@@ -134,6 +135,8 @@ def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = F
         resume, overwrite = resolve_auto_resume(run_dir, cfg)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite deletes it: pass only one of them")
+    if resume == "latest":
+        _check_run_record(run_dir)
     if not resume:
         if holds_run(run_dir) and not overwrite:
             if not list_checkpoints(run_dir):  # nothing to resume: name only the remedies that work
@@ -151,6 +154,27 @@ def check_run_folder(run_dir: Path, cfg, resume: str | None, overwrite: bool = F
             raise ConfigError(f"the run in {run_dir} already reached step {reached} (train.steps {cfg.train.steps}): "
                               f"nothing to continue; pass --train.steps above {reached} to train further")
     return warnings
+
+
+def _check_run_record(run_dir: Path) -> None:
+    """What --resume latest continues is the run's record: its config.yaml (present, not empty, and agreeing
+    with the settings its newest checkpoint was trained with, but for resume-safe fields) and a folder the
+    resume can write its checkpoints into; checked before anything in the folder changes."""
+    if list_checkpoints(run_dir) and run_config_file(run_dir) is None:
+        raise ConfigError(f"--resume: {run_dir / CONFIG_FILE} is missing or empty, and it is the record of the run's "
+                          f"settings that a resume continues; restore it, or start a new run with another "
+                          f"--output-dir")
+    done = list_checkpoints(run_dir)
+    recorded = recorded_config(done[-1]) if done else None
+    saved = saved_config(run_dir)
+    if recorded is not None and saved is not None and (unsafe := _unsafe_changes(recorded, saved)):
+        raise ConfigError(f"--resume: {run_dir / CONFIG_FILE} was changed since checkpoint {done[-1].name} was "
+                          f"saved: {_shown(unsafe)}; these fields are not resume-safe: restore "
+                          f"{CONFIG_FILE}, or start a new run with another --output-dir")
+    for folder in (run_dir, run_dir / CHECKPOINTS_DIR):
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"--resume: cannot write in {folder} (permission denied), where the resumed run saves "
+                              f"its checkpoints; make it writable, or copy the run to a writable --output-dir")
 
 
 def owned_files(run_dir: Path) -> set[str] | None:
@@ -215,19 +239,28 @@ def compare_configs(saved: dict | None, new: dict, run_dir: Path) -> list[str]:
         return []
     old, now = _flatten(saved), _flatten(new)
     changed = [k for k in sorted(set(old) & set(now)) if old[k] != now[k]]
-    unsafe = [k for k in changed if not _resume_safe(k)]
-    if unsafe:
-        shown = "; ".join(f"{k} {old[k]!r} -> {now[k]!r}" for k in unsafe[:3])
-        more = f" (and {len(unsafe) - 3} more)" if len(unsafe) > 3 else ""
-        raise ConfigError(f"--resume with a changed config would not continue the run in {run_dir}: {shown}{more}; "
-                          f"drop those overrides (--resume without --config uses the run's {CONFIG_FILE}) or start "
-                          f"a new run with another --output-dir")
+    if unsafe := _unsafe_changes(saved, new):
+        raise ConfigError(f"--resume with a changed config would not continue the run in {run_dir}: "
+                          f"{_shown(unsafe)}; drop those overrides (--resume without --config uses the run's "
+                          f"{CONFIG_FILE}) or start a new run with another --output-dir")
     warnings = [f"resuming with {k} {old[k]!r} -> {now[k]!r}" for k in changed if k != "train.output_dir"]
     if "train.steps" in changed and now.get("optim.schedule") in ("linear", "cosine"):
         warnings.append(f"optim.schedule={now['optim.schedule']} was laid out for {old['train.steps']} steps; with "
                         f"train.steps {now['train.steps']} the learning rate follows the new schedule from the "
                         f"resumed step on (a finished run's rate rises again)")
     return warnings
+
+
+def _unsafe_changes(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(field, old value, new value) of every field both configs hold that differs and is not resume-safe."""
+    before, after = _flatten(old), _flatten(new)
+    return [(k, before[k], after[k]) for k in sorted(set(before) & set(after))
+            if before[k] != after[k] and not _resume_safe(k)]
+
+
+def _shown(changes: list[tuple[str, object, object]]) -> str:
+    shown = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes[:3])
+    return shown + (f" (and {len(changes) - 3} more)" if len(changes) > 3 else "")
 
 
 def _resume_safe(key: str) -> bool:
@@ -338,6 +371,14 @@ class RunLock:
             _write_atomic(config, self.resumed_config)
             self.resumed_config = None
             log(f"{config} updated with the changes above")
+
+    def check_free(self, what: str = "run") -> None:
+        """Refuse (one line) while a live process holds the lock; ``what`` names the holder ("run", "sweep")."""
+        owner = _read_lock(self.path)
+        if owner and _owner_alive(owner):
+            raise ConfigError(f"{self.path.parent} is being written by another klgrpo {what} (PID "
+                              f"{owner.get('pid')} on {owner.get('host')}); wait for it to finish or pick another "
+                              f"--output-dir (if that process is gone, delete {self.path})")
 
     def acquire(self) -> "RunLock":
         with _HELD_HERE_GUARD:  # two threads of this process: one wins, the other sees it in _HELD_HERE

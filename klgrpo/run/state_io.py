@@ -47,9 +47,11 @@ def state_files(folder: Path, stem: str) -> tuple[Path, Path]:
     return Path(folder) / f"{stem}.safetensors", Path(folder) / f"{stem}.json"
 
 
-def save_state(folder: Path, stem: str, tree: Any, extra: dict | None = None) -> tuple[Path, Path]:
+def save_state(folder: Path, stem: str, tree: Any, extra: dict | None = None,
+               metadata: dict[str, str] | None = None) -> tuple[Path, Path]:
     """Write ``tree`` as ``<stem>.safetensors`` + ``<stem>.json`` in ``folder`` (each via a temporary name);
-    ``extra``: more JSON-ready keys for the JSON file's top level."""
+    ``extra``: more JSON-ready keys for the JSON file's top level; ``metadata``: more strings for the tensors
+    file's header (``read_state_metadata`` returns them)."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -57,7 +59,7 @@ def save_state(folder: Path, stem: str, tree: Any, extra: dict | None = None) ->
     token = secrets.token_hex(8)
     weights, doc = state_files(folder, stem)
     tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"token": token})
+    save_file(tensors, str(tmp), metadata={**(metadata or {}), "token": token})
     os.replace(tmp, weights)
     tmp = doc.with_name(f".{doc.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**(extra or {}), "format": FORMAT, "token": token, "sha256": file_sha256(weights),
@@ -87,6 +89,18 @@ def read_state_doc(folder: Path, stem: str) -> dict:
     if not isinstance(data, dict) or "tree" not in data:
         raise StateFileError(f"{doc} is not a klgrpo state file (unreadable JSON)")
     return data
+
+
+def read_state_metadata(folder: Path, stem: str) -> dict[str, str]:
+    """The header strings of a state's tensors file (empty when it is missing or unreadable): read without the
+    tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(state_files(folder, stem)[0]), framework="pt", device="cpu") as f:
+            return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001 -- safetensors raises its own error type for a truncated or foreign file
+        return {}
 
 
 @contextmanager
@@ -224,5 +238,6 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-__all__ = ["save_state", "load_state", "read_state_doc", "file_sha256", "to_device", "state_files", "StateFileError",
+__all__ = ["save_state", "load_state", "read_state_doc", "read_state_metadata", "file_sha256",
+           "to_device", "state_files", "StateFileError",
            "FORMAT"]

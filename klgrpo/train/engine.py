@@ -61,6 +61,9 @@ class Engine:
         from accelerate import Accelerator
         from accelerate.utils import DistributedType
 
+        from klgrpo.train.deepspeed_config import check_deepspeed_settings
+
+        check_deepspeed_settings()  # every process alike, before a process group exists: no rank left waiting
         on_cpu = not torch.cuda.is_available()
         acc = Accelerator(cpu=on_cpu)
         if acc.distributed_type == DistributedType.MULTI_CPU:

@@ -253,7 +253,8 @@ class TrainingRun:
     def state_dict(self) -> dict[str, Any]:
         """The run's own part of a checkpoint (the step writes its own)."""
         state = {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
-                 "entropy_watch": self.entropy_watch.state_dict()}
+                 "entropy_watch": self.entropy_watch.state_dict(),
+                 "run_config": self.cfg.to_dict()}  # the settings a resume checks config.yaml against
         if self.runaway.enabled:
             state["runaway"] = self.runaway.state_dict()
         if self.kl_reach is not None:

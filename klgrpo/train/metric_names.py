@@ -51,6 +51,10 @@ ENTROPY_COEF = "entropy/coef"
 ENTROPY_BONUS = "entropy/bonus"
 OFF_POLICY_MASKED = "off_policy/masked_frac"
 OFF_POLICY_KL = "off_policy/kl"
+SAMPLER_LOGP_DIFF_MEAN = "sampler/logp_diff_mean"
+SAMPLER_LOGP_DIFF_P99 = "sampler/logp_diff_p99"
+SAMPLER_LOGP_DIFF_MAX = "sampler/logp_diff_max"
+SAMPLER_KL = "sampler/kl"
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
@@ -196,6 +200,13 @@ GLOSSARY: dict[str, str] = {
                        "(sequences with A < 0 and off_policy/kl above loss.off_policy_mask_threshold)",
     OFF_POLICY_KL: "mean over completions of mean_t (log pi_old(y_t) - log pi(y_t)): the off-policy mask's "
                    "per-sequence KL(pi_old || pi) estimate (0 in a batch's first update)",
+    SAMPLER_LOGP_DIFF_MEAN: "mean over the step's completion tokens of |log pi_old(y_t) - log mu(y_t)|, mu the "
+                            "sampler's own log-prob of the token (logged where the sampler gives them: kv_loop, "
+                            "vllm)",
+    SAMPLER_LOGP_DIFF_P99: "99th percentile of |log pi_old(y_t) - log mu(y_t)| over the step's completion tokens",
+    SAMPLER_LOGP_DIFF_MAX: "largest |log pi_old(y_t) - log mu(y_t)| over the step's completion tokens",
+    SAMPLER_KL: "mean per completion token of r - 1 - log r, r = pi_old(y_t) / mu(y_t): an estimate of "
+                "KL(mu || pi_old) from the sampler's samples",
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "

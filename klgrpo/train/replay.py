@@ -255,7 +255,8 @@ def _form(estimator: str) -> str:
 
 
 def _check_settings(cfg, reference) -> None:
-    validate_replay(cfg)
+    if not cfg.validated:  # a run's config was validated, these checks included, before anything was built
+        validate_replay(cfg)
     if reference is None:
         raise ConfigError("kl.replay.coef > 0 needs the reference model, and this configuration builds none "
                           "(kl.coef 0 with kl.monitor false): set kl.monitor true")

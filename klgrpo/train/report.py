@@ -190,6 +190,8 @@ def _length_plot(rows, keys, kl_target=None):
 
 
 _PLOTS = {"reward.png": _reward_plot, "kl.png": _kl_plot, "beta.png": _beta_plot, "length.png": _length_plot}
+#: The files make_plots draws in a run's plots/ (`klgrpo report` checks where they land first).
+PLOT_FILES = tuple(_PLOTS)
 
 
 def _controller_target(run_dir: Path) -> float | None:

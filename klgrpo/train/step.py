@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -41,15 +41,18 @@ from klgrpo.math.kl_control import EntropyController, KLController, KLObservatio
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
 from klgrpo.train import metric_names as names
 from klgrpo.run.checkpoint import rng_state, set_rng_state
-from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.run.stop_signals import StopGate
-from klgrpo.train.step_metrics import StepSums, step_metrics
+from klgrpo.train.step_metrics import StepSums, sampler_metrics, step_metrics
 from klgrpo.train.step_state import load_step, save_step
-from klgrpo.config.terms import entropy_in_use, entropy_term, kl_term, policy_term
+from klgrpo.config.terms import StepPlan
 from klgrpo.train.timing import phase_timer as _timed
+
+
+def _rows(values: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    return None if values is None else values[sl]
 
 
 @dataclass
@@ -59,7 +62,7 @@ class GRPOStep:
     ``train_forward`` runs the loss's forward: the policy itself, its compiled wrapper (train.compile) or the
     engine's wrapped module (same weights); sampling, evaluation and checkpoints use ``model``."""
 
-    cfg: GRPOConfig
+    plan: StepPlan
     dist: Distributed
     engine: Engine
     device: torch.device
@@ -88,11 +91,7 @@ class GRPOStep:
 
     # ------------------------------------------------------------------------------------------ the batch
     def sampling_params(self) -> SamplingParams:
-        cfg = self.cfg
-        return SamplingParams(group_size=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
-                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              system_prompt=cfg.data.system_prompt, as_chat=cfg.data.as_chat,
-                              compiled=cfg.train.compile, sampler=self.sampler)
+        return replace(self.plan.sampling, sampler=self.sampler)
 
     def start(self, log: Callable | None = None) -> list[int]:
         """Before the first step of this process, once the run has opened its folder: the files the step keeps
@@ -110,7 +109,7 @@ class GRPOStep:
         params = self.sampling_params()
         if compiling_sampler(self.model, params) is None:  # nothing to compile: no gathering of sharded weights
             return []
-        per_rank = self.cfg.rollout.prompts_per_step // self.dist.world_size  # local_slice's share
+        per_rank = self.plan.prompts_per_step // self.dist.world_size  # local_slice's share
 
         def announce(widths: list[int]) -> None:
             if log is not None:
@@ -122,11 +121,11 @@ class GRPOStep:
                                    announce)
 
     def kl_term(self) -> KLTerm:
-        return kl_term(self.cfg.kl, self.controller.value)
+        return self.plan.kl_term(self.controller.value)
 
     def make_batch(self) -> StepBatch:
         """Sample the next prompts' groups, score them, and compute the reference log-probs and advantages."""
-        cfg, timings = self.cfg, {}
+        plan, timings = self.plan, {}
         indices = self.prompt_order.next_indices()  # the same global indices on every rank
         local = indices[self.dist.local_slice(len(indices))]
         rows = [self.dataset[i] for i in local]
@@ -136,12 +135,12 @@ class GRPOStep:
                 rollout = generate_groups(self.model, self.tokenizer, prompts, self.sampling_params())
             except PromptTooLong as exc:  # said in the run's terms: which row of which file, and the remedy
                 raise ConfigError(
-                    f"prompt {int(local[exc.index])} of {cfg.data.source} has {exc.tokens} tokens: with "
+                    f"prompt {int(local[exc.index])} of {plan.data_source} has {exc.tokens} tokens: with "
                     f"rollout.max_new_tokens={exc.max_new_tokens} it needs {exc.tokens + exc.max_new_tokens} "
                     f"positions, more than the model's context of {exc.limit} (max_position_embeddings); shorten "
                     f"or drop that prompt (data.limit, or a filtered file) or lower rollout.max_new_tokens") from None
         with _timed(timings, names.TIME_REWARD):
-            columns = {k: [r[k] for r in rows for _ in range(cfg.rollout.group_size)]
+            columns = {k: [r[k] for r in rows for _ in range(plan.sampling.group_size)]
                        for k in rows[0] if k != "prompt"}
             result = self.rewards(rollout.prompts, rollout.completions, columns)
         if result.model_seconds is not None:  # the reward models' own phase: time/reward keeps the others' time
@@ -149,33 +148,33 @@ class GRPOStep:
             timings[names.TIME_REWARD_MODEL] = result.model_seconds
         rewards = result.total.to(self.device)
         loss_mask = rollout.completion_mask
-        if cfg.rollout.mask_truncated:
+        if plan.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
         ref_logp = old_logp = None
         with _timed(timings, names.TIME_REFERENCE):
             if self.reference is not None:
-                ref_logp = self.reference.logprobs(rollout, cfg.rollout.temperature, cfg.train.micro_batch_size)
+                ref_logp = self.reference.logprobs(rollout, plan.sampling.temperature, plan.micro_batch_size)
         scores, kl = rewards, self.kl_term()
         if ref_logp is not None and kl.in_reward and kl.reward_mode == "sequence_score" and kl.coef > 0:
             old_logp = self._rollout_logprobs(rollout)  # pi_old: the KL must be in the score before normalising
             scores = kl_penalized_scores(rewards, reward_kl(old_logp, ref_logp, kl), loss_mask, kl.coef)
         all_scores = self.dist.gather(scores)  # groups never straddle ranks; "batch" scale needs them all
-        advantages = group_advantages(all_scores, cfg.rollout.group_size, cfg.loss.advantage_scale,
-                                      cfg.loss.std_eps, cfg.loss.std_ddof)[self.dist.local_slice(all_scores.numel())]
+        advantages = group_advantages(all_scores, plan.sampling.group_size, plan.advantage_scale,
+                                      plan.std_eps, plan.std_ddof)[self.dist.local_slice(all_scores.numel())]
         return StepBatch(rollout=rollout, rewards=rewards, reward_columns=result.per_function,
                          advantages=advantages, loss_mask=loss_mask,
                          normalizer=Normalizer(num_sequences=float(all_scores.numel()),
                                                num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
-                                               max_len=float(cfg.rollout.max_new_tokens)),
+                                               max_len=float(plan.sampling.max_new_tokens)),
                          ref_logp=ref_logp, old_logp=old_logp, timings=timings)
 
     def _micro_slices(self, n: int) -> list[slice]:
-        return micro_slices(n, self.cfg.train.micro_batch_size)
+        return micro_slices(n, self.plan.micro_batch_size)
 
     def _rollout_logprobs(self, rollout) -> torch.Tensor:
         """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
         with torch.no_grad():
-            return torch.cat([completion_logprobs(self.train_forward, rollout, self.cfg.rollout.temperature, sl,
+            return torch.cat([completion_logprobs(self.train_forward, rollout, self.plan.sampling.temperature, sl,
                                                   fast_path=self.loss_fast_path)[0]
                               for sl in self._micro_slices(rollout.size)])
 
@@ -213,67 +212,72 @@ class GRPOStep:
     def _micro_batch_loss(self, batch: StepBatch, sl: slice, kl: KLTerm):
         """(loss to backpropagate, ObjectiveOut, logp, entropy, custom metrics) of rows ``sl``. With a custom loss
         the built-in objective still runs, without gradient, for the KL monitors."""
-        cfg = self.cfg
+        plan, temperature = self.plan, self.plan.sampling.temperature
         ref = batch.ref_logp[sl] if batch.ref_logp is not None else None
         full_kl = None
         if kl.estimator == FULL_KL and self.reference is not None:  # the reference re-runs here (core.full_kl)
             logp, entropy, full_kl = completion_logprobs_and_full_kl(
-                self.train_forward, self.reference, batch.rollout, cfg.rollout.temperature, sl, ref)
+                self.train_forward, self.reference, batch.rollout, temperature, sl, ref)
         else:
-            logp, entropy = completion_logprobs(self.train_forward, batch.rollout, cfg.rollout.temperature, sl,
-                                                with_entropy=cfg.train.entropy_metrics or entropy_in_use(cfg.loss),
-                                                fast_path=self.loss_fast_path)
+            logp, entropy = completion_logprobs(self.train_forward, batch.rollout, temperature, sl,
+                                                with_entropy=plan.with_entropy, fast_path=self.loss_fast_path)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
-        in_loss = entropy_in_use(cfg.loss)
         with torch.set_grad_enabled(self.loss_fn is None):
             out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
-                                 policy=policy_term(cfg.loss), kl=kl, aggregation=cfg.loss.aggregation,
+                                 policy=plan.policy, kl=kl, aggregation=plan.aggregation,
                                  normalizer=batch.normalizer, full_kl_BT=full_kl,
-                                 entropy_BT=entropy if in_loss else None,
-                                 entropy=entropy_term(cfg.loss, self.entropy_controller.applied))
+                                 entropy_BT=entropy if plan.entropy_in_loss else None,
+                                 entropy=plan.entropy_term(self.entropy_controller.applied),
+                                 sampler_logp_BT=_rows(batch.rollout.sampler_logp, sl),
+                                 sampler_correction=plan.sampler_correction)
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
         rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)
         loss, custom = call_loss(self.loss_fn, LossInput(
             logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], kl.coef, batch.normalizer,
-            cfg.loss.aggregation, rollout.completion_ids[sl], rollout.input_ids[sl, prompt],
+            plan.aggregation, rollout.completion_ids[sl], rollout.input_ids[sl, prompt],
             rollout.attention_mask[sl, prompt]))
         return loss, out, logp, entropy, custom
 
     def update(self, batch: StepBatch, dump_kl: Callable | None = None) -> tuple[dict[str, float], KLObservation]:
         """One optimizer step on ``batch``: gradients, clipping, AdamW, scheduler. ``dump_kl(logp, batch)``, when
         given, receives the policy's log-probs of this update (kl.dump_every)."""
-        cfg = self.cfg
         beta = self.controller.value
         timings: dict[str, float] = {}
         if batch.ref_logp is None:
             dump_kl = None  # nothing to compare the policy with
         # The first update of a batch runs at the sampling policy, so its log-probs ARE pi_old: later updates of
         # the same batch reuse them instead of paying a separate no-grad forward.
-        keep_old = batch.old_logp is None and cfg.train.num_iterations > 1
+        keep_old = batch.old_logp is None and self.plan.num_iterations > 1
+        scores_sampler = batch.rollout.sampler_logp is not None and batch.old_logp is None  # pi_old is this logp
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, names.TIME_UPDATE):
-            sums, logp = self.accumulate_gradients(batch, keep_logp=dump_kl is not None or keep_old)
+            sums, logp = self.accumulate_gradients(batch, keep_logp=dump_kl is not None or keep_old or scores_sampler)
+            old_logp = batch.old_logp if batch.old_logp is not None else logp
             if keep_old:
                 batch.old_logp = logp
             replay_metrics = (self._replay_gradients(sums.loss) if self.replay is not None else {})
-            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
             # A non-finite loss or gradient norm never reaches the weights: the step is skipped and counted.
             loss_sum = self.dist.sum(sums.loss) if self.dist.enabled else sums.loss  # ranks decide alike
             self.stop_gate.hold()  # the weights change now: rollback() could no longer undo this step
-            grad_norm, applied = self.engine.step(self.model, self.optimizer, max_norm,
+            grad_norm, applied = self.engine.step(self.model, self.optimizer, self.plan.max_grad_norm,
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
                 self.scheduler.step()
+                if (changed := getattr(self.sampler, "weights_changed", None)) is not None:
+                    changed(self.model)  # an engine holding its own copy of the weights refreshes it
             else:
                 self.optimizer.zero_grad(set_to_none=True)
         if dump_kl is not None:
             dump_kl(logp, batch)
         metrics, observation = step_metrics(batch, sums, grad_norm, beta, self.scheduler.get_last_lr()[0], timings,
                                             self.dist, self.device)
-        if entropy_in_use(cfg.loss):
+        if self.plan.entropy_in_loss:
             metrics[names.ENTROPY_COEF] = self.entropy_controller.applied
         metrics.update(replay_metrics)
+        if batch.rollout.sampler_logp is not None:
+            metrics.update(sampler_metrics(old_logp, batch.rollout.sampler_logp, batch.rollout.completion_mask,
+                                           int(batch.normalizer.max_len), self.dist))
         metrics.update(self._custom_metrics(sums.custom, batch))
         metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
         return metrics, observation
@@ -309,7 +313,7 @@ class GRPOStep:
         batch = self.batch
         metrics, observation = self.update(batch, dump_kl)
         batch.iterations_done += 1
-        if batch.iterations_done >= self.cfg.train.num_iterations:
+        if batch.iterations_done >= self.plan.num_iterations:
             self.batch = None
         if generated:
             metrics.update(batch.timings)
@@ -318,8 +322,9 @@ class GRPOStep:
         if self.guard.consecutive == 0 and observation.entropy is not None and math.isfinite(observation.entropy):
             self.entropy_controller.observe(observation.entropy)
         self.completed += 1
-        if self.reference is not None and self.cfg.kl.sync_every and self.completed % self.cfg.kl.sync_every == 0:
-            self.engine.sync_reference(self.reference, self.model, self.cfg.kl.sync_alpha)
+        sync_every = self.plan.sync_every
+        if self.reference is not None and sync_every and self.completed % sync_every == 0:
+            self.engine.sync_reference(self.reference, self.model, self.plan.sync_alpha)
         self._started = None
         metrics[names.TIME_STEP] = time.perf_counter() - t0
         return metrics, observation

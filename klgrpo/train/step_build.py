@@ -18,6 +18,7 @@ from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardModelContext
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
+from klgrpo.run.checkpoint import check_checkpoint
 from klgrpo.train.building import build_optimizer, make_scheduler
 from klgrpo.config.entries import reward_specs
 from klgrpo.config.schema import GRPOConfig
@@ -25,7 +26,7 @@ from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step import GRPOStep
-from klgrpo.config.terms import build_entropy_controller, build_kl_controller
+from klgrpo.config.terms import build_entropy_controller, build_kl_controller, step_plan
 from klgrpo.train.step_memory import check_step_memory
 
 
@@ -50,8 +51,12 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     device = resolve_device(cfg.model.device)
     if dist.device is not None and cfg.model.device == "auto":
         device = dist.device
+    if model is None:
+        check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
+    check_checkpoint(cfg.kl.reference, "kl.reference")
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
-    sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache)
+    sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
+                                options={"memory_fraction": cfg.rollout.vllm.memory_fraction})
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
     reference = _reference(cfg, model, device, main_log)
@@ -123,7 +128,7 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
     if engine.kind != "single":
         train_forward, optimizer = engine.prepare(model, optimizer)
         engine.prepare_reference(reference)
-    return GRPOStep(cfg=cfg, dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
+    return GRPOStep(plan=step_plan(cfg), dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
                     scheduler=scheduler, controller=build_kl_controller(
                         cfg.kl, cfg.train.steps, cfg.rollout.prompts_per_step * cfg.rollout.group_size),
                     entropy_controller=build_entropy_controller(cfg.loss),

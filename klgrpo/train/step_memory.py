@@ -28,11 +28,13 @@ def estimate_step_memory(cfg: GRPOConfig, model_config, dtype_bytes: int, longes
         (klgrpo's KV loop allocates all of them before the first token; generate's cache grows to that).
     update, per micro-batch: the logits of the completion positions (the forward keeps only those: logits_to_keep)
         in the model's dtype, twice: token_logprobs keeps them for the backward, which allocates a gradient of the
-        same shape before it frees them; plus each layer's input over all positions, which autograd keeps for the
-        backward (RMSNorm/LayerNorm need it, with gradient checkpointing too).
-    Everything else (attention scores, MLP activations, the optimizer's moments) is left out: a refused step does
-    not fit once a batch holds the longest prompt and completions of full length, and one that passes may still
-    need more.
+        same shape before it frees them; plus, per layer and position, what autograd keeps for the backward: the
+        layer's input (RMSNorm/LayerNorm need it, with gradient checkpointing too), the attention's keys and
+        values (its backward reads them) and the MLP's gate and up projections (the gated activation's backward
+        reads both; 0 for a config without intermediate_size).
+    Everything else (queries, attention scores, the optimizer's moments) is left out: a refused step does not fit
+    once a batch holds the longest prompt and completions of full length, and one that passes may still need
+    more.
     """
     r = cfg.rollout
     sequences = r.prompts_per_step * r.group_size // world_size
@@ -48,7 +50,8 @@ def estimate_step_memory(cfg: GRPOConfig, model_config, dtype_bytes: int, longes
     head_dim = field("head_dim", hidden // heads)
     kv_width = field("num_key_value_heads", heads) * head_dim
     rollout = sequences * positions * layers * 2 * kv_width * dtype_bytes
-    update = micro * (2 * r.max_new_tokens * vocab + positions * layers * hidden) * dtype_bytes
+    kept_per_position = hidden + 2 * kv_width + 2 * field("intermediate_size")
+    update = micro * (2 * r.max_new_tokens * vocab + positions * layers * kept_per_position) * dtype_bytes
     return rollout, update
 
 

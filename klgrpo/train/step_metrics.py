@@ -11,6 +11,7 @@ from torch import Tensor
 from klgrpo.core.batch import StepBatch
 from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import ObjectiveSums
+from klgrpo.math.sampler_correction import mismatch_per_token
 from klgrpo.train import metric_names as m
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.metric_names import (  # noqa: F401  (PERCENTILE_NAMES, PERCENTILES re-exported)
@@ -191,6 +192,21 @@ def token_percentiles(values_KBT: Tensor, mask_BT: Tensor, max_len: int, dist: D
         padded = dist.gather(padded.transpose(0, 1).contiguous()).transpose(0, 1)
         mask = dist.gather(mask.to(torch.uint8)).bool()
     return masked_quantiles(padded, mask, qs).flatten()
+
+
+def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tensor, max_len: int,
+                    dist: Distributed) -> dict[str, float]:
+    """The sampler's mismatch over every process's completion tokens: |log pi_old - log mu| (mean, p99, max) and
+    the mean per-token k3 estimate of KL(mu || pi_old) (math/sampler_correction.py)."""
+    diff_BT, kl_BT = mismatch_per_token(old_logp_BT.detach(), sampler_logp_BT)
+    mask = mask_BT[:, :diff_BT.shape[-1]].to(diff_BT.dtype)
+    total = dist.sum(torch.stack([(diff_BT * mask).sum(), (kl_BT * mask).sum(), mask.sum()]).float())
+    peak = dist.max(torch.where(mask > 0, diff_BT, torch.zeros_like(diff_BT)).max().float().reshape(1))
+    p99 = token_percentiles(diff_BT[None], mask, max_len, dist, (0.99,))
+    diff_sum, kl_sum, tokens, peak_f, p99_f = torch.cat([total, peak, p99.to(total.device)]).tolist()
+    tokens = max(tokens, 1.0)
+    return {m.SAMPLER_LOGP_DIFF_MEAN: diff_sum / tokens, m.SAMPLER_LOGP_DIFF_P99: p99_f,
+            m.SAMPLER_LOGP_DIFF_MAX: peak_f, m.SAMPLER_KL: kl_sum / tokens}
 
 
 def loss_share(kl_term: float, policy_abs: float) -> float:

@@ -105,7 +105,7 @@ def _apply_state(step: GRPOStep, state: dict[str, Any]) -> None:
     if same_layout:
         set_rng_state(rng_by_rank[dist.rank])
     else:  # another world size: resumes correctly but not bit-identically
-        seed_everything(step.cfg.train.seed + dist.rank + 7919 * int(state["step"]))
+        seed_everything(step.plan.seed + dist.rank + 7919 * int(state["step"]))
 
 
 def _load_weights(step: GRPOStep, ckpt: Path) -> None:

@@ -41,6 +41,7 @@ from klgrpo.math.advantages import kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS
 from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective, reward_kl
+from klgrpo.math.sampler_correction import SamplerCorrection
 
 #: eps_low = eps_high for the surrogate: the clip never binds, so the PPO loss is the plain ratio-weighted
 #: policy gradient whose expectation the oracle computes.
@@ -63,7 +64,9 @@ def penalty_objective(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, wei
                       aggregation: str = "seq_mean_token_sum", clamp: float | None = DEFAULT_LOG_RATIO_CLAMP, *,
                       reward_mode: str = "reward_to_go", delta: float | None = None,
                       dual_clip: float | None = None, eps: float = WIDE_CLIP, full_kl_BT: Tensor | None = None,
-                      shaping: str = "none", clip_threshold: float = 1.0, shaping_target: float = 0.1) -> Tensor:
+                      shaping: str = "none", clip_threshold: float = 1.0, shaping_target: float = 0.1,
+                      sampler_logp_BT: Tensor | None = None,
+                      sampler_correction: SamplerCorrection = SamplerCorrection()) -> Tensor:
     """sum_b weights_b * (penalty surrogate of sequence b), computed by the trainer's ``grpo_objective``.
 
     ``logp_BT`` carries the gradient; ``weights_B`` (detached) are the sampling probabilities of the rows for
@@ -71,6 +74,8 @@ def penalty_objective(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, wei
     sequence: G = 1, sum_i n_i = E_q[n] (so ``token_mean`` is the large-batch limit), L_max = T.
     ``full_kl_BT``: the exact per-position KL (math.full_kl) that estimator "full" puts in the loss.
     ``shaping``, ``clip_threshold``, ``shaping_target``: the KL term's shaping (math/kl_shaping.py), as KLTerm.
+    ``sampler_logp_BT``, ``sampler_correction``: a sampler that is not the rollout policy, and its correction
+    (math/sampler_correction.py; ``weights_B`` are then the sampler's probabilities).
     """
     if placement not in PLACEMENTS:
         raise KeyError(f"unknown placement {placement!r}; choose one of: {', '.join(PLACEMENTS)}")
@@ -91,7 +96,8 @@ def penalty_objective(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, wei
     out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl=kl,
                          policy=PolicyTerm(eps_low=eps, eps_high=eps, delta=delta, dual_clip=dual_clip),
                          aggregation=aggregation, normalizer=norm, row_weights_B=weights_B, metrics=False,
-                         full_kl_BT=full_kl_BT)
+                         full_kl_BT=full_kl_BT, sampler_logp_BT=sampler_logp_BT,
+                         sampler_correction=sampler_correction)
     return out.loss
 
 

@@ -11,6 +11,7 @@ from klgrpo.verify import categorical, full_kl, montecarlo, optimum, sequence_to
 from klgrpo.verify.entropy import EntropyCheck, entropy_rows
 from klgrpo.verify.first_epoch import first_epoch_rows
 from klgrpo.verify.migration import MigrationCheck, migration_rows
+from klgrpo.verify.sampler_mismatch import SamplerMismatchCheck, sampler_mismatch_rows
 from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck
 
 #: The per-sample gradient formula must match autograd to this absolute error (float64).
@@ -26,6 +27,7 @@ class VerifyReport:
     full_kl: list[GradientCheck] = field(default_factory=list)       # kl.estimator full, loss placement
     full_kl_values: list[dict] = field(default_factory=list)
     entropy: list[EntropyCheck] = field(default_factory=list)       # which entropy the bonus's gradient follows
+    sampler_mismatch: list[SamplerMismatchCheck] = field(default_factory=list)  # a sampler that is not pi
     monte_carlo: list[montecarlo.MonteCarloCheck] = field(default_factory=list)
     optimum: list[optimum.OptimumResult] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -33,7 +35,7 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return all(x.passed for x in self.rows + self.first_epoch + self.migration + self.monte_carlo
-                   + self.optimum + self.full_kl + self.entropy) and all(
+                   + self.optimum + self.full_kl + self.entropy + self.sampler_mismatch) and all(
             v["passed"] for v in self.values + self.full_kl_values)
 
     def as_dict(self) -> dict:
@@ -45,6 +47,7 @@ class VerifyReport:
             "full_kl": [asdict(r) for r in self.full_kl],
             "full_kl_values": self.full_kl_values,
             "entropy": [asdict(e) for e in self.entropy],
+            "sampler_mismatch": [asdict(r) for r in self.sampler_mismatch],
             "monte_carlo": [asdict(m) for m in self.monte_carlo],
             "optimum": [asdict(o) for o in self.optimum],
             "seconds": self.seconds,
@@ -84,6 +87,7 @@ def run_all(samples: int = montecarlo.DEFAULT_SAMPLES, seed: int = 0, monte_carl
         report.full_kl_values = full_kl.value_rows(cat, toy)
         report.full_kl = full_kl.gradient_rows(cat, toy)
         report.entropy = entropy_rows(cat, toy)
+        report.sampler_mismatch = sampler_mismatch_rows(cat, toy)
         t1 = time.perf_counter()
         report.seconds["exact"] = t1 - t0
         if monte_carlo:
@@ -151,6 +155,17 @@ def format_migration(rows: list[MigrationCheck]) -> str:
                                 for r in rows])
 
 
+def format_sampler_mismatch(rows: list[SamplerMismatchCheck]) -> str:
+    head = (f"{'level':<8} {'estimator':<9} {'placement':<9} {'kl.is_correction':<20} {'sampler correction':<26} "
+            f"{'found':<8} {'declared':<8} {'ok':<4} {'|g|/|rev|':>9}")
+    title = ("A sampler mu perturbed away from the policy (first update, pi_old == pi; expectations over mu's "
+             "samples): which KL the gradient follows without and with rollout.sampler_correction (the weight "
+             "pi_old/mu on the policy and KL terms; exact per sequence, per token only at one position)")
+    return _table(title, head, [f"{r.level:<8} {r.estimator:<9} {r.placement:<9} {r.sampling:<20} "
+                                f"{r.correction:<26} {r.gradient_target:<8} {r.declared:<8} {_mark(r.passed):<4} "
+                                f"{r.norm_ratio:9.4f}" for r in rows])
+
+
 def format_full_kl(report: VerifyReport) -> str:
     title = ("kl.estimator full (exact KL over the vocabulary at each prefix, loss placement), through the trainer's "
              "chunked KL and grpo_objective: values vs the exact KL, per-draw gradient vs grad KL(pi||ref) "
@@ -204,13 +219,13 @@ def format_report(report: VerifyReport) -> str:
                          "on-policy rows), sequence/detached the on_policy row; n/a = information only")
     parts = [format_values(report.values), format_rows(report.rows, "token"), format_rows(report.rows, "sequence"),
              format_rows(report.first_epoch, None, first_epoch_title), format_migration(report.migration),
-             format_full_kl(report), format_entropy(report.entropy),
+             format_full_kl(report), format_entropy(report.entropy), format_sampler_mismatch(report.sampler_mismatch),
              format_monte_carlo(report.monte_carlo), format_optimum(report.optimum)]
     failed = [r for r in report.rows + report.first_epoch + report.migration + report.full_kl + report.entropy
-              if not r.passed]
+              + report.sampler_mismatch if not r.passed]
     values = report.values + report.full_kl_values
     total = (len(report.rows) + len(report.first_epoch) + len(report.migration) + len(report.full_kl) + len(values)
-             + len(report.entropy)
+             + len(report.entropy) + len(report.sampler_mismatch)
              + len(report.monte_carlo)
              + len(report.optimum))
     bad = len(failed) + sum(not v["passed"] for v in values) + sum(

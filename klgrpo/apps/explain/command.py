@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import yaml
 from klgrpo.apps.commands import command_parser
 from klgrpo.apps.explain.reading import read_text
 from klgrpo.apps.explain.report import explain, format_report
-from klgrpo.apps.explain.sources import FORMATS, load_source
+from klgrpo.apps.explain.sources import FORMATS, TRL_KINDS, load_source, load_variants
 from klgrpo.apps.explain.trl_fields import TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError, KLGRPOError
 
@@ -33,10 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="*", metavar="FILE", help="config file(s), launch or training script(s), or - "
                                                             "for standard input")
     p.add_argument("--from", dest="source", choices=FORMATS, help="the format (default: detected)")
+    p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
+                                                     "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'); "
+                                                     "default: what the file states, else every release range")
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
                                                             "on LINE, when a script has several")
     p.add_argument("--write", metavar="YAML", help="write the klgrpo config to YAML (one FILE)")
-    p.add_argument("--overwrite", action="store_true", help="let --write / --json replace an existing file")
+    p.add_argument("--overwrite", action="store_true", help="let --write, --json or --plot replace an existing file")
     p.add_argument("--json", metavar="OUT", help="write the explanation as JSON to OUT (one FILE or --run)")
     p.add_argument("--strict", action="store_true",
                    help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
@@ -61,34 +64,32 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError("--config, --plot, --warn-above and --warn-below go with --run FOLDER")
         if (args.write or args.json) and len(args.files) != 1:
             raise ConfigError("--write and --json take one FILE; explain the files one at a time")
-    inputs = [*args.files, *([args.config] if args.config else [])]
+    for option, value in (("--warn-above", args.warn_above), ("--warn-below", args.warn_below)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{option} must be a finite number >= 0 (a KL per token), got {value}")
+    inputs = [*args.files, *([args.config] if args.config else []), *([args.run] if args.run else [])]
     for option, out in (("--write", args.write), ("--json", args.json), ("--plot", args.plot)):
         if out is not None:
-            _check_output(option, out, inputs, args.overwrite, refuse_existing=option == "--write")
+            _check_output(option, out, inputs, args.overwrite)
 
 
-def _check_output(option: str, out: str, inputs: list[str], overwrite: bool, refuse_existing: bool) -> None:
-    """Before anything is computed: the folder exists and is writable, and no input or (for --write) no existing
-    file is replaced unless --overwrite."""
-    path = Path(out)
-    if out == "" or path.is_dir():
-        raise ConfigError(f"{option} {out!r} is {'a folder' if out else 'empty'}; pass a file path")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
+def _check_output(option: str, out: str, inputs: list[str], overwrite: bool) -> None:
+    """Before anything is computed: the one rule of every command's outputs (klgrpo/apps/outputs.py): not an
+    input, nor inside one (a run folder), and an existing file replaced only with --overwrite."""
+    from klgrpo.apps.outputs import check_output
+
+    if out and Path(out).is_dir():
+        raise ConfigError(f"{option} {out!r} is a folder; pass a file path")
+    parent = Path(out).parent if str(Path(out).parent) else Path(".")
+    if out and not parent.is_dir():
         raise ConfigError(f"{option} {out}: the folder {parent} does not exist; create it or pick another path")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{option} {out}: the folder {parent} is not writable; pick another path")
-    same = [i for i in inputs if i != "-" and Path(i).exists() and path.exists() and Path(i).samefile(path)]
-    if not overwrite and (same or refuse_existing and path.exists()):
-        what = "is the input being explained" if same else "exists"
-        raise ConfigError(f"{option} {out} {what}; pass another path, or --overwrite to replace it")
+    check_output(out, option, inputs, overwrite)
 
 
 def _write(option: str, out: str, text: str) -> None:
-    try:
-        Path(out).write_text(text, encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{option} {out}: cannot write ({err.strerror}); pick another path") from None
+    from klgrpo.apps.outputs import write_text_file
+
+    write_text_file(out, text, option)
 
 
 def _one_line(text: str) -> str:
@@ -98,7 +99,7 @@ def _one_line(text: str) -> str:
 
 def _version_note(source: str) -> list[str]:
     """Which TRL's fields and defaults were used, when the installed TRL is another release."""
-    if source not in ("trl", "unsloth"):
+    if source not in TRL_KINDS:
         return []
     from importlib.metadata import PackageNotFoundError, version
 
@@ -112,12 +113,36 @@ def _version_note(source: str) -> list[str]:
 
 
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The report of FILE; for TRL and Unsloth, under each release range the file may run on: one report when
+    their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
+    from klgrpo.integrations.versions import parse_option, spans, stated_in
+
     text, origin = read_text(path)
-    source, mapped = load_source(text, origin, args.source, args.call)
-    report = explain(source, mapped)
-    report["notes"] = _version_note(source)
-    report["origin"] = origin
+    versions = parse_option(args.version) if args.version else stated_in(text)
+    source, variants = load_variants(text, origin, args.source, args.call, versions)
+    if source not in TRL_KINDS and args.version:
+        raise ConfigError(f"--version reads TRL or Unsloth releases; {origin} is {source}")
+    reports = []
+    for profile, mapped in variants:  # the newest range first: the top-level verdict is its
+        report = explain(source, mapped)
+        report["notes"] = _version_note(source) if profile is None else []
+        reports.append((profile, report))
+    groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
+    report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0])}
+    if len(groups) > 1:
+        report["versions"] = [{**one, "releases": spans(found)} for found, one in groups]
     return report
+
+
+def group_by_verdict(reports: list[tuple[Any, dict[str, Any]]]) -> list[tuple[list[Any], dict[str, Any]]]:
+    """(range, report) pairs with the same verdicts (gradients, value, beta's rule, aggregation, risks) -> one
+    entry with every range that gives it, in the order first seen."""
+    groups: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+    for profile, report in reports:
+        key = json.dumps([report[k] for k in ("gradient", "value", "controller", "aggregation", "risks")],
+                         sort_keys=True, default=str)
+        groups.setdefault(key, ([], report))[0].append(profile)
+    return list(groups.values())
 
 
 def _config_file(path: str) -> dict[str, Any]:
@@ -154,11 +179,23 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_report(report: dict[str, Any]) -> None:
+    versions = report.get("versions")
+    for entry in versions or [report]:
+        print(format_report(report["origin"], entry))
+    if not versions:
+        return
+    said = "; ".join(f"on {' and '.join(e['releases'])}: token {e['gradient']['token_on_policy']}, "
+                     f"sequence {e['gradient']['sequence_on_policy']}, beta {e['controller']}" for e in versions)
+    print(f"{report['origin']}: the answer depends on the release ({said}): which do you run? Pass --version "
+          "(e.g. --version trl==0.18), or pin it in the file")
+
+
 def _explain_files(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
         report = explain_file(path, args)
-        print(format_report(report["origin"], report))
+        _print_report(report)
         if args.write:
             header = "".join(f"# no counterpart: {_one_line(k)}: {_one_line(v)}\n"
                              for k, v in report["unmapped"].items())
@@ -166,7 +203,8 @@ def _explain_files(args: argparse.Namespace) -> int:
                    f"{header}" + yaml.safe_dump(report["config"], sort_keys=False))
         if args.json:
             _write("--json", args.json, json.dumps(report, indent=2) + "\n")
-        if args.strict and report["gradient"]["token_on_policy"] != "reverse":
+        verdicts = [e["gradient"]["token_on_policy"] for e in report.get("versions", [report])]
+        if args.strict and any(v != "reverse" for v in verdicts):
             status = STRICT_EXIT
     return status
 

@@ -7,6 +7,7 @@ what it reads.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -85,10 +86,21 @@ def _decode(data: bytes, origin: str) -> str:
     return text
 
 
+class _NumberLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """YAML 1.1 with YAML 1.2's floats: ``1e-6`` and ``1.0e6`` are numbers, as OmegaConf (verl's Hydra) and
+    TRL's typed parser read them; plain YAML 1.1 takes them for text."""
+
+
+_NumberLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$"),
+    list("-+0123456789."))
+
+
 def load_yaml(text: str, origin: str) -> Any:
     """The YAML (or JSON) document as plain data, or a ConfigError: a syntax error, a tag, a value that is not
     plain data (a date, bytes, a set), more than MAX_DEPTH levels or MAX_VALUES values."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    loader = _NumberLoader
     try:
         data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     except yaml.YAMLError as err:

@@ -15,7 +15,8 @@ from klgrpo.math.objective import KLTerm
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import kl_term, run_controller_params
 
-FORMAT_NAMES = {"trl": "TRL 1.16 GRPOConfig", "unsloth": "TRL GRPOConfig with the adaptive-KL fields (Unsloth)",
+FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOConfig, Unsloth's defaults and loss)",
+                "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line", "klgrpo": "klgrpo config"}
 AGGREGATION_WEIGHTING = {
     "token_mean": "every token weighs the same (a long completion's KL counts in proportion to its length)",
@@ -38,10 +39,11 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
 
     cfg = GRPOConfig.from_dict(mapped.nested(), origin="the mapped config")
     unmapped = dict(mapped.unmapped)
+    klgrpo_rules = []
     try:
         cfg.validate()
-    except ConfigError as err:
-        unmapped["(klgrpo validation)"] = str(err)
+    except ConfigError as err:  # klgrpo's own rule (e.g. group_size >= 2), not a field of the source
+        klgrpo_rules.append(str(err))
     parts = kl_parts(cfg.kl, mapped.extra_kl)
     aggregation = cfg.loss.aggregation
     with torch_threads(1):
@@ -61,6 +63,8 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
         "unmapped": unmapped,
         "ignored": list(mapped.ignored),
         "off_policy": mapped.off_policy,
+        "klgrpo_rules": klgrpo_rules,
+        "kl_live": any(part.coef > 0 for part in parts),
     }
     if mapped.rewards:
         report["rewards"] = list(mapped.rewards)
@@ -134,10 +138,11 @@ def format_report(origin: str, report: dict) -> str:
     values = report["value"] if isinstance(report["value"], list) else [report["value"]]
     value = "; ".join(f"{v['estimator']}: {'unbiased' if v['unbiased'] else 'biased'} estimate of "
                       f"{v['estimates']}" for v in values)
-    lines = [f"{origin}: {FORMAT_NAMES[report['source']]}",
+    releases = report.get("releases")
+    lines = [f"{origin}: {FORMAT_NAMES[report['source']]}" + (f", on {' and on '.join(releases)}" if releases else ""),
              f"  KL gradient: token {g['token_on_policy']}, sequence {g['sequence_on_policy']} (first update "
              f"on a batch){off}",
-             f"  KL value: {value}",
+             *([f"  KL value: {value}"] if report.get("kl_live", True) else []),
              f"  beta: {report['controller']}",
              f"  aggregation: {report['aggregation']['name']}: {report['aggregation']['weighting']}"]
     lines += [f"  reward: {format_entry(entry)}" for entry in report.get("rewards", ())]
@@ -146,6 +151,8 @@ def format_report(origin: str, report: dict) -> str:
     if report["ignored"]:
         lines.append(f"  ignored (speed, memory, logging): {', '.join(report['ignored'])}")
     lines += [f"  note: {note}" for note in report.get("notes", ())]
+    lines += [f"  klgrpo rule (for the config below, not the source's): {rule}"
+              for rule in report.get("klgrpo_rules", ())]
     lines += [f"  risk: {risk}" for risk in report["risks"]]
     lines.append("  klgrpo config (--write FILE saves it; every other key at klgrpo's default):")
     config = yaml.safe_dump(report["config"], sort_keys=False, default_flow_style=None, width=110)

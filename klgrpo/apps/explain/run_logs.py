@@ -81,6 +81,9 @@ def _klgrpo_rows(file: Path, folder: str) -> list[dict]:
         return read_metrics(file)
     except UnicodeDecodeError:
         raise ConfigError(f"{file} is not UTF-8 text; a klgrpo run's metrics.jsonl is JSON lines") from None
+    except RecursionError:
+        raise ConfigError(f"{file}: a row nests too deeply to be a metrics row (a row is one flat JSON object); "
+                          "remove it") from None
 
 
 def _trl_state_file(path: Path) -> Path | None:
@@ -176,8 +179,11 @@ def format_run(summary: dict[str, Any]) -> str:
              f"{_number(kl['median'])}, last {_number(kl['last']['value'])} at step {kl['last']['step']}, max "
              f"{_number(kl['max']['value'])} at step {kl['max']['step']}"]
     bands = summary["bands"]
+    short = kl["points"] < int(bands["window"])
     crossed = "; ".join(f"steps {w['first_step']}-{w['last_step']} {w['band'].replace('_', ' ')} (mean "
-                        f"{_number(w['mean'])})" for w in bands["windows"]) or "no window in either band"
+                        f"{_number(w['mean'])})" for w in bands["windows"]) or (
+        f"the run is shorter than one warning window ({kl['points']} logged KL values, a window is "
+        f"{bands['window']}): no band judged" if short else "no window in either band")
     lines.append(f"  bands (warn_above {bands['warn_above']:g}, warn_below {bands['warn_below']:g}, windows of "
                  f"{bands['window']} steps): {crossed}")
     beta = summary["beta"]

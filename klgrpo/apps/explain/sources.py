@@ -2,7 +2,10 @@
 
     trl        a YAML/JSON mapping of what ``trl grpo --config`` reads (GRPOConfig, ModelConfig, the script and
                dataset arguments), or a Python script's ``GRPOConfig(...)`` call (read with ``ast``, never run)
-    unsloth    the same with the adaptive-KL fields (kl_adaptation_method, kl_target, ...)
+    unsloth    a script (or notebook) importing Unsloth: TRL's fields with Unsloth's patched defaults and its own
+               loss's KL (k3 without the importance ratio), per Unsloth release (klgrpo.integrations.versions)
+    adaptive_kl  TRL's fields with the adaptive-KL fields (kl_adaptation_method, kl_target, ...) of
+               ``klgrpo.trl.GRPOConfig`` and the Unsloth fork it mirrors
     verl       verl's Hydra YAML (actor_rollout_ref:, algorithm:, ...), key=value overrides one per line, or a
                launch script running ``python3 -m verl.trainer.main_ppo key=value ...``
     openrlhf   an OpenRLHF command line (``--algo.kl.init_coef 0.01 --algo.kl.use_loss ...``) in a text file or
@@ -18,7 +21,8 @@ from typing import Any
 from klgrpo.apps.explain import python_script, shell_script
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
-from klgrpo.apps.explain.trl_config import map_trl_config
+from klgrpo.apps.explain.trl_config import NotInRange, map_trl_config
+from klgrpo.integrations.versions import Constraint, Profile, profiles
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, map_openrlhf, parse_flags
@@ -27,7 +31,10 @@ from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS
 from klgrpo.integrations.verl_mapping import ROOTS as VERL_ROOTS
 from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
 
-FORMATS = ("trl", "verl", "openrlhf", "unsloth", "klgrpo")
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "klgrpo")
+#: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
+TRL_KINDS = ("trl", "unsloth", "adaptive_kl")
+_UNSLOTH_IMPORT = re.compile(r"^\s*(from\s+unsloth(_zoo)?\b|import\s+unsloth\b)|\b(PatchFastRL|UnslothGRPO\w*)\b", re.M)
 KLGRPO_GROUPS = tuple(f.name for f in GRPOConfig.__dataclass_fields__.values())
 _OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w.]*=")
 #: What a launch script passes on from its own command line.
@@ -125,19 +132,34 @@ def _candidates(shape: str, data: Any) -> list[str]:
         found.append("klgrpo")
     if top & set(VERL_ROOTS) and {str(key).split(".")[0] for key in top} <= set(VERL_ROOTS):
         found.append("verl")
-    if not nested:
-        found.append("unsloth" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
+    if not nested and "verl" not in found:  # a Hydra config's defaults: list is no TRL field
+        found.append("adaptive_kl" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
     return found
 
 
 def load_source(text: str, origin: str, source: str | None = None, call: int | None = None) -> tuple[str, Mapped]:
-    """(format, mapped config) of the text; ``source`` forces the format, ``call`` picks the GRPOConfig call or
-    launcher command that starts on that line."""
+    """(format, mapped config) of the text by TRL 1.16's rules; ``source`` forces the format, ``call`` picks the
+    GRPOConfig call or launcher command that starts on that line."""
+    found, variants = load_variants(text, origin, source, call)
+    return found, variants[0][1]
+
+
+Variant = tuple[Profile | None, Mapped]
+
+
+def load_variants(text: str, origin: str, source: str | None = None, call: int | None = None,
+                  versions: dict[str, list[Constraint]] | None = None) -> tuple[str, list[Variant]]:
+    """(format, [(release range, mapped config)]): with ``versions`` (the clauses of --version or of the file,
+    possibly none), a TRL or Unsloth file is mapped under each release range they allow that has every field
+    the file sets; without, by TRL 1.16's rules alone (range None)."""
+    if suffix(origin) == ".ipynb" or text.lstrip().startswith("{") and '"cells"' in text[:4096]:
+        text = notebook_code(text, origin)
     shape, data = _parse(text, origin)
     if shape == "python":
-        return _from_python(text, origin, source, call)
+        return _from_python(text, origin, source, call, versions)
     if shape == "script":
-        return _from_script(text, origin, source, call)
+        found, mapped = _from_script(text, origin, source, call)
+        return found, [(None, mapped)]
     if source is None:
         found = _candidates(shape, data)
         if not found:
@@ -151,30 +173,77 @@ def load_source(text: str, origin: str, source: str | None = None, call: int | N
     if source == "openrlhf":
         if shape != "flags":
             raise ConfigError(f"{origin} holds no --flags; an OpenRLHF config is its command line")
-        return source, map_openrlhf(parse_flags(data, origin), origin)
+        return source, [(None, map_openrlhf(parse_flags(data, origin), origin))]
     if shape == "flags":
         raise ConfigError(f"{origin} is a command line; only --from openrlhf reads one")
     if source == "verl":
-        return source, map_verl(data if shape == "overrides" else _flatten(data), origin)
+        return source, [(None, map_verl(data if shape == "overrides" else _flatten(data), origin))]
     if shape == "overrides":
         raise ConfigError(f"{origin} holds key=value lines; only --from verl reads them")
     if source == "klgrpo":
-        return source, _klgrpo(data, origin)
-    return source, map_trl_config(data, origin, adaptive=source == "unsloth")
+        return source, [(None, _klgrpo(data, origin))]
+    return source, trl_variants(data, origin, source, versions)
 
 
-def _from_python(text: str, origin: str, source: str | None, line: int | None) -> tuple[str, Mapped]:
-    if source not in (None, "trl", "unsloth"):
-        raise ConfigError(f"{origin} is a Python script; explain reads a GRPOConfig(...) call there (--from trl "
-                          "or unsloth)")
+def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Constraint]] | None,
+                 computed: dict[str, str] | None = None) -> list[Variant]:
+    """The file's fields mapped under each release range that ``versions`` allows and that has them all; the
+    adaptive-KL fields exist in klgrpo.trl only (TRL 1.16's rules)."""
+    adaptive = kind == "adaptive_kl"
+    if versions is None or adaptive:
+        candidates: list[Profile | None] = [None]
+    else:
+        framework = "unsloth" if kind == "unsloth" else "trl"
+        # the newest first; clauses that contradict each other: every range
+        candidates = list(reversed(profiles(framework, versions) or profiles(framework, {})))
+    out: list[Variant] = []
+    missing: list[NotInRange] = []
+    for profile in candidates:
+        try:
+            mapped = map_trl_config(dict(data), origin, adaptive, profile)
+        except NotInRange as err:
+            missing.append(err)
+            continue
+        for keyword, why in (computed or {}).items():
+            mapped.unmapped.setdefault(keyword, why)
+        out.append((profile, mapped))
+    if not out:
+        raise missing[-1]
+    return out
+
+
+def notebook_code(text: str, origin: str) -> str:
+    """A Jupyter notebook's code cells as one script: shell (``!pip ...``) and magic lines become comments, so
+    their pins stay readable and the rest parses as Python."""
+    import json
+
+    try:
+        cells = json.loads(text).get("cells", [])
+    except (ValueError, AttributeError, RecursionError):
+        raise ConfigError(f"{origin} is not a valid notebook (JSON with cells)") from None
+    lines = []
+    for cell in cells if isinstance(cells, list) else []:
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        source = "".join(source) if isinstance(source, list) else str(source)
+        for line in source.splitlines():
+            lines.append(f"# {line}" if line.lstrip().startswith(("!", "%")) else line)
+    return "\n".join(lines) + "\n"
+
+
+def _from_python(text: str, origin: str, source: str | None, line: int | None,
+                 versions: dict[str, list[Constraint]] | None) -> tuple[str, list[Variant]]:
+    if source not in (None, *TRL_KINDS):
+        raise ConfigError(f"{origin} is a Python script; explain reads a GRPOConfig(...) call there (--from trl, "
+                          "unsloth or adaptive_kl)")
     call = python_script.config_call(text, origin, line)
     where = f"{origin}: line {call.line}"
-    adaptive = source == "unsloth" or source is None and (
+    adaptive = source == "adaptive_kl" or source is None and (
         bool(set(call.keywords) & set(ADAPTIVE_KL_DEFAULTS)) or call.imported_from.startswith("klgrpo"))
-    mapped = map_trl_config(call.keywords, where, adaptive=adaptive)
-    for keyword, why in call.computed.items():
-        mapped.unmapped.setdefault(keyword, why)
-    return ("unsloth" if adaptive else "trl"), mapped
+    unsloth = not adaptive and (source == "unsloth" or source is None and bool(_UNSLOTH_IMPORT.search(text)))
+    kind = "adaptive_kl" if adaptive else "unsloth" if unsloth else "trl"
+    return kind, trl_variants(call.keywords, where, kind, versions, call.computed)
 
 
 def _from_script(text: str, origin: str, source: str | None, line: int | None) -> tuple[str, Mapped]:

@@ -8,16 +8,56 @@ TRL's field names, types and defaults come from :mod:`klgrpo.apps.explain.trl_fi
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any
 
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
-from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS, map_trl
+from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, LOSS_TYPES, TRL_DEFAULTS, map_trl
+from klgrpo.integrations.versions import Profile
 
 #: Names of earlier TRL releases that ``trl grpo`` configs still carry -> the 1.16 name.
 EARLIER_NAMES = {"torch_dtype": "dtype"}
+#: Fields of launchers that extend TRL's dataclasses (open-r1's src/open_r1/configs.py at commit 1416fa0:
+#: GRPOConfig's and GRPOScriptArguments' own fields) -> what they change. Listed as the launcher's, never refused.
+_OPEN_R1 = "open-r1's launcher field (src/open_r1/configs.py), not TRL's"
+_REWARD_SHAPE = (f"{_OPEN_R1}: shapes its reward functions; changes training, not mapped: klgrpo's rewards are "
+                 "named in rewards.functions")
+LAUNCHER_FIELDS = {
+    **{name: _REWARD_SHAPE for name in (
+        "cosine_min_value_wrong", "cosine_max_value_wrong", "cosine_min_value_correct", "cosine_max_value_correct",
+        "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "code_language", "code_eval_test_batch_size",
+        "code_eval_scoring_mode", "parallel_code_exec_per_proc", "e2b_router_url", "morph_router_url",
+        "code_provider", "ioi_provider", "max_completion_len", "soft_punish_cache")},
+    **{name: f"{_OPEN_R1}: changes the prompts; changes training, not mapped: klgrpo applies the tokenizer's chat "
+             "template to the dataset's prompt column" for name in ("system_prompt", "chat_template",
+                                                                    "dataset_prompt_column", "dataset_mixture")},
+    **{name: f"{_OPEN_R1}: evaluation, hub or logging only" for name in (
+        "benchmarks", "callbacks", "hub_model_revision", "overwrite_hub_revision", "push_to_hub_revision",
+        "wandb_entity", "wandb_project", "wandb_run_group", "wandb_log_unique_prompts")},
+}
+#: TrainingArguments fields of the transformers releases that older TRL ran on (gone from TRL 1.16's).
+OLDER_TRAINING_ARGUMENTS = {
+    "warmup_ratio": "changes training, not mapped: the warm-up as a fraction of the run's steps; klgrpo's "
+                    "optim.warmup_steps counts steps",
+    "dataset_configs": "changes training, not mapped: the dataset's configurations (TRL's ScriptArguments before "
+                       "0.17); klgrpo's data.source takes NAME:CONFIG",
+    "overwrite_output_dir": None, "logging_dir": None, "evaluation_strategy": None, "push_to_hub_model_id": None,
+    "no_cuda": None, "use_mps_device": None,
+}
+#: GRPOConfig fields of earlier TRL releases (klgrpo/integrations/versions/trl.json's removed_since) -> what they do.
+REMOVED_FIELDS = {
+    "max_prompt_length": "changes training, not mapped: TRL cut each prompt to this many tokens (from the left); "
+                         "klgrpo keeps whole prompts",
+    "vllm_guided_decoding_regex": "changes training, not mapped: vLLM samples only completions matching the regex",
+    "vllm_device": "speed and memory only: where vLLM runs", "vllm_dtype": "speed and memory only: vLLM's dtype",
+    "vllm_max_model_len": "speed and memory only: vLLM's context length",
+    "vllm_enable_prefix_caching": "speed only: vLLM's prefix cache",
+    "use_liger_loss": "speed and memory only: Liger's fused loss computes the same objective",
+    "wandb_log_unique_prompts": "logging only",
+}
 #: Keys TRL's parser takes beside the dataclass fields (``env``: environment variables it sets).
 PARSER_KEYS = {"env": "environment variables TRL sets before the run"}
 #: Field -> klgrpo key, set when the file sets the field (a value klgrpo reads as it is).
@@ -77,23 +117,75 @@ NOT_THE_OBJECTIVE = frozenset((
     "model_name_or_path", "dataset_name", "dataset_config", "learning_rate", "lr_scheduler_type", "warmup_steps"))
 
 
-def known_fields(adaptive: bool) -> set[str]:
-    names = set(FIELDS) | set(EARLIER_NAMES) | set(PARSER_KEYS)
+def known_fields(adaptive: bool, profile: Profile | None = None) -> set[str]:
+    names = set(FIELDS) | set(EARLIER_NAMES) | set(PARSER_KEYS) | set(LAUNCHER_FIELDS) | set(OLDER_TRAINING_ARGUMENTS)
+    if profile is not None:
+        names = (names - profile.absent) | profile.removed_since
     return names | set(ADAPTIVE_KL_DEFAULTS) if adaptive else names
 
 
-def check_names_and_types(data: dict, origin: str, adaptive: bool) -> None:
-    """One line for a key no TRL dataclass has (with the closest name) or a value of the wrong type."""
-    known = known_fields(adaptive)
-    for key, value in data.items():
-        if key not in known:
+def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Profile | None = None) -> None:
+    """One line naming every key no TRL dataclass has (each with its closest name), or a value of the wrong type.
+    Under a release range (``profile``), a field that range lacks is a :class:`NotInRange` error."""
+    known = known_fields(adaptive, profile)
+    unknown = [key for key in data if key not in known]
+    if profile is not None:
+        later = sorted(str(key) for key in unknown if key in profile.absent or key in other_releases_fields())
+        if later:
+            raise NotInRange(f"{origin}: {', '.join(later)}: no field of {profile.label}")
+    where = profile.label if profile is not None else f"TRL {TRL_FIELDS_VERSION}"
+    if len(unknown) == 1:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key)[:100], sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else (
+            f" (no field of {where}'s GRPOScriptArguments, GRPOConfig, ModelConfig or DatasetMixtureConfig)")
+        what = "TRL GRPOConfig or adaptive-KL" if adaptive else "TRL GRPOConfig"
+        raise ConfigError(f"{origin}: unknown {what} field {_short(key)}{hint}")
+    if unknown:
+        named = []
+        for key in unknown:
             close = difflib.get_close_matches(str(key)[:100], sorted(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else (
-                f" (no field of TRL {TRL_FIELDS_VERSION}'s GRPOScriptArguments, GRPOConfig, ModelConfig or "
-                "DatasetMixtureConfig)")
-            what = "TRL GRPOConfig or adaptive-KL" if adaptive else "TRL GRPOConfig"
-            raise ConfigError(f"{origin}: unknown {what} field {_short(key)}{hint}")
+            named.append(f"{_short(key)}" + (f" (did you mean {close[0]}?)" if close else ""))
+        what = "TRL GRPOConfig or adaptive-KL" if adaptive else "TRL GRPOConfig"
+        raise ConfigError(f"{origin}: unknown {what} field{'s' if len(named) > 1 else ''} {', '.join(named)} "
+                          f"(no field of {where}'s GRPOScriptArguments, GRPOConfig, ModelConfig or "
+                          "DatasetMixtureConfig, nor of a known launcher)")
+    for key, value in data.items():
         _check_type(key, value, origin)
+        _check_bound(key, value, origin)
+
+
+#: TRL's bounds on the fields that shape the objective (its GRPOConfig and trainer refuse or misbehave outside):
+#: field -> (low, high, what), both inclusive.
+BOUNDS = {"beta": (0.0, math.inf, ">= 0"), "epsilon": (0.0, math.inf, ">= 0"),
+          "epsilon_high": (0.0, math.inf, ">= 0"), "top_entropy_quantile": (0.0, 1.0, "in [0, 1]"),
+          "temperature": (0.0, math.inf, "> 0"), "learning_rate": (0.0, math.inf, ">= 0"),
+          "num_iterations": (1, math.inf, ">= 1"), "num_generations": (1, math.inf, ">= 1"),
+          "entropy_coef": (0.0, math.inf, ">= 0"), "top_p": (0.0, 1.0, "in (0, 1]")}
+
+
+def _check_bound(key: str, value: Any, origin: str) -> None:
+    """A number must be finite, and within TRL's bound where it has one; loss_type one of TRL's names."""
+    if key == "loss_type" and isinstance(value, str) and value.lower() not in LOSS_TYPES:
+        raise ConfigError(f"{origin}: loss_type {_short(value)} is none of TRL's: {', '.join(LOSS_TYPES)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not math.isfinite(value):
+        raise ConfigError(f"{origin}: {key} must be a finite number, got {value}")
+    low, high, what = BOUNDS.get(key, (-math.inf, math.inf, ""))
+    if not low <= value <= high or key == "temperature" and value == 0 or key == "top_p" and value == 0:
+        raise ConfigError(f"{origin}: {key} must be {what}, got {value}")
+
+
+def other_releases_fields() -> set[str]:
+    """GRPOConfig fields of some TRL release that the newest no longer has."""
+    from klgrpo.integrations.versions import trl_profiles
+
+    return set().union(*(p.removed_since for p in trl_profiles()))
+
+
+class NotInRange(ConfigError):
+    """A field the release range being tried lacks: that range cannot run the file."""
 
 
 #: Types of the TRL / adaptive-KL fields the mapping reads whose default is None (the others: their default's type).
@@ -136,12 +228,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def map_trl_config(data: dict, origin: str, adaptive: bool) -> Mapped:
-    """A ``trl grpo --config`` mapping (or a GRPOConfig call's keywords) -> klgrpo's config."""
-    check_names_and_types(data, origin, adaptive)
+def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | None = None) -> Mapped:
+    """A ``trl grpo --config`` mapping (or a GRPOConfig call's keywords) -> klgrpo's config; under ``profile``,
+    by that release range's fields and defaults (and, for Unsloth, its rewrites and its loss's unweighted KL)."""
+    check_names_and_types(data, origin, adaptive, profile)
     data = {EARLIER_NAMES.get(key, key): value for key, value in data.items()}
+    notes = _profile_rules(data, profile) if profile is not None else {}
     objective = {k: v for k, v in data.items() if k in TRL_DEFAULTS or k in ADAPTIVE_KL_DEFAULTS}
-    mapped = map_trl(objective)
+    mapped = map_trl(objective, defaults=profile.defaults if profile is not None else None)
+    mapped.unmapped.update(notes)
     _map_model_and_data(data, mapped)
     for key in data:
         if key in objective:
@@ -150,12 +245,36 @@ def map_trl_config(data: dict, origin: str, adaptive: bool) -> Mapped:
             mapped.unmapped.setdefault(key, OTHER_COUNTERPARTS[key])
             if key == "reward_model_name_or_path" and isinstance(data[key], str) and data[key]:
                 mapped.rewards += reward_entries([{"model": data[key]}], as_chat=False)
-        elif key in NOT_THE_OBJECTIVE or key in PARSER_KEYS:
+        elif key in LAUNCHER_FIELDS or OLDER_TRAINING_ARGUMENTS.get(key):
+            mapped.unmapped.setdefault(key, LAUNCHER_FIELDS.get(key) or OLDER_TRAINING_ARGUMENTS[key])
+        elif key in NOT_THE_OBJECTIVE or key in PARSER_KEYS or key in OLDER_TRAINING_ARGUMENTS:
             if key not in mapped.unmapped and key not in _mapped_fields(data):
                 mapped.ignored.append(key)
+        elif profile is not None and key in profile.removed_since:
+            why = REMOVED_FIELDS.get(key, "not read by the mapping; check that it does not change the objective")
+            mapped.unmapped.setdefault(key, f"a field of {profile.label} that later TRL removed: {why}")
         elif key not in mapped.unmapped:
             mapped.unmapped[key] = "not read by the mapping: check that it does not change the objective"
     return mapped
+
+
+def _profile_rules(data: dict, profile: Profile) -> dict[str, str]:
+    """Unsloth's rewrites of a dapo / dr_grpo config and its loss's KL, applied to ``data`` in place; the notes."""
+    notes = {}
+    if not profile.unweighted_kl:
+        return notes
+    loss_type = str(data.get("loss_type", profile.defaults.get("loss_type"))).lower()
+    for name, value in profile.rewrites.get(loss_type, {}).items():
+        if name == "scale_rewards" and data.get(name, True) is not True:
+            continue  # Unsloth turns scale_rewards True to False under dr_grpo; other values stay
+        if data.get(name) != value:
+            notes[name] = f"Unsloth sets {name} {value!r} for loss_type {loss_type} (unsloth/models/rl.py)"
+        data[name] = value
+    if data.get("use_bias_correction_kl"):
+        notes["use_bias_correction_kl"] = ("Unsloth's own loss (unsloth_zoo grpo_compute_loss) never weights the KL "
+                                           "by the importance ratio: the verdict uses no weight")
+    data["use_bias_correction_kl"] = False
+    return notes
 
 
 def _mapped_fields(data: dict) -> set[str]:

