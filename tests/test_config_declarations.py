@@ -50,6 +50,8 @@ LOWER_BOUNDS = {
     "kl.replay.coef": (0, True, "0 turns the replay anchor off"), "kl.sync_every": (0, True, "0: never"),
     # added with its declaration: an entropy is never negative
     "loss.entropy_target": (0, True, "an entropy is never negative"),
+    "kl.runaway_above": (0, False, ""), "kl.runaway_beta_factor": (1, True, ""),
+    "kl.runaway_max_rollbacks": (1, True, ""),
 }
 #: (field, lowest, whether allowed, highest, whether allowed, what the refusal adds): the two-sided bounds that were
 #: hand-written checks before (same bounds; the refusal now ends with the value given).
@@ -64,6 +66,7 @@ RANGES = {
     "loss.vespo_lambda_pos": (0, True, 100.0, True, ""), "loss.vespo_lambda_neg": (0, True, 100.0, True, ""),
     # added with their declarations: a vLLM server's request timeout (a day at most) and its retries
     "rollout.vllm.server_timeout": (0, False, 86400, True, ""), "rollout.vllm.server_retries": (0, True, 20, True, ""),
+    "kl.runaway_lr_factor": (0, False, 1, True, ""),
 }
 #: Other settings a field needs to be valid at its bound (a cross-field check would refuse it otherwise).
 AT_BOUND_WITH = {"kl.log_ratio_clamp": {"kl.estimator": "k1"}}
@@ -117,6 +120,36 @@ def test_a_value_outside_a_declared_range_is_refused_in_one_line_and_its_ends_as
         else:
             with pytest.raises(ConfigError, match=re.escape(f"{wanted}, got {float(end)!r}")):
                 GRPOConfig.from_dict(BASE).override({path: end}).validate()
+
+
+@pytest.mark.parametrize("dotted, message", [
+    ({"kl.on_runaway": "undo"}, "kl.on_runaway in command line is 'undo'; choose one of: warn, stop, rollback"),
+    ({"kl.horizon": "fast"}, "kl.horizon in command line must be a number or auto, got 'fast'"),
+    ({"kl.on_runaway": "rollback", "kl.runaway_beta_factor": 1, "kl.runaway_lr_factor": 1},
+     "kl.on_runaway rollback with kl.runaway_beta_factor 1 and kl.runaway_lr_factor 1 would repeat the same steps: "
+     "set kl.runaway_beta_factor > 1 or kl.runaway_lr_factor < 1"),
+    ({"kl.on_runaway": "stop", "kl.coef": 0, "kl.monitor": False},
+     "kl.on_runaway stop watches the KL, which kl.coef 0 with kl.monitor false does not compute: set kl.monitor "
+     "true or kl.on_runaway warn"),
+])
+def test_the_runaway_settings_and_the_auto_horizon_are_refused_in_one_line(dotted, message):
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig.from_dict(BASE).override(dotted).validate()
+    assert str(err.value) == message
+
+
+def test_the_auto_horizon_is_a_word_the_number_field_takes_and_the_run_sizes():
+    from klgrpo.config.terms import run_controller_params, run_horizon
+
+    cfg = GRPOConfig.from_dict(BASE).override({"kl.controller": "adaptive", "kl.horizon": "auto", "train.steps": 20,
+                                               "rollout.prompts_per_step": 4, "rollout.group_size": 8})
+    cfg.validate()
+    assert cfg.kl.horizon == "auto" and cfg.to_dict()["kl"]["horizon"] == "auto"
+    # 20 steps: 10^(4/20) - 1 = 0.585 per update is above the 0.5 cap, so H = 0.2 x 32 / 0.5 = 12.8
+    assert run_horizon(cfg) == pytest.approx(12.8, rel=1e-12)
+    assert run_controller_params(cfg)["horizon"] == pytest.approx(12.8, rel=1e-12)
+    # 1000 steps: 0.2 x 32 / (10^(4/1000) - 1) = 6.4 / 0.0092529 = 691.68
+    assert run_horizon(cfg.override({"train.steps": 1000})) == pytest.approx(691.68, abs=0.01)
 
 
 def test_only_the_declared_fields_may_be_infinite():

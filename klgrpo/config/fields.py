@@ -62,7 +62,7 @@ class Names:
 
 def setting(default: Any, help: str, choices: Any = None, *, low: float | None = None, above: bool = False,
             high: float | None = None, below: bool = False, at_low: str = "", infinite_ok: bool = False,
-            resume_safe: bool = False) -> Any:
+            resume_safe: bool = False, words: tuple[str, ...] = ()) -> Any:
     """A config field: its default, its one-line help (`klgrpo train --help`), its valid values (None: any), and
     what the checks and a resume read from its declaration:
 
@@ -71,9 +71,10 @@ def setting(default: Any, help: str, choices: Any = None, *, low: float | None =
     at_low        what the field means at its bound ("0: off"), or why the bound is there, said in the refusal
     infinite_ok   a float that may be infinite ("no upper bound"); NaN is refused everywhere
     resume_safe   a resume may change it (with a warning): it does not change what the steps compute
+    words         the words a number field also takes as they are ("auto"), resolved where the field is read
     """
     meta = {"help": help, "choices": choices, "low": low, "above": above, "high": high, "below": below,
-            "at_low": at_low, "infinite_ok": infinite_ok, "resume_safe": resume_safe}
+            "at_low": at_low, "infinite_ok": infinite_ok, "resume_safe": resume_safe, "words": tuple(words)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -93,8 +94,11 @@ def group(cls: type, *, resume_safe: bool = False) -> Any:
 
 
 def bound_problem(path: str, spec: dataclasses.Field, value: Any) -> str | None:
-    """The refusal of ``value`` outside the bounds declared on the field ``spec`` (None: it is in bounds)."""
+    """The refusal of ``value`` outside the bounds declared on the field ``spec`` (None: it is in bounds; a word
+    the field takes has no bound)."""
     meta = spec.metadata
+    if isinstance(value, str) and value in meta.get("words", ()):
+        return None
     low, high = meta.get("low"), meta.get("high")
     above, below = meta.get("above", False), meta.get("below", False)
     if (low is None or (value > low if above else value >= low)) and (

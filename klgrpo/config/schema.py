@@ -27,6 +27,8 @@ from klgrpo.config.fields import setting as _f  # short: every field below is de
 # (fields.Names): declaring the config imports neither torch nor transformers.
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+#: kl.on_runaway: what a KL runaway does (klgrpo/train/runaway.py).
+RUNAWAY_ACTIONS = ("warn", "stop", "rollback")
 #: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
 REPLAY_FULL_KL = "full"
 
@@ -178,7 +180,9 @@ class KLConfig(Settings):
                             Names("klgrpo.math.policy_loss:IS_CORRECTIONS"))
     controller: str = _f("fixed", "how beta evolves", Names("klgrpo.math.kl_control:CONTROLLERS"))
     target: float = _f(0.05, "target KL for the adaptive, step and dual controllers (in kl_measure units)", low=0)
-    horizon: float = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples)", low=0, above=True)
+    horizon: float | str = _f(10000.0, "adaptive controller horizon (Ziegler et al.: ~10000 samples), or auto: sized "
+                                       "from train.steps so beta can move 10x within the first quarter of the run "
+                                       "(klgrpo.math.kl_control.auto_horizon)", low=0, above=True, words=("auto",))
     dual_lr: float = _f(0.1, "dual controller step size on log beta", low=0)
     beta_min: float = _f(0.0, "lower bound on beta (dual, dynamic); dual steps on log beta and keeps beta >= 1e-12",
                          low=0)
@@ -210,7 +214,20 @@ class KLConfig(Settings):
                                 "(0: off)", low=0, at_low="0: off")
     warn_below: float = _f(0.01, "warning sign: the same when a window's mean KL is below this, from the second "
                                  "window on: the policy is not learning (0: off)", low=0, at_low="0: off")
-    warn_window: int = _f(20, "steps per window of the KL warning signs", low=1)
+    warn_window: int = _f(20, "steps per window of the KL warning signs (and of kl.on_runaway)", low=1)
+    on_runaway: str = _f("warn", "what a KL runaway does (a window's mean KL above kl.runaway_above and above the "
+                                 "previous window's): warn (a warning sign only), stop (a clean stop; the last "
+                                 "healthy window's checkpoint is kept and named), rollback (back to the last healthy "
+                                 "window's state, then beta x kl.runaway_beta_factor and lr x kl.runaway_lr_factor)",
+                         Names(RUNAWAY_ACTIONS))
+    runaway_above: float = _f(0.5, "kl.on_runaway: a window whose mean per-token KL is above this and rising runs "
+                                   "away; at or below it the window is healthy (a rollback target)", low=0, above=True)
+    runaway_beta_factor: float = _f(2.0, "kl.on_runaway rollback: beta (the controller's value) is multiplied by "
+                                         "this at each rollback (1: unchanged)", low=1)
+    runaway_lr_factor: float = _f(0.5, "kl.on_runaway rollback: the learning rate (and its schedule) is multiplied "
+                                       "by this at each rollback (1: unchanged)", low=0, above=True, high=1)
+    runaway_max_rollbacks: int = _f(3, "kl.on_runaway rollback: at most this many rollbacks; a runaway after them "
+                                       "is only warned", low=1)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
@@ -535,12 +552,24 @@ def _build(cls: type, data: dict, prefix: str, origin: str):
         if dataclasses.is_dataclass(typ):
             kwargs[f.name] = _build(typ, data[f.name] or {}, path + ".", origin)
         else:
-            value = coerce(data[f.name], typ, path, origin)
+            value = _coerce_field(data[f.name], typ, path, origin, f.metadata.get("words", ()))
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ConfigError(f"{path} in {origin} is {value!r}; choose one of: {', '.join(choices)}")
             kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _coerce_field(raw: Any, typ: Any, path: str, origin: str, words: tuple[str, ...]) -> Any:
+    """``coerce``, with the words a number field also takes (kl.horizon auto) kept as they are."""
+    if not words:
+        return coerce(raw, typ, path, origin)
+    if isinstance(raw, str) and raw in words:
+        return raw
+    try:
+        return coerce(raw, typing.get_args(typ)[0] if typing.get_args(typ) else typ, path, origin)
+    except ConfigError:
+        raise ConfigError(f"{path} in {origin} must be a number or {' or '.join(words)}, got {raw!r}") from None
 
 
 def config_help() -> str:

@@ -11,8 +11,8 @@ import inspect
 from dataclasses import dataclass, replace
 from typing import Any
 
-from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, build_controller,
-                                    init_keywords)
+from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, auto_horizon,
+                                    build_controller, init_keywords)
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
 from klgrpo.math.sampler_correction import SamplerCorrection
 from klgrpo.math.policy_loss import POLICY_LOSSES
@@ -64,10 +64,27 @@ def build_entropy_controller(loss: LossConfig) -> EntropyController:
     return cls(loss.entropy_coef, **_keywords(cls, loss, {}, "loss.entropy_controller", "LossConfig"))
 
 
-def controller_params(kl: KLConfig) -> dict[str, Any]:
+def controller_params(kl: KLConfig, steps: int = 0, batch: int = 0) -> dict[str, Any]:
     """The keyword arguments of ``kl.controller``'s constructor, read from the KLConfig fields of the same name
-    (CONTROLLER_FIELDS where they differ); a keyword with a default and no field keeps its default."""
-    return _keywords(CONTROLLERS[kl.controller], kl, CONTROLLER_FIELDS, f"controller {kl.controller!r}", "KLConfig")
+    (CONTROLLER_FIELDS where they differ); a keyword with a default and no field keeps its default. kl.horizon
+    auto is sized from the run's ``steps`` and ``batch`` (sequences per update; see ``run_horizon``)."""
+    params = _keywords(CONTROLLERS[kl.controller], kl, CONTROLLER_FIELDS, f"controller {kl.controller!r}", "KLConfig")
+    if params.get("horizon") == "auto":
+        if steps <= 0 or batch <= 0:
+            raise ValueError("kl.horizon auto is sized from the run: pass its train.steps and batch")
+        params["horizon"] = auto_horizon(steps, batch)
+    return params
+
+
+def run_horizon(cfg: GRPOConfig) -> float:
+    """kl.horizon as the run uses it: the number, or auto sized from train.steps and the batch."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    return auto_horizon(cfg.train.steps, batch) if cfg.kl.horizon == "auto" else float(cfg.kl.horizon)
+
+
+def run_controller_params(cfg: GRPOConfig) -> dict[str, Any]:
+    """``controller_params`` of the run's kl.controller, with kl.horizon auto sized from the run."""
+    return controller_params(cfg.kl, cfg.train.steps, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
 
 
 def controller_fields(name: str) -> tuple[str, ...]:
@@ -89,10 +106,10 @@ def _keywords(cls, config, renamed: dict[str, str], what: str, config_name: str)
     return params
 
 
-def build_kl_controller(kl: KLConfig) -> KLController:
+def build_kl_controller(kl: KLConfig, steps: int = 0, batch: int = 0) -> KLController:
     """The controller ``kl.controller`` starting at beta = ``kl.coef`` (it applies its own floors, e.g. the dual
-    controller's DUAL_BETA_FLOOR)."""
-    return build_controller(kl.controller, kl.coef, **controller_params(kl))
+    controller's DUAL_BETA_FLOOR); ``steps`` and ``batch`` size kl.horizon auto."""
+    return build_controller(kl.controller, kl.coef, **controller_params(kl, steps, batch))
 
 
 @dataclass(frozen=True)

@@ -165,10 +165,25 @@ def _check_kl(cfg: GRPOConfig) -> None:
         need(k.coef > 0, f"kl.controller={k.controller} multiplies beta, so kl.coef=0 would stay 0: set kl.coef > 0 "
                          f"as its starting value, or for no KL penalty use kl.controller fixed "
                          f"(--kl.controller fixed --kl.coef 0)")
-    if k.controller == "adaptive":
+    if k.controller == "adaptive" and k.horizon != "auto":  # auto is sized above the bound (auto_horizon)
         # Ziegler's factor 1 + e * n / horizon with |e| <= 0.2 stays positive only if horizon > 0.2 * n.
         need(k.horizon > 0.2 * batch, f"kl.horizon={k.horizon:g} must exceed 0.2 x the batch of {batch} sequences "
                                       f"(Ziegler et al. use ~10000), or beta could reach 0 in one update")
+    need(k.horizon != "auto" or cfg.train.steps > 0, "kl.horizon auto is sized from train.steps: set train.steps > 0 "
+                                                      "or give kl.horizon a number")
+    _check_runaway(cfg)
+
+
+def _check_runaway(cfg: GRPOConfig) -> None:
+    """kl.on_runaway stop and rollback need a KL to watch, and a rollback something to change."""
+    k = cfg.kl
+    if k.on_runaway == "warn":
+        return
+    need(k.coef > 0 or k.monitor, f"kl.on_runaway {k.on_runaway} watches the KL, which kl.coef 0 with kl.monitor "
+                                  f"false does not compute: set kl.monitor true or kl.on_runaway warn")
+    need(k.on_runaway != "rollback" or k.runaway_beta_factor != 1 or k.runaway_lr_factor != 1,
+         "kl.on_runaway rollback with kl.runaway_beta_factor 1 and kl.runaway_lr_factor 1 would repeat the same "
+         "steps: set kl.runaway_beta_factor > 1 or kl.runaway_lr_factor < 1")
 
 
 def _reverse_kl_fix(estimator: str, placement: str) -> str:

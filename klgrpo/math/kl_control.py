@@ -118,6 +118,49 @@ class AdaptiveKLController(KLController):
         return self.value * (1.0 + error * n_steps / self.horizon)
 
 
+#: kl.horizon auto: beta can move by AUTO_HORIZON_FACTOR within AUTO_HORIZON_FRACTION of the run's steps ...
+AUTO_HORIZON_FACTOR, AUTO_HORIZON_FRACTION = 10.0, 0.25
+#: ... and by at most x(1 +- AUTO_HORIZON_MAX_STEP) in one update (horizon >= 0.2 n / AUTO_HORIZON_MAX_STEP).
+AUTO_HORIZON_MAX_STEP = 0.5
+
+
+def auto_horizon(steps: int, batch: int, error_clip: float = 0.2) -> float:
+    """The adaptive controller's horizon for a run of ``steps`` updates of ``batch`` sequences (kl.horizon auto).
+
+    With the error saturated at +-error_clip, one update multiplies beta by 1 +- error_clip n / H, so k updates
+    move it by (1 + error_clip n / H)^k. Asking for a factor F = 10 (the tutorial's range of beta, 0.01..0.1, is one
+    order of magnitude) within k = steps / 4 updates (the controller settles in the first quarter, the other three
+    run near the target) gives
+
+        (1 + 0.2 n / H)^(steps/4) = 10   =>   H = 0.2 n / (10^(4 / steps) - 1).
+
+    Short runs would ask for more than any one update should do (steps = 20: x1.58 per update), so H is held at
+    H >= 0.2 n / 0.5 (at most x1.5 up, x0.5 down per update; the factor stays positive, which needs H > 0.2 n).
+    Examples (n = 32): 20 steps -> 12.8 (the floor), 100 steps -> 66.3, 1000 steps -> 691.7.
+    """
+    if steps <= 0 or batch <= 0:
+        raise ValueError("auto_horizon needs steps > 0 and batch > 0")
+    per_update = AUTO_HORIZON_FACTOR ** (1.0 / (AUTO_HORIZON_FRACTION * steps)) - 1.0
+    return error_clip * batch / min(per_update, AUTO_HORIZON_MAX_STEP)
+
+
+def horizon_to_reach(beta_start: float, beta_end: float, updates: int, final_kl: float, target: float,
+                     batch: int, error_clip: float = 0.2) -> float | None:
+    """The horizon with which the adaptive controller would have brought the KL to ``target`` in the same number
+    of updates, on a first-order model (a line for the summary, not a change).
+
+    Model: the KL scales as 1 / beta, so reaching the target needs beta_end x final_kl / target; the run moved
+    beta by G = beta_end / beta_start, so beta had to move by G' = G x final_kl / target. With the error saturated
+    (|e| = error_clip at every update, the fastest the controller goes) beta moves by (1 + error_clip n / H)^updates
+    (down: 1 - ...), so H = error_clip n / |G'^(1 / updates) - 1|. None when nothing could be said (no update,
+    beta 0, or no move needed)."""
+    if updates <= 0 or beta_start <= 0 or beta_end <= 0 or final_kl <= 0 or target <= 0:
+        return None
+    needed = beta_end / beta_start * final_kl / target
+    rate = abs(needed ** (1.0 / updates) - 1.0)
+    return error_clip * batch / rate if rate > 0 else None
+
+
 @CONTROLLERS.register("step")
 class StepKLController(KLController):
     """A band rule: KL > high * target -> beta * up; KL < low * target -> beta * down."""

@@ -97,11 +97,11 @@ def is_sharded(checkpoint: Path) -> bool:
 
 @contextmanager
 def checkpoint_writer(run_dir: Path, step: int, *, owner: bool = True, pid: int | None = None, keep: int = 0,
-                      ready: Callable[[], None] | None = None) -> Iterator[Path]:
+                      ready: Callable[[], None] | None = None, protect: tuple = ()) -> Iterator[Path]:
     """The atomic folder of checkpoints/step_<step>: yields the temporary folder to write into (process ``pid``'s,
     rank 0's; created by the ``owner``), then renames it into place and prunes to the newest ``keep`` (0: keep
-    all). Every process of a run enters it (``ready()``: a barrier once the folder exists, so every rank can write
-    its shards into it); only the owner creates, renames and prunes.
+    all) but the folders in ``protect``. Every process of a run enters it (``ready()``: a barrier once the folder
+    exists, so every rank can write its shards into it); only the owner creates, renames and prunes.
 
     A full disk or a read-only folder raises a one-line KLGRPOError and leaves the earlier checkpoints as they
     were; whatever is raised inside removes the temporary folder."""
@@ -132,7 +132,22 @@ def checkpoint_writer(run_dir: Path, step: int, *, owner: bool = True, pid: int 
         raise _save_error(exc, final, run_dir) from None
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
-            _remove(old)
+            if old not in {Path(p) for p in protect}:  # the states kl.on_runaway keeps
+                _remove(old)
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoints/step_<N> folder."""
+    return int(_STEP_DIR.match(Path(folder).name).group(1))
+
+
+def remove_checkpoints_after(run_dir: Path, step: int) -> list[Path]:
+    """Delete the checkpoints of steps after ``step`` (a rollback undid those steps: a resume must not find
+    them); returns the folders removed."""
+    later = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) > step]
+    for folder in later:
+        _remove(folder)
+    return later
 
 
 def write_checkpoint_files(folder: Path, *, model, tokenizer, trainer_state: dict[str, Any], reference=None,

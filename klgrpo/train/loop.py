@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from klgrpo.config.terms import run_horizon
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path
 from klgrpo.run.checkpoint import checkpoint_writer, is_sharded, step_folder
@@ -22,6 +23,7 @@ from klgrpo.train.evaluation import evaluate_sets
 from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.kl_watch import EntropyWatch, KLWatch
 from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
+from klgrpo.train.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
 from klgrpo.run.resume import load_resumable_checkpoint
 from klgrpo.run.run_folder import open_run_folder, resolve_auto_resume
 from klgrpo.config.schema import GRPOConfig
@@ -41,6 +43,8 @@ class TrainingRun:
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
         self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)
+        self.runaway = RunawayGuard(kl)  # kl.on_runaway (train/runaway.py)
+        self.kl_reach = KLReach(kl.target, kl.warn_window) if kl.controller == "adaptive" else None
         self.lock = None  # rank 0's, while train() runs
         self.stop_reason = ""
         self.eval_before: dict[str, float] = {}  # measured before the first step; a resumed run keeps it
@@ -115,6 +119,8 @@ class TrainingRun:
         self._finish_checkpoints()
         summary = self.summary(history, eval_after, time.perf_counter() - start)
         if main:
+            if "kl_reach" in summary:
+                self.log(summary["kl_reach"]["line"])
             if summary_extras is not None:
                 summary.update(summary_extras(summary))
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -131,6 +137,8 @@ class TrainingRun:
         cfg, step = self.cfg, self.grpo_step
         gate = None if self.dist.enabled else step.stop_gate  # several processes: every stop waits for the boundary
         with sigterm_as_interrupt(deferred=self.dist.enabled, gate=gate) as signals, save_on_interrupt(self, logger):
+            if step.completed < cfg.train.steps:
+                self.runaway.begin(self, logger.message)
             while step.completed < cfg.train.steps:
                 metrics, observation = self.train_step()
                 done = step.completed
@@ -143,17 +151,29 @@ class TrainingRun:
                     for line in watch.observe(done, value):
                         logger.message(line)
                         logger.text(name, line, done)
+                verdict = self._runaway_verdict(done, kl, logger)  # a rollback leaves step.completed < done
                 history.append(metrics)
                 step.stop_gate.release()  # the step is complete and logged: a stop that waited for it comes now
-                stop = self.should_stop(start, signals)
-                if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop:
+                stop = verdict == STOPPED or self.should_stop(start, signals)
+                if verdict == STOPPED:
+                    self.stop_reason = self.runaway.stop_reason
+                if cfg.train.save_every and done % cfg.train.save_every == 0 and not stop and verdict != ROLLED_BACK:
                     # A stop waits for the checkpoint: raised inside the save (shutil.rmtree pruning an old one),
                     # it could turn into an OSError that skipped the interrupted run's own save.
                     step.stop_gate.hold()
                     self.save()
                     step.stop_gate.release()
+                if not stop:
+                    self.runaway.keep(self, verdict)  # after the save: a checkpoint of this step is reused
                 if stop:
                     break
+
+    def _runaway_verdict(self, done: int, kl: float | None, logger) -> str | None:
+        """The KL's reach (adaptive controller) and kl.on_runaway's verdict on the window ending at ``done``; both
+        observe after the warning signs, so a rollback restores their windows with the rest."""
+        if self.kl_reach is not None:
+            self.kl_reach.observe(done, kl)
+        return self.runaway.after_step(self, done, kl, logger)
 
     def _finish_checkpoints(self) -> None:
         """The last checkpoint is always whole (sharded or missing: written now); with model.lora.save_merged the
@@ -204,7 +224,18 @@ class TrainingRun:
             "stopped_early": self.stop_reason or None,
             "world_size": self.dist.world_size,
             "run_dir": str(self.run_dir),
+            **self._kl_summaries(),
         }
+
+    def _kl_summaries(self) -> dict[str, Any]:
+        """kl_reach (the adaptive controller) and runaway (kl.on_runaway stop or rollback), where they apply."""
+        out, cfg = {}, self.cfg
+        if self.kl_reach is not None:
+            out["kl_reach"] = self.kl_reach.summary(self.grpo_step.controller, cfg.kl.coef, run_horizon(cfg),
+                                                    cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+        if self.runaway.enabled:
+            out["runaway"] = self.runaway.summary()
+        return out
 
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, whole: bool = False) -> Path:
@@ -213,16 +244,22 @@ class TrainingRun:
         step, dist = self.grpo_step, self.dist
         sharded = self.cfg.train.sharded_checkpoints and not whole
         with checkpoint_writer(self.run_dir, step.completed, owner=dist.is_main, keep=self.cfg.train.keep_checkpoints,
-                               pid=dist.broadcast_object(os.getpid()), ready=dist.barrier) as folder:
+                               pid=dist.broadcast_object(os.getpid()), ready=dist.barrier,
+                               protect=self.runaway.protected) as folder:
             step.save(folder, sharded=sharded, run_state=self.state_dict())
         dist.barrier()
         return step_folder(self.run_dir, step.completed)
 
     def state_dict(self) -> dict[str, Any]:
         """The run's own part of a checkpoint (the step writes its own)."""
-        return {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
-                "entropy_watch": self.entropy_watch.state_dict(),
-                "run_config": self.cfg.to_dict()}  # the settings a resume checks config.yaml against
+        state = {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
+                 "entropy_watch": self.entropy_watch.state_dict(),
+                 "run_config": self.cfg.to_dict()}  # the settings a resume checks config.yaml against
+        if self.runaway.enabled:
+            state["runaway"] = self.runaway.state_dict()
+        if self.kl_reach is not None:
+            state["kl_reach"] = self.kl_reach.state_dict()
+        return state
 
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
@@ -232,10 +269,17 @@ class TrainingRun:
 
     def _load(self, folder: Path) -> dict[str, Any]:
         state = self.grpo_step.load(folder)
+        self.load_state_dict(state)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The run's own part of a trainer state (``state_dict``'s keys; a rollback in memory restores it too)."""
         self.kl_watch.load_state_dict(state.get("kl_watch"))
         self.entropy_watch.load_state_dict(state.get("entropy_watch"))
+        self.runaway.load_state_dict(state.get("runaway"))
+        if self.kl_reach is not None:
+            self.kl_reach.load_state_dict(state.get("kl_reach"))
         self.eval_before = state.get("eval_before") or {}
-        return state
 
 
 class SilentLogger:
@@ -251,6 +295,9 @@ class SilentLogger:
         pass
 
     def message(self, text):
+        pass
+
+    def rewind(self, step):
         pass
 
     def text(self, name, text, step):

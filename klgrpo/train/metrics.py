@@ -183,6 +183,21 @@ class MetricsLogger:
                  for k in self.summary_keys if k in self._latest]
         return " | ".join(parts)
 
+    def rewind(self, step: int) -> None:
+        """Forget the rows after ``step`` (a rollback undid those steps, kl.on_runaway): metrics.jsonl keeps the
+        rows up to it (the evaluation at step 0 too), as a resume from that step would; the trackers keep what
+        they were sent (they cannot take it back)."""
+        self._file.close()
+        kept = [r for r in _read_rows(self.path) if _is_number(r["step"]) and r["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._last_step = step
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
     def message(self, text: str) -> None:
         """Print a line above the progress bar (also when the bar is off)."""
         tqdm.write(str(text))

@@ -130,7 +130,8 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
         train_forward, optimizer = engine.prepare(model, optimizer)
         engine.prepare_reference(reference)
     return GRPOStep(plan=step_plan(cfg), dist=dist, engine=engine, train_forward=train_forward, optimizer=optimizer,
-                    scheduler=scheduler, controller=build_kl_controller(cfg.kl),
+                    scheduler=scheduler, controller=build_kl_controller(
+                        cfg.kl, cfg.train.steps, cfg.rollout.prompts_per_step * cfg.rollout.group_size),
                     entropy_controller=build_entropy_controller(cfg.loss),
                     guard=NonFiniteGuard(cfg.train.max_skipped_steps), replay=replay,
                     loss_fast_path=fast_forward(cfg, parts["device"]) and not engine.fast_path_outside_loss_only,

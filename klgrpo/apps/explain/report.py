@@ -13,7 +13,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.math.objective import KLTerm
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.config.terms import controller_params, kl_term
+from klgrpo.config.terms import kl_term, run_controller_params
 
 FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOConfig, Unsloth's defaults and loss)",
                 "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",
@@ -74,7 +74,7 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
 
 def controller_rule(cfg: GRPOConfig) -> str:
     kl = cfg.kl
-    params = controller_params(kl)
+    params = run_controller_params(cfg)
     rules = {
         "fixed": f"fixed at {kl.coef:g}",
         "adaptive": f"beta <- beta (1 + clip(KL / {params.get('target', 0):g} - 1, -0.2, 0.2) n / "

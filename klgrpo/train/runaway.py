@@ -1,0 +1,420 @@
+"""What a KL runaway does (``kl.on_runaway``), and how far the adaptive controller reached (the summary's kl_reach).
+
+A runaway is judged on the KL warning signs' windows (``kl.warn_window`` consecutive steps, train/kl_watch.py):
+
+    runaway   the window's mean per-token KL is above kl.runaway_above and above the previous window's mean
+              (the first window's "previous" is 0: every run starts at the reference)
+    healthy   the window's mean is at or below kl.runaway_above: the state at the window's start (whose KL the
+              window measured) is the rollback target
+
+``warn`` does nothing here (the warning signs say it). ``stop`` keeps the checkpoint at the last healthy window's
+start on disk (never pruned while it is the target) and stops the run cleanly at the runaway, naming it.
+``rollback`` restores the last healthy window's start (the data position and RNG included), multiplies beta by
+kl.runaway_beta_factor and the learning rate (its schedule) by kl.runaway_lr_factor, and trains on, at most
+kl.runaway_max_rollbacks times (a runaway after them is only warned). The target is kept in memory (CPU copies of
+what the step owns) when the run's memory allows, else as a checkpoint on disk.
+
+A rollback deletes the undone steps' checkpoints first, restores, and writes the restored state (its rollback
+count and factors included) as the checkpoint of its step: a process killed anywhere in it resumes either from
+that checkpoint or from an earlier one of the same run, which replays to the same rollback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from klgrpo.errors import ConfigError
+from klgrpo.math.kl_control import horizon_to_reach
+from klgrpo.run.checkpoint import is_complete, remove_checkpoints_after, rng_state, set_rng_state, step_folder
+from klgrpo.run.resume import load_resumable_checkpoint
+from klgrpo.train.step_state import load_step_state, step_state
+
+HEALTHY, WINDOW_END, RUNAWAY = "healthy", "window_end", "runaway"
+ROLLED_BACK, STOPPED = "rolled_back", "stopped"
+#: The share of the available memory an in-memory rollback target may take; above it the target is on disk.
+MEMORY_SHARE = 0.25
+#: The adaptive controller's target band, in units of kl.target (the step controller's default band).
+REACH_BAND = (0.5, 1.5)
+
+
+class WindowMeans:
+    """Consecutive windows of ``window`` steps (1..W, W+1..2W, ...): ``observe`` returns the window's mean at its
+    end, else None."""
+
+    def __init__(self, window: int):
+        self.window = max(1, int(window))
+        self.values: list[float] = []
+        self.previous = 0.0  # the run starts at the reference: KL 0
+        self.last_end = 0
+
+    def observe(self, step: int, value: float) -> float | None:
+        self.values.append(float(value))
+        if len(self.values) < self.window:
+            return None
+        mean = sum(self.values) / len(self.values)
+        self.values, self.last_end = [], step
+        return mean
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self.values), "previous": self.previous, "last_end": self.last_end}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values = [float(v) for v in state["values"]]
+        self.previous, self.last_end = float(state["previous"]), int(state["last_end"])
+
+
+# ---------------------------------------------------------------------------------------- the in-memory target
+def _cpu_copy(tree: Any) -> Any:
+    """``tree`` with every tensor copied to the CPU (never shared with the live one: AdamW updates in place)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _cpu_copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cpu_copy(v) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return dataclasses.replace(tree, **{f.name: _cpu_copy(getattr(tree, f.name))
+                                            for f in dataclasses.fields(tree) if f.init})
+    return tree
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _synced_reference(step):
+    reference = step.reference
+    return reference.model if getattr(reference, "synced", False) else None
+
+
+def capture(run) -> dict[str, Any]:
+    """Everything a rollback restores, as CPU copies: the trainable weights, a synced reference's weights, the
+    step's state (optimizer, scheduler, controllers, data position, pending batch, guard), the run's (windows)
+    and the RNG."""
+    step = run.grpo_step
+    reference = _synced_reference(step)
+    state = {**run.state_dict(), **step_state(step), "rng": rng_state()}
+    return {"weights": _cpu_copy(_trainable(step.model)),
+            "reference": _cpu_copy(reference.state_dict()) if reference is not None else None,
+            "state": _cpu_copy(state)}
+
+
+def restore(run, snapshot: dict[str, Any]) -> None:
+    """Put ``capture``'s copies back (the snapshot stays intact for another restore)."""
+    step = run.grpo_step
+    with torch.no_grad():
+        for name, param in _trainable(step.model).items():
+            param.copy_(snapshot["weights"][name])
+        reference = _synced_reference(step)
+        if snapshot["reference"] is not None and reference is not None:
+            reference.load_state_dict(snapshot["reference"])
+    state = _cpu_copy(snapshot["state"])
+    load_step_state(step, state)
+    set_rng_state(state["rng"])
+    run.load_state_dict(state)
+
+
+def snapshot_bytes(step) -> int:
+    """What ``capture`` holds: the trainable weights and their two AdamW moments, and a synced reference."""
+    trainable = sum(p.numel() * p.element_size() for p in _trainable(step.model).values())
+    reference = _synced_reference(step)
+    ref = sum(t.numel() * t.element_size() for t in reference.state_dict().values()) if reference is not None else 0
+    return 3 * trainable + ref
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation (MemAvailable; the free pages where /proc is absent)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------------------- the guard
+@dataclasses.dataclass
+class Kept:
+    """A state the run can go back to: the step it ended, and a capture() in memory or a checkpoint folder."""
+
+    step: int
+    snapshot: dict[str, Any] | None = None
+    folder: Path | None = None
+
+
+class RunawayGuard:
+    """kl.on_runaway for a TrainingRun: ``begin(run, log)`` before the steps, ``after_step(run, step, kl, logger)``
+    after each (HEALTHY, WINDOW_END, RUNAWAY, ROLLED_BACK, STOPPED, or None inside a window), ``keep(run, verdict)``
+    after the step's checkpoint; ``state_dict`` travels in every checkpoint, ``summary()`` into summary.json.
+
+    Two states are kept: the one at the start of the window in progress, and the target, the start of the last
+    healthy window. The target is the state whose KL that window measured: the KL of a step is the policy's before
+    its update, so a window's steps measure the states from its start to its second-to-last step."""
+
+    def __init__(self, kl_cfg):
+        self.cfg = kl_cfg
+        self.action = kl_cfg.on_runaway
+        self.windows = WindowMeans(kl_cfg.warn_window)
+        self.rollbacks, self.beta_scale, self.lr_scale = 0, 1.0, 1.0
+        self.records: list[dict[str, Any]] = []
+        self.store = ""  # "memory" or "disk", chosen by begin()
+        self.window_start: Kept | None = None
+        self.target: Kept | None = None
+        self._saving: Kept | None = None  # the state being written as a checkpoint
+        self._steps_at_load: tuple[int | None, int | None] = (None, None)  # (window start, target) of a checkpoint
+        self.stop_reason = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.action != "warn"
+
+    @property
+    def protected(self) -> tuple[Path, ...]:
+        """The checkpoints that pruning must keep: the window start and the target, on disk."""
+        kept = (self.window_start, self.target, self._saving)
+        return tuple(k.folder for k in kept if k is not None and k.folder is not None)
+
+    @property
+    def store_words(self) -> str:
+        return "in memory" if self.store == "memory" else "on disk"
+
+    def begin(self, run, log) -> None:
+        """Choose where the kept states live; a fresh run keeps its start as both."""
+        if not self.enabled:
+            return
+        if run.dist.enabled:
+            raise ConfigError(f"kl.on_runaway {self.action} runs in one process; with several use kl.on_runaway "
+                              f"warn")
+        need, free = snapshot_bytes(run.grpo_step), available_memory()
+        self.store = "memory" if self.action == "rollback" and 2 * need <= MEMORY_SHARE * free else "disk"
+        where = (f"in memory (CPU copies, 2 x {need / 2**30:.2f} GiB of {free / 2**30:.1f} GiB available)"
+                 if self.store == "memory" else "on disk (checkpoints kept while they are needed)")
+        log(f"kl.on_runaway {self.action}: the start of the last healthy window is kept {where}")
+        completed = run.grpo_step.completed
+        window_step, target_step = self._steps_at_load  # a resumed run's; None: a fresh run
+        # the kept states of the process before (on disk: protected from the save below) ...
+        self.target = self._on_disk(run, target_step, completed, log)
+        self.window_start = self._on_disk(run, window_step, completed, log)
+        now = self._keep_now(run)  # ... and this step's, which stands in for any of them that is not
+        self.target, self.window_start = self.target or now, self.window_start or now
+
+    def _on_disk(self, run, step: int | None, completed: int, log) -> Kept | None:
+        """A kept state of the process before this resume, from its checkpoint; None where it is this step's
+        state, or was in the memory of the stopped process (said in a line: the resumed state stands in)."""
+        if step is None or step == completed:
+            return None
+        folder = step_folder(run.run_dir, step)
+        if is_complete(folder):
+            return Kept(step, folder=folder)
+        log(f"kl.on_runaway: the state of step {step} was in the memory of the stopped process; the resumed state "
+            f"of step {completed} stands in for it")
+        return None
+
+    def _keep_now(self, run) -> Kept:
+        step = run.grpo_step.completed
+        if self.store == "memory":
+            return Kept(step, snapshot=capture(run))
+        folder = step_folder(run.run_dir, step)
+        kept = Kept(step, folder=folder)
+        if not is_complete(folder):
+            self._saving = kept  # protected from the save's own pruning
+            run.save()
+            self._saving = None
+        return kept
+
+    def keep(self, run, verdict: str | None) -> None:
+        """After a window's end (and its checkpoint): a healthy window's start becomes the target, and this step
+        starts the next window."""
+        if not self.enabled or verdict not in (HEALTHY, WINDOW_END, RUNAWAY):
+            return
+        if verdict == HEALTHY:
+            self.target = self.window_start
+        self.window_start = self._keep_now(run)
+
+    def after_step(self, run, step: int, kl: float | None, logger) -> str | None:
+        """Judge the window that ends at ``step``; act on a runaway."""
+        if not self.enabled or kl is None or not math.isfinite(kl):
+            return None
+        mean = self.windows.observe(step, kl)
+        if mean is None:
+            return None
+        previous, self.windows.previous = self.windows.previous, mean
+        if mean <= self.cfg.runaway_above:
+            return HEALTHY
+        if mean <= previous:
+            return WINDOW_END
+        first = step - self.windows.window + 1
+        seen = (f"KL runaway at step {step}: the KL is {mean:.4g} per token (mean of steps {first}-{step}), above "
+                f"kl.runaway_above {self.cfg.runaway_above:g} and rising (previous window {previous:.4g})")
+        if self.action == "stop":
+            return self._stop(step, mean, seen, logger)
+        if self.rollbacks >= self.cfg.runaway_max_rollbacks:
+            self.records.append({"action": "warned", "step": step, "kl": mean})
+            self._announce(logger, step, f"{seen}: kl.runaway_max_rollbacks ({self.cfg.runaway_max_rollbacks}) "
+                                         f"reached, training on")
+            return RUNAWAY
+        return self._rollback(run, step, mean, seen, logger)
+
+    def _stop(self, step: int, mean: float, seen: str, logger) -> str:
+        folder = self.target.folder
+        self.stop_reason = (f"{seen}; kl.on_runaway stop: the last healthy window started at the checkpoint {folder} "
+                            f"(step {self.target.step}): train on from its weights (model.name_or_path {folder}, "
+                            f"kl.reference the original model) with a larger kl.coef or a smaller optim.lr")
+        self.records.append({"action": "stopped", "step": step, "kl": mean, "checkpoint": str(folder),
+                             "target_step": self.target.step})
+        self._announce(logger, step, self.stop_reason)
+        return STOPPED
+
+    def _rollback(self, run, step: int, mean: float, seen: str, logger) -> str:
+        grpo, target = run.grpo_step, self.target
+        grpo.stop_gate.hold()  # a signal waits until the rollback is whole
+        try:
+            removed = remove_checkpoints_after(run.run_dir, target.step)
+            progress = self._progress()
+            if target.snapshot is not None:
+                restore(run, target.snapshot)
+            else:
+                load_resumable_checkpoint(run.run_dir, str(target.folder), load=run._load)
+            self._load_progress(progress)
+            logger.rewind(target.step)
+            beta, lr = self._apply_factors(grpo)
+            self.rollbacks += 1
+            record = {"action": "rolled_back", "step": step, "kl": mean, "to_step": target.step, "beta": beta,
+                      "base_lr": lr, "rollback": self.rollbacks, "store": self.store,
+                      "removed_checkpoints": [p.name for p in removed]}
+            self.records.append(record)
+            self.window_start = self.target = Kept(target.step, folder=step_folder(run.run_dir, target.step))
+            run.save()  # the restored state with its count and factors: a kill from here on resumes to it
+            if self.store == "memory":
+                self.window_start = self.target = Kept(target.step, snapshot=capture(run))
+        finally:
+            grpo.stop_gate.release()
+        self._announce(logger, step, f"{seen}: rolled back to step {target.step} (the start of the last healthy "
+                                     f"window, kept {self.store_words}), beta now {beta:.4g}, lr x{self.lr_scale:g} "
+                                     f"(rollback {self.rollbacks} of {self.cfg.runaway_max_rollbacks})")
+        return ROLLED_BACK
+
+    def _apply_factors(self, grpo) -> tuple[float, float]:
+        """beta x kl.runaway_beta_factor, the learning rate and its schedule x kl.runaway_lr_factor; returns the new
+        beta and the schedule's base learning rate (the lr of this step may be a warm-up's 0)."""
+        beta_factor, lr_factor = self.cfg.runaway_beta_factor, self.cfg.runaway_lr_factor
+        grpo.controller.value *= beta_factor
+        optimizer = getattr(grpo.optimizer, "optimizer", grpo.optimizer)
+        for group in optimizer.param_groups:
+            group["lr"] *= lr_factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= lr_factor
+        grpo.scheduler.base_lrs = [lr * lr_factor for lr in grpo.scheduler.base_lrs]
+        self.beta_scale *= beta_factor
+        self.lr_scale *= lr_factor
+        return grpo.controller.value, grpo.scheduler.base_lrs[0]
+
+    def _announce(self, logger, step: int, line: str) -> None:
+        logger.message(line)
+        logger.text("warnings/kl_runaway", line, step)
+
+    # ------------------------------------------------------------------------------------------- state
+    def _progress(self) -> dict[str, Any]:
+        """What a rollback does not undo: its own count, factors and records."""
+        return {"rollbacks": self.rollbacks, "beta_scale": self.beta_scale, "lr_scale": self.lr_scale,
+                "records": [dict(r) for r in self.records]}
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        self.rollbacks, self.beta_scale = int(progress["rollbacks"]), float(progress["beta_scale"])
+        self.lr_scale, self.records = float(progress["lr_scale"]), [dict(r) for r in progress["records"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._progress(), "windows": self.windows.state_dict(),
+                "window_start_step": self.window_start.step if self.window_start else None,
+                "target_step": self.target.step if self.target else None}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self._load_progress(state)
+        self.windows.load_state_dict(state["windows"])
+        self._steps_at_load = (state.get("window_start_step"), state.get("target_step"))
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        return {"on_runaway": self.action, "rollbacks": self.rollbacks, "beta_scale": self.beta_scale,
+                "lr_scale": self.lr_scale, "target_store": self.store, "actions": [dict(r) for r in self.records]}
+
+
+# ------------------------------------------------------------------------------------- the controller's reach
+class KLReach:
+    """Whether the adaptive controller's KL reached its target band (REACH_BAND x kl.target), judged on the warning
+    signs' windows: the first window whose mean is in the band, and the last window's mean."""
+
+    def __init__(self, target: float, window: int):
+        self.target = float(target)
+        self.windows = WindowMeans(window)
+        self.first_in_band: int | None = None
+        self.last_mean: float | None = None
+
+    @property
+    def band(self) -> tuple[float, float]:
+        return REACH_BAND[0] * self.target, REACH_BAND[1] * self.target
+
+    def in_band(self, value: float) -> bool:
+        low, high = self.band
+        return low <= value <= high
+
+    def observe(self, step: int, kl: float | None) -> None:
+        if kl is None or not math.isfinite(kl):
+            return
+        mean = self.windows.observe(step, kl)
+        if mean is None:
+            return
+        self.last_mean = mean
+        if self.first_in_band is None and self.in_band(mean):
+            self.first_in_band = step
+
+    def summary(self, controller, beta_start: float, horizon: float, batch: int) -> dict[str, Any]:
+        """The summary's kl_reach: the band, the step the KL first reached it, whether the last window was in
+        it, and, when not, the horizon that would have brought it there (horizon_to_reach) as a line."""
+        low, high = self.band
+        last, window = self.last_mean, self.windows.window
+        reached = last is not None and self.in_band(last)
+        needed = None if reached or last is None else horizon_to_reach(
+            beta_start, controller.value, controller.num_updates, last, self.target, batch)
+        out = {"target": self.target, "band": [low, high], "window": window, "first_step_in_band": self.first_in_band,
+               "last_window_kl": last, "reached": reached, "horizon": horizon, "horizon_to_reach": needed}
+        out["line"] = self._line(out, controller.num_updates)
+        return out
+
+    def _line(self, r: dict[str, Any], updates: int) -> str:
+        band = f"[{r['band'][0]:.4g}, {r['band'][1]:.4g}] (kl.target {self.target:g})"
+        if r["last_window_kl"] is None:
+            return f"KL reach: no window of {r['window']} steps ended; nothing to say about the band {band}"
+        end = self.windows.last_end
+        last = f"{r['last_window_kl']:.4g} (mean of steps {end - r['window'] + 1}-{end})"
+        first = (f"first in the band at step {r['first_step_in_band']}" if r["first_step_in_band"] is not None
+                 else "never in the band")
+        if r["reached"]:
+            return f"KL reach: the KL reached its band {band}, {first}, and ended in it at {last}"
+        line = f"KL reach: the KL ended outside its band {band} at {last}, {first}"
+        if r["horizon_to_reach"] is None:
+            return line
+        return (f"{line}; a kl.horizon of about {r['horizon_to_reach']:.3g} (this run's {r['horizon']:.4g}) would "
+                f"have brought it to the target in these {updates} updates (estimate: KL ~ 1/beta, the controller's "
+                f"error saturated)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": self.windows.state_dict(), "first_in_band": self.first_in_band,
+                "last_mean": self.last_mean}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self.windows.load_state_dict(state["windows"])
+        self.first_in_band, self.last_mean = state["first_in_band"], state["last_mean"]

@@ -1,0 +1,98 @@
+"""The runaway sweep's committed results (docs/results/forgetting-runaway, written by tools/runaway_results.py) and
+what docs/ablation.md and the README quote from them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "forgetting-runaway"
+SECTION = "## Acting on a KL runaway"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("runaway_results", ROOT / "tools" / "runaway_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _section() -> str:
+    text = (ROOT / "docs" / "ablation.md").read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    return " ".join((text[start:] if end < 0 else text[start:end]).split())
+
+
+def test_the_pairing_is_recomputed_from_the_two_tables():
+    table = json.loads((RESULTS / "table.json").read_text())
+    published = json.loads((ROOT / "docs" / "results" / "forgetting" / "table.json").read_text())
+    assert json.loads((RESULTS / "paired.json").read_text()) == json.loads(json.dumps(_tool().paired(table,
+                                                                                                      published)))
+
+
+def test_every_run_record_is_its_tables_run():
+    table = json.loads((RESULTS / "table.json").read_text())
+    runs = {(c["setting"], r["seed"]): r["values"] for c in table["cells"] for r in c["runs"] if "values" in r}
+    records = json.loads((RESULTS / "runs.json").read_text())
+    assert {(r["setting"], r["seed"]) for r in records} == set(runs)
+    for r in records:
+        assert r["final_kl"] == runs[(r["setting"], r["seed"])]["final_kl"]
+        if "on_runaway" in r["setting"]:
+            assert r["runaway"]["rollbacks"] == sum(a["action"] == "rolled_back" for a in r["runaway"]["actions"])
+        if "adaptive" in r["setting"]:  # kl.horizon auto: 20 steps of 32 sequences -> 12.8 (auto_horizon's floor)
+            assert abs(r["kl_reach"]["horizon"] - 12.8) < 1e-9
+
+
+def test_docs_quote_the_paired_sentences_and_every_run():
+    docs = _section()
+    paired = (RESULTS / "paired.md").read_text()
+    sentences = [line for line in paired.splitlines() if line.startswith("- kl.")]
+    assert sentences and all(" ".join(s.split()) in docs for s in sentences)
+    rows = [line for line in paired.splitlines() if line.startswith("| kl.")]
+    assert rows and all(row in docs for row in rows)
+    table = json.loads((RESULTS / "table.json").read_text())
+    values = {(c["setting"], r["seed"]): r["values"] for c in table["cells"] for r in c["runs"] if "values" in r}
+    for r in json.loads((RESULTS / "runs.json").read_text()):
+        v = values[(r["setting"], r["seed"])]
+        rollbacks = r["runaway"]["rollbacks"] if r["runaway"] else "-"
+        reached = ("yes" if r["kl_reach"]["reached"] else "no") if r["kl_reach"] else "-"
+        row = (f"| {r['setting']} | {r['seed']} | {v['add/change']:+.1f} | {v['capitals/change']:+.1f} | "
+               f"{v['opposites/change']:+.1f} | {r['final_kl']:.2f} | {r['final_beta']:.4g} | {rollbacks} | "
+               f"{reached} |")
+        assert row in docs, row
+
+
+def test_the_reading_is_the_runs():
+    """The numbers the section's prose quotes: the rollback run at seed 4 (its time, its runaway window's KL, its
+    final beta), the published beta 0.01 runs' mean process time, and what plain KL lost at seed 4."""
+    docs = _section()
+    table = json.loads((RESULTS / "table.json").read_text())
+    published = json.loads((ROOT / "docs" / "results" / "forgetting" / "table.json").read_text())
+    runs = {(r["setting"], r["seed"]): r for r in json.loads((RESULTS / "runs.json").read_text())}
+    rollback = runs[("kl.coef=0.01,kl.on_runaway=rollback", 4)]
+    values = next(r["values"] for c in table["cells"] for r in c["runs"]
+                  if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback" and r["seed"] == 4)
+    assert f"that run took {values['process_seconds']:.0f} s" in docs
+    actions = rollback["runaway"]["actions"]
+    assert [a["to_step"] for a in actions] == [0, 0] and "went back to step 0 twice" in docs
+    assert f"(mean KL {actions[0]['kl']:.2f})" in docs and f"beta {rollback['final_beta']:g}" in docs
+    plain = next(c for c in published["cells"] if c["setting"] == "kl.coef=0.01")
+    assert f"beta 0.01 runs took {plain['stats']['process_seconds']['mean']:.0f} s on average" in docs
+    lost = [-r["values"]["capitals/change"] for c in published["cells"] if "replay" not in c["setting"]
+            for r in c["runs"] if r["seed"] == 4]
+    assert f"lost {min(lost):.0f}-{max(lost):.0f} points of capitals there" in docs
+
+
+def test_readme_quotes_the_rollback_run():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    table = json.loads((RESULTS / "table.json").read_text())
+    v = next(r["values"] for c in table["cells"] for r in c["runs"]
+             if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback" and r["seed"] == 4)
+    run = next(r for r in json.loads((RESULTS / "runs.json").read_text()) if r["seed"] == 4 and r["runaway"])
+    assert (f"rolled back twice, ended at beta {run['final_beta']:g} and a quarter of the learning rate, and changed "
+            f"add / capitals / opposites by {v['add/change']:+.1f} / {v['capitals/change']:+.1f} / "
+            f"{v['opposites/change']:+.1f} points") in readme
+    assert run["runaway"]["rollbacks"] == 2 and run["runaway"]["lr_scale"] == 0.25

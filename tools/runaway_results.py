@@ -1,0 +1,68 @@
+"""Write docs/results/forgetting-runaway/ from the runaway sweep's folder: its table (``klgrpo sweep --table-only``),
+each run's rollbacks and KL reach (from its summary.json), and the paired comparison against the published
+forgetting sweep's beta 0 and beta 0.01 runs (docs/results/forgetting/table.json; CPU runs repeat bit for bit, so
+its runs at the same seeds are the pairs).
+
+    python tools/runaway_results.py runs/runaway      # after: klgrpo sweep ... --output-dir runs/runaway --table-only
+
+tests/test_runaway_results.py recomputes the pairing from the two tables and checks what docs/ablation.md quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "docs" / "results" / "forgetting" / "table.json"
+TARGET = ROOT / "docs" / "results" / "forgetting-runaway"
+#: The published settings the new ones are paired against: beta 0 (the sweep's baseline) and beta 0.01 (the
+#: rollback's own beta, without the guard).
+BASELINES = ("kl.coef=0", "kl.coef=0.01")
+
+
+def paired(new: dict, published: dict) -> dict:
+    """Every new setting against each published baseline on the seeds both have (sweep_paired's comparison)."""
+    from klgrpo.apps.sweep_paired import paired_table
+
+    base = {c["setting"]: c for c in published["cells"]}
+    out = {}
+    for name in BASELINES:
+        table = {**new, "cells": [base[name]] + [c for c in new["cells"] if c["setting"] != name]}
+        out[name] = paired_table(table, name)
+    return out
+
+
+def run_records(sweep: Path, table: dict) -> list[dict]:
+    """Each finished run's rollbacks (kl.on_runaway) and KL reach (adaptive controller), from its summary."""
+    records = []
+    for cell in table["cells"]:
+        for run in cell["runs"]:
+            summary_file = sweep / cell["setting"] / f"seed={run['seed']}" / "summary.json"
+            if not summary_file.exists():
+                continue
+            summary = json.loads(summary_file.read_text())
+            records.append({"setting": cell["setting"], "seed": run["seed"], "final_kl": summary["final_kl"],
+                            "final_beta": summary["final_beta"], "runaway": summary.get("runaway"),
+                            "kl_reach": summary.get("kl_reach")})
+    return records
+
+
+def main(sweep: Path) -> None:
+    from klgrpo.apps.sweep_paired import paired_markdown
+
+    table = json.loads((sweep / "table.json").read_text())
+    published = json.loads(PUBLISHED.read_text())
+    TARGET.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(sweep / "table.json", TARGET / "table.json")
+    shutil.copyfile(sweep / "table.md", TARGET / "table.md")
+    pairs = paired(table, published)
+    (TARGET / "paired.json").write_text(json.dumps(pairs, indent=1) + "\n")
+    (TARGET / "paired.md").write_text("\n".join(paired_markdown(p) for p in pairs.values()))
+    (TARGET / "runs.json").write_text(json.dumps(run_records(sweep, table), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
