@@ -237,6 +237,16 @@ class ObjectiveOut:
     token_kl: Tensor | None = None    # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
 
 
+def _weighted(per_token_BT: Tensor, old_logp_BT: Tensor, sampler_logp_BT: Tensor | None, mask_BT: Tensor,
+              sampler_correction: SamplerCorrection, row_weights_B: Tensor | None) -> Tensor:
+    """The per-token loss times the sampler correction's weight v (when on and mu is known) and each row's weight."""
+    if sampler_logp_BT is not None and sampler_correction.on:
+        per_token_BT = per_token_BT * sampler_weight(old_logp_BT, sampler_logp_BT, mask_BT, sampler_correction)
+    if row_weights_B is not None:
+        per_token_BT = per_token_BT * row_weights_B.detach().unsqueeze(-1)
+    return per_token_BT
+
+
 def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None, advantages_B: Tensor,
                    mask_BT: Tensor, *, kl: KLTerm, policy: PolicyTerm = PolicyTerm(), aggregation: str,
                    normalizer: Normalizer, full_kl_BT: Tensor | None = None, row_weights_B: Tensor | None = None,
@@ -270,10 +280,7 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
                                    full_kl_BT=full_kl_BT)
         per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, mask, kl, aggregation, normalizer, metrics)
         kl_sums, token_kl = _kl_monitors(penalty, mask, kl) if metrics else (None, None)
-    if sampler_logp_BT is not None and sampler_correction.on:
-        per_token = per_token * sampler_weight(old_logp_BT, sampler_logp_BT, mask, sampler_correction)
-    if row_weights_B is not None:
-        per_token = per_token * row_weights_B.detach().unsqueeze(-1)
+    per_token = _weighted(per_token, old_logp_BT, sampler_logp_BT, mask, sampler_correction, row_weights_B)
     loss = aggregate(per_token, mask, aggregation, normalizer)
     bonus = None
     if entropy.coef != 0.0:
