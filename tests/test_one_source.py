@@ -24,7 +24,7 @@ from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.core.forward import FORWARDS
-from klgrpo.config.schema import LR_SCHEDULES, GRPOConfig, all_field_paths
+from klgrpo.config.schema import LR_SCHEDULES, RUNAWAY_ACTIONS, GRPOConfig, all_field_paths
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
 
@@ -48,6 +48,7 @@ SOURCES = {
     "rollout.generate_cache": ("", *LEGACY_GENERATE_CACHES),
     "rollout.sampler_correction": SAMPLER_CORRECTIONS,
     "optim.schedule": LR_SCHEDULES,
+    "kl.on_runaway": RUNAWAY_ACTIONS,
 }
 
 
