@@ -5,6 +5,7 @@ configs and the risk lines that hold only where their formula does."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,64 @@ def test_real_unsloth_uses_its_defaults_and_its_loss(tmp_path):
     assert "scale_rewards" in report["unmapped"]
 
 
+def test_a_git_install_of_trl_states_its_release(tmp_path):
+    git = '"trl @ git+https://github.com/huggingface/trl.git@{}",'
+    # a release tag: that release
+    assert [str(c) for c in stated_in(git.format("v0.18.1"))["trl"]] == ["==0.18.1"]
+    # open-r1's 3f9d75a pin: trl.json's commits row says its grpo_config.py and grpo_trainer.py (0.16.0.dev0) have
+    # the 0.16 range's rules (the token-mean loss line, beta 0.04, temperature 0.9); a 7-character prefix too
+    for ref in ("013d360b8f2703d3546786fa124f3204d6cd8018", "013d360"):
+        assert [str(c) for c in stated_in(git.format(ref))["trl"]] == [">=0.16.0", "<0.18.0"]
+    assert [str(c) for c in stated_in(git.format("6f99f42f72"))["trl"]] == [">=0.14.0", "<0.16.0"]
+    # a branch, or a commit the table does not hold: no release stated (every range is explained)
+    assert stated_in(git.format("main")) == {} and stated_in(git.format("0123456789abcdef")) == {}
+
+
+def test_the_pinned_commits_were_read_at_the_commit():
+    commits = _table("trl")["commits"]
+    assert commits["013d360b8f2703d3546786fa124f3204d6cd8018"]["version"] == "0.16.0.dev0"
+    assert all(row["read"].endswith(f"at commit {sha}") for sha, row in commits.items())
+    assert {row["range_from"] for row in commits.values()} == {"0.14.0", "0.16.0"}
+
+
+def test_the_loss_line_is_the_loss_assignment_not_the_kl_metric():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "trl_versions.py"
+    spec = importlib.util.spec_from_file_location("trl_versions_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    # TRL at 013d360b: a token-mean loss, then the KL metric in the per-sequence form
+    trainer = ("        loss = (per_token_loss * completion_mask).sum() / completion_mask.sum()\n"
+               "    mean_kl = ((per_token_kl * completion_mask).sum(dim=1) / completion_mask.sum(dim=1)).mean()\n")
+    assert tool.trainer_facts(trainer)["implicit_loss_type"] == "bnpo"
+    grpo = "        loss = ((per_token_loss * completion_mask).sum(dim=1) / completion_mask.sum(dim=1)).mean()\n"
+    assert tool.trainer_facts(grpo)["implicit_loss_type"] == "grpo"
+
+
+def test_version_can_be_the_projects_setup_py(tmp_path, capsys):
+    pins = Path(__file__).resolve().parent / "data" / "explain_pins"
+    recipes = Path(__file__).resolve().parent / "data" / "explain_real"
+    listed = {line.split(" | ")[0] for line in (pins / "SOURCES").read_text().splitlines() if line.strip()}
+    assert listed == {p.name for p in pins.iterdir() if p.name != "SOURCES"}
+    for commit, releases in (("3f9d75a", ["TRL >= 0.16.0, < 0.18.0"]), ("bf08f56", ["TRL >= 0.16.0, < 0.18.0"]),
+                             ("b806e10", ["TRL >= 0.18.0, < 0.19.0"])):
+        recipe = recipes / f"openr1_{commit}_qwen2.5-1.5b_config_demo.yaml"
+        out = tmp_path / f"{commit}.json"
+        assert main([str(recipe), "--version", str(pins / f"openr1_{commit}_setup.py"), "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert "versions" not in report and report["releases"] == releases, (commit, report["releases"])
+        # beta 0.04 default, k3 without the ratio in every one of these ranges: forward (tests/test_explain_real.py)
+        assert report["gradient"]["token_on_policy"] == "forward" and report["controller"] == "fixed at 0.04"
+    capsys.readouterr()
+    nothing = tmp_path / "requirements.txt"
+    nothing.write_text("torch==2.5\n")
+    assert main([str(recipes / "openr1_b806e10_qwen2.5-1.5b_config_demo.yaml"), "--version", str(nothing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pins no TRL or Unsloth release" in err
+
+
 def test_the_adaptive_kl_fork_keeps_a_name_of_its_own(tmp_path):
     text = "beta: 0.04\nkl_adaptation_method: dynamic\n"
     status, report = _run(tmp_path, text)
@@ -107,6 +166,18 @@ def test_a_notebook_is_read_with_its_pins(tmp_path):
     status, report = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
     assert status == 0 and report["gradient"]["token_on_policy"] == "forward"
     assert report["controller"] == "fixed at 0.04" and report["releases"] == ["TRL >= 0.18.0, < 0.19.0"]
+
+
+def test_a_notebook_over_the_size_limit_is_one_line_naming_it(tmp_path, capsys):
+    from klgrpo.apps.explain.reading import MAX_BYTES
+
+    # a plot's PNG output makes a notebook large though its GRPOConfig cell is small
+    cells = [{"cell_type": "code", "source": ["args = GRPOConfig(beta=0.04)\n"],
+              "outputs": [{"output_type": "display_data", "data": {"image/png": "A" * MAX_BYTES}}]}]
+    status, _ = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"more than the {MAX_BYTES} a notebook can be; its outputs count: clear them" in err
 
 
 def test_launcher_fields_are_named_and_unknown_fields_listed_in_one_line(tmp_path, capsys):

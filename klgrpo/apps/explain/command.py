@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                                                             "for standard input")
     p.add_argument("--from", dest="source", choices=FORMATS, help="the format (default: detected)")
     p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
-                                                     "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'); "
+                                                     "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'), "
+                                                     "or a file that pins it (setup.py, requirements.txt); "
                                                      "default: what the file states, else every release range")
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
                                                             "on LINE, when a script has several")
@@ -116,10 +117,10 @@ def _version_note(source: str) -> list[str]:
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """The report of FILE; for TRL and Unsloth, under each release range the file may run on: one report when
     their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
-    from klgrpo.integrations.versions import parse_option, spans, stated_in
+    from klgrpo.integrations.versions import spans, stated_in
 
     text, origin = read_text(path)
-    versions = parse_option(args.version) if args.version else stated_in(text)
+    versions = _stated_by(args.version) if args.version else stated_in(text)
     source, variants = load_variants(text, origin, args.source, args.call, versions)
     if source not in TRL_KINDS and args.version:
         raise ConfigError(f"--version reads TRL or Unsloth releases; {origin} is {source}")
@@ -133,6 +134,20 @@ def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     if len(groups) > 1:
         report["versions"] = [{**one, "releases": spans(found)} for found, one in groups]
     return report
+
+
+def _stated_by(option: str) -> dict[str, Any]:
+    """--version SPEC, or --version FILE: the pins of the project file the run installs from (setup.py,
+    pyproject.toml, requirements.txt)."""
+    from klgrpo.integrations.versions import parse_option, stated_in
+
+    if not Path(option).is_file():
+        return parse_option(option)
+    found = stated_in(read_text(option)[0])
+    if not found:
+        raise ConfigError(f"--version {option}: the file pins no TRL or Unsloth release (trl==X, trl @ "
+                          "git+...@TAG or a commit explain knows); pass --version trl==X")
+    return found
 
 
 def group_by_verdict(reports: list[tuple[Any, dict[str, Any]]]) -> list[tuple[list[Any], dict[str, Any]]]:

@@ -22,6 +22,8 @@ Version = tuple[int, ...]
 _OPS = ("==", "~=", ">=", "<=", "!=", ">", "<")
 _CLAUSE = r"(?:==|~=|>=|<=|!=|>|<)\s*v?\d+(?:\.\d+){0,2}"
 _PIN = r"(?<![\w-]){name}(?:\[[\w,\s-]*\])?\s*(" + _CLAUSE + r"(?:\s*,\s*" + _CLAUSE + r")*)"
+#: ``trl @ git+https://github.com/huggingface/trl.git@REF`` (open-r1's setup.py): a release tag or a commit.
+_GIT_PIN = r"(?<![\w-])trl(?:\[[\w,\s-]*\])?\s*@\s*git\+https?://github\.com/huggingface/trl(?:\.git)?@([\w.]+)"
 
 
 def parse_version(text: str) -> Version:
@@ -191,9 +193,30 @@ def imports_in(text: str) -> list[Constraint]:
     return found
 
 
+def git_pins_in(text: str) -> list[Constraint]:
+    """TRL installed from git: a release tag -> ``==`` it; a commit that trl.json's ``commits`` holds -> the range
+    whose rules were read at it; another commit or a branch states no release."""
+    out = []
+    table = _table("trl")
+    for match in re.finditer(_GIT_PIN, text, re.I):
+        ref = match.group(1).lower()
+        if re.fullmatch(r"v?\d+\.\d+\.\d+", ref):
+            out.append(Constraint("==", parse_version(ref)))
+            continue
+        known = [row for sha, row in table.get("commits", {}).items() if len(ref) >= 7 and sha.startswith(ref)]
+        span = next((r for r in table["ranges"] if known and r["from"] == known[0]["range_from"]), None)
+        if span is not None:
+            out.append(Constraint(">=", parse_version(span["from"])))
+            out += [Constraint("<", parse_version(span["to"]))] if span["to"] else []
+    return out
+
+
 def stated_in(text: str) -> dict[str, list[Constraint]]:
-    """The clauses a file states for TRL and Unsloth: pins, and for TRL the modules it imports."""
+    """The clauses a file states for TRL and Unsloth: pins (also a git install of TRL), and for TRL the modules it
+    imports."""
     out = {name: found for name in ("trl", "unsloth") if (found := pins_in(text, name))}
+    if git := git_pins_in(text):
+        out["trl"] = out.get("trl", []) + git
     if imported := imports_in(text):
         out["trl"] = out.get("trl", []) + imported
     return out
