@@ -115,13 +115,7 @@ def test_the_pinned_commits_were_read_at_the_commit():
 
 
 def test_the_loss_line_is_the_loss_assignment_not_the_kl_metric():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "trl_versions.py"
-    spec = importlib.util.spec_from_file_location("trl_versions_tool", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool("trl_versions")
     # TRL at 013d360b: a token-mean loss, then the KL metric in the per-sequence form
     trainer = ("        loss = (per_token_loss * completion_mask).sum() / completion_mask.sum()\n"
                "    mean_kl = ((per_token_kl * completion_mask).sum(dim=1) / completion_mask.sum(dim=1)).mean()\n")
@@ -150,6 +144,74 @@ def test_version_can_be_the_projects_setup_py(tmp_path, capsys):
     assert main([str(recipes / "openr1_b806e10_qwen2.5-1.5b_config_demo.yaml"), "--version", str(nothing)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pins no TRL or Unsloth release" in err
+
+
+def _tool(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_verl_table_holds_the_releases_read():
+    rows = {row["from"]: row for row in _table("verl")["ranges"]}
+    assert list(rows) == ["0.1", "0.2", "0.4.0", "0.6.0"]
+    # v0.1: no KL loss yet; ray_trainer.py calls apply_kl_penalty on every batch; kl_penalty: kl, abs, mse
+    assert "actor_rollout_ref.actor.use_kl_loss" not in rows["0.1"]["defaults"] and rows["0.1"]["reward_kl"] == "always"
+    assert rows["0.1"]["estimators"] == {"kl": "k1 = l", "abs": "abs = |l|", "mse": "k2 = l^2 / 2"}
+    # v0.2 - v0.3: use_kl_loss (default False) and the reward KL whenever it is off: verl's default puts the KL in
+    # the reward; low_var_kl: ratio - kl - 1 with kl = ref - logp, clamped to [-10, 10]
+    assert rows["0.2"]["reward_kl"] == "whenever actor.use_kl_loss is false"
+    assert rows["0.2"]["defaults"]["actor_rollout_ref.actor.kl_loss_type"] == "low_var_kl"
+    assert rows["0.2"]["estimators"]["low_var_kl"] == "k3 = exp(-l) - 1 + l, clamped to [-10, 10]"
+    # v0.4.0: algorithm.use_kl_in_reward (default False), the adaptive controller's target and horizon, k1/k2/k3
+    assert rows["0.4.0"]["reward_kl"] == "with algorithm.use_kl_in_reward"
+    assert rows["0.4.0"]["defaults"]["algorithm.use_kl_in_reward"] is False
+    assert rows["0.4.0"]["defaults"]["algorithm.kl_ctrl.target_kl"] == 0.1
+    assert rows["0.4.0"]["estimators"]["k3"] == rows["0.4.0"]["estimators"]["low_var_kl"]
+    # v0.6.0 on: names ending in "+" exist, and kl_penalty_forward, given the name with its "+", raises
+    assert rows["0.6.0"]["estimators"]["k3+"] == "raises NotImplementedError" and rows["0.6.0"]["to"] is None
+    assert all(read.startswith("volcengine/verl ") and " at tag v" in read for r in rows.values() for read in r["read"])
+
+
+def test_the_openrlhf_table_holds_the_releases_read():
+    rows = {row["from"]: row for row in _table("openrlhf")["ranges"]}
+    flags = {v: {k: (d["flag"], d["default"]) for k, d in rows[v]["defaults"].items()} for v in rows}
+    # examples/train_ppo_ray.py before v0.3.6: --init_kl_coef 0.02, the KL in the reward, k1 only
+    assert flags["0.0.1"]["init_coef"] == ("--init_kl_coef", 0.02) and rows["0.0.1"]["reward_kl"] == "always"
+    assert rows["0.0.1"]["estimators"] == {"k1": "k1 = l"}
+    assert flags["0.3.6"]["init_coef"] == ("--init_kl_coef", 0.01)  # openrlhf/cli/train_ppo_ray.py
+    assert flags["0.4.6"]["estimator"] == ("--use_kl_estimator_k3", False)
+    assert rows["0.4.6"]["estimators"]["k3"] == "k3 = exp(-l) - 1 + l"  # no clamp yet
+    assert rows["0.6.0"]["reward_kl"] == "unless --use_kl_loss"
+    assert flags["0.6.0.post1"]["estimator"] == ("--kl_estimator", "k1") and "k2" in rows["0.6.0.post1"]["estimators"]
+    assert "horizon" not in flags["0.6.0.post1"] and flags["0.7.1"]["horizon"] == ("--kl_horizon", 10000)
+    # v0.8.6: compute_approx_kl clamps every estimator to [-10, 10]; v0.10.2: the --algo.kl.* names
+    assert rows["0.8.6"]["estimators"]["k1"] == "k1 = l, clamped to [-10, 10]"
+    assert flags["0.10.2"]["use_loss"] == ("--algo.kl.use_loss", False) and rows["0.10.2"]["to"] is None
+    assert rows["0.10.2"]["reward_kl"] == "unless --algo.kl.use_loss"
+
+
+def test_the_estimator_reader_names_what_a_function_computes():
+    import torch
+
+    formula = _tool("rl_versions").formula
+    assert formula(lambda l: l) == "k1 = l" and formula(lambda l: l * l / 2) == "k2 = l^2 / 2"
+    assert formula(lambda l: (torch.exp(-l) - 1 + l).clamp(-10, 10)) == "k3 = exp(-l) - 1 + l, clamped to [-10, 10]"
+    # verl's straight-through "+": k3's value, k2's gradient
+    k2 = lambda l: 0.5 * l * l  # noqa: E731
+    plus = lambda l: k2(l) - k2(l).detach() + (torch.exp(-l) - 1 + l).detach()  # noqa: E731
+    assert formula(plus) == "k3 = exp(-l) - 1 + l; gradient of k2"
+    # planted: the sign of k3's log-ratio flipped (exp(l) - 1 - l, the forward-KL form) is none of them
+    assert formula(lambda l: torch.exp(l) - 1 - l) == "none of k1, k2, k3, |l|"
+
+    def unknown(l):
+        raise NotImplementedError
+
+    assert formula(unknown) == "raises NotImplementedError"
 
 
 def test_the_adaptive_kl_fork_keeps_a_name_of_its_own(tmp_path):
