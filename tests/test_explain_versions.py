@@ -287,7 +287,8 @@ def test_the_docs_release_table_is_the_data():
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
-    rows = [line.split(" | ") for line in docs.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")]
+    table = docs[docs.index("| TRL | beta"):].split("\n\n")[0]  # the TRL table (verl's and OpenRLHF's follow)
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")]
     firsts = [tuple(int(x) for x in row[0][2:].split(" ")[0].rstrip(",").split(".")) for row in rows]
     for rng in _table("trl")["ranges"]:
         start = tuple(int(x) for x in rng["from"].split(".")[:2])
