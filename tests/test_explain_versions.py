@@ -195,6 +195,30 @@ def test_the_openrlhf_table_holds_the_releases_read():
     assert rows["0.10.2"]["reward_kl"] == "unless --algo.kl.use_loss"
 
 
+@pytest.mark.parametrize("name, header", [("verl", "| verl | the KL in the reward"),
+                                          ("openrlhf", "| OpenRLHF | the KL in the reward")])
+def test_the_docs_verl_and_openrlhf_tables_are_the_data(name, header):
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
+    lines = docs[docs.index(header):].split("\n\n")[0].splitlines()[2:]
+    ranges = _table(name)["ranges"]
+    assert len(lines) == len(ranges)
+    before: dict = {"estimators": {}, "defaults": {}}
+    for line, rng in zip(lines, ranges):
+        cells = line.strip("|").split(" | ")
+        span = rng["from"] if rng["from"] == rng["last_read"] else f"{rng['from']} - {rng['last_read']}"
+        assert cells[0].strip() == span
+        # a row states a clamp where the data has one, and where it first appears
+        clamped = [any("clamped to [-10, 10]" in f for f in r["estimators"].values()) for r in (before, rng)]
+        assert "clamped to [-10, 10]" not in line or clamped[1], line
+        assert "clamped to [-10, 10]" in line or not clamped[1] or clamped[0], line
+        # a flag's number is stated where it first appears or changes (OpenRLHF's rows)
+        for what, flag in rng["defaults"].items():
+            if isinstance(flag, dict) and isinstance(flag["default"], (int, float)) and not isinstance(
+                    flag["default"], bool) and before["defaults"].get(what) != flag:
+                assert f"`{flag['flag']}` {flag['default']:g}" in line, (line, flag)
+        before = rng
+
+
 def test_the_estimator_reader_names_what_a_function_computes():
     import torch
 
