@@ -36,6 +36,8 @@ FRAMEWORK_TAGS = {
 #: step_metric="train/global_step")); verl passes its global step to wandb.log(step=...), W&B's _step.
 WANDB_STEPS = ("train/global_step", "_step")
 WANDB_TIMEOUT_S = 300
+#: A run's last values fit in this; a larger wandb-summary.json is not quoted.
+SUMMARY_BYTES = 1 << 20
 
 
 def find_logs(path: Path, limit_bytes: int) -> tuple[str, list[Path]] | None:
@@ -115,6 +117,8 @@ def _summary_hint(run_file: Path, kl_names: tuple[str, ...]) -> str:
     """What the run's files/wandb-summary.json (the last values, where wandb wrote one) says of the KL."""
     summary_file = run_file.parent / "files" / "wandb-summary.json"
     try:
+        if summary_file.stat().st_size > SUMMARY_BYTES:
+            return ""
         summary = json.loads(summary_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return ""
