@@ -117,7 +117,7 @@ def _version_note(source: str) -> list[str]:
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """The report of FILE; for TRL and Unsloth, under each release range the file may run on: one report when
     their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
-    from klgrpo.integrations.versions import spans, stated_in
+    from klgrpo.integrations.versions import release_notes, spans, stated_in
 
     text, origin = read_text(path)
     versions = _stated_by(args.version) if args.version else stated_in(text)
@@ -127,7 +127,7 @@ def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     reports = []
     for profile, mapped in variants:  # the newest range first: the top-level verdict is its
         report = explain(source, mapped)
-        report["notes"] = _version_note(source) if profile is None else []
+        report["notes"] = (_version_note(source) + release_notes(source, text)) if profile is None else []
         reports.append((profile, report))
     groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
     report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0])}
