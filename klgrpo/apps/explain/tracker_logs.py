@@ -88,7 +88,7 @@ def wandb_rows(run_file: Path, kl_names: tuple[str, ...]) -> list[dict]:
     """The history rows of a W&B run file, each with its step, or one ConfigError saying what to install."""
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"{run_file} is a W&B offline run: reading it needs the wandb package (pip install "
-                          f"'klgrpo[wandb]'){_summary_hint(run_file, kl_names)}")
+                          f"'wandb>=0.31', whose `wandb leet inspect` reads it){_summary_hint(run_file, kl_names)}")
     try:
         done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_file)],
                               capture_output=True, text=True, timeout=WANDB_TIMEOUT_S, check=False)
