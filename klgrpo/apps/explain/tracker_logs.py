@@ -109,7 +109,8 @@ def _history_row(line: str) -> dict | None:
     item = record.get("history", {}).get("item") if record.get("type") == "history" else None
     if not isinstance(item, dict):
         return None
-    step = next((item[name] for name in WANDB_STEPS if isinstance(item.get(name), int)), None)
+    step = next((int(item[name]) for name in WANDB_STEPS if isinstance(item.get(name), (int, float))
+                 and not isinstance(item.get(name), bool) and float(item[name]).is_integer()), None)
     return None if step is None else {**item, "step": step}
 
 
