@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.launch import Launch, accelerate_command, metrics_steps
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -166,7 +166,7 @@ def test_sigkill_of_rank_1_mid_save_keeps_a_complete_checkpoint(sharded, tiny_mo
     run ends non-zero and the newest complete checkpoint loads; nothing half-written counts as one."""
     import os
 
-    from klgrpo.run.checkpoint import clean_incomplete, list_checkpoints
+    from klgrpo.store.checkpoint import clean_incomplete, list_checkpoints
     from tests.helpers.launch import rank_pid
 
     run = tmp_path / "run"

@@ -14,8 +14,8 @@ import torch
 
 from klgrpo.apps.demo.assets import DemoSettings, ModelSizes, prepare_demo_assets
 from klgrpo.apps.demo.sft import SFTSettings
+from klgrpo.store.state_io import folder_lock
 from klgrpo.train.replay import CACHE_FILE, ReplayAnchor
-from klgrpo.run.state_io import folder_lock
 from tests.test_replay import _setup, subtraction_file  # noqa: F401 (a fixture)
 
 TINY_DEMO = DemoSettings(model=ModelSizes(hidden=16, layers=1, heads=2, intermediate=32, max_positions=16),

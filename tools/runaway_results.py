@@ -25,7 +25,7 @@ BASELINES = ("kl.coef=0", "kl.coef=0.01")
 
 def paired(new: dict, published: dict) -> dict:
     """Every new setting against each published baseline on the seeds both have (sweep_paired's comparison)."""
-    from klgrpo.apps.sweep_paired import paired_table
+    from klgrpo.apps.sweep.paired import paired_table
 
     base = {c["setting"]: c for c in published["cells"]}
     out = {}
@@ -51,7 +51,7 @@ def run_records(sweep: Path, table: dict) -> list[dict]:
 
 
 def main(sweep: Path) -> None:
-    from klgrpo.apps.sweep_paired import paired_markdown
+    from klgrpo.apps.sweep.paired import paired_markdown
 
     table = json.loads((sweep / "table.json").read_text())
     published = json.loads(PUBLISHED.read_text())

@@ -72,11 +72,11 @@ def main(argv: list[str]) -> int:
 def measure(args) -> dict:
     """Sample, then per-token exact KL and k1/k2/k3; returns the JSON-ready report (per_token, per_sequence)."""
     from klgrpo.apps.models import load_model_for_inference
+    from klgrpo.config.schema import ModelConfig
     from klgrpo.core.data import load_prompts
     from klgrpo.core.full_kl import completion_logprobs_and_full_kl
     from klgrpo.core.reference import FrozenCopyReference
     from klgrpo.core.rollout import SamplingParams, generate_groups
-    from klgrpo.config.schema import ModelConfig
 
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
