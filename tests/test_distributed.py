@@ -86,7 +86,7 @@ def single_process_update(cfg_dict, tmp_path):
     return batch, completions, metrics, full_gradients(single.model), single.model.state_dict()
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])  # ddp in the default run
 def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, perturbed_model_dir, tiny_model_dir,
                                                                         addition_file, tmp_path):
     """One launch per engine (process start-up costs seconds): the update comparison, then the 2-step run."""

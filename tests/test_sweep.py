@@ -281,6 +281,7 @@ SLOW_FAKE_TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # about 22 s each: a real sweep of two trainings, killed and run again
 @pytest.mark.parametrize("jobs, signame", [(1, "SIGINT"), (2, "SIGTERM")])
 def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
     """Interrupt a real sweep process while runs are going: it exits 130, the live runs die with it, no queued
