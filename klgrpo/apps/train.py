@@ -26,13 +26,7 @@ def main(argv: list[str]) -> int:
         cfg, opts = command.config(), command.options()
         fresh = not opts["resume"]  # --resume auto never discards: the folder may hold its earlier attempts
         if not cfg.model.name_or_path:
-            from klgrpo.apps.demo_run import run_demo
-
-            _early_checks_of_demo(cfg, opts)
-            code = run_demo(command, user=cfg)  # the config resolved once, above
-            if code == 0:  # every rank finished (a barrier waiting for a failed rank would hang)
-                _close_process_group()
-            return code
+            return _run_demo(command, cfg, opts)
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
@@ -69,6 +63,16 @@ def main(argv: list[str]) -> int:
             return 143
         print("klgrpo train: interrupted", file=sys.stderr)
         return 130
+
+
+def _run_demo(command, cfg, opts) -> int:
+    from klgrpo.apps.demo_run import run_demo
+
+    _early_checks_of_demo(cfg, opts)
+    code = run_demo(command, user=cfg)  # the config resolved once, in main
+    if code == 0:  # every rank finished (a barrier waiting for a failed rank would hang)
+        _close_process_group()
+    return code
 
 
 def resolved_config(argv: list[str]):
