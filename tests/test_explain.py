@@ -172,8 +172,8 @@ def test_trl_defaults_are_trl_1_16s():
 
     import trl
 
-    from klgrpo.trl import GRPOConfig
     from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS
+    from klgrpo.trl import GRPOConfig
 
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     assert {name: theirs[name] for name in TRL_DEFAULTS} == TRL_DEFAULTS
@@ -182,10 +182,11 @@ def test_trl_defaults_are_trl_1_16s():
 
 
 def test_the_bridge_and_the_trainer_build_one_controller(tmp_path):
-    from klgrpo.math.kl_control import DUAL_BETA_FLOOR
     from klgrpo.config.schema import GRPOConfig as KlgrpoConfig
     from klgrpo.config.terms import build_kl_controller
-    from klgrpo.trl import GRPOConfig, build_kl_controller as bridge_controller
+    from klgrpo.math.kl_control import DUAL_BETA_FLOOR
+    from klgrpo.trl import GRPOConfig
+    from klgrpo.trl import build_kl_controller as bridge_controller
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], beta=0.1, kl_controller="dual",
                       kl_target=0.05, beta_min=0.0)

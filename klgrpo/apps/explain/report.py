@@ -9,11 +9,11 @@ from typing import Any
 import yaml
 
 from klgrpo.apps.explain.rewards import format_entry
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.terms import kl_term, run_controller_params
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.math.objective import KLTerm
-from klgrpo.config.schema import GRPOConfig
-from klgrpo.config.terms import kl_term, run_controller_params
 
 FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOConfig, Unsloth's defaults and loss)",
                 "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",

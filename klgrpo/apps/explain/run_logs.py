@@ -6,7 +6,7 @@ one, the newest checkpoint's), and a verl or OpenRLHF run's TensorBoard event fi
 (klgrpo.apps.explain.tracker_logs), told apart by the metric names they log. TRL's ``training_args.bin`` is a
 pickle: it is never read, so a TRL run's config comes only from ``--config``.
 
-The KL's windows are judged as the trainer's KL watch judges them (klgrpo.train.kl_watch): consecutive windows of
+The KL's windows are judged as the trainer's KL watch judges them (klgrpo.run.kl_watch): consecutive windows of
 ``kl.warn_window`` logged steps; "drifting" when a window's mean is above ``kl.warn_above`` and above the previous
 window's, "not learning" when it is below ``kl.warn_below`` from the second window on. Every value printed or
 written is the log's own number.
@@ -24,10 +24,10 @@ from typing import Any
 
 from klgrpo.apps.explain import tracker_logs
 from klgrpo.apps.explain.reading import MAX_BYTES
-from klgrpo.errors import ConfigError
-from klgrpo.train import metric_names as names
 from klgrpo.config.schema import KLConfig
-from klgrpo.train.kl_watch import DRIFTING, NOT_LEARNING
+from klgrpo.errors import ConfigError
+from klgrpo.run.kl_watch import DRIFTING, NOT_LEARNING
+from klgrpo.train import metric_names as names
 
 #: Logs larger than this are no run of a size explain can summarise in seconds.
 MAX_LOG_BYTES = 256 * MAX_BYTES
@@ -108,7 +108,7 @@ def _check_size(file: Path) -> None:
 
 
 def _klgrpo_rows(file: Path, folder: str) -> list[dict]:
-    from klgrpo.train.metrics import read_metrics
+    from klgrpo.run.metrics import read_metrics
 
     _check_size(file)
     try:
