@@ -219,12 +219,16 @@ def _print_report(report: dict[str, Any]) -> None:
 def _answer(entry: dict[str, Any], versions: list[dict[str, Any]]) -> str:
     """One release range's answer in a few words: the gradients and beta, and where those agree with another
     range's, the aggregation and the risks that set it apart."""
-    said = (f"token {entry['gradient']['token_on_policy']}, sequence {entry['gradient']['sequence_on_policy']}, "
-            f"beta {entry['controller']}")
-    if len({e["aggregation"]["name"] for e in versions}) > 1:
-        said += f", aggregation {entry['aggregation']['name']}"
+    def base(e: dict[str, Any]) -> str:
+        said = f"token {e['gradient']['token_on_policy']}, sequence {e['gradient']['sequence_on_policy']}, " \
+               f"beta {e['controller']}"
+        return said + (f", aggregation {e['aggregation']['name']}"
+                       if len({v["aggregation"]["name"] for v in versions}) > 1 else "")
+
+    if sum(base(e) == base(entry) for e in versions) == 1:
+        return base(entry)
     own = [risk.split(":")[0] for risk in entry["risks"] if not all(risk in e["risks"] for e in versions)]
-    return said + "".join(f", {risk}" for risk in own)
+    return base(entry) + "".join(f", {risk}" for risk in own)
 
 
 def _explain_files(args: argparse.Namespace) -> int:
