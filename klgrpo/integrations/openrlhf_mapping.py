@@ -119,10 +119,15 @@ def parse_flags(tokens: list[str], origin: str) -> dict[str, Any]:
             for name, values in args_of.items()}
 
 
+def _is_true(value: Any) -> bool:
+    """A switch's value: True as parse_flags gives it, or "true" / "1" written out."""
+    return value is True or str(value).lower() in ("true", "1")
+
+
 def _typed(name: str, value: Any, origin: str) -> Any:
     kind = _TYPES.get(name, int if name in _INTS else float)
     if kind is bool:
-        return value is True or str(value).lower() in ("true", "1")
+        return _is_true(value)
     if kind is str:
         if not isinstance(value, str):
             raise ConfigError(f"{origin}: --{name} takes one name, got {value!r}")
@@ -149,7 +154,7 @@ def _value(row: dict, what: str, value: Any, origin: str) -> Any:
     of the range's two estimators."""
     if what == "estimator" and isinstance(row["defaults"][what]["default"], bool):
         names = list(row["estimators"])
-        return names[1] if _typed(KL_NAMES["use_loss"], value, origin) else names[0]
+        return names[1] if _is_true(value) else names[0]
     return value
 
 
