@@ -239,15 +239,18 @@ def quiet(*_args, **_kwargs) -> None:
 
 
 def trainer_module(package=None):
-    """The module holding GRPOTrainer in ``package`` (default: the working tree's klgrpo), in either layout:
-    klgrpo/run/trainer.py, or klgrpo/trainer.py in revisions before the package had rooms."""
+    """The module holding GRPOTrainer in ``package`` (default: the working tree's klgrpo), in any layout it had:
+    klgrpo/run/trainer.py, klgrpo/train/trainer.py before the run had its own room, klgrpo/trainer.py before the
+    package had rooms."""
     import importlib
 
     name = package.__name__ if package is not None else "klgrpo"
-    try:
-        return importlib.import_module(name + ".train.trainer")
-    except ModuleNotFoundError:
-        return importlib.import_module(name + ".trainer")
+    for module in (".run.trainer", ".train.trainer"):
+        try:
+            return importlib.import_module(name + module)
+        except ModuleNotFoundError:
+            continue
+    return importlib.import_module(name + ".trainer")
 
 
 def sync_timer_on_cuda(device: str, package=None) -> None:
