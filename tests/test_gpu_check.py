@@ -78,7 +78,7 @@ def test_tiny_run_of_the_prepared_parts(tmp_path, monkeypatch):
 
 def test_the_vllm_part_says_why_it_is_skipped_without_a_gpu(tmp_path, monkeypatch):
     """(l), benchmarks/gpu_vllm.py: on the CPU it measures nothing and says so; on CUDA it names a missing vllm or
-    trl (planted: find_spec answers None for them)."""
+    trl (planted: find_spec answers None for what is "missing", a spec for what is "installed")."""
     import importlib.util
 
     from benchmarks import gpu_vllm
@@ -89,5 +89,5 @@ def test_the_vllm_part_says_why_it_is_skipped_without_a_gpu(tmp_path, monkeypatc
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("vllm", "trl") else real(name))
     assert gpu_vllm.skip_reason("cuda") == "needs vllm and trl installed"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: real(name) if name == "vllm" else None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
     assert gpu_vllm.skip_reason("cuda") == "needs trl installed"
