@@ -242,7 +242,7 @@ def quiet(*_args, **_kwargs) -> None:
 
 def trainer_module(package=None):
     """The module holding GRPOTrainer in ``package`` (default: the working tree's klgrpo), in either layout:
-    klgrpo/train/trainer.py, or klgrpo/trainer.py in revisions before the package had rooms."""
+    klgrpo/run/trainer.py, or klgrpo/trainer.py in revisions before the package had rooms."""
     import importlib
 
     name = package.__name__ if package is not None else "klgrpo"

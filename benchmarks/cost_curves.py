@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_vs_trl import SMOLLM2, WORDS, run_klgrpo, run_trl, templated_length, tokenizer_folder  # noqa: E402
 from benchmarks.vs_trl import dequantized_folder  # noqa: E402
-from benchmarks.gpu_vs_trl import SMOLLM2, run_klgrpo, run_trl, templated_length, tokenizer_folder, WORDS  # noqa: E402
 
 #: Transformer shapes (the tokenizer gives the vocabulary). "small" is benchmarks/_common.py's small Llama.
 SHAPES = {
@@ -81,8 +81,14 @@ def label(point) -> str:
 def build_model(args, shape: str, root: Path) -> Path:
     """The random-init model of ``shape`` with the tokenizer's vocabulary, saved once (bf16 on a GPU)."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config
-    from transformers import Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     folder = root / f"model-{shape}"
     if (folder / "config.json").exists():

@@ -33,8 +33,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (add_common_args, gpu_preset, klgrpo_config, median, prepare_assets,  # noqa: E402
-                                print_machine, print_table, quiet, resolve_dtype, set_threads)
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    gpu_preset,
+    klgrpo_config,
+    median,
+    prepare_assets,
+    print_machine,
+    print_table,
+    quiet,
+    resolve_dtype,
+    set_threads,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_losses" / "grpo_kl_as_written.py"
 
@@ -93,7 +103,7 @@ def run_shape(shape: str, args, root: Path) -> list[list]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from klgrpo.custom import datums_from_batch
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
     from klgrpo.train.timing import synchronize_timers  # noqa: F401 (CUDA timing below synchronises itself)
 
     dtype = resolve_dtype(args)

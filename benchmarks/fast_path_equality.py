@@ -37,9 +37,9 @@ def main(argv=None) -> int:
     from benchmarks._common import print_machine, print_table
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer
     from klgrpo.backends.kv_decoder import KVSampler
+    from klgrpo.config.schema import ModelConfig
     from klgrpo.core.forward import completion_logprobs
     from klgrpo.core.rollout import SamplingParams, encode_prompts, generate_groups
-    from klgrpo.config.schema import ModelConfig
 
     torch.set_num_threads(args.threads)
     print_machine({"model": args.model})

@@ -107,7 +107,7 @@ def part_vs_trl(args, work: Path) -> dict:
 
 def part_example(args, model_dir: Path, work: Path) -> dict:
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     steps = 2 if args.tiny else 6
     data = ROOT / "examples" / "data" / "arithmetic_train.jsonl"  # the example's own prompts, from any directory
@@ -261,8 +261,8 @@ def part_samplers(args, model_dir: Path) -> dict:
     import torch
 
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer
-    from klgrpo.core.rollout import SamplingParams, generate_groups
     from klgrpo.config.schema import ModelConfig
+    from klgrpo.core.rollout import SamplingParams, generate_groups
 
     tok = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir), ModelConfig(), torch.device(args.device), torch.bfloat16)

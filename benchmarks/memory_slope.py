@@ -46,7 +46,7 @@ def main() -> None:
 
     from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.train import trainer as trainer_module
+    from klgrpo.run import trainer as trainer_module
 
     work = Path(tempfile.mkdtemp(prefix="klgrpo-mem-"))
     model = save_tiny_model_and_tokenizer(work / "model", seed=0, hidden=32, layers=1, heads=2, intermediate=64)

@@ -23,7 +23,7 @@ def worker(config_file: str, out_file: str) -> None:
     import psutil
 
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     raw = json.loads(Path(config_file).read_text())
     results = {}

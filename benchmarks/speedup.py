@@ -37,9 +37,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (add_common_args, gpu_preset, klgrpo_at, klgrpo_config, median,  # noqa: E402
-                                prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
-                                sync_timer_on_cuda, trainer_module)
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    gpu_preset,
+    klgrpo_at,
+    klgrpo_config,
+    median,
+    prepare_assets,
+    print_machine,
+    print_table,
+    quiet,
+    resolve_dtype,
+    set_threads,
+    sync_timer_on_cuda,
+    trainer_module,
+)
 
 PHASES = ("time/generate", "time/reference", "time/update", "time/step")
 CHECKED = ("train/loss", "train/policy_loss", "kl/k1", "kl/k3", "adaptive_kl/raw_kl", "entropy", "grad_norm")

@@ -32,15 +32,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (add_common_args, gpu_preset, klgrpo_config, median, prepare_assets,  # noqa: E402
-                                print_machine, print_table, quiet, resolve_dtype, set_threads, sync_timer_on_cuda,
-                                verdict)
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    gpu_preset,
+    klgrpo_config,
+    median,
+    prepare_assets,
+    print_machine,
+    print_table,
+    quiet,
+    resolve_dtype,
+    set_threads,
+    sync_timer_on_cuda,
+    verdict,
+)
 
 PHASES = ("time/generate", "time/reward", "time/reference", "time/old_logp", "time/update", "time/step")
 
 
 def run_shape(shape: str, args, root: Path) -> list[dict]:
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     dtype = resolve_dtype(args)
     model_dir, data = prepare_assets(shape, root, dtype)

@@ -47,9 +47,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (add_common_args, gpu_preset, has_zero, klgrpo_at, klgrpo_config,  # noqa: E402
-                                median, prepare_assets, print_machine, print_table, quiet, resolve_dtype, set_threads,
-                                sync_timer_on_cuda, trainer_module, verdict, write_prompts)
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    gpu_preset,
+    has_zero,
+    klgrpo_at,
+    klgrpo_config,
+    median,
+    prepare_assets,
+    print_machine,
+    print_table,
+    quiet,
+    resolve_dtype,
+    set_threads,
+    sync_timer_on_cuda,
+    trainer_module,
+    verdict,
+    write_prompts,
+)
 
 
 def _sync(device: str) -> None:
@@ -194,8 +209,8 @@ def assets(shape: str, args, root: Path, dtype: str) -> tuple[Path, Path]:
 
 def klgrpo_trainers(shape: str, args, root: Path, model_dir: Path, data: Path, dtype: str, total: int):
     """{label: trainer} for the klgrpo variants, and {label: MetricsLogger}."""
-    from klgrpo.train.metrics import MetricsLogger
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.metrics import MetricsLogger
+    from klgrpo.run.trainer import GRPOTrainer
 
     kinds = {"klgrpo": (GRPOTrainer, None, {})}  # label: (trainer class, klgrpo package, config extras)
     if args.static_cache:  # transformers' compiled static-cache generate as the sampler (a GPU setting)

@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return GRPOConfig
     if name == "GRPOTrainer":
-        from klgrpo.train.trainer import GRPOTrainer
+        from klgrpo.run.trainer import GRPOTrainer
 
         return GRPOTrainer
     raise AttributeError(f"module 'klgrpo' has no attribute {name!r}")

@@ -67,4 +67,4 @@ __all__ = ["KLGRPOError", "ConfigError", "EntryError", "DataError", "RewardError
 
 class NonFiniteError(KLGRPOError):
     """Training produced NaN or infinite values it could not skip past (train/guard.py), or weights about to be
-    checkpointed hold them (run/checkpoint.py)."""
+    checkpointed hold them (store/checkpoint.py)."""

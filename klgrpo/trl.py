@@ -45,22 +45,27 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import trl  # noqa: E402
 
+from klgrpo.config.schema import GRPOConfig as KlgrpoConfig  # noqa: E402
+from klgrpo.config.terms import build_entropy_controller  # noqa: E402
+from klgrpo.config.terms import build_kl_controller as build_controller_from_config  # noqa: E402
 from klgrpo.errors import ConfigError  # noqa: E402
 from klgrpo.integrations.mapping import mapped_objective  # noqa: E402
+from klgrpo.integrations.trl_mapping import (  # noqa: E402
+    ADAPTIVE_KL_DEFAULTS,
+    ADAPTIVE_KL_FIELDS,
+    LOSS_TYPES,
+    TRL_DEFAULTS,
+    map_trl,
+    resolved_controller,
+    resolved_is_correction,
+)
 from klgrpo.math.aggregation import Normalizer  # noqa: E402
 from klgrpo.math.kl import ESTIMATORS  # noqa: E402
 from klgrpo.math.kl_control import CONTROLLERS, KLController  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
-from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
-from klgrpo.config.schema import GRPOConfig as KlgrpoConfig  # noqa: E402
 from klgrpo.math.objective import entropy_threshold  # noqa: E402
-from klgrpo.run.checkpoint import check_checkpoint  # noqa: E402
-from klgrpo.config.terms import build_entropy_controller  # noqa: E402
-from klgrpo.config.terms import build_kl_controller as build_controller_from_config  # noqa: E402
-from klgrpo.integrations.trl_mapping import (  # noqa: E402
-    ADAPTIVE_KL_DEFAULTS, ADAPTIVE_KL_FIELDS, LOSS_TYPES, TRL_DEFAULTS, map_trl, resolved_controller,
-    resolved_is_correction,
-)
+from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
+from klgrpo.store.checkpoint import check_checkpoint  # noqa: E402
 
 #: The method names of the original adaptive-KL GRPOConfig: klgrpo's shapings plus the dynamic schedule.
 KL_ADAPTATION_METHODS = (*SHAPINGS.names(), "dynamic")

@@ -61,7 +61,7 @@ def test_one_cell_of_the_ablation_sweep_for_two_steps(tmp_path, monkeypatch):
     """The replay cell (the one that uses every part of the config) for 2 steps through `klgrpo sweep`: the
     table names the task and both retention sets, and the accuracies before training are the ones
     docs/ablation.md quotes (greedy decoding on a CPU is deterministic): 11/32, 32/46, 35/46."""
-    from klgrpo.apps import sweep
+    from klgrpo.apps.sweep import command as sweep
 
     monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
     out = tmp_path / "sweep"

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from klgrpo.apps.cli import main as cli
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.trainer import GRPOTrainer
 from tests.conftest import write_jsonl
 from tests.helpers.configs import make_config, quiet
 
@@ -210,8 +209,8 @@ def test_refused_in_one_line_and_nothing_changes(case, tiny_model_dir, finished_
 
 
 def test_the_checksums_cover_every_weights_file(finished_run):
-    from klgrpo.run.checkpoint import STATE_STEM, WEIGHTS_SUMS
-    from klgrpo.run.state_io import file_sha256, read_state_doc
+    from klgrpo.store.checkpoint import STATE_STEM, WEIGHTS_SUMS
+    from klgrpo.store.state_io import file_sha256, read_state_doc
 
     ckpt = finished_run / "checkpoints" / "step_2"
     doc = read_state_doc(ckpt, STATE_STEM)

@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from klgrpo.apps.cli import main as cli
-
 from tests.helpers.configs import make_config, quiet
 
 
@@ -27,7 +26,7 @@ def sft_config(tiny_model_dir, addition_file, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def finished_run(tiny_model_dir, addition_file, tmp_path_factory) -> Path:
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     run = tmp_path_factory.mktemp("outputs") / "run"
     GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}), log=quiet).train()

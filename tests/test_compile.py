@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_compiled_training_on_prompts_of_several_widths_equals_eager(tiny_model_dir, tmp_path):
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     # batches of 2 prompts whose longest is 4, 8 or 12 characters: three widths over 4 steps
     rows = [{"prompt": "1+" + "2" * n + "=", "answer": "3"} for n in (1, 1, 5, 5, 9, 9, 1, 9)]

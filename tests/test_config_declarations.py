@@ -15,7 +15,7 @@ from klgrpo.config.fields import setting as _f
 from klgrpo.config.schema import GRPOConfig, TrainConfig, all_field_paths
 from klgrpo.core.rewards import RewardModelSpec, RewardSpec
 from klgrpo.errors import ConfigError
-from klgrpo.run.run_folder import compare_configs
+from klgrpo.store.run_folder import compare_configs
 
 BASE = {"data": {"source": "x.jsonl"}, "model": {"name_or_path": "m"}}
 

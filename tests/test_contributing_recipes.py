@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from klgrpo.apps.args import parse_args
-from klgrpo.math import kl, kl_control, policy_loss
-from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.config.fields import setting
 from klgrpo.config.schema import GRPOConfig, KLConfig
 from klgrpo.config.terms import controller_params, step_plan
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import drop_unread_kl_keys
+from klgrpo.math import kl, kl_control, policy_loss
+from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 
 CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 

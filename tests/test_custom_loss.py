@@ -17,10 +17,9 @@ from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.policy_loss import POLICY_LOSSES
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.verify.custom_loss import verify_custom_loss
-
 from tests.helpers.configs import make_config, quiet
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_losses" / "grpo_kl_as_written.py"

@@ -21,11 +21,18 @@ import pytest
 import torch
 
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.dist_worker import update_metrics
-from tests.test_distributed import (EVAL_REWARD, ROOT, WORKER, accelerate_launch, check_evaluations_match_one_process,
-                                    config_dict, single_process_update)
+from tests.test_distributed import (
+    EVAL_REWARD,
+    ROOT,
+    WORKER,
+    accelerate_launch,
+    check_evaluations_match_one_process,
+    config_dict,
+    single_process_update,
+)
 
 # find_spec, not importorskip: collecting the default suite should not import DeepSpeed (seconds)
 NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None

@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from klgrpo.apps.demo import assets as demo_assets
 from klgrpo.apps.demo.assets import DemoSettings, ModelSizes, prepare_demo_assets
-from klgrpo.backends.hf import default_cache_root
 from klgrpo.apps.demo.model import build_tiny_model, build_tiny_model_for, save_tiny_model_and_tokenizer
 from klgrpo.apps.demo.sft import SFTSettings, encode_examples, evaluate_answer_loss, run_sft
 from klgrpo.apps.demo.tasks import SKILLS, all_pairs, format_answer, format_prompt, make_splits, read_jsonl
 from klgrpo.apps.demo.tokenizer import build_char_tokenizer
+from klgrpo.backends.hf import default_cache_root
 
 TINY = ModelSizes(hidden=16, layers=1, heads=2, intermediate=32, max_positions=16)
 

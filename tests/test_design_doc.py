@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from klgrpo.run.metrics import MetricsLogger
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train import step as step_module
-from klgrpo.train.metrics import MetricsLogger
-from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 ROOT = Path(__file__).resolve().parents[1]

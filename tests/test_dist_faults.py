@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.launch import Launch, accelerate_command, metrics_steps
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -51,6 +51,7 @@ def finish(launch: Launch, what: str):
     return done
 
 
+@pytest.mark.slow  # two processes under torchrun, about 19 s
 def test_refusal_on_rank_0_stops_every_rank_with_its_message(tiny_model_dir, addition_file, tmp_path):
     """The run folder already holds a run: rank 0 refuses it (only rank 0 opens the folder) and the verdict is
     shared before any collective, so rank 1 stops with the same line instead of waiting in the first step."""
@@ -68,9 +69,8 @@ def test_refusal_on_rank_0_stops_every_rank_with_its_message(tiny_model_dir, add
     assert metrics_steps(run) == [] and not (run / "config.yaml").exists()
 
 
-@pytest.mark.parametrize("kind,fault", [("ddp", "raise"), pytest.param("fsdp2", "raise", marks=pytest.mark.slow),
-                                        pytest.param("ddp", "sigkill", marks=pytest.mark.slow),
-                                        pytest.param("fsdp2", "sigkill", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two processes under torchrun, about 19 s each
+@pytest.mark.parametrize("kind,fault", [("ddp", "raise"), ("fsdp2", "raise"), ("ddp", "sigkill"), ("fsdp2", "sigkill")])
 def test_rank_1_failing_mid_step_brings_the_run_down(kind, fault, tiny_model_dir, addition_file, tmp_path):
     """Rank 1 fails in its reward of step 2 while rank 0 waits in the step's gather of rewards: the launcher
     (which sees rank 1 exit) and the broken connection end rank 0 too; step 1 stays logged once."""
@@ -166,7 +166,7 @@ def test_sigkill_of_rank_1_mid_save_keeps_a_complete_checkpoint(sharded, tiny_mo
     run ends non-zero and the newest complete checkpoint loads; nothing half-written counts as one."""
     import os
 
-    from klgrpo.run.checkpoint import clean_incomplete, list_checkpoints
+    from klgrpo.store.checkpoint import clean_incomplete, list_checkpoints
     from tests.helpers.launch import rank_pid
 
     run = tmp_path / "run"

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.dist_worker import full_gradients, sample_slice, update_metrics
 
 ROOT = Path(__file__).parent.parent
@@ -86,7 +86,7 @@ def single_process_update(cfg_dict, tmp_path):
     return batch, completions, metrics, full_gradients(single.model), single.model.state_dict()
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])  # ddp in the default run
 def test_two_processes_match_one_and_checkpoint_resumes_on_two_and_one(kind, perturbed_model_dir, tiny_model_dir,
                                                                         addition_file, tmp_path):
     """One launch per engine (process start-up costs seconds): the update comparison, then the 2-step run."""
@@ -113,7 +113,7 @@ def check_evaluations_match_one_process(cfg_dict, base_model_dir):
     training, the checkpoint of the step after it (the score is a checksum of every greedy completion)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+    from klgrpo.run.evaluation import evaluate_sets, load_eval_sets
 
     run = Path(cfg_dict["train"]["output_dir"])
     cfg = GRPOConfig.from_dict(cfg_dict)
@@ -238,7 +238,7 @@ def test_the_demo_under_fsdp2_evaluates_like_one_process(tmp_path, monkeypatch, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from klgrpo.apps.cli import main
-    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+    from klgrpo.run.evaluation import evaluate_sets, load_eval_sets
     from tests.helpers.launch import Launch, accelerate_command, launch_env
 
     monkeypatch.setenv("KLGRPO_CACHE", str(tmp_path / "cache"))

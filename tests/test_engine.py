@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klgrpo.errors import ConfigError
 from klgrpo.config.schema import GRPOConfig
+from klgrpo.errors import ConfigError
 from klgrpo.train.engine import Engine
 
 

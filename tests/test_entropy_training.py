@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from klgrpo.train.metrics import read_metrics
-from klgrpo.run.state_io import load_state
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
+from klgrpo.store.state_io import load_state
 from tests.helpers.configs import make_config, quiet
 
 ENTROPY_NAMES = {"entropy", "entropy/p10", "entropy/p50", "entropy/min"}

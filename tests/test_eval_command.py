@@ -8,9 +8,8 @@ import json
 import pytest
 
 from klgrpo.apps.cli import main as cli
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 # A score that depends on every character of the greedy completion, so any change of the weights shows.

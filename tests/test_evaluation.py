@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from klgrpo.apps.demo.tokenizer import build_char_tokenizer
-from klgrpo.train.evaluation import exact_match, greedy_accuracy, greedy_completions
+from klgrpo.run.evaluation import exact_match, greedy_accuracy, greedy_completions
 
 TOKENIZER = build_char_tokenizer()
 ID = TOKENIZER.convert_tokens_to_ids
@@ -119,7 +119,7 @@ def _entropy(logits: torch.Tensor, temperature: float) -> float:
 
 @pytest.mark.parametrize("batch_size", [256, 2])
 def test_greedy_entropy_counts_each_completion_token_and_its_eos(batch_size):
-    from klgrpo.train.evaluation import GreedyEntropy
+    from klgrpo.run.evaluation import GreedyEntropy
 
     model = successor_model()
     # Every counted position reads a SUCCESSOR token: logit a on its successor, 0 on the 15 others, a being
@@ -137,7 +137,7 @@ def test_greedy_entropy_counts_each_completion_token_and_its_eos(batch_size):
 
 def test_greedy_entropy_equals_a_hand_greedy_decode():
     from klgrpo.apps.demo.model import build_tiny_model_for
-    from klgrpo.train.evaluation import GreedyEntropy
+    from klgrpo.run.evaluation import GreedyEntropy
 
     model = build_tiny_model_for(TOKENIZER, seed=5, hidden=32, layers=1, heads=2, intermediate=64)
     prompts, new_tokens, temperature = ["07+45=", "7+5=", "=", "99-9=", "1"], 4, 1.3

@@ -59,6 +59,30 @@ def test_risks_name_their_fix(tmp_path):
     assert any("clipped at 10" in r for r in risks) and any("advantage epsilon 1e-06" in r for r in risks)
 
 
+@pytest.mark.parametrize("kl, verdict, advised, not_advised", [
+    # the clip at 0.001 zeroes the gradient of every token above it: the cause is the shaping, not k3 in_graph
+    ("estimator: k3\n  is_correction: in_graph\n  shaping: clip\n  clip_threshold: 0.001", "zero",
+     "the estimator and its weight already follow the reverse KL: kl.shaping clip", "use k3 with"),
+    ("estimator: k3_st\n  is_correction: detached\n  shaping: clip\n  clip_threshold: 0.001", "zero",
+     "kl.shaping clip changes the gradient", "use k3 with"),
+    # the same clip with k1 in the loss: the estimator is also wrong, and the advice names it
+    ("estimator: k1\n  is_correction: in_graph\n  shaping: clip\n  clip_threshold: 0.001", "neither",
+     "use k3 with kl.is_correction in_graph, or k3_st with detached", "already follow"),
+    # k3 in the reward: k1 is the reward's estimator; k3 in_graph is what it has
+    ("estimator: k3\n  is_correction: in_graph\n  placement: reward", "neither",
+     "in the reward use kl.estimator k1", "use k3 with"),
+])
+def test_the_estimator_advice_leaves_out_what_the_config_has(tmp_path, kl, verdict, advised, not_advised):
+    src = tmp_path / "cfg.yaml"
+    src.write_text(f"kl:\n  coef: 0.04\n  {kl}\n")
+    out = tmp_path / "r.json"
+    assert main([str(src), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["gradient"]["token_on_policy"] == verdict
+    line = next(r for r in report["risks"] if "at the token level" in r)
+    assert advised in line and not_advised not in line, line
+
+
 def test_beta_zero_is_a_risk_and_a_zero_gradient(tmp_path):
     src = tmp_path / "trl.yaml"
     src.write_text("loss_type: dapo\n")  # TRL 1.16's default beta is 0.0
@@ -148,8 +172,8 @@ def test_trl_defaults_are_trl_1_16s():
 
     import trl
 
-    from klgrpo.trl import GRPOConfig
     from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, TRL_DEFAULTS
+    from klgrpo.trl import GRPOConfig
 
     theirs = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)}
     assert {name: theirs[name] for name in TRL_DEFAULTS} == TRL_DEFAULTS
@@ -158,10 +182,11 @@ def test_trl_defaults_are_trl_1_16s():
 
 
 def test_the_bridge_and_the_trainer_build_one_controller(tmp_path):
-    from klgrpo.math.kl_control import DUAL_BETA_FLOOR
     from klgrpo.config.schema import GRPOConfig as KlgrpoConfig
     from klgrpo.config.terms import build_kl_controller
-    from klgrpo.trl import GRPOConfig, build_kl_controller as bridge_controller
+    from klgrpo.math.kl_control import DUAL_BETA_FLOOR
+    from klgrpo.trl import GRPOConfig
+    from klgrpo.trl import build_kl_controller as bridge_controller
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], beta=0.1, kl_controller="dual",
                       kl_target=0.05, beta_min=0.0)

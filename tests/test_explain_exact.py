@@ -12,12 +12,12 @@ from types import MethodType, SimpleNamespace
 import pytest
 import torch
 
-from klgrpo.math.advantages import group_advantages, kl_penalized_scores
-from klgrpo.math.aggregation import Normalizer
 from klgrpo.integrations.mapping import mapped_objective
 from klgrpo.integrations.openrlhf_mapping import map_openrlhf
 from klgrpo.integrations.trl_mapping import map_trl
 from klgrpo.integrations.verl_mapping import map_verl
+from klgrpo.math.advantages import group_advantages, kl_penalized_scores
+from klgrpo.math.aggregation import Normalizer
 from tests.helpers.one_process import OneProcessAccelerator
 
 F64 = torch.float64

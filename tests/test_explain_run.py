@@ -10,9 +10,9 @@ import pytest
 
 from klgrpo.apps.explain import main
 from klgrpo.apps.explain.run_logs import band_windows
-from klgrpo.train.kl_watch import KLWatch
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.kl_watch import KLWatch
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -5,6 +5,7 @@ configs and the risk lines that hold only where their formula does."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,166 @@ def test_real_unsloth_uses_its_defaults_and_its_loss(tmp_path):
     assert "scale_rewards" in report["unmapped"]
 
 
+def test_a_git_install_of_trl_states_its_release(tmp_path):
+    git = '"trl @ git+https://github.com/huggingface/trl.git@{}",'
+    # a release tag: that release
+    assert [str(c) for c in stated_in(git.format("v0.18.1"))["trl"]] == ["==0.18.1"]
+    # open-r1's 3f9d75a pin: trl.json's commits row says its grpo_config.py and grpo_trainer.py (0.16.0.dev0) have
+    # the 0.16 range's rules (the token-mean loss line, beta 0.04, temperature 0.9); a 7-character prefix too
+    for ref in ("013d360b8f2703d3546786fa124f3204d6cd8018", "013d360"):
+        assert [str(c) for c in stated_in(git.format(ref))["trl"]] == [">=0.16.0", "<0.18.0"]
+    assert [str(c) for c in stated_in(git.format("6f99f42f72"))["trl"]] == [">=0.14.0", "<0.16.0"]
+    # a branch, or a commit the table does not hold: no release stated (every range is explained)
+    assert stated_in(git.format("main")) == {} and stated_in(git.format("0123456789abcdef")) == {}
+
+
+def test_the_pinned_commits_were_read_at_the_commit():
+    commits = _table("trl")["commits"]
+    assert commits["013d360b8f2703d3546786fa124f3204d6cd8018"]["version"] == "0.16.0.dev0"
+    assert all(row["read"].endswith(f"at commit {sha}") for sha, row in commits.items())
+    assert {row["range_from"] for row in commits.values()} == {"0.14.0", "0.16.0"}
+
+
+def test_the_loss_line_is_the_loss_assignment_not_the_kl_metric():
+    tool = _tool("trl_versions")
+    # TRL at 013d360b: a token-mean loss, then the KL metric in the per-sequence form
+    trainer = ("        loss = (per_token_loss * completion_mask).sum() / completion_mask.sum()\n"
+               "    mean_kl = ((per_token_kl * completion_mask).sum(dim=1) / completion_mask.sum(dim=1)).mean()\n")
+    assert tool.trainer_facts(trainer)["implicit_loss_type"] == "bnpo"
+    grpo = "        loss = ((per_token_loss * completion_mask).sum(dim=1) / completion_mask.sum(dim=1)).mean()\n"
+    assert tool.trainer_facts(grpo)["implicit_loss_type"] == "grpo"
+
+
+def test_version_can_be_the_projects_setup_py(tmp_path, capsys):
+    pins = Path(__file__).resolve().parent / "data" / "explain_pins"
+    recipes = Path(__file__).resolve().parent / "data" / "explain_real"
+    listed = {line.split(" | ")[0] for line in (pins / "SOURCES").read_text().splitlines() if line.strip()}
+    assert listed == {p.name for p in pins.iterdir() if p.name != "SOURCES"}
+    for commit, releases in (("3f9d75a", ["TRL >= 0.16.0, < 0.18.0"]), ("bf08f56", ["TRL >= 0.16.0, < 0.18.0"]),
+                             ("b806e10", ["TRL >= 0.18.0, < 0.19.0"])):
+        recipe = recipes / f"openr1_{commit}_qwen2.5-1.5b_config_demo.yaml"
+        out = tmp_path / f"{commit}.json"
+        assert main([str(recipe), "--version", str(pins / f"openr1_{commit}_setup.py"), "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert "versions" not in report and report["releases"] == releases, (commit, report["releases"])
+        # beta 0.04 default, k3 without the ratio in every one of these ranges: forward (tests/test_explain_real.py)
+        assert report["gradient"]["token_on_policy"] == "forward" and report["controller"] == "fixed at 0.04"
+    capsys.readouterr()
+    nothing = tmp_path / "requirements.txt"
+    nothing.write_text("torch==2.5\n")
+    assert main([str(recipes / "openr1_b806e10_qwen2.5-1.5b_config_demo.yaml"), "--version", str(nothing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pins no TRL or Unsloth release" in err
+
+
+def _tool(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_verl_table_holds_the_releases_read():
+    rows = {row["from"]: row for row in _table("verl")["ranges"]}
+    assert list(rows) == ["0.1", "0.2", "0.4.0", "0.6.0"]
+    # v0.1: no KL loss yet; ray_trainer.py calls apply_kl_penalty on every batch; kl_penalty: kl, abs, mse
+    assert "actor_rollout_ref.actor.use_kl_loss" not in rows["0.1"]["defaults"] and rows["0.1"]["reward_kl"] == "always"
+    assert rows["0.1"]["estimators"] == {"kl": "k1 = l", "abs": "abs = |l|", "mse": "k2 = l^2 / 2"}
+    # v0.2 - v0.3: use_kl_loss (default False) and the reward KL whenever it is off: verl's default puts the KL in
+    # the reward; low_var_kl: ratio - kl - 1 with kl = ref - logp, clamped to [-10, 10]
+    assert rows["0.2"]["reward_kl"] == "whenever actor.use_kl_loss is false"
+    assert rows["0.2"]["defaults"]["actor_rollout_ref.actor.kl_loss_type"] == "low_var_kl"
+    assert rows["0.2"]["estimators"]["low_var_kl"] == "k3 = exp(-l) - 1 + l, clamped to [-10, 10]"
+    # v0.4.0: algorithm.use_kl_in_reward (default False), the adaptive controller's target and horizon, k1/k2/k3
+    assert rows["0.4.0"]["reward_kl"] == "with algorithm.use_kl_in_reward"
+    assert rows["0.4.0"]["defaults"]["algorithm.use_kl_in_reward"] is False
+    assert rows["0.4.0"]["defaults"]["algorithm.kl_ctrl.target_kl"] == 0.1
+    assert rows["0.4.0"]["estimators"]["k3"] == rows["0.4.0"]["estimators"]["low_var_kl"]
+    # v0.6.0 on: names ending in "+" exist, and kl_penalty_forward, given the name with its "+", raises
+    assert rows["0.6.0"]["estimators"]["k3+"] == "raises NotImplementedError" and rows["0.6.0"]["to"] is None
+    assert all(read.startswith("volcengine/verl ") and " at tag v" in read for r in rows.values() for read in r["read"])
+
+
+def test_the_openrlhf_table_holds_the_releases_read():
+    rows = {row["from"]: row for row in _table("openrlhf")["ranges"]}
+    flags = {v: {k: (d["flag"], d["default"]) for k, d in rows[v]["defaults"].items()} for v in rows}
+    # examples/train_ppo_ray.py before v0.3.6: --init_kl_coef 0.02, the KL in the reward, k1 only
+    assert flags["0.0.1"]["init_coef"] == ("--init_kl_coef", 0.02) and rows["0.0.1"]["reward_kl"] == "always"
+    assert rows["0.0.1"]["estimators"] == {"k1": "k1 = l"}
+    assert flags["0.3.6"]["init_coef"] == ("--init_kl_coef", 0.01)  # openrlhf/cli/train_ppo_ray.py
+    assert flags["0.4.6"]["estimator"] == ("--use_kl_estimator_k3", False)
+    assert rows["0.4.6"]["estimators"]["k3"] == "k3 = exp(-l) - 1 + l"  # no clamp yet
+    assert rows["0.6.0"]["reward_kl"] == "unless --use_kl_loss"
+    assert flags["0.6.0.post1"]["estimator"] == ("--kl_estimator", "k1") and "k2" in rows["0.6.0.post1"]["estimators"]
+    assert "horizon" not in flags["0.6.0.post1"] and flags["0.7.1"]["horizon"] == ("--kl_horizon", 10000)
+    # v0.8.6: compute_approx_kl clamps every estimator to [-10, 10]; v0.10.2: the --algo.kl.* names
+    assert rows["0.8.6"]["estimators"]["k1"] == "k1 = l, clamped to [-10, 10]"
+    assert flags["0.10.2"]["use_loss"] == ("--algo.kl.use_loss", False) and rows["0.10.2"]["to"] is None
+    assert rows["0.10.2"]["reward_kl"] == "unless --algo.kl.use_loss"
+
+
+@pytest.mark.parametrize("name, header", [("verl", "| verl | the KL in the reward"),
+                                          ("openrlhf", "| OpenRLHF | the KL in the reward")])
+def test_the_docs_verl_and_openrlhf_tables_are_the_data(name, header):
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
+    lines = docs[docs.index(header):].split("\n\n")[0].splitlines()[2:]
+    ranges = _table(name)["ranges"]
+    assert len(lines) == len(ranges)
+    before: dict = {"estimators": {}, "defaults": {}}
+    for line, rng in zip(lines, ranges):
+        cells = line.strip("|").split(" | ")
+        span = rng["from"] if rng["from"] == rng["last_read"] else f"{rng['from']} - {rng['last_read']}"
+        assert cells[0].strip() == span
+        # a row states a clamp where the data has one, and where it first appears
+        clamped = [any("clamped to [-10, 10]" in f for f in r["estimators"].values()) for r in (before, rng)]
+        assert "clamped to [-10, 10]" not in line or clamped[1], line
+        assert "clamped to [-10, 10]" in line or not clamped[1] or clamped[0], line
+        # a flag's number is stated where it first appears or changes (OpenRLHF's rows)
+        for what, flag in rng["defaults"].items():
+            if isinstance(flag, dict) and isinstance(flag["default"], (int, float)) and not isinstance(
+                    flag["default"], bool) and before["defaults"].get(what) != flag:
+                assert f"`{flag['flag']}` {flag['default']:g}" in line, (line, flag)
+        before = rng
+
+
+def test_a_pinned_older_verl_or_openrlhf_release_is_named_with_what_differs(tmp_path):
+    verl = "pip install verl=={}\npython3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo\n"
+    status, report = _run(tmp_path, verl.format("0.3.0.post1"), "verl.sh")
+    # verl 0.2 - 0.3 put the KL in the reward whenever use_kl_loss is false (verl.json): the default config's
+    # verdict (beta 0 under the newest rules) does not hold there, and the note says why
+    assert status == 0 and report["gradient"]["token_on_policy"] == "zero"
+    assert [n.split(" (pinned")[0] for n in report["notes"]] == ["verl 0.2 - 0.3.0.post1"]
+    assert "the KL in the reward: whenever actor.use_kl_loss is false" in report["notes"][0]
+    openrlhf = "pip install openrlhf=={}\npython3 -m openrlhf.cli.train_ppo_ray --use_kl_loss --kl_estimator k3\n"
+    status, report = _run(tmp_path, openrlhf.format("0.7.0"), "orl.sh")
+    assert status == 0 and "k3: k3 = exp(-l) - 1 + l (now clamped to [-10, 10])" in report["notes"][0]
+    # 0.9.0 has the newest rules under the flat names: nothing to say; no pin: nothing either
+    assert _run(tmp_path, openrlhf.format("0.9.0"), "orl.sh")[1]["notes"] == []
+    assert _run(tmp_path, verl.format("0.7.0").replace("pip install verl==0.7.0\n", ""), "verl.sh")[1]["notes"] == []
+
+
+def test_the_estimator_reader_names_what_a_function_computes():
+    import torch
+
+    formula = _tool("rl_versions").formula
+    assert formula(lambda l: l) == "k1 = l" and formula(lambda l: l * l / 2) == "k2 = l^2 / 2"
+    assert formula(lambda l: (torch.exp(-l) - 1 + l).clamp(-10, 10)) == "k3 = exp(-l) - 1 + l, clamped to [-10, 10]"
+    # verl's straight-through "+": k3's value, k2's gradient
+    k2 = lambda l: 0.5 * l * l  # noqa: E731
+    plus = lambda l: k2(l) - k2(l).detach() + (torch.exp(-l) - 1 + l).detach()  # noqa: E731
+    assert formula(plus) == "k3 = exp(-l) - 1 + l; gradient of k2"
+    # planted: the sign of k3's log-ratio flipped (exp(l) - 1 - l, the forward-KL form) is none of them
+    assert formula(lambda l: torch.exp(l) - 1 - l) == "none of k1, k2, k3, |l|"
+
+    def unknown(l):
+        raise NotImplementedError
+
+    assert formula(unknown) == "raises NotImplementedError"
+
+
 def test_the_adaptive_kl_fork_keeps_a_name_of_its_own(tmp_path):
     text = "beta: 0.04\nkl_adaptation_method: dynamic\n"
     status, report = _run(tmp_path, text)
@@ -107,6 +268,18 @@ def test_a_notebook_is_read_with_its_pins(tmp_path):
     status, report = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
     assert status == 0 and report["gradient"]["token_on_policy"] == "forward"
     assert report["controller"] == "fixed at 0.04" and report["releases"] == ["TRL >= 0.18.0, < 0.19.0"]
+
+
+def test_a_notebook_over_the_size_limit_is_one_line_naming_it(tmp_path, capsys):
+    from klgrpo.apps.explain.reading import MAX_BYTES
+
+    # a plot's PNG output makes a notebook large though its GRPOConfig cell is small
+    cells = [{"cell_type": "code", "source": ["args = GRPOConfig(beta=0.04)\n"],
+              "outputs": [{"output_type": "display_data", "data": {"image/png": "A" * MAX_BYTES}}]}]
+    status, _ = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"more than the {MAX_BYTES} a notebook can be; its outputs count: clear them" in err
 
 
 def test_launcher_fields_are_named_and_unknown_fields_listed_in_one_line(tmp_path, capsys):
@@ -154,7 +327,8 @@ def test_the_docs_release_table_is_the_data():
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "explain.md").read_text()
-    rows = [line.split(" | ") for line in docs.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")]
+    table = docs[docs.index("| TRL | beta"):].split("\n\n")[0]  # the TRL table (verl's and OpenRLHF's follow)
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| 0.") or line.startswith("| 1.")]
     firsts = [tuple(int(x) for x in row[0][2:].split(" ")[0].rstrip(",").split(".")) for row in rows]
     for rng in _table("trl")["ranges"]:
         start = tuple(int(x) for x in rng["from"].split(".")[:2])

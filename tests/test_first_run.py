@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from klgrpo.apps import demo_run, train as train_app
+from klgrpo.apps import demo_run
+from klgrpo.apps import train as train_app
 from klgrpo.apps.demo import assets as demo_assets
 from klgrpo.apps.summary import print_run_summary
 from klgrpo.errors import ConfigError
@@ -123,7 +124,7 @@ def test_users_adaptive_controller_at_coef_0_names_the_fix(run_yaml, tmp_path, c
 def test_demo_banners_come_from_rank_0_only(monkeypatch, tmp_path, tiny_demo, capsys, rank):
     """Under `accelerate launch` every process runs the demo: rank 0 prints the banners and the trainer's lines,
     another rank prints nothing (the trainer stands in: a fake that logs one line and is not the main rank)."""
-    from klgrpo.train import trainer as trainer_module
+    from klgrpo.run import trainer as trainer_module
 
     class FakeTrainer:
         def __init__(self, cfg, log):
@@ -185,7 +186,8 @@ TINY_BUDGET = ["--logging.progress", "false", "--logging.tensorboard", "false", 
 
 
 def _run_readme_line(command: str, run_yaml: Path, workdir: Path) -> int:
-    from klgrpo.apps import cli, sweep, verify_kl
+    from klgrpo.apps import cli, verify_kl
+    from klgrpo.apps.sweep import command as sweep
 
     some_run = next(iter(sorted((workdir / "runs").glob("*"))), workdir / "runs/none")  # written by earlier lines
     command = command.replace("run.yaml", str(run_yaml)).replace("runs/<name>", str(some_run))

@@ -104,7 +104,7 @@ def test_model_forward_reaches_the_update_and_the_reference(tiny_model_dir, addi
     """model.forward fast: the update's and the reference's log-probs go through the decoder's teacher-forced
     pass; transformers: never (the sampler is the KV loop either way)."""
     from klgrpo.backends.kv_decoder import KVSampler
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
     from tests.helpers.configs import make_config, quiet
 
     calls = []

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("gguf")
 
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer, split_gguf  # noqa: E402
-from klgrpo.errors import ConfigError  # noqa: E402
 from klgrpo.config.schema import GRPOConfig, ModelConfig  # noqa: E402
+from klgrpo.errors import ConfigError  # noqa: E402
 from tests.helpers.configs import make_config, quiet  # noqa: E402
 from tests.helpers.gguf_model import write_tiny_gguf  # noqa: E402
 
@@ -59,9 +59,9 @@ def test_gguf_tokenizer_has_the_files_vocabulary_merges_and_chat_template(tiny_g
 
 
 def test_package_spelling_resolves_to_the_installed_package_folder():
-    import klgrpo
-
     from pathlib import Path
+
+    import klgrpo
 
     folder = Path(klgrpo.__file__).parent
     assert split_gguf("package:klgrpo/backends/x.gguf") == (str(folder / "backends"), "x.gguf")
@@ -91,7 +91,7 @@ def test_gguf_file_without_a_folder_is_refused():
 def test_training_from_a_gguf_file_checkpoints_an_ordinary_model(tiny_gguf, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     folder, name, written = tiny_gguf
     data = tmp_path / "p.jsonl"
@@ -117,7 +117,7 @@ def test_lora_on_a_gguf_base_exports_merged_weights(tiny_gguf, tmp_path):
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     folder, name, written = tiny_gguf
     data = tmp_path / "p.jsonl"

@@ -41,7 +41,7 @@ def _tokenizer():
 
 @pytest.mark.parametrize("sampler", ["auto", *(s for s in SAMPLERS if s != "vllm_server")])  # that one needs a server
 def test_one_training_step_on_cuda_with_each_sampler(tiny_model_dir, addition_file, tmp_path, sampler):
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     lines = []
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", model={"device": "cuda", "dtype": "float32"},
@@ -93,7 +93,7 @@ def test_full_vocabulary_kl_trains_on_cuda(tiny_model_dir, addition_file, tmp_pa
     rounding between two forward implementations), the second step's has moved (a positive KL)."""
     import json
 
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", model={"device": "cuda", "dtype": "float32"},
                       kl={"coef": 0.1, "estimator": "full"}, train={"steps": 2})

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 

@@ -24,8 +24,7 @@ import pytest
 import yaml
 
 from klgrpo.apps.cli import main as cli
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.trainer import GRPOTrainer
 from tests.conftest import write_jsonl
 from tests.helpers.checkpoints import strip_checksums
 from tests.helpers.configs import make_config, quiet
@@ -248,7 +247,8 @@ def test_sft_refuses_a_flipped_checkpoint(finished_run, tmp_path, capsys):
 def test_the_trl_bridge_refuses_a_flipped_checkpoint(finished_run, tmp_path):
     pytest.importorskip("trl")
     from klgrpo.errors import ConfigError
-    from klgrpo.trl import GRPOConfig, GRPOTrainer as TRLBridge
+    from klgrpo.trl import GRPOConfig
+    from klgrpo.trl import GRPOTrainer as TRLBridge
     from tests.helpers.trl_setup import run_args
 
     ckpt = _flipped_checkpoint(_copy_run(finished_run, tmp_path))
@@ -273,8 +273,8 @@ def test_stripped_checksums_are_refused_and_a_checkpoint_before_checksums_passes
 
 
 def test_resume_skips_a_flipped_checkpoint_whose_checksums_were_stripped(finished_run, tmp_path):
-    from klgrpo.errors import KLGRPOWarning
     from klgrpo.config.schema import GRPOConfig
+    from klgrpo.errors import KLGRPOWarning
 
     run = _copy_run(finished_run, tmp_path)
     strip_checksums(_flipped_checkpoint(run))

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-
+import huggingface_hub  # noqa: F401  (imported before the timing: the check itself must be fast)
 import pytest
 
-import huggingface_hub  # noqa: F401  (imported before the timing: the check itself must be fast)
 from klgrpo.backends import hf
 from klgrpo.errors import ConfigError
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers.configs import make_config, quiet
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
+
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -49,8 +49,8 @@ PHASES = [
     ("klgrpo.train.engine", "Engine.step"),                        # clipping and AdamW
     ("klgrpo.train.step", "step_metrics"),                         # after the optimizer step
     ("klgrpo.math.kl_control", "AdaptiveKLController.observe"),    # the controller, after the update
-    ("klgrpo.train.metrics", "MetricsLogger.log"),                 # the step's row
-    ("klgrpo.train.loop", "TrainingRun.save"),                     # the step's checkpoint
+    ("klgrpo.run.metrics", "MetricsLogger.log"),                 # the step's row
+    ("klgrpo.run.loop", "TrainingRun.save"),                     # the step's checkpoint
 ]
 
 
@@ -74,7 +74,7 @@ def _signal_after(monkeypatch, module: str, attribute: str, signum: int, calls: 
 
 
 def test_a_held_gate_keeps_a_signal_until_released():
-    from klgrpo.run.stop_signals import StopGate, Terminated, sigterm_as_interrupt
+    from klgrpo.train.stop_signals import StopGate, Terminated, sigterm_as_interrupt
 
     gate = StopGate()
     with sigterm_as_interrupt(gate=gate):

@@ -12,7 +12,6 @@ import torch
 from klgrpo.apps import kl as kl_app
 from klgrpo.apps.cli import main as cli
 from klgrpo.verify.categorical import CategoricalProblem, kl_values_and_gradients
-
 from tests.conftest import write_jsonl
 
 
@@ -70,10 +69,10 @@ def test_longer_completions_match_a_float64_brute_force(model_pair):
     from transformers import AutoModelForCausalLM
 
     from klgrpo.apps.models import load_model_for_inference
+    from klgrpo.config.schema import ModelConfig
     from klgrpo.core.full_kl import completion_logprobs_and_full_kl
     from klgrpo.core.reference import FrozenCopyReference
     from klgrpo.core.rollout import SamplingParams, generate_groups
-    from klgrpo.config.schema import ModelConfig
 
     policy_dir, reference_dir, _ = model_pair
     policy, tok = load_model_for_inference(policy_dir, ModelConfig(name_or_path=policy_dir, device="cpu",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from klgrpo.errors import ConfigError
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.validation import kl_gradient_target, validate_config
+from klgrpo.errors import ConfigError
 
 
 def _cfg(**groups) -> GRPOConfig:

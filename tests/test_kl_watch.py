@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.kl_watch import KLWatch
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.kl_watch import KLWatch
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 
@@ -93,7 +92,7 @@ def test_the_demos_drift_threshold_lies_between_its_default_runs_and_its_runs_wi
 
 
 def test_entropy_collapse_band_is_announced_once_per_entry():
-    from klgrpo.train.kl_watch import EntropyWatch
+    from klgrpo.run.kl_watch import EntropyWatch
 
     watch = EntropyWatch(warn_below=0.5, window=2)
     out = {}

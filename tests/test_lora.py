@@ -10,16 +10,23 @@ import torch
 
 pytest.importorskip("peft")
 
-from klgrpo.config.schema import GRPOConfig, LoraConfig  # noqa: E402
-from klgrpo.errors import ConfigError  # noqa: E402
 from klgrpo.apps.lora_memory import reference_memory  # noqa: E402
-from klgrpo.backends.lora import (REFERENCE_ADAPTER, adapter_params, apply_lora, export_merged,  # noqa: E402
-                                  load_adapter_weights, parameter_bytes)
-from klgrpo.core.reference import AdapterDisabledReference  # noqa: E402
-from klgrpo.train.metrics import read_metrics  # noqa: E402
+from klgrpo.backends.lora import (  # noqa: E402
+    REFERENCE_ADAPTER,
+    adapter_params,
+    apply_lora,
+    export_merged,
+    load_adapter_weights,
+    parameter_bytes,
+)
+from klgrpo.config.schema import GRPOConfig, LoraConfig  # noqa: E402
 from klgrpo.core.forward import completion_logprobs  # noqa: E402
-from klgrpo.train.trainer import GRPOTrainer  # noqa: E402
-from tests.helpers.configs import make_config as base_config, quiet  # noqa: E402
+from klgrpo.core.reference import AdapterDisabledReference  # noqa: E402
+from klgrpo.errors import ConfigError  # noqa: E402
+from klgrpo.run.metrics import read_metrics  # noqa: E402
+from klgrpo.run.trainer import GRPOTrainer  # noqa: E402
+from tests.helpers.configs import make_config as base_config  # noqa: E402
+from tests.helpers.configs import quiet
 
 RANK = 4
 # The tiny model (hidden 32, intermediate 64, 1 layer, 2 heads of 16, 2 kv heads): "all-linear" adapts

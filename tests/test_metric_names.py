@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from klgrpo.run.metrics import describe, read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train import metric_names as m
-from klgrpo.train.metrics import describe, read_metrics
-from klgrpo.train.trainer import GRPOTrainer
 from tests.conftest import write_jsonl
 from tests.helpers.configs import HAS_ZERO, make_config, quiet
 from tests.helpers.reward_model import build_reward_model, rm_tokenizer, save_reward_model

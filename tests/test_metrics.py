@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from klgrpo.train.metrics import (
-    GLOSSARY, MetricsFileError, MetricsLogger, describe, read_metrics, undocumented,
+from klgrpo.run.metrics import (
+    GLOSSARY,
+    MetricsFileError,
+    MetricsLogger,
+    describe,
+    read_metrics,
+    undocumented,
 )
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

@@ -15,8 +15,8 @@ import torch
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import kl_estimate
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.math.kl_shaping import shape_kl
+from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.migration import migration_rows
 from tests.helpers.one_process import OneProcessAccelerator

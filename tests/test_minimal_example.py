@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from klgrpo.math.kl_control import build_controller
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minimal_grpo.py"

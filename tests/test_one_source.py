@@ -9,12 +9,14 @@ import pytest
 import torch
 
 import klgrpo.core.rollout as rollout
-import klgrpo.train.evaluation as evaluation
+import klgrpo.run.evaluation as evaluation
 from klgrpo.apps.args import parse_args
 from klgrpo.backends.hf import DTYPE_NAMES
+from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
+from klgrpo.config.schema import LR_SCHEDULES, RUNAWAY_ACTIONS, GRPOConfig, all_field_paths
+from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards import BUILTIN_REWARDS, exact_match
 from klgrpo.errors import ConfigError
-from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS
 from klgrpo.math.advantages import ADVANTAGE_SCALES, KL_REWARD_MODES
 from klgrpo.math.aggregation import AGGREGATIONS
 from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
@@ -22,9 +24,7 @@ from klgrpo.math.kl import ESTIMATORS, PLACEMENTS, Estimator, k2
 from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
-from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
-from klgrpo.core.forward import FORWARDS
-from klgrpo.config.schema import LR_SCHEDULES, RUNAWAY_ACTIONS, GRPOConfig, all_field_paths
+from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
 
@@ -139,9 +139,9 @@ def test_one_exact_match():
 
 
 def test_one_summary_file_name():
-    """Only klgrpo/run/run_folder.py spells the summary file's name; everything else imports SUMMARY_FILE."""
+    """Only klgrpo/store/run_folder.py spells the summary file's name; everything else imports SUMMARY_FILE."""
     spelled = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if '"summary.json"' in p.read_text()]
-    assert spelled == ["run/run_folder.py"]
+    assert spelled == ["store/run_folder.py"]
 
 
 def test_replay_settings_checked_once_with_the_same_message(tmp_path):

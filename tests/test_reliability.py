@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import torch
-
 from helpers.checkpoints import strip_checksums
 from helpers.configs import make_config, quiet
+
 from klgrpo.errors import ConfigError, KLGRPOError, KLGRPOWarning
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 
 FAST = {"logging": {"progress": False, "tensorboard": False, "plots": False}}
 
@@ -122,7 +122,7 @@ def test_resume_with_a_changed_exactness_field_is_refused(tiny_model_dir, additi
 
 def test_extending_a_finished_cosine_run_warns():
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.run.run_folder import compare_configs
+    from klgrpo.store.run_folder import compare_configs
 
     old = GRPOConfig.from_dict({"optim": {"schedule": "cosine"}, "train": {"steps": 10}})
     new = old.override({"train.steps": 20})
@@ -133,10 +133,10 @@ def test_extending_a_finished_cosine_run_warns():
 
 
 def test_lock_refuses_a_live_writer_and_takes_over_a_dead_one(tmp_path):
-    from klgrpo.run.run_folder import LOCK_FILE, RunLock, check_run_folder
-    from klgrpo.config.schema import GRPOConfig
-
     import socket
+
+    from klgrpo.config.schema import GRPOConfig
+    from klgrpo.store.run_folder import LOCK_FILE, RunLock, check_run_folder
 
     run = tmp_path / "run"
     run.mkdir()
@@ -162,7 +162,7 @@ def test_a_second_trainer_in_the_same_process_is_refused(tiny_model_dir, additio
     is refused, without touching A's lock. Once A is done, the folder is free again."""
     import threading
 
-    from klgrpo.run.run_folder import LOCK_FILE
+    from klgrpo.store.run_folder import LOCK_FILE
 
     run = tmp_path / "run"
     first = GRPOTrainer(make_config(tiny_model_dir, addition_file, run, train={"steps": 1}), log=quiet)
@@ -196,7 +196,7 @@ def test_resume_auto_continues_a_checkpoint_restarts_an_unsaved_start_and_starts
     """--resume auto: a fresh folder starts a run; a folder with a checkpoint continues from it; the beginning
     of the same run killed before its first checkpoint starts again; another run's beginning is refused."""
     from klgrpo.apps.args import parse_args
-    from klgrpo.run.run_folder import resolve_auto_resume
+    from klgrpo.store.run_folder import resolve_auto_resume
 
     out = tmp_path / "run"
     cfg = parse_args(_base_args(tiny_model_dir, addition_file, out))[0]
@@ -226,7 +226,7 @@ def test_resume_auto_continues_a_checkpoint_restarts_an_unsaved_start_and_starts
 
 
 def test_orphans_are_cleaned_and_only_those(tmp_path):
-    from klgrpo.run.checkpoint import clean_incomplete
+    from klgrpo.store.checkpoint import clean_incomplete
 
     root = tmp_path / "checkpoints"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -337,7 +337,7 @@ def test_state_round_trip_keeps_every_type_bitwise(tmp_path):
     from klgrpo.core.batch import StepBatch
     from klgrpo.core.rollout import RolloutBatch
     from klgrpo.math.aggregation import Normalizer
-    from klgrpo.run.state_io import load_state, save_state
+    from klgrpo.store.state_io import load_state, save_state
 
     rollout = RolloutBatch(input_ids=torch.arange(12).reshape(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long),
                            completion_ids=torch.arange(8).reshape(2, 4), completion_mask=torch.ones(2, 4).bool(),
@@ -374,8 +374,8 @@ def test_state_round_trip_keeps_every_type_bitwise(tmp_path):
 
 
 def test_a_pickle_payload_in_any_file_klgrpo_reads_does_not_run(tiny_model_dir, addition_file, tmp_path):
-    from klgrpo.run.checkpoint import load_trainer_state
-    from klgrpo.run.state_io import StateFileError, load_state
+    from klgrpo.store.checkpoint import load_trainer_state
+    from klgrpo.store.state_io import StateFileError, load_state
     from klgrpo.verify.from_run import DumpError, load_dump
 
     payload = _pickle_payload(tmp_path)
@@ -435,7 +435,7 @@ def test_replay_cache_with_a_pickle_payload_is_resampled_not_run(tiny_model_dir,
 # --------------------------------------------------------------------------- 4. scientific notation
 def test_scientific_notation_everywhere(tmp_path):
     from klgrpo.apps.args import parse_args
-    from klgrpo.apps.sweep import parse_grid
+    from klgrpo.apps.sweep.plan import parse_grid
 
     (tmp_path / "c.yaml").write_text("optim:\n  lr: 5e-6\nkl:\n  coef: 1E-3\n  target: +2.5e-2\n")
     cfg, _ = parse_args(["--config", str(tmp_path / "c.yaml"), "--loss.std_eps", "1e-8"])
@@ -471,7 +471,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_names_the_file(tiny_model_dir,
 
 def test_full_disk_during_save_says_so_and_keeps_the_old_checkpoint(tiny_model_dir, addition_file, tmp_path,
                                                                     monkeypatch):
-    from klgrpo.run import checkpoint
+    from klgrpo.store import checkpoint
 
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 1}, **FAST)
     trainer = GRPOTrainer(cfg, log=quiet)
@@ -510,7 +510,7 @@ def test_sigterm_saves_the_last_complete_step_and_exits_143(tiny_model_dir, addi
 
 # ------------------------------------------------------------------------------------------- 10. sweep
 def test_sweep_neither_relabels_nor_replaces_a_run_whose_config_changed(tmp_path, monkeypatch):
-    from klgrpo.apps import sweep
+    from klgrpo.apps.sweep import command as sweep
 
     script = tmp_path / "fake.py"
     script.write_text("import json, pathlib, sys\nargs = [a for a in sys.argv[1:] if a != '--overwrite']\n"
@@ -532,7 +532,7 @@ def test_sweep_neither_relabels_nor_replaces_a_run_whose_config_changed(tmp_path
 
 # ------------------------------------------------------------------------------------------ 11. memory
 def test_step_tally_keeps_constant_state():
-    from klgrpo.train.tally import StepTally
+    from klgrpo.run.tally import StepTally
 
     tally = StepTally()
     for i in range(1000):
@@ -634,7 +634,7 @@ def test_full_disk_in_safetensors_says_so_and_leaves_no_tmp_folder(tiny_model_di
     one can be mounted here, else with safetensors' writer failing the way it does on a full disk."""
     from safetensors import SafetensorError
 
-    from klgrpo.run import checkpoint
+    from klgrpo.store import checkpoint
 
     disk = _small_tmpfs(tmp_path / "disk")
     run = (disk or tmp_path) / "r"

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.train.metrics import read_metrics
-from klgrpo.core.reference import FrozenCopyReference
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train.replay import CACHE_FILE, ReplayAnchor, ReplayCache
-from klgrpo.train.trainer import GRPOTrainer
 from tests.test_trainer import _final_state, _train_rows, make_config, quiet
 
 REPLAY = {"coef": 1.0, "num_prompts": 6, "completions_per_prompt": 2, "batch_size": 5}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from klgrpo.apps.cli import main as cli_main
 from klgrpo.apps.report import main
-from klgrpo.train.report import make_plots, summary_table
+from klgrpo.run.report import make_plots, summary_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -138,7 +138,7 @@ def test_main_error_paths_print_one_line_and_return_2(tmp_path, capsys):
 
 
 def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
-    from klgrpo.train.report import _controller_target
+    from klgrpo.run.report import _controller_target
 
     (tmp_path / "config.yaml").write_text("kl:\n  controller: adaptive\n  target: 0.07\n  kl_measure: token_mean\n")
     assert _controller_target(tmp_path) == 0.07
@@ -151,7 +151,7 @@ def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
 def test_kl_plot_keeps_coinciding_curves_visible():
     """raw = adapted (no shaping) and raw = k3 (k3 estimators) coincide: each keeps a style no other curve in
     its panel has, and the monitors sit in a panel of their own."""
-    from klgrpo.train.report import _kl_plot
+    from klgrpo.run.report import _kl_plot
 
     rows = [{"step": s, "adaptive_kl/raw_kl": 0.01 * s, "adaptive_kl/adapted_kl": 0.01 * s, "kl/k1": 0.01 * s,
              "kl/k2": 0.01 * s, "kl/k3": 0.01 * s} for s in range(1, 61)]

@@ -15,16 +15,20 @@ from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification
 
 from klgrpo.apps.demo.tokenizer import build_char_tokenizer
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.core.rewards import RewardComputer, RewardModel, RewardModelContext, RewardModelSpec, RewardSpec
 from klgrpo.errors import ConfigError, KLGRPOWarning, RewardError
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train import metric_names as names
-from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
 from klgrpo.train.step_memory import check_step_memory
 from tests.helpers.configs import make_config, quiet
 from tests.helpers.reward_model import (
-    CHAT_TEMPLATE, build_reward_model, prefers_token, rm_tokenizer, save_reward_model,
+    CHAT_TEMPLATE,
+    build_reward_model,
+    prefers_token,
+    rm_tokenizer,
+    save_reward_model,
 )
 
 PROMPTS = ["12+3=", "7-4=", "99+1=", "0+0=", "5-5="]
@@ -258,7 +262,8 @@ def test_grpo_learns_to_emit_the_token_the_reward_model_prefers(tiny_model_dir, 
 
 def test_the_trl_bridge_takes_a_reward_model_name_or_object_as_trl_does(rm_dir, tmp_path):
     trl = pytest.importorskip("trl")
-    from klgrpo.trl import GRPOConfig as BridgeConfig, GRPOTrainer as BridgeTrainer
+    from klgrpo.trl import GRPOConfig as BridgeConfig
+    from klgrpo.trl import GRPOTrainer as BridgeTrainer
     from tests.helpers.trl_setup import addition_prompts, char_tokenizer, run_args, save_tiny_model
 
     policy = save_tiny_model(tmp_path / "policy")
@@ -290,7 +295,8 @@ def test_two_processes_load_the_reward_model_once_each_and_score_alike(rm_dir, t
     from pathlib import Path
 
     from tests.helpers.launch import Launch, accelerate_command, launch_env
-    from tests.helpers.reward_model_dist_worker import COMPLETIONS as TEXTS_C, PROMPTS as TEXTS_P
+    from tests.helpers.reward_model_dist_worker import COMPLETIONS as TEXTS_C
+    from tests.helpers.reward_model_dist_worker import PROMPTS as TEXTS_P
 
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 2},
                       rewards={"functions": [{"model": rm_dir, "batch_size": 3}]})

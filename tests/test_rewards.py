@@ -8,7 +8,6 @@ import textwrap
 import pytest
 import torch
 
-from klgrpo.errors import ConfigError, KLGRPOError, RewardError
 from klgrpo.core.rewards import (
     BUILTIN_REWARDS,
     RewardComputer,
@@ -20,6 +19,7 @@ from klgrpo.core.rewards import (
     load_reward_function,
     numeric_match,
 )
+from klgrpo.errors import ConfigError, KLGRPOError, RewardError
 
 # A batch every built-in can score (format's pattern comes from the kwargs).
 _BATCH = dict(prompts=["p1", "p2"], completions=["42", "<a>7</a>"], answer=["42", "#### 8"])

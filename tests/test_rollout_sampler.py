@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.backends.kv_decoder import KVSampler, filter_logits
+from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.core.rollout import SamplingParams, generate_groups
 
 V = 23
@@ -108,8 +108,12 @@ def test_teacher_forced_logits_equal_the_forward(arch, dtype, tol):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8),
                                                      (0.9, 7, 0.6), (1.0, 1, 1.0), (1.0, 0, 0.01)])
 def test_filters_equal_transformers_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     g = torch.Generator().manual_seed(1)
     logits = 3 * torch.randn(6, 50, generator=g)
@@ -295,7 +299,7 @@ def test_trainer_samples_with_the_configured_generate_sampler(tiny_model_dir, ad
 
     from klgrpo.backends.kv_decoder import KVSampler
     from klgrpo.errors import KLGRPOWarning
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
     from tests.helpers.configs import make_config
 
     calls, lines = [], []
@@ -378,7 +382,7 @@ def test_warm_up_compiles_every_batch_width_before_the_first_step_and_changes_no
     weights are those of a run without the warm-up, bit for bit."""
     from klgrpo.backends.samplers import STATIC_PROMPT_BUCKET, GenerateSampler
     from klgrpo.core.rollout import batch_widths
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
     from tests.helpers.configs import make_config
 
     runs = {}
@@ -397,7 +401,7 @@ def test_warm_up_compiles_every_batch_width_before_the_first_step_and_changes_no
             return out
 
         monkeypatch.setattr(trainer.model, "generate", spy)
-        import klgrpo.train.metrics as metrics_module
+        import klgrpo.run.metrics as metrics_module
         monkeypatch.setattr(metrics_module.tqdm, "write", lambda text, *a, **k: lines.append(text))
         trainer.train()
         rows = [json.loads(x) for x in (tmp_path / f"run-{warm}" / "metrics.jsonl").read_text().splitlines()]

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.configs import make_config, quiet
+
 from klgrpo.math.kl_control import AdaptiveKLController, horizon_to_reach
-from klgrpo.train.runaway import KLReach
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.runaway import KLReach
+from klgrpo.run.trainer import GRPOTrainer
 
 PLANTED = {"coef": 0.01, "warn_window": 2, "runaway_above": 0.5, "runaway_lr_factor": 0.1}
 STEPS = 6
@@ -40,7 +40,7 @@ def _weights(folder):
 
 @pytest.fixture(scope="module")
 def rolled_back(tiny_model_dir, addition_file, tmp_path_factory):
-    from klgrpo.train.metrics import MetricsLogger
+    from klgrpo.run.metrics import MetricsLogger
 
     out = tmp_path_factory.mktemp("rollback") / "run"
     said = []
@@ -80,7 +80,7 @@ def test_each_action_is_one_console_line_and_a_tracker_text_entry(rolled_back):
 
 
 def test_stop_ends_the_run_at_the_runaway_and_names_a_loadable_checkpoint(tiny_model_dir, addition_file, tmp_path):
-    from klgrpo.run.checkpoint import load_trainer_state, verify_checksums
+    from klgrpo.store.checkpoint import load_trainer_state, verify_checksums
 
     out = tmp_path / "run"
     GRPOTrainer(_config(tiny_model_dir, addition_file, out, on_runaway="stop"), log=quiet).train()
@@ -149,7 +149,7 @@ def test_a_kill_in_the_middle_of_a_rollback_resumes_to_the_run_never_killed(roll
                                                                            where):
     """Killed after the restore (before its checkpoint: nothing newer is left, the run replays to the same
     rollback) or after the rollback's checkpoint (the run resumes from it)."""
-    from klgrpo.train import runaway
+    from klgrpo.run import runaway
 
     uninterrupted, summary, _ = rolled_back
     real = getattr(runaway.RunawayGuard, where)
@@ -176,7 +176,7 @@ def test_a_kill_in_the_middle_of_a_rollback_resumes_to_the_run_never_killed(roll
 def test_a_target_on_disk_rolls_back_to_the_same_run_as_one_in_memory(rolled_back, tiny_model_dir, addition_file,
                                                                       tmp_path, monkeypatch):
     """No memory to spare: the kept states are checkpoints (never pruned while kept), and the run is the same."""
-    from klgrpo.train import runaway
+    from klgrpo.run import runaway
 
     in_memory, summary, _ = rolled_back
     monkeypatch.setattr(runaway, "available_memory", lambda: 0)

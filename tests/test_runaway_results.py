@@ -96,3 +96,22 @@ def test_readme_quotes_the_rollback_run():
             f"add / capitals / opposites by {v['add/change']:+.1f} / {v['capitals/change']:+.1f} / "
             f"{v['opposites/change']:+.1f} points") in readme
     assert run["runaway"]["rollbacks"] == 2 and run["runaway"]["lr_scale"] == 0.25
+
+
+def test_a_run_the_folder_lacks_is_kept_from_the_committed_table_and_the_stats_recomputed():
+    setting = "kl.coef=0.01,kl.on_runaway=rollback"
+
+    def cell(runs, missing=()):
+        return {"setting": setting, "seeds": [r["seed"] for r in runs if "values" in r], "missing": list(missing),
+                "runs": runs, "stats": {}}
+
+    earlier = {"cells": [cell([{"seed": 4, "status": "skipped", "values": {"final_kl": 0.4}}])]}
+    new = {"header": ["# t"], "cells": [cell([{"seed": 3, "status": "finished", "values": {"final_kl": 0.2}},
+                                              {"seed": 4, "status": "missing"}], missing=[4])]}
+    merged = _tool().with_earlier_runs(new, earlier)["cells"][0]
+    assert merged["missing"] == [] and sorted(merged["seeds"]) == [3, 4]
+    assert [r["status"] for r in merged["runs"]] == ["finished", "earlier"]
+    # mean of 0.2 and 0.4; sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414...
+    stats = merged["stats"]["final_kl"]
+    assert abs(stats["mean"] - 0.3) < 1e-12 and abs(stats["std"] - 2 ** 0.5 / 10) < 1e-12 and stats["n"] == 2
+    assert "seed 4" in new["header"][-1]

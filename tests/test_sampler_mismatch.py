@@ -9,9 +9,9 @@ import math
 import pytest
 
 from klgrpo.backends.samplers import SAMPLERS, KVLoopSampler
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train import metric_names as m
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 SHIFT = 0.1  # the planted sampler reports log mu = log pi_old + SHIFT on every token

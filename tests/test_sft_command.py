@@ -10,8 +10,7 @@ import torch
 import yaml
 
 from klgrpo.apps.cli import main as cli
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 pytest.importorskip("trl")

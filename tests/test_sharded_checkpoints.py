@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 import torch
+from helpers.configs import make_config, quiet
 from safetensors.torch import load_file
 
-from helpers.configs import make_config, quiet
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 
 FAST = {"logging": {"progress": False, "tensorboard": False, "plots": False}}
 

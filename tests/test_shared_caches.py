@@ -14,8 +14,8 @@ import torch
 
 from klgrpo.apps.demo.assets import DemoSettings, ModelSizes, prepare_demo_assets
 from klgrpo.apps.demo.sft import SFTSettings
+from klgrpo.store.state_io import folder_lock
 from klgrpo.train.replay import CACHE_FILE, ReplayAnchor
-from klgrpo.run.state_io import folder_lock
 from tests.test_replay import _setup, subtraction_file  # noqa: F401 (a fixture)
 
 TINY_DEMO = DemoSettings(model=ModelSizes(hidden=16, layers=1, heads=2, intermediate=32, max_positions=16),
@@ -87,6 +87,7 @@ def test_replay_cache_asked_for_at_once_is_sampled_once(tiny_model_dir, addition
     assert sorted(p.name for p in run.iterdir()) == sorted([CACHE_FILE, "replay_cache.safetensors"])
 
 
+@pytest.mark.slow  # two processes under torchrun, about 16 s
 def test_two_ranks_build_the_demo_assets_and_the_replay_cache_once(tmp_path):
     """`accelerate launch --num_processes 2` (DDP, gloo): every rank asks for the demo assets and builds a trainer
     with the replay anchor (each rank of DDP builds one); one rank builds each, the other loads it."""

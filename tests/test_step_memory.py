@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from klgrpo.errors import ConfigError
 from klgrpo.config.schema import GRPOConfig
+from klgrpo.errors import ConfigError
 from klgrpo.train.step_memory import available_memory_bytes, check_step_memory, estimate_step_memory
 
 GIB = 2 ** 30
@@ -66,13 +66,13 @@ def test_a_135m_model_with_8x8x256_fits_24_gb():
 @pytest.fixture(scope="module")
 def demo_pieces(tmp_path_factory):
     """The demo's model sizes, tokenizer, training prompts and config (random weights: the check reads sizes)."""
+    from dataclasses import asdict
+
     from klgrpo.apps.demo.assets import DEFAULT_SETTINGS, planned_demo_assets
     from klgrpo.apps.demo.model import build_tiny_model_for
     from klgrpo.apps.demo.tasks import make_splits
     from klgrpo.apps.demo.tokenizer import build_char_tokenizer
     from klgrpo.apps.demo_run import demo_config
-
-    from dataclasses import asdict
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_model_for(tokenizer, 0, **asdict(DEFAULT_SETTINGS.model))
@@ -149,9 +149,8 @@ def test_free_memory_is_known_on_the_cpu():
 
 def test_the_trainer_refuses_a_step_beyond_memory_before_writing_anything(tiny_model_dir, addition_file, tmp_path,
                                                                          monkeypatch):
+    from klgrpo.run.trainer import GRPOTrainer
     from tests.helpers.configs import make_config
-
-    from klgrpo.train.trainer import GRPOTrainer
 
     # The trainer asks the machine how much is free; here the machine has 1 KiB.
     monkeypatch.setattr("klgrpo.train.step_memory.available_memory_bytes", lambda device: 1024)

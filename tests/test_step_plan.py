@@ -22,7 +22,6 @@ from klgrpo.math.objective import PolicyTerm
 from klgrpo.math.policy_loss import POLICY_LOSSES, sapo_surrogate, vespo_surrogate
 from klgrpo.math.policy_params import SapoParams, VespoParams
 from klgrpo.math.registry import Registry
-
 from tests.helpers.configs import make_config, quiet
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
@@ -87,7 +86,7 @@ def test_a_config_is_validated_once_and_read_only_afterwards(monkeypatch):
 
 def test_a_run_validates_its_config_once(tiny_model_dir, addition_file, tmp_path, monkeypatch):
     """klgrpo train checks the config before loading anything; the trainer and the replay anchor reuse that."""
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     calls = []
     real = validation.validate_config

@@ -11,8 +11,11 @@ import textwrap
 
 import pytest
 
-from klgrpo.apps import sweep, sweep_table
-from klgrpo.apps.sweep import Cell, Run, SweepError, aggregate, build_table, cells_of, parse_grid, run_sweep
+from klgrpo.apps.sweep import command as sweep
+from klgrpo.apps.sweep import table as sweep_table
+from klgrpo.apps.sweep.command import run_sweep
+from klgrpo.apps.sweep.plan import SweepError, cells_of, parse_grid, split_values
+from klgrpo.apps.sweep.table import Cell, Run, aggregate, build_table
 from klgrpo.apps.train import resolved_config
 
 FAKE_TRAIN = textwrap.dedent("""
@@ -63,7 +66,7 @@ def test_grid_product_order_and_names():
 
 
 def test_grid_values_split_outside_brackets_and_folder_safe():
-    assert sweep.split_values("0,[a,b],'x,y', 3") == ["0", "[a,b]", "'x,y'", "3"]
+    assert split_values("0,[a,b],'x,y', 3") == ["0", "[a,b]", "'x,y'", "3"]
     grid = parse_grid(["--eval.sets=[],[{name: a, source: b}]", "model.name_or_path=a/b,c"])
     assert grid[0][1] == ["[]", "[{name: a, source: b}]"]
     cell = cells_of(grid)[2]
@@ -278,6 +281,7 @@ SLOW_FAKE_TRAIN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # about 22 s each: a real sweep of two trainings, killed and run again
 @pytest.mark.parametrize("jobs, signame", [(1, "SIGINT"), (2, "SIGTERM")])
 def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
     """Interrupt a real sweep process while runs are going: it exits 130, the live runs die with it, no queued
@@ -293,7 +297,7 @@ def test_a_killed_sweep_stops_its_runs_and_resumes(tmp_path, jobs, signame):
     # SIGINT as a terminal's Ctrl-C delivers it, even where this test runs as a background job (which starts
     # with SIGINT ignored, and its children inherit that)
     code = (f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            f"from klgrpo.apps import sweep; sweep.train_argv_prefix = lambda: [sys.executable, "
+            f"from klgrpo.apps.sweep import command as sweep; sweep.train_argv_prefix = lambda: [sys.executable, "
             f"{str(script)!r}]; sys.exit(sweep.main(['--grid', 'kl.coef=0,1,2,3', '--jobs', '{jobs}', "
             f"'--output-dir', {str(out)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

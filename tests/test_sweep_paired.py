@@ -8,10 +8,17 @@ import math
 
 import pytest
 
-from klgrpo.apps import sweep
-from klgrpo.apps.sweep import Cell, Run, build_table
-from klgrpo.apps.sweep_paired import (RETENTION, bootstrap_interval, paired_markdown, paired_table, plot_runs,
-                                      retention_change, sign_test)
+from klgrpo.apps.sweep import command as sweep
+from klgrpo.apps.sweep.paired import (
+    RETENTION,
+    bootstrap_interval,
+    paired_markdown,
+    paired_table,
+    plot_runs,
+    retention_change,
+    sign_test,
+)
+from klgrpo.apps.sweep.table import Cell, Run, build_table
 from tests.test_sweep import fake_trainer  # noqa: F401  (the fixture)
 
 BEFORE = {"task": 0.5, "keep_a": 0.8, "keep_b": 0.6}

@@ -12,9 +12,8 @@ from collections import Counter
 import pytest
 
 from klgrpo.errors import ConfigError
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 METRIC = "train/loss"
@@ -41,7 +40,7 @@ def _names(rows) -> set[str]:
 
 
 def test_unknown_or_missing_tracker_is_one_line():
-    from klgrpo.train.trackers import check_report_to
+    from klgrpo.run.trackers import check_report_to
 
     with pytest.raises(ConfigError, match="unknown tracker 'tensorbord'; choose from tensorboard, trackio"):
         check_report_to(["tensorbord"])
@@ -182,7 +181,7 @@ def test_trackio_local_store(tiny_model_dir, addition_file, tmp_path, monkeypatc
 
 
 def test_a_tracker_that_cannot_start_is_one_line_naming_it(tiny_model_dir, addition_file, tmp_path, monkeypatch):
-    from klgrpo.train import trackers
+    from klgrpo.run import trackers
 
     class Refusing:
         def start(self):

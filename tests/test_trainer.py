@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
 from klgrpo.core.kl_dump import load_dump
-
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 

@@ -11,9 +11,8 @@ import torch
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl import exact_kl
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 BETA = 0.5

@@ -10,9 +10,8 @@ import torch
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.math.advantages import group_advantages
 from klgrpo.math.kl import kl_estimate
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
-
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 

@@ -19,7 +19,11 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from klgrpo.errors import ConfigError  # noqa: E402
 from klgrpo.trl import (  # noqa: E402
-    CONTROLLER_FILE, KL_ADAPTATION_METHODS, LOSS_TYPES, GRPOConfig, GRPOTrainer,
+    CONTROLLER_FILE,
+    KL_ADAPTATION_METHODS,
+    LOSS_TYPES,
+    GRPOConfig,
+    GRPOTrainer,
 )
 from tests.helpers.trl_setup import addition_prompts, char_tokenizer, count_zeros, run_args, save_tiny_model  # noqa: E402
 
@@ -345,8 +349,9 @@ def test_a_trl_outside_the_supported_range_fails_at_import_in_one_line(monkeypat
 
 
 def test_the_trl_extra_pins_the_supported_range():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     from klgrpo.trl import SUPPORTED_TRL
 
@@ -378,11 +383,10 @@ def test_gradient_table_rows_match_verify_kl_declarations():
 @pytest.mark.slow
 def test_two_cpu_processes_under_accelerate_launch_share_one_controller(model_dir, tmp_path):
     import os
+    import socket
     import subprocess
     import sys
     from pathlib import Path
-
-    import socket
 
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from klgrpo.apps.verify_kl import main as verify_main
+from klgrpo.core.kl_dump import save_dump
 from klgrpo.math.advantages import reward_to_go
 from klgrpo.math.kl import ESTIMATORS, kl_estimate
 from klgrpo.verify import categorical, montecarlo, sequence_toy
-from klgrpo.apps.verify_kl import main as verify_main
 from klgrpo.verify.penalty import GRADIENT_RTOL, classify_gradient, flat_grad
-from klgrpo.core.kl_dump import save_dump
 from klgrpo.verify.report import torch_threads
 from klgrpo.verify.sequence_toy import TOY
 

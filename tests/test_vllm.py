@@ -29,9 +29,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from klgrpo.backends import vllm_sampler  # noqa: E402
 from klgrpo.core.rollout import SamplingParams, generate_groups  # noqa: E402
+from klgrpo.run.metrics import read_metrics  # noqa: E402
+from klgrpo.run.trainer import GRPOTrainer  # noqa: E402
 from klgrpo.train import metric_names as m  # noqa: E402
-from klgrpo.train.metrics import read_metrics  # noqa: E402
-from klgrpo.train.trainer import GRPOTrainer  # noqa: E402
 from tests.helpers.configs import make_config, quiet  # noqa: E402
 
 #: the sampler's log-probs against the trainer's pi_old, float32

@@ -30,9 +30,9 @@ import torch
 from klgrpo.backends import vllm_server
 from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train import metric_names as m
-from klgrpo.train.metrics import read_metrics
-from klgrpo.train.trainer import GRPOTrainer
 from tests.helpers.configs import make_config, quiet
 
 #: the sampler's log-probs against the trainer's pi_old, float32

@@ -5,13 +5,16 @@ its runs at the same seeds are the pairs).
 
     python tools/runaway_results.py runs/runaway      # after: klgrpo sweep ... --output-dir runs/runaway --table-only
 
+A run the folder lacks but the committed table has (an earlier session's run of the same command: CPU runs repeat bit
+for bit) is kept from the committed table, marked ``"status": "earlier"``, and the header says which; the cells'
+statistics and table.md are then recomputed with the sweep's own ``aggregate`` and ``table_markdown``.
+
 tests/test_runaway_results.py recomputes the pairing from the two tables and checks what docs/ablation.md quotes.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +28,7 @@ BASELINES = ("kl.coef=0", "kl.coef=0.01")
 
 def paired(new: dict, published: dict) -> dict:
     """Every new setting against each published baseline on the seeds both have (sweep_paired's comparison)."""
-    from klgrpo.apps.sweep_paired import paired_table
+    from klgrpo.apps.sweep.paired import paired_table
 
     base = {c["setting"]: c for c in published["cells"]}
     out = {}
@@ -35,12 +38,42 @@ def paired(new: dict, published: dict) -> dict:
     return out
 
 
+def with_earlier_runs(table: dict, earlier: dict) -> dict:
+    """``table`` with each run it lacks (not run yet, or absent) taken from ``earlier``, the committed table of the
+    same command; the cells' statistics recomputed."""
+    from klgrpo.apps.sweep.table import aggregate
+
+    before = {(c["setting"], r["seed"]): r for c in earlier["cells"] for r in c["runs"] if "values" in r}
+    kept = []
+    for cell in table["cells"]:
+        have = {r["seed"] for r in cell["runs"] if "values" in r}
+        for (setting, seed), record in sorted(before.items(), key=lambda item: str(item[0])):
+            if setting != cell["setting"] or seed in have:
+                continue
+            cell["runs"] = [r for r in cell["runs"] if r["seed"] != seed] + [{**record, "status": "earlier"}]
+            cell["missing"] = [m for m in cell.get("missing", []) if m != seed]
+            cell["seeds"].append(seed)
+            kept.append(f"{setting} seed {seed}")
+        keys = {k for r in cell["runs"] for k in r.get("values", {})}
+        cell["stats"] = {k: aggregate([r["values"].get(k) for r in cell["runs"] if "values" in r])
+                         for k in sorted(keys)}
+    if kept:
+        table["header"] = table["header"] + [f"- kept from the earlier run of the same command (CPU runs repeat bit "
+                                             f"for bit): {'; '.join(kept)}"]
+    return table
+
+
 def run_records(sweep: Path, table: dict) -> list[dict]:
     """Each finished run's rollbacks (kl.on_runaway) and KL reach (adaptive controller), from its summary."""
     records = []
+    earlier = {(r["setting"], r["seed"]): r for r in json.loads((TARGET / "runs.json").read_text())} \
+        if (TARGET / "runs.json").exists() else {}
     for cell in table["cells"]:
         for run in cell["runs"]:
             summary_file = sweep / cell["setting"] / f"seed={run['seed']}" / "summary.json"
+            if run.get("status") == "earlier":
+                records.append(earlier[(cell["setting"], run["seed"])])
+                continue
             if not summary_file.exists():
                 continue
             summary = json.loads(summary_file.read_text())
@@ -51,17 +84,21 @@ def run_records(sweep: Path, table: dict) -> list[dict]:
 
 
 def main(sweep: Path) -> None:
-    from klgrpo.apps.sweep_paired import paired_markdown
+    from klgrpo.apps.sweep.paired import paired_markdown
+    from klgrpo.apps.sweep.table import table_markdown
 
     table = json.loads((sweep / "table.json").read_text())
     published = json.loads(PUBLISHED.read_text())
+    if (TARGET / "table.json").exists():
+        table = with_earlier_runs(table, json.loads((TARGET / "table.json").read_text()))
+    records = run_records(sweep, table)
     TARGET.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(sweep / "table.json", TARGET / "table.json")
-    shutil.copyfile(sweep / "table.md", TARGET / "table.md")
+    (TARGET / "table.json").write_text(json.dumps(table, indent=2))
+    (TARGET / "table.md").write_text(table_markdown(table, table["header"]))
     pairs = paired(table, published)
     (TARGET / "paired.json").write_text(json.dumps(pairs, indent=1) + "\n")
     (TARGET / "paired.md").write_text("\n".join(paired_markdown(p) for p in pairs.values()))
-    (TARGET / "runs.json").write_text(json.dumps(run_records(sweep, table), indent=1) + "\n")
+    (TARGET / "runs.json").write_text(json.dumps(records, indent=1) + "\n")
 
 
 if __name__ == "__main__":

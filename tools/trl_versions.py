@@ -2,6 +2,11 @@
 source at every minor release (a git clone's tags, and release wheels for the tags the clone lacks).
 
     python tools/trl_versions.py --git TRL_CLONE [--wheels DIR]     # rewrite the table
+    python tools/trl_versions.py --git TRL_CLONE --commits-only     # only the pinned commits' rows
+
+Launchers also pin TRL at a git commit (open-r1's setup.py: ``trl @ git+https://github.com/huggingface/trl.git@SHA``).
+For each commit of PINNED_COMMITS the script reads the same two files at the commit and records the range whose
+rules they equal (``commits``), so a file pinning the commit is read by that range.
 
 For each release the script reads ``trl/trainer/grpo_config.py`` (GRPOConfig's own fields and the defaults of the
 fields that decide the KL) and ``trl/trainer/grpo_trainer.py`` (whether the k3 value is multiplied by the
@@ -29,6 +34,11 @@ DECIDING = ("beta", "loss_type", "scale_rewards", "use_bias_correction_kl", "num
 #: Modules a script imports that appeared in one release: an import of one bounds the release from below.
 MODULES = ("trl.rewards", "trl.experimental", "trl.experimental.openenv", "trl.experimental.async_grpo")
 LOSS_LINES = {"completion_mask.sum(dim=1)).mean()": "grpo", ".sum() / completion_mask.sum()": "bnpo"}
+#: The TRL commits open-r1's setup.py pinned between January and May 2025 (its git history).
+PINNED_COMMITS = ("6f99f42f724123409422f2fad42bf56fa91f366f", "013d360b8f2703d3546786fa124f3204d6cd8018",
+                  "69ad852e5654a77f1695eb4c608906fe0c7e8624", "d625c5533a6b1c84d3565c8080857f6bb81c538a",
+                  "c04e84c4545acfaecdf7e0631ad07a86ab0fb2f6", "1bca49515ecd5b85d16e68c42c76670e252e19f1",
+                  "9ac614fb081e17805f7f62ab3f5f7036bdefe7b0")
 
 
 def own_fields(source: str) -> dict[str, object]:
@@ -58,7 +68,9 @@ def _default(value: ast.expr | None) -> object:
 
 def trainer_facts(source: str) -> dict[str, object]:
     weighted = bool(re.search(r"per_token_kl\s*=\s*per_token_kl\s*\*\s*coef_1", source))
-    loss_line = next((name for line, name in LOSS_LINES.items() if line in source), None)
+    # the loss assignment itself: the KL metric's line below it has the per-sequence form too
+    assignments = [line for line in source.splitlines() if re.match(r"\s*loss = \(", line)]
+    loss_line = next((name for line, name in LOSS_LINES.items() if any(line in a for a in assignments)), None)
     return {"kl_importance_weighted_by": "use_bias_correction_kl" if weighted else None,
             "implicit_loss_type": loss_line}
 
@@ -88,6 +100,24 @@ def from_git(clone: Path) -> list[dict[str, object]]:
                                check=True).stdout for path in (CONFIG, TRAINER)]
         out.append(release(tag.lstrip("v"), *show, f"huggingface/trl {CONFIG}, {TRAINER} at tag {tag}"))
     return out
+
+
+def commit_rows(clone: Path, rows: list[dict[str, object]], shas=PINNED_COMMITS) -> dict[str, dict[str, object]]:
+    """Each pinned commit -> its version string and the range (``from``) whose rules it has, or None."""
+    out = {}
+    for sha in shas:
+        config, trainer, init = (_show(clone, sha, path) for path in (CONFIG, TRAINER, "trl/__init__.py"))
+        version = re.search(r'__version__ = "([^"]+)"', init).group(1)
+        rel = release(version, config, trainer, f"huggingface/trl {CONFIG}, {TRAINER} at commit {sha}")
+        same = [r["from"] for r in rows if (r["defaults"], r["kl_weight_field"]) ==
+                (rel["defaults"], rel["kl_weight_field"])]
+        out[sha] = {"version": version, "range_from": same[-1] if same else None, "read": rel["read"]}
+    return out
+
+
+def _show(clone: Path, ref: str, path: str) -> str:
+    return subprocess.run(["git", "-C", str(clone), "show", f"{ref}:{path}"], capture_output=True, text=True,
+                          check=True).stdout
 
 
 def modules_first(clone: Path) -> dict[str, str]:
@@ -156,7 +186,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--git", type=Path, required=True)
     parser.add_argument("--wheels", type=Path)
+    parser.add_argument("--commits-only", action="store_true", help="only rewrite the table's pinned commits")
     args = parser.parse_args()
+    if args.commits_only:
+        table = json.loads(TARGET.read_text(encoding="utf-8"))
+        table["commits"] = commit_rows(args.git, table["ranges"])
+        TARGET.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {TARGET}: {len(table['commits'])} commits")
+        return
     releases = from_git(args.git)
     if args.wheels:
         seen = {r["version"] for r in releases}
@@ -172,6 +209,7 @@ def main() -> None:
                      "last_read: the newest release read for the range; absent: GRPOConfig fields of the newest "
                      "release that the range lacks; removed_since: fields of the range the newest lacks",
              "modules_first": modules_first(args.git), "ranges": rows}
+    table["commits"] = commit_rows(args.git, rows)
     TARGET.parent.mkdir(parents=True, exist_ok=True)
     TARGET.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {TARGET}: {len(table['ranges'])} ranges")

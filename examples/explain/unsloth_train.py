@@ -1,6 +1,7 @@
 # An Unsloth GRPO script: Unsloth patches TRL's GRPOConfig; this one also sets the adaptive-KL fields.
+from trl import GRPOConfig as Config
+from trl import GRPOTrainer
 from unsloth import FastLanguageModel
-from trl import GRPOConfig as Config, GRPOTrainer
 
 model, tokenizer = FastLanguageModel.from_pretrained("unsloth/Qwen2.5-0.5B-Instruct", max_seq_length=1024,
                                                      load_in_4bit=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from klgrpo.errors import KLGRPOError
 from klgrpo.config.schema import GRPOConfig
+from klgrpo.errors import KLGRPOError
 
 USAGE = """usage: klgrpo train [--config run.yaml] [--output-dir DIR] [--resume latest|auto|PATH] [--overwrite]
                     [--<group>.<field> VALUE ...]
@@ -37,6 +37,8 @@ class CommandLine:
     resume: str | None = None
     print_config: bool = False
     overwrite: bool = False
+    #: A command's own options (``read_argv(own=...)``): name -> every value given, in order.
+    own: dict = field(default_factory=dict)
 
     def config(self, base: GRPOConfig | None = None) -> GRPOConfig:
         """``base`` (default: GRPOConfig()) < --config YAML < overrides. Without --config and ``base``, --resume
@@ -49,9 +51,12 @@ class CommandLine:
         return {"resume": self.resume, "print_config": self.print_config, "overwrite": self.overwrite}
 
 
-def read_argv(argv: list[str]) -> CommandLine:
-    """Split ``argv`` into the config file, the --group.field overrides and the options; nothing is resolved."""
+def read_argv(argv: list[str], own: tuple[str, ...] = ()) -> CommandLine:
+    """Split ``argv`` into the config file, the --group.field overrides and the options; nothing is resolved.
+    ``own``: the names of a command's own options that take a value (``klgrpo eval``'s --set and --json), kept
+    apart from the overrides."""
     config_file, overrides, opts = None, {}, {"resume": None, "print_config": False, "overwrite": False}
+    own_values: dict[str, list[str]] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -74,6 +79,8 @@ def read_argv(argv: list[str]) -> CommandLine:
         i += 1
         if key == "config":
             config_file = value
+        elif key in own:
+            own_values.setdefault(key, []).append(value)
         elif key == "resume":
             opts["resume"] = value
         elif key in ("output-dir", "train.output_dir"):
@@ -82,7 +89,7 @@ def read_argv(argv: list[str]) -> CommandLine:
             overrides["train.output_dir"] = value
         else:
             overrides[key] = value
-    return CommandLine(config_file=config_file, overrides=overrides, **opts)
+    return CommandLine(config_file=config_file, overrides=overrides, own=own_values, **opts)
 
 
 def parse_args(argv: list[str], base: GRPOConfig | None = None) -> tuple[GRPOConfig, dict]:
@@ -97,7 +104,7 @@ def _run_config(resume: str, output_dir: str | None) -> str | None:
     from pathlib import Path
 
     from klgrpo.errors import ConfigError
-    from klgrpo.run.run_folder import run_config_file
+    from klgrpo.store.run_folder import run_config_file
 
     if resume in ("latest", "auto"):
         if not output_dir:

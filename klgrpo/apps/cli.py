@@ -15,7 +15,6 @@ from klgrpo.apps.commands import COMMANDS
 from klgrpo.errors import KLGRPOError, KLGRPOWarning
 
 
-
 def _usage() -> str:
     lines = ["usage: klgrpo <command> [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]

@@ -21,7 +21,7 @@ import time
 
 from klgrpo.apps.args import CommandLine, read_argv
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.run.run_folder import timestamped_run_dir
+from klgrpo.store.run_folder import timestamped_run_dir
 
 TRAINED, HELD_OUT = "addition", "subtraction"
 #: The demo's "drifting KL" threshold (kl.warn_above), fitted to its scale.
@@ -105,7 +105,7 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
     if print_config:
         print(cfg.to_yaml())
         return 0
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.trainer import GRPOTrainer
 
     if note:
         say(f"      {note}")

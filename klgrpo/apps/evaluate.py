@@ -38,43 +38,26 @@ def main(argv: list[str]) -> int:
 
 def parse(argv: list[str]):
     """(model path, config, config source, set names, json path, overwrite)."""
-    from klgrpo.apps.args import parse_args
+    from klgrpo.apps.args import read_argv
     from klgrpo.apps.models import checkpoint_run_config
     from klgrpo.config.entries import eval_set_specs
 
-    model_path, rest = argv[0], list(argv[1:])
+    model_path = argv[0]
     if model_path.startswith("--"):
         raise ConfigError("klgrpo eval needs the model first: klgrpo eval CHECKPOINT_OR_MODEL --config FILE")
-    sets, json_path, config_file, train_args, overwrite = [], None, None, [], False
-    i = 0
-    while i < len(rest):
-        arg, _, value = rest[i].partition("=")
-        if rest[i] == "--overwrite":
-            overwrite = True
-        elif arg in ("--set", "--json", "--config"):
-            if not value:
-                if i + 1 >= len(rest):
-                    raise ConfigError(f"{arg} needs a value")
-                value, i = rest[i + 1], i + 1
-            if arg == "--set":
-                sets.append(value)
-            elif arg == "--json":
-                json_path = value
-            else:
-                config_file = value
-                train_args += ["--config", value]
-        else:
-            train_args.append(rest[i])
-        i += 1
-    if config_file:
-        cfg, _ = parse_args(train_args)
-        source = config_file
+    command = read_argv(argv[1:], own=("set", "json"))
+    if command.resume or command.print_config:
+        raise ConfigError(f"klgrpo eval takes no --{'resume' if command.resume else 'print-config'}: it evaluates "
+                          f"the model given first (see klgrpo eval --help)")
+    sets, json_path = command.own.get("set", []), (command.own.get("json") or [None])[-1]
+    if command.config_file:
+        cfg, source = command.config(), command.config_file
     else:
         base, source = checkpoint_run_config(model_path)
         if base is None:
             raise ConfigError(f"no config for {model_path}: pass --config FILE (its eval.sets are evaluated); a "
                               f"checkpoint inside a run folder uses the run's config.yaml")
-        cfg, _ = parse_args(train_args, base=base)
+        cfg = command.config(base)
     if not cfg.eval.sets:
         raise ConfigError(f"{source} has no eval.sets: add a list of {{name, source}} entries (klgrpo train --help, "
                           f"group eval)")
@@ -82,7 +65,7 @@ def parse(argv: list[str]):
     unknown = [s for s in sets if s not in names]
     if unknown:
         raise ConfigError(f"--set {unknown[0]}: no such set in eval.sets of {source}; the sets are {', '.join(names)}")
-    return model_path, cfg, str(source), sets, json_path, overwrite
+    return model_path, cfg, str(source), sets, json_path, command.overwrite
 
 
 def _for_evaluation(cfg, chosen: list[str]):
@@ -103,7 +86,7 @@ def run(argv: list[str], out=print) -> dict | None:
     from klgrpo.apps.outputs import check_output, write_text_file
     from klgrpo.config.entries import eval_set_specs
     from klgrpo.core.rollout import context_overflow, encode_prompts
-    from klgrpo.train.evaluation import evaluate_sets, load_eval_sets
+    from klgrpo.run.evaluation import evaluate_sets, load_eval_sets
     from klgrpo.train.metric_names import eval_entropy, eval_set
 
     model_path, cfg, source, chosen, json_path, overwrite = parse(argv)

@@ -53,8 +53,8 @@ def _load(checkpoint: Path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from klgrpo.backends.hf import pretrained_causal_lm
-    from klgrpo.run.checkpoint import SHARDS_DIR
-    from klgrpo.run.sharded_checkpoint import load_sharded_weights
+    from klgrpo.store.checkpoint import SHARDS_DIR
+    from klgrpo.store.sharded_checkpoint import load_sharded_weights
 
     shards = checkpoint / SHARDS_DIR
     whole = any((checkpoint / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))

@@ -69,21 +69,25 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def measure(args) -> dict:
-    """Sample, then per-token exact KL and k1/k2/k3; returns the JSON-ready report (per_token, per_sequence)."""
-    from klgrpo.apps.models import load_model_for_inference
-    from klgrpo.core.data import load_prompts
-    from klgrpo.core.full_kl import completion_logprobs_and_full_kl
-    from klgrpo.core.reference import FrozenCopyReference
-    from klgrpo.core.rollout import SamplingParams, generate_groups
-    from klgrpo.config.schema import ModelConfig
-
+def _check_numbers(args) -> None:
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
         if value < low:
             raise ConfigError(f"{name} must be >= {low}, got {value}")
     if not args.temperature > 0:
         raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
+
+
+def measure(args) -> dict:
+    """Sample, then per-token exact KL and k1/k2/k3; returns the JSON-ready report (per_token, per_sequence)."""
+    from klgrpo.apps.models import load_model_for_inference
+    from klgrpo.config.schema import ModelConfig
+    from klgrpo.core.data import load_prompts
+    from klgrpo.core.full_kl import completion_logprobs_and_full_kl
+    from klgrpo.core.reference import FrozenCopyReference
+    from klgrpo.core.rollout import SamplingParams, generate_groups
+
+    _check_numbers(args)
     model_cfg = ModelConfig(name_or_path=args.policy, dtype=args.dtype, device=args.device)
     policy, tokenizer = load_model_for_inference(args.policy, model_cfg, field="POLICY")
     ref_cfg = ModelConfig(name_or_path=args.reference, dtype=args.dtype, device=args.device)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from klgrpo.backends.lora import apply_lora, parameter_bytes
-from klgrpo.core.reference import AdapterDisabledReference, FrozenCopyReference
 from klgrpo.config.schema import LoraConfig
+from klgrpo.core.reference import AdapterDisabledReference, FrozenCopyReference
 
 
 def reference_memory(build_model, cfg: "LoraConfig") -> dict[str, int]:

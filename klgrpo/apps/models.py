@@ -12,7 +12,7 @@ def checkpoint_run_config(path: str):
     """The config.yaml of the run that holds the checkpoint folder ``path`` (``<run>/checkpoints/step_N``), or
     None when ``path`` is not inside a run folder or the run's config.yaml is missing or empty."""
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.run.run_folder import run_config_file
+    from klgrpo.store.run_folder import run_config_file
 
     folder = Path(path)
     config = run_config_file(folder.parent.parent) if folder.parent.name == "checkpoints" else None
@@ -24,7 +24,7 @@ def checkpoint_run_config(path: str):
 def verify_checkpoint(path: Path, field: str = "CHECKPOINT") -> None:
     """A klgrpo checkpoint folder's weights files match the sha256 saved with them (a ConfigError line naming
     the file otherwise); any other folder passes (it has no checksums)."""
-    from klgrpo.run.checkpoint import check_checkpoint
+    from klgrpo.store.checkpoint import check_checkpoint
 
     check_checkpoint(path, field)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from klgrpo.apps.commands import command_parser
 from klgrpo.errors import KLGRPOError
-from klgrpo.train.metrics import METRICS_FILE
-from klgrpo.train.report import PLOT_FILES, PLOTS_DIR, make_plots, summary_table
+from klgrpo.run.metrics import METRICS_FILE
+from klgrpo.run.report import PLOT_FILES, PLOTS_DIR, make_plots, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +50,8 @@ def _check_plot_paths(run_dir: Path) -> None:
     """The plots report redraws (its own, in RUN_DIR/plots) never land on or in what it reads, also through a
     symbolic link there (the one rule of every command's outputs, klgrpo/apps/outputs.py)."""
     from klgrpo.apps.outputs import overlap
-    from klgrpo.run.checkpoint import CHECKPOINTS_DIR
-    from klgrpo.run.run_folder import CONFIG_FILE, SUMMARY_FILE
+    from klgrpo.store.checkpoint import CHECKPOINTS_DIR
+    from klgrpo.store.run_folder import CONFIG_FILE, SUMMARY_FILE
 
     inputs = [run_dir / name for name in (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS_DIR)]
     for name in PLOT_FILES:

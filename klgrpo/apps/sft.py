@@ -181,7 +181,7 @@ def _save(trainer, tokenizer, summary: dict, tmp: Path, out: Path) -> None:
 
 def _load(cfg):
     from klgrpo.backends.hf import load_causal_lm, load_tokenizer, resolve_device, resolve_dtype
-    from klgrpo.run.checkpoint import check_checkpoint
+    from klgrpo.store.checkpoint import check_checkpoint
 
     check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
     device = resolve_device(cfg.model.device)

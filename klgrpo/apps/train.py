@@ -12,8 +12,8 @@ import sys
 
 from klgrpo.apps.args import USAGE, read_argv
 from klgrpo.apps.summary import print_run_summary
-from klgrpo.errors import KLGRPOError
 from klgrpo.config.schema import config_help
+from klgrpo.errors import KLGRPOError
 
 
 def main(argv: list[str]) -> int:
@@ -26,20 +26,14 @@ def main(argv: list[str]) -> int:
         cfg, opts = command.config(), command.options()
         fresh = not opts["resume"]  # --resume auto never discards: the folder may hold its earlier attempts
         if not cfg.model.name_or_path:
-            from klgrpo.apps.demo_run import run_demo
-
-            _early_checks_of_demo(cfg, opts)
-            code = run_demo(command, user=cfg)  # the config resolved once, above
-            if code == 0:  # every rank finished (a barrier waiting for a failed rank would hang)
-                _close_process_group()
-            return code
+            return _run_demo(command, cfg, opts)
         if opts["print_config"]:
             print(cfg.to_yaml())
             return 0
         if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun
             print("klgrpo train: loading torch and transformers", flush=True)
         run_dir = _early_checks(cfg, opts)
-        from klgrpo.train.trainer import GRPOTrainer
+        from klgrpo.run.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(cfg)
         run_dir = trainer.run_dir
@@ -51,7 +45,7 @@ def main(argv: list[str]) -> int:
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
         if fresh and run_dir is not None and os.environ.get("RANK", "0") == "0":  # rank 0 owns the folder
-            from klgrpo.run.run_folder import discard_unstarted_run
+            from klgrpo.store.run_folder import discard_unstarted_run
 
             discard_unstarted_run(run_dir)
         return 2
@@ -62,13 +56,23 @@ def main(argv: list[str]) -> int:
         print(f"klgrpo train: error: {lost}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        from klgrpo.run.stop_signals import Terminated
+        from klgrpo.train.stop_signals import Terminated
 
         if isinstance(exc, Terminated):
             print("klgrpo train: terminated (SIGTERM)", file=sys.stderr)
             return 143
         print("klgrpo train: interrupted", file=sys.stderr)
         return 130
+
+
+def _run_demo(command, cfg, opts) -> int:
+    from klgrpo.apps.demo_run import run_demo
+
+    _early_checks_of_demo(cfg, opts)
+    code = run_demo(command, user=cfg)  # the config resolved once, in main
+    if code == 0:  # every rank finished (a barrier waiting for a failed rank would hang)
+        _close_process_group()
+    return code
 
 
 def resolved_config(argv: list[str]):
@@ -94,7 +98,7 @@ def _lost_peer_message(exc: BaseException) -> str | None:
 
 def _early_checks(cfg, opts):
     """What can be refused before a model is built: config values, the run folder, the reward functions."""
-    from klgrpo.run.run_folder import check_run_folder
+    from klgrpo.store.run_folder import check_run_folder
     from klgrpo.train.building import run_dir_for
 
     cfg.validate()  # errors only here; the trainer prints the warnings
@@ -110,7 +114,7 @@ def _check_output_dir(run_dir, cfg) -> None:
     --overwrite deletes (the one rule of every command's outputs, klgrpo/apps/outputs.py)."""
     from klgrpo.apps.outputs import check_output
     from klgrpo.config.entries import eval_set_specs, reward_specs
-    from klgrpo.run.run_folder import CONFIG_FILE, RUN_FILES
+    from klgrpo.store.run_folder import CONFIG_FILE, RUN_FILES
 
     inputs = {"model.name_or_path": cfg.model.name_or_path, "model.tokenizer": cfg.model.tokenizer,
               "kl.reference": cfg.kl.reference, "data.source": cfg.data.source,
@@ -123,8 +127,8 @@ def _check_output_dir(run_dir, cfg) -> None:
 
 def _early_checks_of_demo(cfg, opts) -> None:
     """The demo's config is resolved after its assets are built: check the fields given and the folder now."""
-    from klgrpo.run.run_folder import check_run_folder
     from klgrpo.config.validation import check_finite_and_ranges
+    from klgrpo.store.run_folder import check_run_folder
 
     check_finite_and_ranges(cfg)
     if cfg.train.output_dir and not opts["resume"]:

@@ -22,7 +22,6 @@ import torch
 from klgrpo.backends.hf import gguf_kwargs, pretrained_causal_lm, split_gguf
 from klgrpo.errors import ConfigError, first_line
 
-
 #: Name of the frozen second adapter that holds the synced reference; also its folder in a checkpoint
 #: (peft's own save_pretrained writes non-default adapters to <folder>/<name>/, the same place).
 REFERENCE_ADAPTER = "reference"

@@ -1,6 +1,6 @@
 """How a config field is declared (a default, a help text, its valid names, its bounds, whether a resume may
 change it) and how a value from YAML or the command line becomes the field's type; klgrpo/config/schema.py
-declares the tree with these, and the checks (validation.py) and the resume (klgrpo/run/run_folder.py) read the
+declares the tree with these, and the checks (validation.py) and the resume (klgrpo/store/run_folder.py) read the
 declarations."""
 
 from __future__ import annotations

@@ -17,17 +17,17 @@ from typing import Any
 
 import yaml
 
+from klgrpo.config.fields import Names, Settings, coerce, declared_setting, freeze, group
+from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
 from klgrpo.errors import ConfigError
 from klgrpo.math.policy_params import SapoParams, VespoParams
-from klgrpo.config.fields import Names, Settings, coerce, declared_setting, freeze, group
-from klgrpo.config.fields import setting as _f  # short: every field below is declared with it
 
 # The names a field accepts come from the registries and tuples of the rooms below, read when first checked
 # (fields.Names): declaring the config imports neither torch nor transformers.
 #: optim.schedule -> the transformers scheduler that realises it (after the linear warm-up).
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
-#: kl.on_runaway: what a KL runaway does (klgrpo/train/runaway.py).
+#: kl.on_runaway: what a KL runaway does (klgrpo/run/runaway.py).
 RUNAWAY_ACTIONS = ("warn", "stop", "rollback")
 #: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
 REPLAY_FULL_KL = "full"

@@ -11,14 +11,21 @@ import inspect
 from dataclasses import dataclass, replace
 from typing import Any
 
-from klgrpo.math.kl_control import (CONTROLLERS, ENTROPY_CONTROLLERS, EntropyController, KLController, auto_horizon,
-                                    build_controller, init_keywords)
-from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
-from klgrpo.math.sampler_correction import SamplerCorrection
-from klgrpo.math.policy_loss import POLICY_LOSSES
 from klgrpo.backends.samplers import SamplingParams
 from klgrpo.config.schema import GRPOConfig, KLConfig, LossConfig, RolloutConfig
 from klgrpo.config.validation import policy_settings
+from klgrpo.math.kl_control import (
+    CONTROLLERS,
+    ENTROPY_CONTROLLERS,
+    EntropyController,
+    KLController,
+    auto_horizon,
+    build_controller,
+    init_keywords,
+)
+from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
+from klgrpo.math.policy_loss import POLICY_LOSSES
+from klgrpo.math.sampler_correction import SamplerCorrection
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
 CONTROLLER_FIELDS = {"lr": "dual_lr"}

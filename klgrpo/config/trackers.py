@@ -1,5 +1,5 @@
 """The experiment trackers a config may name in ``logging.report_to``, and the check that each exists and is
-installed (train/trackers.py runs them)."""
+installed (run/trackers.py runs them)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from typing import Any
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
 from klgrpo.config.entries import eval_set_specs, reward_specs
 from klgrpo.config.fields import bound_problem, leaves
-from klgrpo.config.trackers import active_trackers as trackers_of, check_report_to
+from klgrpo.config.trackers import active_trackers as trackers_of
+from klgrpo.config.trackers import check_report_to
 from klgrpo.errors import ConfigError
 from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS

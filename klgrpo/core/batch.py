@@ -10,7 +10,6 @@ from klgrpo.core.rollout import RolloutBatch
 from klgrpo.math.aggregation import Normalizer
 
 
-
 def micro_slices(n: int, size: int) -> list[slice]:
     """Rows 0..n in slices of ``size`` (0: one slice of all rows): the micro-batches of an update, a reference
     pass or a replay pass."""

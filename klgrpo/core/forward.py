@@ -83,13 +83,19 @@ def completion_logprobs(
         parts.append(_forward_rows(model, base, ids[:, first:p + width], mask[:, first:p + width],
                                    completion_ids[:, :width] if index is None else completion_ids[index, :width],
                                    batch.group_size, temperature, with_entropy))
+    return _rows_in_order(parts, chunks, t, len(input_ids), with_entropy)
+
+
+def _rows_in_order(parts: list, chunks: list, t: int, n_rows: int, with_entropy: bool
+                   ) -> tuple[Tensor, Tensor | None]:
+    """The chunks' (log-probs, entropy) back in the batch's row order, each padded with 0 to ``t`` positions."""
     if len(chunks) == 1:  # every row in order: only the cut-off positions to restore
         width = chunks[0][1]
         if width == t:
             return parts[0]
         return F.pad(parts[0][0], (0, t - width)), F.pad(parts[0][1], (0, t - width)) if with_entropy else None
-    order = torch.cat([i if i is not None else torch.arange(len(input_ids), device=input_ids.device)
-                       for i, _ in chunks])
+    device = parts[0][0].device
+    order = torch.cat([i if i is not None else torch.arange(n_rows, device=device) for i, _ in chunks])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device)
 

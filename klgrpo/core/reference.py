@@ -18,8 +18,15 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from klgrpo.backends.lora import (ADAPTER_WEIGHTS, REFERENCE_ADAPTER, adapter_params, is_up_factor, keep_requires_grad,
-                                  load_adapter_file, require_peft_model)
+from klgrpo.backends.lora import (
+    ADAPTER_WEIGHTS,
+    REFERENCE_ADAPTER,
+    adapter_params,
+    is_up_factor,
+    keep_requires_grad,
+    load_adapter_file,
+    require_peft_model,
+)
 from klgrpo.core.batch import micro_slices
 from klgrpo.core.forward import completion_logprobs, position_ids_from_mask
 from klgrpo.core.full_kl import capture_head_inputs

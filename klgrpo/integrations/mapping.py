@@ -13,11 +13,11 @@ from typing import Any
 
 from torch import Tensor
 
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.terms import controller_fields, entropy_term, kl_term, policy_term, sampler_correction
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import CONTROLLERS
 from klgrpo.math.objective import ObjectiveOut, grpo_objective
-from klgrpo.config.schema import GRPOConfig
-from klgrpo.config.terms import controller_fields, entropy_term, kl_term, policy_term, sampler_correction
 
 
 @dataclass(frozen=True)

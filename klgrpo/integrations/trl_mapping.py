@@ -11,7 +11,8 @@ Nothing here imports TRL: the defaults are written down for TRL 1.16.
 
 from __future__ import annotations
 
-from typing import Any, Mapping as MappingType
+from typing import Any
+from typing import Mapping as MappingType
 
 from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP

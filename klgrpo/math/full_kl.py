@@ -22,8 +22,14 @@ import torch
 from torch import Tensor
 
 from klgrpo.math.kl import FIRST_EPOCH_SAMPLINGS, SAMPLINGS
-from klgrpo.math.logprobs import (DEFAULT_CHUNK_TOKENS, _accumulation_dtype, _block_budget, _blocks,
-                                  _logsumexp_and_entropy_, _scaled_copy)
+from klgrpo.math.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    _accumulation_dtype,
+    _block_budget,
+    _blocks,
+    _logsumexp_and_entropy_,
+    _scaled_copy,
+)
 
 #: ``kl.estimator`` names served here rather than by the per-token ESTIMATORS registry (whose functions
 #: take a sampled log-ratio; this needs both models' whole distributions).

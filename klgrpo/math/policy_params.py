@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from klgrpo.math.registry import param
 
-
 #: The largest vespo power or decay a config may set (VespoParams).
 VESPO_MAX = 100.0
 

@@ -1,4 +1,4 @@
-"""The run room: what a run leaves on disk and how it comes back. Checkpoints as safetensors + JSON
-(``checkpoint``, ``state_io``, the sharded form in ``sharded_checkpoint``), resuming from the newest that loads
-(``resume``), the run folder's safety and lock (``run_folder``) and what SIGTERM and SIGINT do (``stop_signals``).
-train/ builds on it; it knows nothing of the trainer's step."""
+"""The run room: ``TrainingRun`` (``loop``) steps a ``GRPOStep`` to the end, saves and resumes through it, and
+around it keeps the run's record: metrics and trackers (``metrics``, ``trackers``, ``tally``), the KL watch and
+the runaway guard (``kl_watch``, ``runaway``), evaluation (``evaluation``), plots and the summary (``report``).
+``GRPOTrainer`` (``trainer``) is the public entry point that builds the step and the run."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from klgrpo.config.schema import LR_SCHEDULES, GRPOConfig, OptimConfig
-from klgrpo.run.run_folder import timestamped_run_dir
+from klgrpo.store.run_folder import timestamped_run_dir
 
 
 def build_optimizer(model, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from klgrpo.backends.weights import check_weight_names
 from klgrpo.errors import ConfigError
-from klgrpo.run.sharded_checkpoint import load_sharded, save_sharded
+from klgrpo.store.sharded_checkpoint import load_sharded, save_sharded
 
 
 def _env_flag(name: str) -> bool:

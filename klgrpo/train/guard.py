@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from klgrpo.errors import NonFiniteError
-from klgrpo.run.checkpoint import check_finite_weights  # noqa: F401  (the guard's other half, where saves use it)
 
 
 class NonFiniteGuard:
@@ -57,4 +56,4 @@ class NonFiniteGuard:
         self.consecutive = 0  # a resumed run gets max_consecutive fresh chances
 
 
-__all__ = ["NonFiniteGuard", "NonFiniteError", "check_finite_weights"]
+__all__ = ["NonFiniteGuard", "NonFiniteError"]

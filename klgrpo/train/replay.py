@@ -41,17 +41,17 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from klgrpo.backends.samplers import AUTO, Sampler
+from klgrpo.config.validation import validate_replay
 from klgrpo.core.batch import micro_slices
 from klgrpo.core.data import PromptSampler, load_prompts
+from klgrpo.core.forward import position_ids_from_mask
+from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
 from klgrpo.errors import ConfigError, warn
 from klgrpo.math.kl import ESTIMATORS, exact_kl, kl_estimate
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.core.forward import position_ids_from_mask
-from klgrpo.backends.samplers import AUTO, Sampler
-from klgrpo.core.rollout import RolloutBatch, SamplingParams, generate_groups
-from klgrpo.run.state_io import StateFileError, folder_lock, load_state, save_state
+from klgrpo.store.state_io import StateFileError, folder_lock, load_state, save_state
 from klgrpo.train import metric_names as m
-from klgrpo.config.validation import validate_replay
 
 CACHE_STEM = "replay_cache"
 CACHE_FILE = CACHE_STEM + ".json"  # beside replay_cache.safetensors

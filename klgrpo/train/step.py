@@ -10,7 +10,7 @@ is generated every ``num_iterations`` steps and reused, off-policy, by the steps
 the batch being reused) and knows nothing of run folders, locks or logs: ``make_batch()``, ``update(batch)``,
 ``advance()`` (both, as a run calls them), and ``save(folder)`` / ``load(folder)``, which write and read everything
 it owns in a checkpoint folder the run names (train/step_state.py). It is built by ``train/step_build.py``; the run
-around the steps is ``train/loop.py``'s ``TrainingRun``.
+around the steps is ``run/loop.py``'s ``TrainingRun``.
 """
 
 from __future__ import annotations
@@ -24,30 +24,29 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from klgrpo.backends.samplers import Sampler
+from klgrpo.config.terms import StepPlan
 from klgrpo.core.batch import StepBatch, micro_slices
 from klgrpo.core.data import PromptSampler, dataset_prompts
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.core.loss_api import LossInput, call_loss
 from klgrpo.core.rewards import RewardComputer
-from klgrpo.backends.samplers import Sampler
-from klgrpo.core.rollout import (PromptTooLong, SamplingParams, compiling_sampler, generate_groups,
-                                 warm_up_sampler)
+from klgrpo.core.rollout import PromptTooLong, SamplingParams, compiling_sampler, generate_groups, warm_up_sampler
 from klgrpo.errors import ConfigError
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl_control import EntropyController, KLController, KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
+from klgrpo.store.checkpoint import rng_state, set_rng_state
 from klgrpo.train import metric_names as names
-from klgrpo.run.checkpoint import rng_state, set_rng_state
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
-from klgrpo.run.stop_signals import StopGate
 from klgrpo.train.step_metrics import StepSums, sampler_metrics, step_metrics
 from klgrpo.train.step_state import load_step, save_step
-from klgrpo.config.terms import StepPlan
+from klgrpo.train.stop_signals import StopGate
 from klgrpo.train.timing import phase_timer as _timed
 
 

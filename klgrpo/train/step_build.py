@@ -12,6 +12,9 @@ import torch
 from klgrpo.backends.hf import resolve_device
 from klgrpo.backends.policy import load_policy, load_reference_model
 from klgrpo.backends.samplers import pick_sampler
+from klgrpo.config.entries import reward_specs
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.terms import build_entropy_controller, build_kl_controller, step_plan
 from klgrpo.core.data import PromptSampler, dataset_prompts, load_prompts
 from klgrpo.core.forward import uses_fast_forward
 from klgrpo.core.loss_api import resolve_loss_function
@@ -19,15 +22,12 @@ from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardModelContext
 from klgrpo.core.rollout import longest_prompt_tokens
 from klgrpo.errors import warn
-from klgrpo.run.checkpoint import check_checkpoint
+from klgrpo.store.checkpoint import check_checkpoint
 from klgrpo.train.building import build_optimizer, make_scheduler
-from klgrpo.config.entries import reward_specs
-from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step import GRPOStep
-from klgrpo.config.terms import build_entropy_controller, build_kl_controller, step_plan
 from klgrpo.train.step_memory import check_step_memory
 
 

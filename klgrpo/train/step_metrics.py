@@ -14,8 +14,11 @@ from klgrpo.math.objective import ObjectiveSums
 from klgrpo.math.sampler_correction import mismatch_per_token
 from klgrpo.train import metric_names as m
 from klgrpo.train.distributed import Distributed
-from klgrpo.train.metric_names import (  # noqa: F401  (PERCENTILE_NAMES, PERCENTILES re-exported)
-    ENTROPY_QUANTILE_NAMES, ENTROPY_QUANTILES, PERCENTILE_NAMES, PERCENTILES,
+from klgrpo.train.metric_names import (
+    ENTROPY_QUANTILE_NAMES,
+    ENTROPY_QUANTILES,
+    PERCENTILE_NAMES,
+    PERCENTILES,
 )
 
 

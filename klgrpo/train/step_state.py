@@ -2,7 +2,7 @@
 
 The step owns its weights (the policy's, whole or as every rank's shards; the reference's once synced), its
 optimizer, scheduler, KL and entropy controllers, non-finite guard, data position, pending batch, replay position
-and every rank's RNG. The run (train/loop.py) only names the folder: run/checkpoint.py makes it atomic, checks its
+and every rank's RNG. The run (run/loop.py) only names the folder: store/checkpoint.py makes it atomic, checks its
 checksums and prunes old ones; the run's own part of the state (its warning signs, the evaluation before the first
 step) travels beside the step's in the same trainer_state file and comes back from ``load``.
 
@@ -16,9 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from klgrpo.core.reference import FrozenCopyReference
 from klgrpo.errors import KLGRPOError, first_line
-from klgrpo.run.checkpoint import (SHARDS_DIR, STATE_FILE, CheckpointLoadError, load_trainer_state, rng_state,
-                                   set_rng_state, write_checkpoint_files)
-from klgrpo.run.state_io import to_device
+from klgrpo.store.checkpoint import (
+    SHARDS_DIR,
+    STATE_FILE,
+    CheckpointLoadError,
+    load_trainer_state,
+    rng_state,
+    set_rng_state,
+    write_checkpoint_files,
+)
+from klgrpo.store.state_io import to_device
 from klgrpo.train.building import seed_everything
 
 if TYPE_CHECKING:

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, exact_kl, kl_estimate
-from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
-                                   penalty_objective)
+from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad, penalty_objective
 
 #: A biased estimator must miss KL by more than this fraction of KL ("clearly different").
 BIAS_MIN_REL = 1e-3

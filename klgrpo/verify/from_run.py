@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from klgrpo.core.kl_dump import DUMP_DIR, DUMP_GLOB, DumpError, load_dump  # noqa: F401 (the --from-run API)
+from klgrpo.core.kl_dump import DUMP_DIR, DUMP_GLOB, DumpError, load_dump
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, clamp_fraction, kl_estimate
 
 DUMP_ESTIMATORS = ("k1", "k2", "k3")

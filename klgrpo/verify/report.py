@@ -11,8 +11,8 @@ from klgrpo.verify import categorical, full_kl, montecarlo, optimum, sequence_to
 from klgrpo.verify.entropy import EntropyCheck, entropy_rows
 from klgrpo.verify.first_epoch import first_epoch_rows
 from klgrpo.verify.migration import MigrationCheck, migration_rows
-from klgrpo.verify.sampler_mismatch import SamplerMismatchCheck, sampler_mismatch_rows
 from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck
+from klgrpo.verify.sampler_mismatch import SamplerMismatchCheck, sampler_mismatch_rows
 
 #: The per-sample gradient formula must match autograd to this absolute error (float64).
 PER_SAMPLE_ATOL = 1e-12

@@ -24,8 +24,7 @@ from torch import Tensor
 
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, kl_estimate
 from klgrpo.verify.categorical import BIAS_MIN_REL, random_pi_ref_mu
-from klgrpo.verify.penalty import (GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad,
-                                   penalty_objective)
+from klgrpo.verify.penalty import GRADIENT_RTOL, GradientCheck, declared_gradient_rows, flat_grad, penalty_objective
 
 A, B, EOS = 0, 1, 2
 TOKEN_NAMES = ("a", "b", "EOS")

@@ -26,9 +26,9 @@ import sys
 
 import torch
 
-from klgrpo.core.rollout import SamplingParams, generate_groups
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.core.rollout import SamplingParams, generate_groups
+from klgrpo.run.trainer import GRPOTrainer
 
 SAMPLING_SEED = 1234
 

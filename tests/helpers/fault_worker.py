@@ -5,9 +5,9 @@ import json
 import sys
 import time
 
-from klgrpo.errors import KLGRPOError
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.errors import KLGRPOError
+from klgrpo.run.trainer import GRPOTrainer
 
 if __name__ == "__main__":
     trainer = GRPOTrainer(GRPOConfig.from_dict(json.loads(open(sys.argv[1]).read())), log=lambda *_: None)

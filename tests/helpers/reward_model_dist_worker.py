@@ -10,7 +10,7 @@ from pathlib import Path
 
 import klgrpo.core.rewards.model as reward_model_module
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 
 PROMPTS = ["12+3=", "7-4=", "99+1=", "0+0=", "5-5="]
 COMPLETIONS = ["15", "3", "100", "", "0"]

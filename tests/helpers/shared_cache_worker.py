@@ -7,7 +7,7 @@ import sys
 
 from klgrpo.apps.demo.assets import prepare_demo_assets
 from klgrpo.config.schema import GRPOConfig
-from klgrpo.train.trainer import GRPOTrainer
+from klgrpo.run.trainer import GRPOTrainer
 from tests.test_shared_caches import TINY_DEMO
 
 rank = os.environ.get("RANK", "0")

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from klgrpo.config.schema import GRPOConfig, all_field_paths
 from klgrpo.errors import ConfigError
 from klgrpo.math.aggregation import Normalizer, aggregate
 from klgrpo.math.policy_loss import POLICY_LOSSES, clipped_surrogate
-from klgrpo.config.schema import GRPOConfig, all_field_paths
 
 F64 = torch.float64
 LN = math.log

@@ -39,7 +39,7 @@ from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, SPLIT_SEED, make_splits, writ
 from klgrpo.apps.demo.tokenizer import CHARACTERS, build_char_tokenizer
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.errors import KLGRPOError
-from klgrpo.run.state_io import folder_lock
+from klgrpo.store.state_io import folder_lock
 
 #: Bump whenever the layout or the way the assets are produced changes: old caches are then ignored.
 FORMAT_VERSION = 1

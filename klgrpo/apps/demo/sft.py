@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from klgrpo.apps.demo.tasks import MAX_NEW_TOKENS, Split
 from klgrpo.core.threads import torch_threads
-from klgrpo.train.evaluation import greedy_accuracy
+from klgrpo.run.evaluation import greedy_accuracy
 
 IGNORE_INDEX = -100
 

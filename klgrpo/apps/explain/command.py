@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                                                             "for standard input")
     p.add_argument("--from", dest="source", choices=FORMATS, help="the format (default: detected)")
     p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
-                                                     "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'); "
+                                                     "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'), "
+                                                     "or a file that pins it (setup.py, requirements.txt); "
                                                      "default: what the file states, else every release range")
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
                                                             "on LINE, when a script has several")
@@ -43,8 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", help="write the explanation as JSON to OUT (one FILE or --run)")
     p.add_argument("--strict", action="store_true",
                    help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
-    p.add_argument("--run", metavar="FOLDER", help="what a run's KL did, from its logs: a klgrpo run folder or a "
-                                                   "TRL output_dir / checkpoint-N folder")
+    p.add_argument("--run", metavar="FOLDER", help="what a run's KL did, from its logs: a klgrpo run folder, a "
+                                                   "TRL output_dir / checkpoint-N folder, or a verl or OpenRLHF "
+                                                   "run's TensorBoard folder or W&B offline run")
     p.add_argument("--config", metavar="FILE", help="with --run: the run's config, explained beside the logs "
                                                     "(default: a klgrpo run's config.yaml)")
     p.add_argument("--warn-above", type=float, help="with --run: the drifting band (default: kl.warn_above)")
@@ -115,23 +117,37 @@ def _version_note(source: str) -> list[str]:
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """The report of FILE; for TRL and Unsloth, under each release range the file may run on: one report when
     their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
-    from klgrpo.integrations.versions import parse_option, spans, stated_in
+    from klgrpo.integrations.versions import release_notes, spans, stated_in
 
     text, origin = read_text(path)
-    versions = parse_option(args.version) if args.version else stated_in(text)
+    versions = _stated_by(args.version) if args.version else stated_in(text)
     source, variants = load_variants(text, origin, args.source, args.call, versions)
     if source not in TRL_KINDS and args.version:
         raise ConfigError(f"--version reads TRL or Unsloth releases; {origin} is {source}")
     reports = []
     for profile, mapped in variants:  # the newest range first: the top-level verdict is its
         report = explain(source, mapped)
-        report["notes"] = _version_note(source) if profile is None else []
+        report["notes"] = (_version_note(source) + release_notes(source, text)) if profile is None else []
         reports.append((profile, report))
     groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
     report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0])}
     if len(groups) > 1:
         report["versions"] = [{**one, "releases": spans(found)} for found, one in groups]
     return report
+
+
+def _stated_by(option: str) -> dict[str, Any]:
+    """--version SPEC, or --version FILE: the pins of the project file the run installs from (setup.py,
+    pyproject.toml, requirements.txt)."""
+    from klgrpo.integrations.versions import parse_option, stated_in
+
+    if not Path(option).is_file():
+        return parse_option(option)
+    found = stated_in(read_text(option)[0])
+    if not found:
+        raise ConfigError(f"--version {option}: the file pins no TRL or Unsloth release (trl==X, trl @ "
+                          "git+...@TAG or a commit explain knows); pass --version trl==X")
+    return found
 
 
 def group_by_verdict(reports: list[tuple[Any, dict[str, Any]]]) -> list[tuple[list[Any], dict[str, Any]]]:
@@ -167,6 +183,9 @@ def _run(args: argparse.Namespace) -> int:
         if log.kind == "trl":
             log.notes.append("training_args.bin is a pickle and is not read: pass --config FILE for the run's "
                              "settings")
+        elif log.kind in ("verl", "openrlhf"):
+            log.notes.append("the run's config is not in its logs: pass --config FILE (its launch script or "
+                             "YAML) for the config's verdict")
     summary = summarise(log, settings, {"warn_above": args.warn_above, "warn_below": args.warn_below})
     summary["config_verdict"] = static
     print(format_run(summary))

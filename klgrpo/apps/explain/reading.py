@@ -24,7 +24,8 @@ MAX_DEPTH = 24
 #: Values in one file (a config has hundreds); also bounds a YAML alias bomb.
 MAX_VALUES = 50_000
 WHAT_EXPLAIN_READS = ("a YAML or JSON config of TRL, Unsloth, verl or klgrpo, verl key=value lines, an OpenRLHF "
-                      "command line, a verl or OpenRLHF launch script, a Python script with a GRPOConfig(...) call")
+                      "command line, a verl or OpenRLHF launch script, a Python script or notebook with a "
+                      "GRPOConfig(...) call")
 READS = f"klgrpo explain reads {WHAT_EXPLAIN_READS} (and a run folder with --run)"
 
 
@@ -55,6 +56,10 @@ def read_text(path: str) -> tuple[str, str]:
         raise refuse(path, "is a folder (for a run's logs: klgrpo explain --run FOLDER)")
     if not stat.S_ISREG(info.st_mode):
         raise refuse(path, "is not a regular file")
+    if info.st_size > MAX_BYTES and suffix(path) == ".ipynb":
+        raise ConfigError(f"{path}: is {info.st_size} bytes, more than the {MAX_BYTES} a notebook can be; its "
+                          "outputs count: clear them (jupyter nbconvert --clear-output --inplace NOTEBOOK) or copy "
+                          "the GRPOConfig(...) cell into a .py file")
     if info.st_size > MAX_BYTES:
         raise refuse(path, f"is {info.st_size} bytes, more than the {MAX_BYTES} a config or script can be")
     try:

@@ -9,11 +9,11 @@ from typing import Any
 import yaml
 
 from klgrpo.apps.explain.rewards import format_entry
+from klgrpo.config.schema import GRPOConfig
+from klgrpo.config.terms import kl_term, run_controller_params
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.math.objective import KLTerm
-from klgrpo.config.schema import GRPOConfig
-from klgrpo.config.terms import kl_term, run_controller_params
 
 FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOConfig, Unsloth's defaults and loss)",
                 "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",
@@ -102,8 +102,8 @@ def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[str]:
         out.append("the KL gradient follows the forward KL(ref||pi): k3 without the in-graph importance weight; set "
                    "kl.is_correction in_graph (TRL: use_bias_correction_kl true) or kl.estimator k3_st")
     elif live and gradient["token_on_policy"] in ("neither", "zero"):
-        out.append(f"the KL gradient follows {gradient['token_on_policy']} KL at the token level; use k3 with "
-                   "kl.is_correction in_graph, or k3_st with detached")
+        out.append(f"the KL gradient follows {gradient['token_on_policy']} KL at the token level; "
+                   f"{_estimator_advice(live)}")
     if off_policy and any(p.placement in ("reward", "both") for p in live):
         out.append("KL in the reward with several updates per batch: it is read at the rollout policy, so later "
                    f"updates follow {gradient.get('token_off_policy', 'neither')} KL; set train.num_iterations 1 "
@@ -130,6 +130,27 @@ def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[str]:
         out.append(f"advantage epsilon {loss.std_eps:g}: a group whose rewards differ by float noise gets "
                    "advantages of order 1 ((r - mean) / (std + eps)); set loss.std_eps 1e-4 or more")
     return out
+
+
+#: (estimator, importance weight) of a loss KL whose gradient follows the reverse KL: advised only where missing.
+REVERSE_IN_LOSS = {("k3", "in_graph"), ("k3_st", "detached")}
+
+
+def _estimator_advice(live: list[KLTerm]) -> str:
+    """What to change so the token-level gradient follows the reverse KL, leaving out what the config already
+    has: k3 in_graph or k3_st detached in the loss, k1 in the reward; else the shaping is the cause."""
+    advice = []
+    if any(p.in_loss and (p.estimator, p.is_correction) not in REVERSE_IN_LOSS for p in live):
+        advice.append("use k3 with kl.is_correction in_graph, or k3_st with detached")
+    if any(p.placement == "reward" and p.estimator != "k1" for p in live):
+        advice.append("in the reward use kl.estimator k1 (its REINFORCE gradient follows the reverse KL)")
+    if advice:
+        return "; ".join(advice)
+    shaped = sorted({p.shaping for p in live if p.shaping != "none"})
+    if shaped:
+        return (f"the estimator and its weight already follow the reverse KL: kl.shaping {', '.join(shaped)} "
+                "changes the gradient (see below)")
+    return "the estimator and its weight already follow the reverse KL"
 
 
 def format_report(origin: str, report: dict) -> str:

@@ -1,11 +1,12 @@
 """``klgrpo explain --run FOLDER``: what a run's KL actually did, from its logs.
 
-Two kinds of folder: a klgrpo run (``metrics.jsonl``, and the ``config.yaml`` it ran with) and a TRL
+Four kinds of folder: a klgrpo run (``metrics.jsonl``, and the ``config.yaml`` it ran with), a TRL
 ``output_dir`` or ``checkpoint-N`` folder (``trainer_state.json``'s ``log_history``; of an ``output_dir`` without
-one, the newest checkpoint's). TRL's ``training_args.bin`` is a pickle: it is never read, so a TRL run's config
-comes only from ``--config``.
+one, the newest checkpoint's), and a verl or OpenRLHF run's TensorBoard event files or W&B offline run
+(klgrpo.apps.explain.tracker_logs), told apart by the metric names they log. TRL's ``training_args.bin`` is a
+pickle: it is never read, so a TRL run's config comes only from ``--config``.
 
-The KL's windows are judged as the trainer's KL watch judges them (klgrpo.train.kl_watch): consecutive windows of
+The KL's windows are judged as the trainer's KL watch judges them (klgrpo.run.kl_watch): consecutive windows of
 ``kl.warn_window`` logged steps; "drifting" when a window's mean is above ``kl.warn_above`` and above the previous
 window's, "not learning" when it is below ``kl.warn_below`` from the second window on. Every value printed or
 written is the log's own number.
@@ -21,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from klgrpo.apps.explain import tracker_logs
 from klgrpo.apps.explain.reading import MAX_BYTES
-from klgrpo.errors import ConfigError
-from klgrpo.train import metric_names as names
 from klgrpo.config.schema import KLConfig
-from klgrpo.train.kl_watch import DRIFTING, NOT_LEARNING
+from klgrpo.errors import ConfigError
+from klgrpo.run.kl_watch import DRIFTING, NOT_LEARNING
+from klgrpo.train import metric_names as names
 
 #: Logs larger than this are no run of a size explain can summarise in seconds.
 MAX_LOG_BYTES = 256 * MAX_BYTES
@@ -35,7 +37,17 @@ SERIES = {
                "clip_ratio": (names.CLIP_RATIO,), "entropy": (names.ENTROPY,)},
     "trl": {"kl": ("kl", names.RAW_KL), "beta": (names.BETA, "beta"), "reward": ("reward",),
             "clip_ratio": ("clip_ratio/region_mean", "clip_ratio"), "entropy": ("entropy",)},
+    "verl": {"kl": ("actor/kl_loss", "actor/reward_kl_penalty", "critic/kl"),
+             "beta": ("actor/kl_coef", "actor/reward_kl_penalty_coeff", "critic/kl_coeff"),
+             "reward": ("critic/score/mean",), "clip_ratio": ("actor/pg_clipfrac",),
+             "entropy": ("actor/entropy", "actor/entropy_loss")},
+    "openrlhf": {"kl": ("train/kl",), "beta": (), "reward": ("train/reward",), "clip_ratio": ("train/ppo_clip_ratio",),
+                 "entropy": ("train/entropy_loss",)},
 }
+#: A metric that holds the KL only where its companion is logged beside it: verl's actor logs actor/kl_loss as 0.0
+#: when use_kl_loss is off (from 0.7) and actor/kl_coef only when it is on.
+NEEDS = {"actor/kl_loss": "actor/kl_coef"}
+KIND_NAMES = {"klgrpo": "klgrpo run", "trl": "TRL run", "verl": "verl run", "openrlhf": "OpenRLHF run"}
 TRL_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -43,7 +55,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 @dataclass
 class RunLog:
     folder: str
-    kind: str  # "klgrpo" or "trl"
+    kind: str  # a key of SERIES
     log_file: Path
     rows: list[dict]
     config_file: Path | None = None
@@ -54,18 +66,40 @@ def read_run(folder: str) -> RunLog:
     """The folder's log rows, or one ConfigError naming the folder and what --run reads."""
     path = Path(folder)
     if not path.is_dir():
-        raise ConfigError(f"{folder} is not a folder; --run reads a klgrpo run folder (metrics.jsonl) or a TRL "
-                          f"output_dir / checkpoint-N folder ({TRL_STATE})")
+        raise ConfigError(f"{folder} is not a folder; --run reads a klgrpo run folder (metrics.jsonl), a TRL "
+                          f"output_dir / checkpoint-N folder ({TRL_STATE}), or a verl or OpenRLHF run's TensorBoard "
+                          "folder or W&B offline run folder")
     if (path / "metrics.jsonl").is_file():
         log = RunLog(folder, "klgrpo", path / "metrics.jsonl", _klgrpo_rows(path / "metrics.jsonl", folder))
         if (path / "config.yaml").is_file():
             log.config_file = path / "config.yaml"
         return log
     state = _trl_state_file(path)
-    if state is None:
-        raise ConfigError(f"{folder} holds neither metrics.jsonl (a klgrpo run) nor {TRL_STATE} (a TRL output_dir "
-                          "or checkpoint-N folder); pass the run's folder")
-    return RunLog(folder, "trl", state, _trl_rows(state))
+    if state is not None:
+        return RunLog(folder, "trl", state, _trl_rows(state))
+    found = tracker_logs.find_logs(path, MAX_LOG_BYTES)
+    if found is None:
+        raise ConfigError(f"{folder} holds neither metrics.jsonl (a klgrpo run), {TRL_STATE} (a TRL output_dir or "
+                          f"checkpoint-N folder), TensorBoard event files ({tracker_logs.EVENT_PREFIX}*) nor a W&B "
+                          "run (run-*.wandb) of verl or OpenRLHF; pass the run's folder")
+    return _tracker_log(folder, *found)
+
+
+def _tracker_log(folder: str, source: str, files: list[Path]) -> RunLog:
+    if source == "tensorboard":
+        rows = tracker_logs.tensorboard_rows(files)
+    else:
+        rows = tracker_logs.wandb_rows(files[0], tuple(dict.fromkeys(n for k in ("verl", "openrlhf")
+                                                                     for n in SERIES[k]["kl"])))
+    kind = tracker_logs.framework(rows, files[0].parent)
+    log = RunLog(folder, kind, files[0] if source == "wandb" else files[0].parent, rows)
+    if kind == "verl" and any(NEEDS["actor/kl_loss"] in row for row in rows):
+        log.notes.append("verl's FSDP actor from 0.7 sums actor/kl_loss over the step's PPO epochs and "
+                         "mini-batches: with several, the logged value is that many times their mean KL")
+    if kind == "openrlhf":
+        log.notes.append("beta is not logged: OpenRLHF's beta is --algo.kl.init_coef (adaptive with "
+                         "--algo.kl.target)")
+    return log
 
 
 def _check_size(file: Path) -> None:
@@ -74,7 +108,7 @@ def _check_size(file: Path) -> None:
 
 
 def _klgrpo_rows(file: Path, folder: str) -> list[dict]:
-    from klgrpo.train.metrics import read_metrics
+    from klgrpo.run.metrics import read_metrics
 
     _check_size(file)
     try:
@@ -109,6 +143,8 @@ def _trl_rows(file: Path) -> list[dict]:
 def series(log: RunLog, what: str) -> tuple[str, list[tuple[int, float]]] | None:
     """(metric name, [(step, value)]) of the first name that the log holds, finite values only."""
     for name in SERIES[log.kind][what]:
+        if name in NEEDS and not any(NEEDS[name] in row for row in log.rows):
+            continue
         points = [(row["step"], row[name]) for row in log.rows
                   if isinstance(row.get(name), (int, float)) and not isinstance(row.get(name), bool)
                   and math.isfinite(row[name])]
@@ -157,11 +193,12 @@ def summarise(log: RunLog, kl_settings: KLConfig, overrides: dict[str, float | N
             out[what]["changes"] = sum(1 for a, b in zip(found[1], found[1][1:]) if a[1] != b[1])
     kl = series(log, "kl")
     if kl is None:
-        raise ConfigError(f"{log.log_file} logs no KL ({' or '.join(SERIES[log.kind]['kl'])}): the run had no "
-                          "reference model, or logged nothing yet")
+        looked = " or ".join(f"{n} (with {NEEDS[n]})" if n in NEEDS else n for n in SERIES[log.kind]["kl"])
+        raise ConfigError(f"{log.log_file} logs no KL ({looked}): the run had no reference model, or logged "
+                          "nothing yet")
     out["bands"] = {**bands, "windows": band_windows(kl[1], bands["warn_above"], bands["warn_below"],
                                                      int(bands["window"]))}
-    if out["beta"] is None:
+    if out["beta"] is None and log.kind != "openrlhf":
         out["notes"].append("beta is not logged: TRL's beta is fixed at GRPOConfig.beta" if log.kind == "trl"
                             else "beta is not logged")
     return out
@@ -172,7 +209,7 @@ def _number(value: float) -> str:
 
 
 def format_run(summary: dict[str, Any]) -> str:
-    kind = {"klgrpo": "klgrpo run", "trl": "TRL run"}[summary["kind"]]
+    kind = KIND_NAMES[summary["kind"]]
     kl = summary["kl"]
     lines = [f"{summary['folder']}: {kind} ({summary['log']}, {kl['points']} steps with a KL)",
              f"  KL ({kl['metric']}): first {_number(kl['first']['value'])} at step {kl['first']['step']}, median "

@@ -22,14 +22,14 @@ from klgrpo.apps.explain import python_script, shell_script
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import NotInRange, map_trl_config
-from klgrpo.integrations.versions import Constraint, Profile, profiles
+from klgrpo.config.schema import GRPOConfig, all_field_paths
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, map_openrlhf, parse_flags
-from klgrpo.config.schema import GRPOConfig, all_field_paths
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS
 from klgrpo.integrations.verl_mapping import ROOTS as VERL_ROOTS
 from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
+from klgrpo.integrations.versions import Constraint, Profile, profiles
 
 FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).

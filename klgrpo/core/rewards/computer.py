@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from klgrpo.errors import ConfigError, RewardError
 from klgrpo.core.rewards.loading import _describe, display_name, load_reward_function
 from klgrpo.core.rewards.model import RewardModel, RewardModelContext
 from klgrpo.core.rewards.specs import RESERVED_ARGUMENTS, RewardModelSpec, RewardSpec
+from klgrpo.errors import ConfigError, RewardError
 
 #: Largest |reward| accepted: the group variance of float32 rewards of this size stays far from overflow
 #: (float32 squares overflow above ~1.8e19) and keeps 7 significant digits of the centred rewards.

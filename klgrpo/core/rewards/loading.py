@@ -12,8 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-from klgrpo.errors import KLGRPOError, RewardError
 from klgrpo.core.rewards.builtins import BUILTIN_REWARDS
+from klgrpo.errors import KLGRPOError, RewardError
 
 _FILE_MODULES: dict[Path, ModuleType] = {}
 

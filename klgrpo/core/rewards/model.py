@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from klgrpo.backends.classifier import (
-    classifier_weight_bytes, load_classifier, load_classifier_config, load_classifier_tokenizer,
+    classifier_weight_bytes,
+    load_classifier,
+    load_classifier_config,
+    load_classifier_tokenizer,
 )
 from klgrpo.backends.hf import resolve_dtype
 from klgrpo.errors import ConfigError, RewardError, warn

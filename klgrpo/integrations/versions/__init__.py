@@ -22,6 +22,8 @@ Version = tuple[int, ...]
 _OPS = ("==", "~=", ">=", "<=", "!=", ">", "<")
 _CLAUSE = r"(?:==|~=|>=|<=|!=|>|<)\s*v?\d+(?:\.\d+){0,2}"
 _PIN = r"(?<![\w-]){name}(?:\[[\w,\s-]*\])?\s*(" + _CLAUSE + r"(?:\s*,\s*" + _CLAUSE + r")*)"
+#: ``trl @ git+https://github.com/huggingface/trl.git@REF`` (open-r1's setup.py): a release tag or a commit.
+_GIT_PIN = r"(?<![\w-])trl(?:\[[\w,\s-]*\])?\s*@\s*git\+https?://github\.com/huggingface/trl(?:\.git)?@([\w.]+)"
 
 
 def parse_version(text: str) -> Version:
@@ -191,9 +193,87 @@ def imports_in(text: str) -> list[Constraint]:
     return found
 
 
+def git_pins_in(text: str) -> list[Constraint]:
+    """TRL installed from git: a release tag -> ``==`` it; a commit that trl.json's ``commits`` holds -> the range
+    whose rules were read at it; another commit or a branch states no release."""
+    out = []
+    table = _table("trl")
+    for match in re.finditer(_GIT_PIN, text, re.I):
+        ref = match.group(1).lower()
+        if re.fullmatch(r"v?\d+\.\d+\.\d+", ref):
+            out.append(Constraint("==", parse_version(ref)))
+            continue
+        known = [row for sha, row in table.get("commits", {}).items() if len(ref) >= 7 and sha.startswith(ref)]
+        span = next((r for r in table["ranges"] if known and r["from"] == known[0]["range_from"]), None)
+        if span is not None:
+            out.append(Constraint(">=", parse_version(span["from"])))
+            out += [Constraint("<", parse_version(span["to"]))] if span["to"] else []
+    return out
+
+
 def stated_in(text: str) -> dict[str, list[Constraint]]:
-    """The clauses a file states for TRL and Unsloth: pins, and for TRL the modules it imports."""
+    """The clauses a file states for TRL and Unsloth: pins (also a git install of TRL), and for TRL the modules it
+    imports."""
     out = {name: found for name in ("trl", "unsloth") if (found := pins_in(text, name))}
+    if git := git_pins_in(text):
+        out["trl"] = out.get("trl", []) + git
     if imported := imports_in(text):
         out["trl"] = out.get("trl", []) + imported
+    return out
+
+
+#: The release tables of frameworks explain maps by their newest release only, and their names.
+NEWEST_ONLY = {"verl": "verl", "openrlhf": "OpenRLHF"}
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    """"0.6.0.post1" -> (0, 6, 0, 1); "0.2" -> (0, 2, 0, 0): post releases after their release."""
+    base, _, post = version.partition(".post")
+    return (*_padded(parse_version(base)), int(post or 0))
+
+
+def release_notes(framework: str, text: str) -> list[str]:
+    """Where the file pins a verl or OpenRLHF release whose KL rules (versions/<framework>.json) differ from the
+    newest release's, which explain's mapping follows: one line per range, naming what differs."""
+    clauses = pins_in(text, framework) if framework in NEWEST_ONLY else []
+    if not clauses:
+        return []
+    rows = _table(framework)["ranges"]
+    out = []
+    for row in rows[:-1]:
+        low, high = _release_key(row["from"]), _release_key(row["to"])
+        bounds = [c.interval() for c in clauses if c.interval() is not None]
+        if any(b_high is not None and (*b_high, 0) <= low or (*b_low, 0) >= high for b_low, b_high in bounds):
+            continue
+        if differences := _differences(row, rows[-1]):
+            span = row["from"] if row["from"] == row["last_read"] else f"{row['from']} - {row['last_read']}"
+            out.append(f"{NEWEST_ONLY[framework]} {span} (pinned in the file; "
+                       f"versions/{framework}.json) differs from {NEWEST_ONLY[framework]} {rows[-1]['from']} on, whose "
+                       f"rules explain follows: {'; '.join(differences)}")
+    return out
+
+
+def _differences(row: dict[str, Any], newest: dict[str, Any]) -> list[str]:
+    """What decides the KL in ``row`` and not the same in ``newest``; a flag's new name alone is no difference."""
+    def rule(r: dict[str, Any]) -> str:
+        return re.sub(r"--[\w.]+", "FLAG", r.get("reward_kl", ""))
+
+    def value(entry: Any) -> Any:
+        return entry["default"] if isinstance(entry, dict) else entry
+
+    def name(key: str, entry: Any) -> str:
+        return entry["flag"] if isinstance(entry, dict) else key
+
+    out = [f"the KL in the reward: {row['reward_kl']}"] if rule(row) != rule(newest) else []
+    for key, new in newest["defaults"].items():
+        old = row["defaults"].get(key)
+        if old is None:
+            out.append(f"no {name(key, new)}")
+        elif value(old) != value(new):
+            out.append(f"{name(key, old)} {value(old)} (now {value(new)})")
+    for n, formula in row["estimators"].items():
+        now = newest["estimators"].get(n)
+        if now != formula:
+            out.append(f"{n}: {formula}" + (f" (now{now[len(formula):].lstrip(',')})" if now and now.startswith(formula)
+                                             else f" (now {now})" if now else ""))
     return out

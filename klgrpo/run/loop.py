@@ -1,7 +1,7 @@
 """The run around the steps: the run folder's lock, evaluation before and after, the metrics sinks, the KL
 warning signs, the stop rules (non-finite steps, wall clock), checkpoints (every save_every steps, at the end, on
 Ctrl-C / SIGTERM) and the summary. ``TrainingRun`` holds them; the step itself is train/step.py's ``GRPOStep``,
-and checkpoints are read and written only through run/checkpoint.py and run/resume.py."""
+and checkpoints are read and written only through store/checkpoint.py and store/resume.py."""
 
 from __future__ import annotations
 
@@ -15,22 +15,22 @@ from typing import Any, Callable
 
 import torch
 
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import run_horizon
+from klgrpo.run.evaluation import evaluate_sets
+from klgrpo.run.kl_watch import EntropyWatch, KLWatch
+from klgrpo.run.metrics import MetricsLogger
+from klgrpo.run.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
+from klgrpo.run.tally import StepTally
+from klgrpo.store.checkpoint import checkpoint_writer, is_sharded, step_folder
+from klgrpo.store.resume import load_resumable_checkpoint
+from klgrpo.store.run_folder import SUMMARY_FILE, open_run_folder, resolve_auto_resume
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path
-from klgrpo.run.checkpoint import checkpoint_writer, is_sharded, step_folder
-from klgrpo.train.evaluation import evaluate_sets
-from klgrpo.train.guard import NonFiniteError
-from klgrpo.train.kl_watch import EntropyWatch, KLWatch
-from klgrpo.train.metrics import SUMMARY_FILE, MetricsLogger
-from klgrpo.train.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
-from klgrpo.run.resume import load_resumable_checkpoint
-from klgrpo.run.run_folder import open_run_folder, resolve_auto_resume
-from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
+from klgrpo.train.guard import NonFiniteError
 from klgrpo.train.step import GRPOStep
-from klgrpo.run.stop_signals import sigterm_as_interrupt
-from klgrpo.train.tally import StepTally
+from klgrpo.train.stop_signals import sigterm_as_interrupt
 
 
 class TrainingRun:
@@ -43,7 +43,7 @@ class TrainingRun:
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
         self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)
-        self.runaway = RunawayGuard(kl)  # kl.on_runaway (train/runaway.py)
+        self.runaway = RunawayGuard(kl)  # kl.on_runaway (run/runaway.py)
         self.kl_reach = KLReach(kl.target, kl.warn_window) if kl.controller == "adaptive" else None
         self.lock = None  # rank 0's, while train() runs
         self.stop_reason = ""
@@ -125,7 +125,7 @@ class TrainingRun:
                 summary.update(summary_extras(summary))
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
             if cfg.logging.plots:
-                from klgrpo.train.report import make_plots
+                from klgrpo.run.report import make_plots
 
                 make_plots(self.run_dir)
         self.dist.barrier()
@@ -240,7 +240,7 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------ checkpoints
     def save(self, whole: bool = False) -> Path:
         """Every rank calls this: the step writes what it owns (with train.sharded_checkpoints, unless ``whole``,
-        every rank its shards) into the checkpoint folder that run/checkpoint.py makes atomic and prunes."""
+        every rank its shards) into the checkpoint folder that store/checkpoint.py makes atomic and prunes."""
         step, dist = self.grpo_step, self.dist
         sharded = self.cfg.train.sharded_checkpoints and not whole
         with checkpoint_writer(self.run_dir, step.completed, owner=dist.is_main, keep=self.cfg.train.keep_checkpoints,

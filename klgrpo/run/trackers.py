@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from klgrpo.config.trackers import TRACKER_EXTRAS, TRACKER_PACKAGES, active_trackers, check_report_to  # noqa: F401
+from klgrpo.config.trackers import check_report_to
 from klgrpo.errors import ConfigError, first_line
 
 STATE_FILE = "trackers.json"
@@ -171,8 +171,9 @@ def _mlflow_default_store(run_dir: Path) -> str | None:
     the run was started: point it at <run>/mlflow.db instead. Returns the artifact location for a new experiment
     there (None: the URI's own default). A file-store URI is refused in one line: MLflow 3 refuses it itself,
     and it keeps a metric as a file, so it cannot hold both clip_ratio and clip_ratio/low."""
-    import mlflow
     from urllib.parse import urlparse
+
+    import mlflow
 
     global _OWN_MLFLOW_URI
     is_set = getattr(mlflow.tracking._tracking_service.utils, "is_tracking_uri_set", lambda: True)

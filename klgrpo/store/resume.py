@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from klgrpo.errors import ConfigError, KLGRPOError, warn
-from klgrpo.run.checkpoint import CheckpointLoadError, resume_candidates, verify_checksums
+from klgrpo.store.checkpoint import CheckpointLoadError, resume_candidates, verify_checksums
 
 
 def load_resumable_checkpoint(run_dir: Path, resume: str,

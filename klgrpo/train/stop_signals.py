@@ -1,6 +1,6 @@
 """What a signal does to a training run: SIGTERM (a scheduler's preemption, ``docker stop``) stops it like Ctrl-C,
 after the trainer saved the last complete step; under a launcher, SIGTERM and SIGINT are noted and every rank
-stops together at the next step boundary (train/loop.py; docs/reliability.md).
+stops together at the next step boundary (run/loop.py; docs/reliability.md).
 
 A stop that lands inside a step undoes the step (its data order, RNG and batch) as long as the weights are
 untouched; from the optimizer step on the step cannot be undone, so a ``StopGate`` holds the signal until the

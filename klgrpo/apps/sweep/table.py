@@ -1,5 +1,5 @@
 """``klgrpo sweep``'s runs and what is made of them: the Cell and Run records, the table of accuracy and
-retention per cell (mean +- sample std over the seeds) and its markdown and plot (klgrpo/apps/sweep.py runs
+retention per cell (mean +- sample std over the seeds) and its markdown and plot (klgrpo/apps/sweep/command.py runs
 the grid)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _final_replay_kl(run: Run) -> float | None:
     if run.summary.get("final_replay_kl") is not None:
         return run.summary["final_replay_kl"]
     try:
-        from klgrpo.train.metrics import read_metrics
+        from klgrpo.run.metrics import read_metrics
 
         values = [r[KL_REPLAY] for r in read_metrics(run.run_dir) if KL_REPLAY in r]
     except (OSError, KLGRPOError):

@@ -37,13 +37,19 @@ from typing import Callable
 
 import yaml
 
-from klgrpo.errors import ConfigError, warn
 from klgrpo.config.fields import is_resume_safe
 from klgrpo.config.schema import GRPOConfig, safe_load_bounded
-from klgrpo.run.checkpoint import (CHECKPOINTS_DIR, clean_incomplete, list_checkpoints, pid_alive,
-                                   recorded_config, resume_candidates)
+from klgrpo.errors import ConfigError, warn
+from klgrpo.store.checkpoint import (
+    CHECKPOINTS_DIR,
+    clean_incomplete,
+    list_checkpoints,
+    pid_alive,
+    recorded_config,
+    resume_candidates,
+)
 
-#: One JSON object per step (train/metrics.py writes it) and the run's summary (train/loop.py).
+#: One JSON object per step (run/metrics.py writes it) and the run's summary (run/loop.py).
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".klgrpo.lock"

@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from klgrpo.apps.sweep_table import save_change_plot
+from klgrpo.apps.sweep.table import save_change_plot
 
 RETENTION = "retention"        # the mean of a run's retention-set changes, in points
 RESAMPLES = 10_000             # bootstrap resamples of the seeds' differences (fixed generator: repeatable)

@@ -27,14 +27,11 @@ from typing import Any, Iterable, Mapping
 
 from tqdm.auto import tqdm
 
+from klgrpo.config.trackers import active_trackers
 from klgrpo.errors import KLGRPOError
+from klgrpo.store.run_folder import METRICS_FILE
 from klgrpo.train import metric_names as names
-from klgrpo.train.trackers import active_trackers
-from klgrpo.train.metric_names import GLOSSARY  # noqa: F401  (re-exported: the glossary's public home)
-from klgrpo.train.trackers import TB_DIR
-# The run folder's file names (run/run_folder.py), re-exported: `klgrpo report`, the demo and the sweep read them here.
-from klgrpo.run.run_folder import METRICS_FILE, SUMMARY_FILE  # noqa: F401
-
+from klgrpo.train.metric_names import GLOSSARY
 
 #: Progress-bar labels for the summary keys; other keys show their last path component.
 SHORT_LABELS = {
@@ -131,7 +128,7 @@ class MetricsLogger:
         wanted = active_trackers(None if report_to is None else list(report_to), tensorboard)
         self._trackers = None
         if wanted:
-            from klgrpo.train.trackers import RunTrackers
+            from klgrpo.run.trackers import RunTrackers
 
             self._trackers = RunTrackers(wanted, self.run_dir, project, config, start_step)
 
@@ -293,5 +290,5 @@ def _keep_rows_up_to(path: Path, start_step: int) -> list[dict]:
     return kept
 
 
-__all__ = ["GLOSSARY", "SHORT_LABELS", "DEFAULT_SUMMARY_KEYS", "MetricsLogger", "MetricsFileError",
-           "read_metrics", "describe", "undocumented", "METRICS_FILE", "SUMMARY_FILE", "TB_DIR"]
+__all__ = ["SHORT_LABELS", "DEFAULT_SUMMARY_KEYS", "MetricsLogger", "MetricsFileError",
+           "read_metrics", "describe", "undocumented"]

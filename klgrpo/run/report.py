@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 
 from klgrpo.math.kl_control import CONTROLLERS, init_keywords
-from klgrpo.train.metrics import SUMMARY_FILE, read_metrics
+from klgrpo.run.metrics import read_metrics
+from klgrpo.store.run_folder import SUMMARY_FILE
 from klgrpo.train import metric_names as m
 
 PLOTS_DIR = "plots"

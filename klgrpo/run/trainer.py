@@ -2,7 +2,7 @@
 
 It builds two things and hands the work to them: the step (train/step.py's ``GRPOStep``: policy, reference,
 optimizer, scheduler, KL controller, guard, the batch in use; built by train/step_build.py) and the run around
-the steps (train/loop.py's ``TrainingRun``: run folder, lock, logs, evaluations, KL warning signs, stop rules,
+the steps (run/loop.py's ``TrainingRun``: run folder, lock, logs, evaluations, KL warning signs, stop rules,
 checkpoints). docs/design.md draws the data path of one step.
 """
 
@@ -13,14 +13,14 @@ from typing import Any, Callable
 
 import torch
 
+from klgrpo.config.schema import GRPOConfig
 from klgrpo.core.batch import StepBatch
 from klgrpo.errors import ConfigError, warn
+from klgrpo.run.evaluation import load_eval_sets
+from klgrpo.run.loop import TrainingRun
 from klgrpo.train.building import run_dir_for, seed_everything
-from klgrpo.config.schema import GRPOConfig
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
-from klgrpo.train.evaluation import load_eval_sets
-from klgrpo.train.loop import TrainingRun
 from klgrpo.train.step import GRPOStep
 from klgrpo.train.step_build import build_step
 

@@ -24,8 +24,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from klgrpo.errors import ConfigError, KLGRPOError, NonFiniteError, first_line
-from klgrpo.run.state_io import (StateFileError, file_sha256, load_state, read_state_doc, read_state_metadata,
-                                   save_state, state_files)
+from klgrpo.store.state_io import (
+    StateFileError,
+    file_sha256,
+    load_state,
+    read_state_doc,
+    read_state_metadata,
+    save_state,
+    state_files,
+)
 
 STATE_STEM = "trainer_state"
 STATE_FILE = STATE_STEM + ".json"  # beside trainer_state.safetensors (tensors); see state_io

@@ -1,6 +1,6 @@
 """What a KL runaway does (``kl.on_runaway``), and how far the adaptive controller reached (the summary's kl_reach).
 
-A runaway is judged on the KL warning signs' windows (``kl.warn_window`` consecutive steps, train/kl_watch.py):
+A runaway is judged on the KL warning signs' windows (``kl.warn_window`` consecutive steps, run/kl_watch.py):
 
     runaway   the window's mean per-token KL is above kl.runaway_above and above the previous window's mean
               (the first window's "previous" is 0: every run starts at the reference)
@@ -30,8 +30,8 @@ import torch
 
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl_control import horizon_to_reach
-from klgrpo.run.checkpoint import is_complete, remove_checkpoints_after, rng_state, set_rng_state, step_folder
-from klgrpo.run.resume import load_resumable_checkpoint
+from klgrpo.store.checkpoint import is_complete, remove_checkpoints_after, rng_state, set_rng_state, step_folder
+from klgrpo.store.resume import load_resumable_checkpoint
 from klgrpo.train.step_state import load_step_state, step_state
 
 HEALTHY, WINDOW_END, RUNAWAY = "healthy", "window_end", "runaway"

@@ -28,7 +28,7 @@ and runs_accuracy_vs_retention.png, one point per run):
     wall s     the run's total wall seconds (the demo's includes loading; the trainer's is GRPO + evaluation)
 Each value is the mean +- the sample standard deviation over the seeds that finished (min..max in
 table.json). With --baseline SETTING, a second table compares every other setting with that one on the seeds
-both finished (klgrpo/apps/sweep_paired.py): per seed the difference of the changes, its mean with a percentile
+both finished (klgrpo/apps/sweep/paired.py): per seed the difference of the changes, its mean with a percentile
 bootstrap interval and an exact sign test, so that "keeps the skills better than beta 0" is a measured statement.
 
 Sweep defaults (printed in the table header; any of them can be overridden after --): no TensorBoard, plots,
@@ -52,17 +52,34 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from klgrpo.apps.sweep_plan import (RESERVED, SweepError, cells_of, overrides_in, parse_cell,  # noqa: F401
-                                    parse_grid, parse_seeds, plan_runs, split_values)
-from klgrpo.apps.sweep_table import (BETA_KEY, IDENTITY_FILE, LOG_FILE, Cell, Run, _safe, aggregate,  # noqa: F401
-                                     build_table, plot, plot_vs_beta, process_seconds, runs_span, skill_names,
-                                     table_header, table_markdown)
-from klgrpo.apps.sweep_paired import paired_markdown, paired_table, plot_runs
+from klgrpo.apps.sweep.paired import paired_markdown, paired_table, plot_runs
+from klgrpo.apps.sweep.plan import (
+    RESERVED,
+    SweepError,
+    cells_of,
+    overrides_in,
+    parse_cell,
+    parse_grid,
+    parse_seeds,
+    plan_runs,
+)
+from klgrpo.apps.sweep.table import (
+    IDENTITY_FILE,
+    LOG_FILE,
+    Cell,
+    Run,
+    build_table,
+    plot,
+    plot_vs_beta,
+    runs_span,
+    table_header,
+    table_markdown,
+)
 from klgrpo.apps.train import resolved_config
 from klgrpo.errors import KLGRPOError
-from klgrpo.run.checkpoint import CHECKPOINTS_DIR
-from klgrpo.train.metrics import SUMMARY_FILE
-from klgrpo.run.stop_signals import sigterm_as_interrupt
+from klgrpo.store.checkpoint import CHECKPOINTS_DIR
+from klgrpo.store.run_folder import SUMMARY_FILE
+from klgrpo.train.stop_signals import sigterm_as_interrupt
 
 PLOT_FILE = "accuracy_vs_retention.png"
 BETA_PLOT_FILE = "accuracy_vs_beta.png"
@@ -296,7 +313,7 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
     counter = itertools.count(done + 1)
 
     def one(run: Run) -> Run:
-        from klgrpo.run.run_folder import holds_run
+        from klgrpo.store.run_folder import holds_run
 
         earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
         execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
@@ -378,7 +395,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def check_sweep_folder(output_dir: str) -> None:
     """--output-dir names a folder for the sweep's runs, never one that holds a ``klgrpo train`` run (the
     sweep's folders and tables would be written into it)."""
-    from klgrpo.run.run_folder import CONFIG_FILE, OWNED_FILE, holds_run
+    from klgrpo.store.run_folder import CONFIG_FILE, OWNED_FILE, holds_run
 
     if not output_dir.strip():
         raise SweepError("--output-dir is empty; pass the sweep folder (or leave it out for runs/sweep-<time>)")
@@ -434,7 +451,7 @@ def take_sweep_folder(out: Path, cells: list[Cell], seeds: list[int], config: st
     folder's): a second sweep into the folder of a live one is refused, never run beside it. --table-only
     (``lock`` False) trains nothing and may run beside the sweep whose partial table it writes."""
     from klgrpo.apps.outputs import overlap
-    from klgrpo.run.run_folder import RunLock
+    from klgrpo.store.run_folder import RunLock
 
     writes = {run.run_dir.relative_to(out).parts[0] for run in plan_runs(cells, seeds, out)}
     writes |= {"table.md", "table.json", PLOT_FILE, BETA_PLOT_FILE, RUNS_PLOT_FILE}

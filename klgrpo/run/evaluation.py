@@ -12,8 +12,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from klgrpo.core.rewards.builtins import exact_match
 from klgrpo.core.rollout import encode_prompts, eos_token_ids

@@ -1,13 +1,13 @@
 """What ``klgrpo sweep`` will run, read from its command line: the --grid product, the --cell settings, the seeds,
 and one Run (setting, seed, folder) each; every value is checked as ``klgrpo train`` would read it
-(klgrpo/apps/sweep.py runs the plan)."""
+(klgrpo/apps/sweep/command.py runs the plan)."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
-from klgrpo.apps.sweep_table import Cell, Run
+from klgrpo.apps.sweep.table import Cell, Run
 from klgrpo.errors import KLGRPOError
 
 #: Owned by the sweep: a run's folder and seed.
