@@ -62,8 +62,8 @@ def klgrpo_seconds(model_dir: Path, data: Path, work: Path, cell: dict, warmup: 
     from benchmarks._common import REWARD_SPEC
     from klgrpo.backends import vllm_sampler
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.train.metrics import read_metrics
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.metrics import read_metrics
+    from klgrpo.run.trainer import GRPOTrainer
 
     out = work / "klgrpo" / f"{cell['shape']}-{cell['tokens']}-{cell['group']}"
     cfg = GRPOConfig.from_dict({

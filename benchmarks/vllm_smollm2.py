@@ -91,8 +91,8 @@ def load_smollm2():
 
 def train_rows(policy, tokenizer, dtype: str, sampler: str, args, out: Path) -> list[dict]:
     from klgrpo.config.schema import GRPOConfig
-    from klgrpo.train.metrics import read_metrics
-    from klgrpo.train.trainer import GRPOTrainer
+    from klgrpo.run.metrics import read_metrics
+    from klgrpo.run.trainer import GRPOTrainer
 
     cfg = GRPOConfig.from_yaml(EXAMPLE).override({
         "model.dtype": dtype, "data.source": str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"),
