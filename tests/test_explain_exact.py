@@ -282,11 +282,7 @@ VERL_KL = {"kl": lambda l: l, "mse": lambda l: 0.5 * l * l,
 def _verl_hand(kl_type, mode, beta, logp, old, ref, adv, mask, dual=3.0):
     leaf = logp.clone().requires_grad_(True)
     r, l = torch.exp(leaf - old), leaf - ref
-    if kl_type == "k3+":
-        k3 = (torch.exp(-l) + l - 1).clamp(max=10.0)
-        kl = k3.detach() + 0.5 * l * l - (0.5 * l * l).detach()
-    else:
-        kl = VERL_KL[kl_type](l)
+    kl = VERL_KL[kl_type](l)
     loss = _agg(_pg(r, adv, dual=dual), mask, mode) + beta * _agg(kl, mask, mode)
     (grad,) = torch.autograd.grad(loss, leaf)
     return loss.detach(), grad
@@ -297,7 +293,7 @@ VERL_LOSS_CONFIGS = [  # (kl_loss_type, loss_agg_mode, kl_loss_coef)
     ("low_var_kl", "seq-mean-token-mean", 0.05),
     ("mse", "seq-mean-token-sum", 0.1),
     ("kl", "token-mean", 0.1),
-    ("k3+", "seq-mean-token-sum-norm", 0.1),
+    ("kl", "seq-mean-token-sum-norm", 0.1),
 ]
 
 
@@ -311,13 +307,27 @@ def test_mapped_verl_kl_loss_equals_verl_formula(kl_type, mode, beta):
                  "actor_rollout_ref.actor.kl_loss_type": kl_type, "actor_rollout_ref.actor.loss_agg_mode": mode,
                  "actor_rollout_ref.actor.kl_loss_coef": beta, "actor_rollout_ref.actor.ppo_mini_batch_size": 1024}
     mapped = map_verl(overrides)
-    # k3+ keeps verl's value cap at 10 outside klgrpo's k3_st (named; unbound on these inputs, k3 < 10)
-    assert set(mapped.unmapped) == ({"actor_rollout_ref.actor.kl_loss_type"} if kl_type == "k3+" else set())
+    assert mapped.unmapped == {}
     assert not mapped.extra_kl
     expected = _verl_hand(kl_type, mode, beta, logp, old, ref, adv, mask)
     ours = _ours(mapped, logp, old, ref, adv, mask)
     assert abs(float(ours[0] - expected[0])) <= 1e-10
     assert float((ours[1] - expected[1]).abs().max()) <= 1e-10
+
+
+def test_verl_plus_names_raise_where_verl_has_them():
+    # verl.json, 0.6.0 on: kl_penalty("k3+") passes the name with its "+" to kl_penalty_forward, which matches no
+    # branch and raises NotImplementedError (core_algos.py at v0.6.0 - v0.7.0): no KL term to map; named as such
+    overrides = {"actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_type": "k3+"}
+    mapped = map_verl(overrides)
+    assert "raises NotImplementedError" in mapped.unmapped["actor_rollout_ref.actor.kl_loss_type"]
+    assert mapped.config["kl.coef"] == 0.0 and not mapped.extra_kl
+    # before 0.6.0 the name is none of the range's KL types (verl.json 0.4.0 row)
+    from klgrpo.integrations.versions import parse_option, profiles
+
+    (older,) = profiles("verl", parse_option("verl==0.5.0"))
+    assert "is not a KL type of verl >= 0.4.0, < 0.6.0" in map_verl(overrides, release=older).unmapped[
+        "actor_rollout_ref.actor.kl_loss_type"]
 
 
 def test_mapped_verl_kl_in_reward_equals_verl_formula():

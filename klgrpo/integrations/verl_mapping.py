@@ -5,6 +5,10 @@ Names and defaults are those of verl's ``verl/trainer/config/_generated_ppo_trai
 lists them and derives each formula. :func:`map_verl` takes the config as dotted keys
 (``actor_rollout_ref.actor.kl_loss_type``) with verl's defaults for what is absent.
 
+What decides the KL changed across verl releases: the KL defaults, when the KL goes into the reward and each
+estimator's value and gradient come from klgrpo/integrations/versions/verl.json, the row of the release range
+the config is mapped under (the newest row without one), never from a copy here.
+
 verl has two KL terms: ``use_kl_loss`` puts ``kl_loss_coef * agg(k(l))`` into the actor loss (no importance
 weight, the policy loss's aggregation), ``use_kl_in_reward`` subtracts ``kl_ctrl.kl_coef * k(l_old)`` per token
 from the token-level scores, which GRPO's outcome advantage sums over the sequence before the group
@@ -18,24 +22,34 @@ from typing import Any
 
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
+from klgrpo.integrations.versions import NotInRange, Profile, newest, rl_profiles, table_estimator
 
 VERL_VERSION = "0.8.0.dev (v0.7.0-125-gb178a3cd5)"
 ACTOR = "actor_rollout_ref.actor."
 ALGORITHM = "algorithm."
+#: The newest range's KL defaults (verl.json): the table's defaults below.
+_KL = newest("verl")["defaults"]
 
 VERL_FIELDS = (
-    FieldMapping(ACTOR + "use_kl_loss", ("kl.placement",), False, "true: the KL enters the loss"),
-    FieldMapping(ACTOR + "kl_loss_coef", ("kl.coef",), 0.001, "beta of the loss KL"),
-    FieldMapping(ACTOR + "kl_loss_type", ("kl.estimator", "kl.shaping", "kl.clip_threshold"), "low_var_kl",
-                 "kl, k1: k1; mse, k2: k2; low_var_kl, k3: k3 with kl.shaping clip at 10; k1+: k1_st; "
-                 "k3+, low_var_kl+: k3_st; abs: none"),
-    FieldMapping(ALGORITHM + "use_kl_in_reward", ("kl.placement", "kl.reward_mode"), False,
+    FieldMapping(ACTOR + "use_kl_loss", ("kl.placement",), _KL[ACTOR + "use_kl_loss"], "true: the KL enters the loss"),
+    FieldMapping(ACTOR + "kl_loss_coef", ("kl.coef",), _KL[ACTOR + "kl_loss_coef"], "beta of the loss KL"),
+    FieldMapping(ACTOR + "kl_loss_type", ("kl.estimator", "kl.shaping", "kl.clip_threshold"),
+                 _KL[ACTOR + "kl_loss_type"],
+                 "kl, k1: k1; mse, k2: k2; low_var_kl, k3: k3 with kl.shaping clip at 10; abs and the names "
+                 "ending in +: none (verl.json's estimators, per release)"),
+    FieldMapping(ALGORITHM + "use_kl_in_reward", ("kl.placement", "kl.reward_mode"),
+                 _KL[ALGORITHM + "use_kl_in_reward"],
                  "true: the KL enters the reward, summed into the sequence's score (sequence_score)"),
-    FieldMapping(ALGORITHM + "kl_penalty", ("kl.estimator",), "kl", "the reward KL's estimator, as kl_loss_type"),
-    FieldMapping(ALGORITHM + "kl_ctrl.type", ("kl.controller",), "fixed", "fixed or adaptive (reward KL only)"),
-    FieldMapping(ALGORITHM + "kl_ctrl.kl_coef", ("kl.coef",), 0.001, "beta of the reward KL"),
-    FieldMapping(ALGORITHM + "kl_ctrl.target_kl", ("kl.target",), 0.1, "adaptive: the target KL"),
-    FieldMapping(ALGORITHM + "kl_ctrl.horizon", ("kl.horizon",), 10000, "adaptive: the horizon in samples"),
+    FieldMapping(ALGORITHM + "kl_penalty", ("kl.estimator",), _KL[ALGORITHM + "kl_penalty"],
+                 "the reward KL's estimator, as kl_loss_type"),
+    FieldMapping(ALGORITHM + "kl_ctrl.type", ("kl.controller",), _KL[ALGORITHM + "kl_ctrl.type"],
+                 "fixed or adaptive (reward KL only)"),
+    FieldMapping(ALGORITHM + "kl_ctrl.kl_coef", ("kl.coef",), _KL[ALGORITHM + "kl_ctrl.kl_coef"],
+                 "beta of the reward KL"),
+    FieldMapping(ALGORITHM + "kl_ctrl.target_kl", ("kl.target",), _KL[ALGORITHM + "kl_ctrl.target_kl"],
+                 "adaptive: the target KL"),
+    FieldMapping(ALGORITHM + "kl_ctrl.horizon", ("kl.horizon",), _KL[ALGORITHM + "kl_ctrl.horizon"],
+                 "adaptive: the horizon in samples"),
     FieldMapping(ALGORITHM + "adv_estimator", ("loss.advantage_scale",), "gae",
                  "grpo: group-normalised rewards (std_eps 1e-6, ddof 1); gae and the others: none"),
     FieldMapping(ALGORITHM + "norm_adv_by_std_in_grpo", ("loss.advantage_scale",), True,
@@ -63,14 +77,15 @@ VERL_FIELDS = (
 )
 VERL_DEFAULTS = {row.field: row.default for row in VERL_FIELDS}
 
-#: verl's KL names -> (klgrpo estimator, shaping, clip threshold). low_var_kl clamps k3 to [-10, 10] (k3 >= 0:
-#: the upper bound only, klgrpo's clip shaping at 10, zero gradient above).
-ESTIMATORS = {
-    "kl": ("k1", "none"), "k1": ("k1", "none"), "mse": ("k2", "none"), "k2": ("k2", "none"),
-    "low_var_kl": ("k3", "clip"), "k3": ("k3", "clip"), "k1+": ("k1_st", "none"),
-    "k3+": ("k3_st", "none"), "low_var_kl+": ("k3_st", "none"),
+#: When each range puts the KL into the reward (verl.json's reward_kl), as a rule on the config's values.
+REWARD_RULES = {
+    "always": lambda v: True,
+    "whenever actor.use_kl_loss is false": lambda v: not v[ACTOR + "use_kl_loss"],
+    "with algorithm.use_kl_in_reward": lambda v: bool(v[ALGORITHM + "use_kl_in_reward"]),
 }
-NO_COUNTERPART_ESTIMATORS = {"abs": "|log pi - log ref| has no klgrpo estimator"}
+#: The KL keys of some verl release (verl.json): a config that sets one its range lacks cannot run there.
+KL_KEYS = tuple(dict.fromkeys(key for p in rl_profiles("verl") for key in p.defaults))
+#: klgrpo's clip_threshold where no estimator is clipped (the key is dropped then).
 LOW_VAR_KL_CAP = 10.0
 AGGREGATIONS = {"token-mean": "token_mean", "seq-mean-token-sum": "seq_mean_token_sum",
                 "seq-mean-token-mean": "seq_mean_token_mean", "seq-mean-token-sum-norm": "constant"}
@@ -145,18 +160,27 @@ def _check_type(key: str, value: Any, origin: str) -> None:
         raise ConfigError(f"{origin}: {key} must be {name}, got {value!r}")
 
 
-def map_verl(values: dict[str, Any], origin: str = "config") -> Mapped:
-    """verl dotted keys -> klgrpo keys; absent keys take verl's defaults."""
+def map_verl(values: dict[str, Any], origin: str = "config", release: Profile | None = None) -> Mapped:
+    """verl dotted keys -> klgrpo keys under ``release``'s rules (a range of verl.json; None: the newest); absent
+    keys take that range's defaults. NotInRange where the config sets a KL key the range lacks."""
+    row = release.release if release is not None and release.release else newest("verl")
+    label = release.label if release is not None else f"verl {row['from']} or later"
+    if row["reward_kl"] not in REWARD_RULES:
+        raise ValueError(f"versions/verl.json: reward_kl {row['reward_kl']!r} is none of {list(REWARD_RULES)}")
+    for key in values:
+        if key in KL_KEYS and key not in row["defaults"]:
+            raise NotInRange(f"{origin}: {key} is not a key of {label} (klgrpo/integrations/versions/verl.json); "
+                             "drop it or pass the release you run, e.g. --version verl==0.4")
     unread = check_keys(values, origin)
     for key in values:
         if key in VERL_DEFAULTS:
             _check_type(key, values[key], origin)
-    v = {**VERL_DEFAULTS, **values}
+    v = {**VERL_DEFAULTS, **row["defaults"], **values}
     out = Mapped()
     _not_read(unread, out)
     _map_policy(v, out)
     _map_advantages(v, out)
-    _map_kl(v, out)
+    _map_kl(v, out, row, label)
     mini_batches = v["data.train_batch_size"] / v[ACTOR + "ppo_mini_batch_size"]
     out.off_policy = v[ACTOR + "ppo_epochs"] > 1 or mini_batches > 1
     if mini_batches > 1:
@@ -220,33 +244,40 @@ def _map_advantages(v: dict, out: Mapped) -> None:
     out.config.update({"loss.advantage_scale": scale, "loss.std_eps": 1e-6, "loss.std_ddof": 1})
 
 
-def _estimator(name: str, key: str, out: Mapped) -> tuple[str, str] | None:
-    if name in NO_COUNTERPART_ESTIMATORS:
-        out.unmapped[key] = f"{name!r}: {NO_COUNTERPART_ESTIMATORS[name]}"
+def _estimator(name: str, key: str, out: Mapped, row: dict, label: str) -> tuple[str, str, float] | None:
+    """(klgrpo estimator, loss shaping, cap) of the KL type ``name`` in the range's row, or None (named in
+    unmapped): a name the range lacks, or one klgrpo has no counterpart for."""
+    formula = row["estimators"].get(name)
+    if formula is None:
+        out.unmapped[key] = f"{name!r} is not a KL type of {label}; choose one of: {', '.join(row['estimators'])}"
         return None
-    if name not in ESTIMATORS:
-        out.unmapped[key] = f"{name!r} is not a verl KL type; choose one of: {', '.join(ESTIMATORS)}"
+    found = table_estimator(formula)
+    if found.estimator is None:
+        out.unmapped[key] = f"{name!r} in {label}: {found.why}"
         return None
-    if name.endswith("+") and ESTIMATORS[name][0] == "k3_st":
-        out.unmapped[key] = (f"{name!r}: verl caps the value at 10, klgrpo's k3_st does not (the gradient is k2's "
-                             "in both; equal while k3 <= 10)")
-    return ESTIMATORS[name]
+    # a cap on k3 (>= 0: the upper bound only) is klgrpo's clip shaping there, zero gradient above
+    if found.cap is not None and found.estimator != "k3":
+        out.unmapped[key] = (f"{name!r}: verl caps the value at {found.cap:g}, klgrpo's {found.estimator} does not "
+                             "(equal below the cap)")
+    shaping = "clip" if found.cap is not None and found.estimator == "k3" else "none"
+    return found.estimator, shaping, found.cap or LOW_VAR_KL_CAP
 
 
-def _part(estimator: tuple[str, str], coef: float, placement: str) -> dict[str, Any]:
-    name, shaping = estimator
+def _part(estimator: tuple[str, str, float], coef: float, placement: str) -> dict[str, Any]:
+    name, shaping, cap = estimator
     part = {"coef": float(coef), "estimator": name, "placement": placement, "is_correction": "none",
             "reward_mode": "sequence_score" if placement == "reward" else "reward_to_go", "shaping": "none",
-            "clip_threshold": LOW_VAR_KL_CAP}
+            "clip_threshold": cap}
     if placement == "loss":  # klgrpo shapes the loss term only; verl clamps the reward value too (noted)
         part["shaping"] = shaping
     return part
 
 
-def _map_kl(v: dict, out: Mapped) -> None:
-    loss_on, reward_on = v[ACTOR + "use_kl_loss"], v[ALGORITHM + "use_kl_in_reward"]
-    loss_est = _estimator(v[ACTOR + "kl_loss_type"], ACTOR + "kl_loss_type", out) if loss_on else None
-    reward_est = _estimator(v[ALGORITHM + "kl_penalty"], ALGORITHM + "kl_penalty", out) if reward_on else None
+def _map_kl(v: dict, out: Mapped, row: dict, label: str) -> None:
+    loss_on, reward_on = bool(v[ACTOR + "use_kl_loss"]), REWARD_RULES[row["reward_kl"]](v)
+    loss_est = _estimator(v[ACTOR + "kl_loss_type"], ACTOR + "kl_loss_type", out, row, label) if loss_on else None
+    reward_est = (_estimator(v[ALGORITHM + "kl_penalty"], ALGORITHM + "kl_penalty", out, row, label) if reward_on
+                  else None)
     controller = v[ALGORITHM + "kl_ctrl.type"]
     if reward_on and controller not in ("fixed", "adaptive"):
         out.unmapped[ALGORITHM + "kl_ctrl.type"] = f"{controller!r} is not a verl KL controller"
@@ -257,7 +288,8 @@ def _map_kl(v: dict, out: Mapped) -> None:
         parts.append(_part(reward_est, v[ALGORITHM + "kl_ctrl.kl_coef"], "reward"))
         if reward_est[1] == "clip":
             out.unmapped[ALGORITHM + "kl_penalty"] = (
-                "low_var_kl caps the reward KL at 10; klgrpo's reward KL is not capped (equal below 10)")
+                f"{v[ALGORITHM + 'kl_penalty']} caps the reward KL at {reward_est[2]:g}; klgrpo's reward KL is not "
+                f"capped (equal below {reward_est[2]:g})")
         if controller == "adaptive":
             out.unmapped[ALGORITHM + "kl_ctrl.target_kl"] = (
                 "verl's adaptive controller reads the mean over sequences of each sequence's mean KL; klgrpo's "

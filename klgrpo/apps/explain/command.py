@@ -26,6 +26,9 @@ from klgrpo.apps.explain.trl_fields import TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError, KLGRPOError
 
 STRICT_EXIT = 3
+#: The frameworks whose releases --version may name, per format.
+RELEASES_OF = {"trl": ("trl",), "adaptive_kl": ("trl",), "unsloth": ("unsloth", "trl"), "verl": ("verl",),
+               "openrlhf": ("openrlhf",)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", choices=FORMATS, help="the format (default: detected)")
     p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
                                                      "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'), "
-                                                     "or a file that pins it (setup.py, requirements.txt); "
-                                                     "default: what the file states, else every release range")
+                                                     "verl==0.3, openrlhf==0.5.9.post1, or a file that pins it "
+                                                     "(setup.py, requirements.txt); default: what the file "
+                                                     "states, else every release range")
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
                                                             "on LINE, when a script has several")
     p.add_argument("--write", metavar="YAML", help="write the klgrpo config to YAML (one FILE)")
@@ -115,19 +119,21 @@ def _version_note(source: str) -> list[str]:
 
 
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The report of FILE; for TRL and Unsloth, under each release range the file may run on: one report when
-    their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
-    from klgrpo.integrations.versions import release_notes, spans, stated_in
+    """The report of FILE; for TRL, Unsloth, verl and OpenRLHF, under each release range the file may run on: one
+    report when their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
+    from klgrpo.integrations.versions import spans, stated_in
 
     text, origin = read_text(path)
     versions = _stated_by(args.version) if args.version else stated_in(text)
     source, variants = load_variants(text, origin, args.source, args.call, versions)
-    if source not in TRL_KINDS and args.version:
-        raise ConfigError(f"--version reads TRL or Unsloth releases; {origin} is {source}")
+    named = RELEASES_OF.get(source, ())
+    if args.version and not set(versions) & set(named):
+        raise ConfigError(f"--version {args.version} names no release of what {origin} is ({source}); "
+                          + (f"pass --version {named[0]}==X" if named else "a klgrpo config has no release"))
     reports = []
     for profile, mapped in variants:  # the newest range first: the top-level verdict is its
         report = explain(source, mapped)
-        report["notes"] = (_version_note(source) + release_notes(source, text)) if profile is None else []
+        report["notes"] = _version_note(source) if profile is None else []
         reports.append((profile, report))
     groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
     report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0])}
@@ -145,8 +151,8 @@ def _stated_by(option: str) -> dict[str, Any]:
         return parse_option(option)
     found = stated_in(read_text(option)[0])
     if not found:
-        raise ConfigError(f"--version {option}: the file pins no TRL or Unsloth release (trl==X, trl @ "
-                          "git+...@TAG or a commit explain knows); pass --version trl==X")
+        raise ConfigError(f"--version {option}: the file pins no TRL, Unsloth, verl or OpenRLHF release (trl==X, "
+                          "verl==X, trl @ git+...@TAG or a commit explain knows); pass --version trl==X")
     return found
 
 
@@ -204,10 +210,25 @@ def _print_report(report: dict[str, Any]) -> None:
         print(format_report(report["origin"], entry))
     if not versions:
         return
-    said = "; ".join(f"on {' and '.join(e['releases'])}: token {e['gradient']['token_on_policy']}, "
-                     f"sequence {e['gradient']['sequence_on_policy']}, beta {e['controller']}" for e in versions)
+    said = "; ".join(f"on {' and '.join(e['releases'])}: {_answer(e, versions)}" for e in versions)
+    example = {"verl": "verl==0.3", "openrlhf": "openrlhf==0.8.5"}.get(report["source"], "trl==0.18")
     print(f"{report['origin']}: the answer depends on the release ({said}): which do you run? Pass --version "
-          "(e.g. --version trl==0.18), or pin it in the file")
+          f"(e.g. --version {example}), or pin it in the file")
+
+
+def _answer(entry: dict[str, Any], versions: list[dict[str, Any]]) -> str:
+    """One release range's answer in a few words: the gradients and beta, and where those agree with another
+    range's, the aggregation and the risks that set it apart."""
+    def base(e: dict[str, Any]) -> str:
+        said = f"token {e['gradient']['token_on_policy']}, sequence {e['gradient']['sequence_on_policy']}, " \
+               f"beta {e['controller']}"
+        return said + (f", aggregation {e['aggregation']['name']}"
+                       if len({v["aggregation"]["name"] for v in versions}) > 1 else "")
+
+    if sum(base(e) == base(entry) for e in versions) == 1:
+        return base(entry)
+    own = [risk.split(":")[0] for risk in entry["risks"] if not all(risk in e["risks"] for e in versions)]
+    return base(entry) + "".join(f", {risk}" for risk in own)
 
 
 def _explain_files(args: argparse.Namespace) -> int:

@@ -7,29 +7,31 @@
     adaptive_kl  TRL's fields with the adaptive-KL fields (kl_adaptation_method, kl_target, ...) of
                ``klgrpo.trl.GRPOConfig`` and the Unsloth fork it mirrors
     verl       verl's Hydra YAML (actor_rollout_ref:, algorithm:, ...), key=value overrides one per line, or a
-               launch script running ``python3 -m verl.trainer.main_ppo key=value ...``
+               launch script running ``python3 -m verl.trainer.main_ppo key=value ...``; per verl release
+               (klgrpo.integrations.versions)
     openrlhf   an OpenRLHF command line (``--algo.kl.init_coef 0.01 --algo.kl.use_loss ...``) in a text file or
-               a launch script
+               a launch script; per OpenRLHF release
     klgrpo     a klgrpo config (model:, kl:, loss:, ...)
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from klgrpo.apps.explain import python_script, shell_script
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
-from klgrpo.apps.explain.trl_config import NotInRange, map_trl_config
+from klgrpo.apps.explain.trl_config import map_trl_config
 from klgrpo.config.schema import GRPOConfig, all_field_paths
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
-from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, map_openrlhf, parse_flags
+from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, canonical, map_openrlhf, parse_flags
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS
 from klgrpo.integrations.verl_mapping import ROOTS as VERL_ROOTS
 from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
-from klgrpo.integrations.versions import Constraint, Profile, profiles
+from klgrpo.integrations.versions import Constraint, NotInRange, Profile, outside_every_range, profiles
 
 FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
@@ -150,16 +152,15 @@ Variant = tuple[Profile | None, Mapped]
 def load_variants(text: str, origin: str, source: str | None = None, call: int | None = None,
                   versions: dict[str, list[Constraint]] | None = None) -> tuple[str, list[Variant]]:
     """(format, [(release range, mapped config)]): with ``versions`` (the clauses of --version or of the file,
-    possibly none), a TRL or Unsloth file is mapped under each release range they allow that has every field
-    the file sets; without, by TRL 1.16's rules alone (range None)."""
+    possibly none), a TRL, Unsloth, verl or OpenRLHF file is mapped under each release range they allow that has
+    every field the file sets; without, by the newest rules alone (range None)."""
     if suffix(origin) == ".ipynb" or text.lstrip().startswith("{") and '"cells"' in text[:4096]:
         text = notebook_code(text, origin)
     shape, data = _parse(text, origin)
     if shape == "python":
         return _from_python(text, origin, source, call, versions)
     if shape == "script":
-        found, mapped = _from_script(text, origin, source, call)
-        return found, [(None, mapped)]
+        return _from_script(text, origin, source, call, versions)
     if source is None:
         found = _candidates(shape, data)
         if not found:
@@ -173,11 +174,13 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
     if source == "openrlhf":
         if shape != "flags":
             raise ConfigError(f"{origin} holds no --flags; an OpenRLHF config is its command line")
-        return source, [(None, map_openrlhf(parse_flags(data, origin), origin))]
+        flags = parse_flags(data, origin)
+        return source, rl_variants("openrlhf", origin, versions, lambda p: map_openrlhf(flags, origin, p))
     if shape == "flags":
         raise ConfigError(f"{origin} is a command line; only --from openrlhf reads one")
     if source == "verl":
-        return source, [(None, map_verl(data if shape == "overrides" else _flatten(data), origin))]
+        values = data if shape == "overrides" else _flatten(data)
+        return source, rl_variants("verl", origin, versions, lambda p: map_verl(values, origin, p))
     if shape == "overrides":
         raise ConfigError(f"{origin} holds key=value lines; only --from verl reads them")
     if source == "klgrpo":
@@ -207,6 +210,27 @@ def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Co
         for keyword, why in (computed or {}).items():
             mapped.unmapped.setdefault(keyword, why)
         out.append((profile, mapped))
+    if not out:
+        raise missing[-1]
+    return out
+
+
+def rl_variants(framework: str, origin: str, versions: dict[str, list[Constraint]] | None,
+                mapper: Callable[[Profile | None], Mapped]) -> list[Variant]:
+    """verl's or OpenRLHF's config mapped under each release range ``versions`` allows (the newest first) that
+    has every KL key it sets; a version no range holds is one line."""
+    if versions is None:
+        return [(None, mapper(None))]
+    allowed = profiles(framework, versions)
+    if not allowed:
+        raise ConfigError(f"{origin}: {outside_every_range(framework, versions.get(framework, []))}")
+    out: list[Variant] = []
+    missing: list[NotInRange] = []
+    for profile in reversed(allowed):
+        try:
+            out.append((profile, mapper(profile)))
+        except NotInRange as err:
+            missing.append(err)
     if not out:
         raise missing[-1]
     return out
@@ -246,14 +270,15 @@ def _from_python(text: str, origin: str, source: str | None, line: int | None,
     return kind, trl_variants(call.keywords, where, kind, versions, call.computed)
 
 
-def _from_script(text: str, origin: str, source: str | None, line: int | None) -> tuple[str, Mapped]:
+def _from_script(text: str, origin: str, source: str | None, line: int | None,
+                 versions: dict[str, list[Constraint]] | None) -> tuple[str, list[Variant]]:
     command = shell_script.launch_command(text, origin, line)
     if source not in (None, command.framework):
         raise ConfigError(f"{origin}: line {command.line} launches {command.framework}, not {source}")
     where = f"{origin}: line {command.line}"
-    if command.framework == "verl":
-        return "verl", _verl_from_script(command, where)
-    return "openrlhf", _openrlhf_from_script(command, where)
+    mapper = _verl_from_script if command.framework == "verl" else _openrlhf_from_script
+    return command.framework, rl_variants(command.framework, where, versions,
+                                          lambda profile: mapper(command, where, profile))
 
 
 def _unresolved_note(variable: str, default: Any, framework: str) -> str:
@@ -261,7 +286,13 @@ def _unresolved_note(variable: str, default: Any, framework: str) -> str:
             f"{framework}'s default, {default!r}")
 
 
-def _verl_from_script(command: shell_script.LaunchCommand, where: str) -> Mapped:
+def _range_default(profile: Profile | None, name: str, newest: dict[str, Any]) -> Any:
+    """The default of ``name`` (the newest name) in the range; where the table has no entry, the newest."""
+    entry = (profile.defaults if profile is not None else {}).get(name, newest.get(name))
+    return entry["default"] if isinstance(entry, dict) else entry
+
+
+def _verl_from_script(command: shell_script.LaunchCommand, where: str, profile: Profile | None) -> Mapped:
     values: dict[str, Any] = {}
     notes: dict[str, str] = {}
     for argument in command.arguments:
@@ -272,26 +303,30 @@ def _verl_from_script(command: shell_script.LaunchCommand, where: str) -> Mapped
             continue
         key, value = argument.lstrip("+~").split("=", 1)
         if argument in command.unresolved and key in VERL_DEFAULTS:
-            notes[key] = _unresolved_note(command.unresolved[argument], VERL_DEFAULTS[key], "verl")
+            notes[key] = _unresolved_note(command.unresolved[argument], _range_default(profile, key, VERL_DEFAULTS),
+                                          "verl")
             continue
         values[key] = value if argument in command.unresolved else _override_value(value, where)
-    mapped = map_verl(values, where)
+    mapped = map_verl(values, where, profile)
     for key, why in notes.items():
         mapped.unmapped.setdefault(key, why)
     return mapped
 
 
-def _openrlhf_from_script(command: shell_script.LaunchCommand, where: str) -> Mapped:
+def _openrlhf_from_script(command: shell_script.LaunchCommand, where: str, profile: Profile | None) -> Mapped:
     arguments = [a for a in command.arguments if a not in _SCRIPT_ARGUMENTS]
     flags = parse_flags(arguments, where)
     notes = {}
     for name, value in list(flags.items()):
         words = value if isinstance(value, list) else [value]
         held = [command.unresolved[w] for w in words if isinstance(w, str) and w in command.unresolved]
-        if held and name in OPENRLHF_DEFAULTS:
-            notes[name] = _unresolved_note(held[0], OPENRLHF_DEFAULTS[name], "OpenRLHF")
+        if held and canonical(name) in OPENRLHF_DEFAULTS:
+            default = OPENRLHF_DEFAULTS[canonical(name)]
+            if profile is not None:  # the range's flag holding the same (openrlhf.json)
+                default = next((e["default"] for e in profile.defaults.values() if e["flag"] == f"--{name}"), default)
+            notes[name] = _unresolved_note(held[0], default, "OpenRLHF")
             del flags[name]
-    mapped = map_openrlhf(flags, where)
+    mapped = map_openrlhf(flags, where, profile)
     for name, why in notes.items():
         mapped.unmapped.setdefault(name, why)
     if len(arguments) < len(command.arguments):

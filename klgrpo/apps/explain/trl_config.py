@@ -16,7 +16,7 @@ from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, LOSS_TYPES, TRL_DEFAULTS, map_trl
-from klgrpo.integrations.versions import Profile
+from klgrpo.integrations.versions import NotInRange, Profile
 
 #: Names of earlier TRL releases that ``trl grpo`` configs still carry -> the 1.16 name.
 EARLIER_NAMES = {"torch_dtype": "dtype"}
@@ -182,10 +182,6 @@ def other_releases_fields() -> set[str]:
     from klgrpo.integrations.versions import trl_profiles
 
     return set().union(*(p.removed_since for p in trl_profiles()))
-
-
-class NotInRange(ConfigError):
-    """A field the release range being tried lacks: that range cannot run the file."""
 
 
 #: Types of the TRL / adaptive-KL fields the mapping reads whose default is None (the others: their default's type).

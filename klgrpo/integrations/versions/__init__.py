@@ -1,9 +1,12 @@
-"""What decides the KL in each release range of TRL and Unsloth, as data (trl.json, written by
+"""What decides the KL in each release range of TRL, Unsloth, verl and OpenRLHF, as data (trl.json, written by
 tools/trl_versions.py from TRL's source at every minor release; unsloth.json, read by hand from Unsloth's and
-unsloth_zoo's source, each row naming the file and commit read), and the version constraints a file states.
+unsloth_zoo's source, each row naming the file and commit read; verl.json and openrlhf.json, written by
+tools/rl_versions.py from every release tag), and the version constraints a file states.
 
-A :class:`Profile` is one range's rules in the terms of klgrpo.integrations.trl_mapping: TRL's defaults there,
-the GRPOConfig fields it lacks or still has, and (Unsloth) the defaults Unsloth writes and its own loss's KL.
+A :class:`Profile` is one range's rules: for TRL and Unsloth in the terms of klgrpo.integrations.trl_mapping
+(TRL's defaults there, the GRPOConfig fields it lacks or still has, and (Unsloth) the defaults Unsloth writes and
+its own loss's KL); for verl and OpenRLHF the table's row itself (``release``), which
+klgrpo.integrations.verl_mapping and openrlhf_mapping read.
 """
 
 from __future__ import annotations
@@ -19,18 +22,28 @@ from klgrpo.errors import ConfigError
 
 HERE = Path(__file__).resolve().parent
 Version = tuple[int, ...]
+#: The frameworks whose release tables explain reads, and their names.
+NAMES = {"trl": "TRL", "unsloth": "Unsloth", "verl": "verl", "openrlhf": "OpenRLHF"}
+#: Those whose tables tools/rl_versions.py writes (one row per range, read by their mappings).
+RL_FRAMEWORKS = ("verl", "openrlhf")
 _OPS = ("==", "~=", ">=", "<=", "!=", ">", "<")
-_CLAUSE = r"(?:==|~=|>=|<=|!=|>|<)\s*v?\d+(?:\.\d+){0,2}"
+_CLAUSE = r"(?:==|~=|>=|<=|!=|>|<)\s*v?\d+(?:\.\d+){0,2}(?:\.post\d+)?"
 _PIN = r"(?<![\w-]){name}(?:\[[\w,\s-]*\])?\s*(" + _CLAUSE + r"(?:\s*,\s*" + _CLAUSE + r")*)"
 #: ``trl @ git+https://github.com/huggingface/trl.git@REF`` (open-r1's setup.py): a release tag or a commit.
 _GIT_PIN = r"(?<![\w-])trl(?:\[[\w,\s-]*\])?\s*@\s*git\+https?://github\.com/huggingface/trl(?:\.git)?@([\w.]+)"
 
 
+class NotInRange(ConfigError):
+    """A field the release range being tried lacks: that range cannot run the file."""
+
+
 def parse_version(text: str) -> Version:
-    parts = re.findall(r"\d+", text)[:3]  # as written: ==0.18 means every 0.18.x
+    """"0.18" -> (0, 18) (as written: ==0.18 means every 0.18.x); a post release "0.6.0.post1" -> (0, 6, 0, 1)."""
+    parts = re.findall(r"\d+", text.split(".post")[0])[:3]
     if not parts:
         raise ConfigError(f"version {text!r} holds no number; write e.g. trl==0.18")
-    return tuple(int(p) for p in parts)
+    post = re.match(r"\d+", text.split(".post")[1]) if ".post" in text and len(parts) == 3 else None
+    return tuple(int(p) for p in parts) + ((int(post.group()),) if post else ())
 
 
 def _bump(version: Version) -> Version:
@@ -42,8 +55,13 @@ def _padded(version: Version) -> Version:
     return version + (0,) * (3 - len(version))
 
 
+def _key(version: Version) -> Version:
+    """Comparable across lengths: (0, 6) -> (0, 6, 0, 0); a post release's fourth part after its release."""
+    return version + (0,) * (4 - len(version))
+
+
 def _label(version: Version) -> str:
-    return ".".join(map(str, version))
+    return ".".join(map(str, version[:3])) + (f".post{version[3]}" if len(version) > 3 else "")
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,9 @@ class Constraint:
     def interval(self) -> tuple[Version, Version | None] | None:
         """[low, high) the clause allows, or None for != (taken as allowing every range)."""
         v = self.version
-        bounds = {"==": (v, _bump(v)), "~=": (v, _bump(v[:-1]) if len(v) > 1 else None), ">=": (v, None),
+        # ==0.6.0 is that release alone (not its post releases); ==0.6 every 0.6.x
+        bounds = {"==": (v, v + (1,) if len(v) == 3 else _bump(v)),
+                  "~=": (v, _bump(v[:-1]) if len(v) > 1 else None), ">=": (v, None),
                   ">": (_bump(v), None), "<": ((0,), v), "<=": ((0,), _bump(v))}.get(self.op)
         return None if bounds is None else (_padded(bounds[0]), bounds[1] and _padded(bounds[1]))
 
@@ -97,10 +117,11 @@ class Profile:
     unweighted_kl: bool = False  # Unsloth's own loss: k3 without the importance ratio, whatever the config says
     rewrites: dict[str, dict[str, Any]] = field(default_factory=dict)
     trl: Profile | None = None
+    release: dict[str, Any] | None = None  # verl and OpenRLHF: the table's row
 
     @property
     def label(self) -> str:
-        name = {"trl": "TRL", "unsloth": "Unsloth"}[self.framework]
+        name = NAMES[self.framework]
         span = (f"{name} {_label(self.low)} or later" if self.high is None
                 else f"{name} >= {_label(self.low)}, < {_label(self.high)}")
         return f"{span} (with TRL >= {_label(self.trl.low)}, < {_label(self.trl.high)})" if (
@@ -112,7 +133,8 @@ class Profile:
             if bounds is None:
                 continue
             low, high = bounds
-            if high is not None and high <= self.low or self.high is not None and low >= self.high:
+            if high is not None and _key(high) <= _key(self.low) or (
+                    self.high is not None and _key(low) >= _key(self.high)):
                 return False
         return True
 
@@ -149,8 +171,23 @@ def unsloth_profiles() -> tuple[Profile, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=None)
+def rl_profiles(framework: str) -> tuple[Profile, ...]:
+    """verl's or OpenRLHF's ranges, each holding its table row."""
+    return tuple(Profile(framework, parse_version(row["from"]), parse_version(row["to"]) if row["to"] else None,
+                         dict(row["defaults"]), read=tuple(row["read"]), release=row)
+                 for row in _table(framework)["ranges"])
+
+
+def newest(framework: str) -> dict[str, Any]:
+    """The newest range's row of verl's or OpenRLHF's table: the rules a config is mapped by without a range."""
+    return _table(framework)["ranges"][-1]
+
+
 def profiles(framework: str, clauses: dict[str, list[Constraint]]) -> list[Profile]:
     """The ranges of ``framework`` that the clauses allow (TRL's clauses also bound Unsloth's TRL)."""
+    if framework in RL_FRAMEWORKS:
+        return [p for p in rl_profiles(framework) if p.allows(clauses.get(framework, []))]
     if framework == "trl":
         return [p for p in trl_profiles() if p.allows(clauses.get("trl", []))]
     return [p for p in unsloth_profiles()
@@ -162,8 +199,8 @@ def spans(found: list[Profile]) -> list[str]:
     merged: list[Profile] = []
     for p in sorted(found, key=lambda p: (p.low, p.trl.low if p.trl else ())):
         last = merged[-1] if merged else None
-        if last is not None and p.framework == last.framework == "trl" and last.high == p.low:
-            merged[-1] = Profile("trl", last.low, p.high)
+        if last is not None and p.framework == last.framework != "unsloth" and last.high == p.low:
+            merged[-1] = Profile(p.framework, last.low, p.high)
         elif (last is not None and p.trl and last.trl and (last.low, last.high) == (p.low, p.high)
               and last.trl.high == p.trl.low):
             merged[-1] = Profile(p.framework, p.low, p.high, trl=Profile("trl", last.trl.low, p.trl.high))
@@ -173,12 +210,14 @@ def spans(found: list[Profile]) -> list[str]:
 
 
 def parse_option(text: str) -> dict[str, list[Constraint]]:
-    """``--version trl==0.18`` (several joined by spaces or ';': ``unsloth==2025.3.1;trl==0.15``)."""
+    """``--version trl==0.18`` (several joined by spaces or ';': ``unsloth==2025.3.1;trl==0.15``; also
+    ``verl==0.3``, ``openrlhf==0.5.9.post1``)."""
     out: dict[str, list[Constraint]] = {}
     for item in filter(None, re.split(r"[;\s]+", text)):
-        match = re.match(r"^(trl|unsloth)\s*(.+)$", item, re.I)
+        match = re.match(r"^(trl|unsloth|verl|openrlhf)\s*(.+)$", item, re.I)
         if not match:
-            raise ConfigError(f"--version {item!r}: write trl==X or unsloth==X (e.g. --version trl==0.18)")
+            raise ConfigError(f"--version {item!r}: write trl==X, unsloth==X, verl==X or openrlhf==X (e.g. "
+                              "--version trl==0.18)")
         out.setdefault(match.group(1).lower(), []).extend(constraints(match.group(2)))
     return out
 
@@ -212,9 +251,9 @@ def git_pins_in(text: str) -> list[Constraint]:
 
 
 def stated_in(text: str) -> dict[str, list[Constraint]]:
-    """The clauses a file states for TRL and Unsloth: pins (also a git install of TRL), and for TRL the modules it
-    imports."""
-    out = {name: found for name in ("trl", "unsloth") if (found := pins_in(text, name))}
+    """The clauses a file states for TRL, Unsloth, verl and OpenRLHF: pins (also a git install of TRL), and for
+    TRL the modules it imports."""
+    out = {name: found for name in NAMES if (found := pins_in(text, name))}
     if git := git_pins_in(text):
         out["trl"] = out.get("trl", []) + git
     if imported := imports_in(text):
@@ -222,58 +261,37 @@ def stated_in(text: str) -> dict[str, list[Constraint]]:
     return out
 
 
-#: The release tables of frameworks explain maps by their newest release only, and their names.
-NEWEST_ONLY = {"verl": "verl", "openrlhf": "OpenRLHF"}
+def outside_every_range(framework: str, clauses: list[Constraint]) -> str:
+    """The one line for clauses that no range of verl's or OpenRLHF's table allows."""
+    first = rl_profiles(framework)[0]
+    return (f"{NAMES[framework]}{','.join(map(str, clauses))} is outside every {NAMES[framework]} release range "
+            f"klgrpo knows ({_label(first.low)} and later, klgrpo/integrations/versions/{framework}.json); pass "
+            f"--version {framework}==X with a release from {_label(first.low)} on")
 
 
-def _release_key(version: str) -> tuple[int, ...]:
-    """"0.6.0.post1" -> (0, 6, 0, 1); "0.2" -> (0, 2, 0, 0): post releases after their release."""
-    base, _, post = version.partition(".post")
-    return (*_padded(parse_version(base)), int(post or 0))
+@dataclass(frozen=True)
+class TableEstimator:
+    """An estimator formula of verl.json / openrlhf.json in klgrpo's terms: its ``kl.estimator`` (None: klgrpo
+    has none), the value cap the release applies (None: none), and why there is no counterpart."""
+
+    estimator: str | None
+    cap: float | None = None
+    why: str = ""
 
 
-def release_notes(framework: str, text: str) -> list[str]:
-    """Where the file pins a verl or OpenRLHF release whose KL rules (versions/<framework>.json) differ from the
-    newest release's, which explain's mapping follows: one line per range, naming what differs."""
-    clauses = pins_in(text, framework) if framework in NEWEST_ONLY else []
-    if not clauses:
-        return []
-    rows = _table(framework)["ranges"]
-    out = []
-    for row in rows[:-1]:
-        low, high = _release_key(row["from"]), _release_key(row["to"])
-        bounds = [c.interval() for c in clauses if c.interval() is not None]
-        if any(b_high is not None and (*b_high, 0) <= low or (*b_low, 0) >= high for b_low, b_high in bounds):
-            continue
-        if differences := _differences(row, rows[-1]):
-            span = row["from"] if row["from"] == row["last_read"] else f"{row['from']} - {row['last_read']}"
-            out.append(f"{NEWEST_ONLY[framework]} {span} (pinned in the file; "
-                       f"versions/{framework}.json) differs from {NEWEST_ONLY[framework]} {rows[-1]['from']} on, whose "
-                       f"rules explain follows: {'; '.join(differences)}")
-    return out
+#: (the value's estimator, the gradient's) as tools/rl_versions.py names them -> klgrpo's kl.estimator.
+_KLGRPO_ESTIMATORS = {("k1", "k1"): "k1", ("k2", "k2"): "k2", ("k3", "k3"): "k3", ("k1", "k2"): "k1_st",
+                      ("k3", "k2"): "k3_st"}
 
 
-def _differences(row: dict[str, Any], newest: dict[str, Any]) -> list[str]:
-    """What decides the KL in ``row`` and not the same in ``newest``; a flag's new name alone is no difference."""
-    def rule(r: dict[str, Any]) -> str:
-        return re.sub(r"--[\w.]+", "FLAG", r.get("reward_kl", ""))
-
-    def value(entry: Any) -> Any:
-        return entry["default"] if isinstance(entry, dict) else entry
-
-    def name(key: str, entry: Any) -> str:
-        return entry["flag"] if isinstance(entry, dict) else key
-
-    out = [f"the KL in the reward: {row['reward_kl']}"] if rule(row) != rule(newest) else []
-    for key, new in newest["defaults"].items():
-        old = row["defaults"].get(key)
-        if old is None:
-            out.append(f"no {name(key, new)}")
-        elif value(old) != value(new):
-            out.append(f"{name(key, old)} {value(old)} (now {value(new)})")
-    for n, formula in row["estimators"].items():
-        now = newest["estimators"].get(n)
-        if now != formula:
-            out.append(f"{n}: {formula}" + (f" (now{now[len(formula):].lstrip(',')})" if now and now.startswith(formula)
-                                             else f" (now {now})" if now else ""))
-    return out
+def table_estimator(formula: str) -> TableEstimator:
+    """"k3 = exp(-l) - 1 + l, clamped to [-10, 10]" -> k3 capped at 10; "...; gradient of k2" -> the value's
+    straight-through form; "abs = |l|", "raises NotImplementedError": no counterpart, with why."""
+    match = re.fullmatch(r"(\w+) = [^,;]+(?:, clamped to \[-([\d.e+]+), [\d.e+]+\])?(?:; gradient of (\w+))?",
+                         formula)
+    if match is None:
+        return TableEstimator(None, why=formula)
+    value, cap, gradient = match.group(1), match.group(2), match.group(3) or match.group(1)
+    name = _KLGRPO_ESTIMATORS.get((value, gradient))
+    why = "" if name else f"{formula}: klgrpo has no such estimator"
+    return TableEstimator(name, float(cap) if cap else None, why)
