@@ -24,6 +24,8 @@ MODEL_SHAPES = {
                         "intermediate": 256, "vocab": 151936},  # tiny, with a real vocabulary's output layer
     "qwen0.5b": {"family": "qwen2", "hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
                  "vocab": 151936},
+    "qwen1.5b": {"family": "qwen2", "hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960,
+                 "vocab": 151936},  # Qwen2.5-1.5B's shape (benchmarks/gpu_vllm.py)
 }
 
 #: Prompts every benchmark samples from: the demo's fixed-width addition prompts (6 characters, no padding).

