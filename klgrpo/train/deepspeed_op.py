@@ -35,8 +35,8 @@ from pathlib import Path
 from klgrpo.errors import KLGRPOError
 
 OP_NAME = "deepspeed_shm_comm"
-#: Seconds a compile (and a wait for another process's compile) may take: the compile took 1291 s on a busy
-#: 2-core machine (docs/distributed.md), and minutes on an idle one.
+#: Seconds a compile (and a wait for another process's compile) may take: on a 2-core machine running another
+#: job it took 226 s (docs/results/deepspeed_cpu.txt) and, busier, 1291 s.
 BUILD_BUDGET_S = 1800.0
 #: What DeepSpeed's TorchBackend runs when its process group starts: the same call, so the same build.
 _BUILD = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
@@ -67,8 +67,8 @@ def ensure_shm_op(budget_s: float = BUILD_BUDGET_S, log: Callable[[str], None] =
         clear_stale_lock(folder, budget_s, log)
         if is_built(folder):
             return False
-        log(f"DeepSpeed: compiling its shared-memory op once (first use on this machine, about "
-            f"{_minutes(budget_s)} minutes at most; a few on an idle machine) in {folder}...")
+        log(f"DeepSpeed: compiling its shared-memory op once (first use on this machine, about 4 minutes, 20 "
+            f"on a busy one; stopped after {_minutes(budget_s)}) in {folder}...")
         start = time.monotonic()
         _run_bounded(command or [sys.executable, "-c", _BUILD], max(deadline - time.monotonic(), 1.0), folder)
         log(f"DeepSpeed: its shared-memory op compiled in {time.monotonic() - start:.0f} s")
