@@ -9,7 +9,8 @@ deep-copied from the partitioned policy): finite numbers logged, one checkpoint 
 resume to step 3, evaluations before, during and after training (rank 0 alone generating) that equal one
 process evaluating the same weights; and a resume of that run's last checkpoint holds its weights and updates
 them like one process resuming the same checkpoint (AdamW's moments included). Slow (one launch per stage,
-~20 s); skipped where DeepSpeed is not installed."""
+~20 s on an idle machine; before the first, a session fixture compiles DeepSpeed's shared-memory op where it is
+not built: minutes); skipped where DeepSpeed is not installed."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import subprocess
 import sys
 import time
 
@@ -86,3 +88,22 @@ def test_the_wait_for_another_process_compiling_is_bounded(op_folder):
         os.close(other)
     assert lines == [f"DeepSpeed: another process is compiling its shared-memory op in {op_folder}; waiting for "
                      f"it (at most 1 s)..."]
+
+
+def test_every_process_runs_the_ninja_that_comes_with_deepspeed_whatever_its_path():
+    """A process whose PATH finds the system's ninja first (a venv's python run by its path) and one whose PATH
+    finds the package's first (an activated venv) both run the package's once klgrpo pinned it: the same ninja
+    reads the op's build log, where two versions each start the build over."""
+    ninja = pytest.importorskip("ninja")  # comes with DeepSpeed
+    probe = ("import shutil; from klgrpo.train.deepspeed_op import pin_ninja; before = shutil.which('ninja'); "
+             "pin_ninja(); print(before, shutil.which('ninja'))")
+    found = {}
+    for name, path in (("system first", "/usr/bin:/bin"), ("package first", f"{ninja.BIN_DIR}:/usr/bin:/bin")):
+        out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PATH=path), check=True,
+                             capture_output=True, text=True).stdout.split()
+        found[name] = out
+    package = os.path.join(ninja.BIN_DIR, "ninja")
+    assert found["package first"] == [package, package]
+    assert found["system first"][1] == package
+    if shutil.which("ninja", path="/usr/bin:/bin"):  # a system ninja exists: without the pin it would have run
+        assert found["system first"][0] != package

@@ -12,11 +12,12 @@ the build folder, released however its process ends) compiles the op in a child 
 the others wait for it, bounded, then find it built. A torch lock that no process holds open is removed with a
 line saying so; where that cannot be told, one that is older than the budget is reported with the fix.
 
-The build command is the same in every process: the op's flags are fixed (``-O2 -fopenmp``, no CPU-feature
+The build file is the same in every process: the op's flags are fixed (``-O2 -fopenmp``, no CPU-feature
 probe), and its sources, include paths and folder depend only on the Python, torch and DeepSpeed installs and on
 $TORCH_EXTENSIONS_DIR, none of which the launcher sets per rank (tests/test_deepspeed_cpu.py compares the ninja
-files of a plain process and of a launched rank). torch's ``_v1``, ``_v2`` names come from its in-process
-versioner and only appear when one process loads the op twice with different arguments.
+files of a plain process and of a launched rank); torch's ``_v1``, ``_v2`` names come from its in-process
+versioner and only appear when one process loads the op twice with different arguments. What differed between
+processes was the ninja that ran it (``pin_ninja``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def ensure_shm_op(budget_s: float = BUILD_BUDGET_S, log: Callable[[str], None] =
     passes ``budget_s``. Nothing where DeepSpeed is not installed or the op does not exist (not Linux)."""
     if command is None and (sys.platform != "linux" or importlib.util.find_spec("deepspeed") is None):
         return False
+    pin_ninja()
     folder = shm_op_folder()
     deadline = time.monotonic() + budget_s
     waiting = f"DeepSpeed: another process is compiling its shared-memory op in {folder}; waiting for it"
@@ -73,6 +75,25 @@ def ensure_shm_op(budget_s: float = BUILD_BUDGET_S, log: Callable[[str], None] =
         _run_bounded(command or [sys.executable, "-c", _BUILD], max(deadline - time.monotonic(), 1.0), folder)
         log(f"DeepSpeed: its shared-memory op compiled in {time.monotonic() - start:.0f} s")
         return True
+
+
+def pin_ninja() -> str | None:
+    """Put the folder of the ninja that comes with DeepSpeed (the ``ninja`` package's) first on PATH, for this
+    process and the ones it starts (its compile, DeepSpeed's load); its folder, None without the package.
+
+    torch runs whichever ``ninja`` PATH finds first, and ninja versions do not read each other's build log
+    (``.ninja_log``: "build log version is too old; starting over"): the system's ninja in one process (a
+    venv's python run by its path) and the package's in another (an activated venv) recompiled the whole op
+    each time they alternated, with the same build file."""
+    if importlib.util.find_spec("ninja") is None:
+        return None
+    import ninja
+
+    folder = str(ninja.BIN_DIR)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != folder:
+        os.environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
+    return folder
 
 
 def is_built(folder: Path) -> bool:
@@ -177,4 +198,4 @@ def _minutes(seconds: float) -> int:
 
 
 __all__ = ["BUILD_BUDGET_S", "OP_NAME", "OpBuildError", "clear_stale_lock", "ensure_shm_op", "is_built",
-           "lock_is_held", "shm_op_folder"]
+           "lock_is_held", "pin_ninja", "shm_op_folder"]
