@@ -107,3 +107,21 @@ def test_every_process_runs_the_ninja_that_comes_with_deepspeed_whatever_its_pat
     assert found["system first"][1] == package
     if shutil.which("ninja", path="/usr/bin:/bin"):  # a system ninja exists: without the pin it would have run
         assert found["system first"][0] != package
+
+
+def test_a_deepspeed_launch_on_the_cpu_builds_the_op_before_accelerate_starts(monkeypatch):
+    """Engine asks for the op before ``Accelerator()`` (whose DeepSpeed process group would compile it silently,
+    on every rank): a compile that fails its budget ends the rank there, in the op's one line."""
+    import torch
+
+    from klgrpo.train import deepspeed_op
+    from klgrpo.train.engine import Engine
+
+    def over_budget(**_):
+        raise OpBuildError("DeepSpeed's shared-memory op did not compile within 2 s")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(deepspeed_op, "ensure_shm_op", over_budget)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(OpBuildError, match="did not compile within 2 s"):
+        Engine()
