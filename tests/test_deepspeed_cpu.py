@@ -9,13 +9,17 @@ deep-copied from the partitioned policy): finite numbers logged, one checkpoint 
 resume to step 3, evaluations before, during and after training (rank 0 alone generating) that equal one
 process evaluating the same weights; and a resume of that run's last checkpoint holds its weights and updates
 them like one process resuming the same checkpoint (AdamW's moments included). Slow (one launch per stage,
-~20 s); skipped where DeepSpeed is not installed."""
+~20 s on an idle machine; before the first, a session fixture compiles DeepSpeed's shared-memory op where it is
+not built: minutes); skipped where DeepSpeed is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ import torch
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.run.metrics import read_metrics
 from klgrpo.run.trainer import GRPOTrainer
+from klgrpo.train.deepspeed_op import BUILD_BUDGET_S, OpBuildError, ensure_shm_op, is_built, shm_op_folder
 from tests.helpers.dist_worker import update_metrics
 from tests.test_distributed import (
     EVAL_REWARD,
@@ -42,6 +47,37 @@ CONFIGS = {2: ROOT / "examples" / "accelerate" / "deepspeed-zero2.yaml",
            3: ROOT / "examples" / "accelerate" / "deepspeed-zero3.yaml"}
 
 
+@pytest.fixture(scope="session")
+def shm_op_built():
+    """DeepSpeed's shared-memory op compiled before the first launch (minutes on a fresh or busy machine), so
+    that the launch's time limit covers the launch; skipped with the reason where it passes its budget."""
+    try:
+        ensure_shm_op(budget_s=BUILD_BUDGET_S, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except OpBuildError as exc:
+        pytest.skip(str(exc))
+    assert is_built(shm_op_folder())  # what each rank of the launch then finds: ninja has nothing left to do
+
+
+def test_every_process_asks_for_the_same_build_of_the_shared_memory_op(tmp_path):
+    """A plain process and a launched rank (the launcher's variables) write the same ninja file for the op, so
+    the op one of them built is the one every later process loads, without compiling again. A compiler named
+    differently ($CXX) changes it: the comparison would see a difference in the build command."""
+    def build_file(name, **env):
+        out = tmp_path / name
+        run_env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), PYTHONPATH=str(ROOT), **env)
+        subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "shm_build_file.py"), str(out)],
+                       env=run_env, check=True, capture_output=True, timeout=120)
+        return out.read_text()
+
+    plain = build_file("plain.ninja")
+    rank = build_file("rank.ninja", RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", OMP_NUM_THREADS="1",
+                      ACCELERATE_USE_CPU="1", ACCELERATE_USE_DEEPSPEED="true", CUDA_VISIBLE_DEVICES="",
+                      PYTHONHASHSEED="7")
+    assert rank == plain
+    assert " -O2 -fopenmp " in plain and "-march" not in plain  # the op's flags are fixed: no CPU probe
+    assert build_file("cxx.ninja", CXX="g++") != plain  # planted difference: the comparison can fail
+
+
 def deepspeed_config(model_dir, reference_dir, data_file, out):
     cfg = config_dict(model_dir, reference_dir, data_file, out)  # 2 prompts x 4 completions per rank
     cfg["train"]["micro_batch_size"] = 4  # 2 micro-batches per rank
@@ -50,8 +86,8 @@ def deepspeed_config(model_dir, reference_dir, data_file, out):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, perturbed_model_dir, tiny_model_dir,
-                                                                   addition_file, tmp_path):
+def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, shm_op_built, perturbed_model_dir,
+                                                                   tiny_model_dir, addition_file, tmp_path):
     cfg_dict = deepspeed_config(perturbed_model_dir, tiny_model_dir, addition_file, tmp_path / "run")
     batch, completions, metrics, _, weights = single_process_update(cfg_dict, tmp_path)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg_dict))

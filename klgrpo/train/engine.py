@@ -25,6 +25,7 @@ runs on the CPU (its CPU accelerator, gloo), so its branch is tested on CPUs too
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -65,6 +66,10 @@ class Engine:
 
         check_deepspeed_settings()  # every process alike, before a process group exists: no rank left waiting
         on_cpu = not torch.cuda.is_available()
+        if on_cpu and _env_flag("ACCELERATE_USE_DEEPSPEED"):  # its process group compiles a C++ op on first use
+            from klgrpo.train.deepspeed_op import ensure_shm_op
+
+            ensure_shm_op(log=lambda line: print(line, file=sys.stderr, flush=True))
         acc = Accelerator(cpu=on_cpu)
         if acc.distributed_type == DistributedType.MULTI_CPU:
             _restore_cpu_engine(acc)
