@@ -115,3 +115,38 @@ def test_a_run_the_folder_lacks_is_kept_from_the_committed_table_and_the_stats_r
     stats = merged["stats"]["final_kl"]
     assert abs(stats["mean"] - 0.3) < 1e-12 and abs(stats["std"] - 2 ** 0.5 / 10) < 1e-12 and stats["n"] == 2
     assert "seed 4" in new["header"][-1]
+
+
+def test_the_readings_claims_are_the_runs():
+    """What the reading says of the finished runs: the worst retention loss of a rollback run, the range of its
+    task gains, and the auto horizon's loss of capitals at seed 4."""
+    docs = _section()
+    table = json.loads((RESULTS / "table.json").read_text())
+    runs = {c["setting"]: {r["seed"]: r["values"] for r in c["runs"] if "values" in r} for c in table["cells"]}
+    rollback = runs["kl.coef=0.01,kl.on_runaway=rollback"].values()
+    worst = max(-min(v["capitals/change"], v["opposites/change"]) for v in rollback)
+    assert f"no rollback run lost more than {worst:.1f} points of a retention set" in docs
+    gains = [v["add/change"] for v in rollback]
+    assert f"learned the sums ({min(gains):+.1f} to {max(gains):+.1f} points)" in docs
+    adaptive = runs["kl.controller=adaptive,kl.coef=0.01,kl.horizon=auto"]
+    assert f"at seed 4 it lost {-adaptive[4]['capitals/change']:.1f} points of capitals" in " ".join(docs.split())
+
+
+def test_readme_quotes_the_readings_claims():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    docs = _section()
+    for claim in ("no run lost more than", "points of a retention set", "lost 39.1 points of capitals"):
+        assert claim in readme
+    table = json.loads((RESULTS / "table.json").read_text())
+    rollback = [r["values"] for c in table["cells"] if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback"
+                for r in c["runs"] if "values" in r]
+    worst = max(-min(v["capitals/change"], v["opposites/change"]) for v in rollback)
+    assert f"no run lost more than {worst:.1f} points of a retention set" in readme
+    assert f"({len(rollback)} of 5 seeds so far)" in readme
+    published = json.loads((ROOT / "docs" / "results" / "forgetting" / "table.json").read_text())
+    plain = next(c for c in published["cells"] if c["setting"] == "kl.coef=0.01")
+    seeds = {r["seed"] for c in table["cells"] if "on_runaway" in c["setting"] for r in c["runs"] if "values" in r}
+    plain_worst = max(-min(r["values"]["capitals/change"], r["values"]["opposites/change"])
+                      for r in plain["runs"] if r["seed"] in seeds)
+    assert f"plain beta 0.01 at the same seeds lost up to {plain_worst:.1f} points" in readme
+    assert f"lost 10.9 to {plain_worst:.1f} points at two of the same seeds" in docs
