@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from klgrpo.backends.weights import named_whole_weights
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.run.metrics import read_metrics
 from klgrpo.run.trainer import GRPOTrainer
@@ -153,6 +154,9 @@ def check_update_matches(kind, out, batch, completions, metrics, grads, weights)
     # update would be off by ~1e-2.
     for name, w in weights.items():
         torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=1e-4, msg=name)
+    # What a vLLM engine is pushed, gathered one tensor at a time, is the full state dict bitwise.
+    assert sorted(out["whole_weights"]) == sorted(out["weights"])
+    assert all(torch.equal(out["whole_weights"][n], w) for n, w in out["weights"].items())
 
 
 def check_checkpoint_and_resume(kind, cfg_dict, perturbed_model_dir, out, tmp_path):
@@ -226,6 +230,10 @@ def test_lora_under_fsdp2_trains_checkpoints_and_resumes_on_two_and_one(tiny_mod
     shutil.copy(run / "config.yaml", tmp_path / "one" / "config.yaml")  # the run's record, which a resume continues
     trainer = GRPOTrainer(GRPOConfig.from_dict(one), log=lambda *_: None)
     trainer.resume("latest")  # load_adapter_weights checks every tensor bitwise
+    # The merged weights a vLLM engine was pushed under FSDP2 (each factor gathered on its own) are one
+    # process's merge of the same checkpoint, bitwise.
+    pushed, merged = torch.load(tmp_path / "out.json.whole.pt"), dict(named_whole_weights(trainer.model))
+    assert list(pushed) == list(merged) and all(torch.equal(pushed[n], v) for n, v in merged.items())
     assert trainer.train(resume="latest")["steps"] == 3
 
 

@@ -81,7 +81,8 @@ def test_sampler_logprobs_are_the_trainers_after_each_sync(tmp_path, model_dir, 
     assert all(r[m.SAMPLER_LOGP_DIFF_MEAN] > 0 for r in rows)  # two implementations: rounding, not a copy
     # planted: the weights pushed once (at the first rollout), never again
     real = vllm_sampler.Engine.sync
-    monkeypatch.setattr(vllm_sampler.Engine, "sync", lambda self, model: self.pushes == 0 and real(self, model))
+    monkeypatch.setattr(vllm_sampler.Engine, "sync",
+                        lambda self, model, weights=None: self.pushes == 0 and real(self, model, weights))
     vllm_sampler.shut_down_engines()
     GRPOTrainer(_steps(tmp_path, model_dir, addition_file, "stale"), log=quiet).train()
     stale = read_metrics(tmp_path / "stale")
@@ -158,6 +159,23 @@ def test_a_killed_run_resumes_bitwise_with_a_new_engine(tmp_path, model_dir, add
     a, b = (load_file(str(tmp_path / name / "checkpoints" / f"step_{steps}" / "model.safetensors"))
             for name in ("straight", "killed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_fsdp2_pushes_each_ranks_engine_tensor_by_tensor(tmp_path, model_dir, addition_file):
+    """Two processes under FSDP2 (gloo), an engine in each: the policy stays sharded while each engine is pushed
+    the weights one gathered tensor at a time, and after steps 1, 2 and 3 every rank's sampler log-probs equal
+    the trainer's pi_old (each rank logs its own; rank 0's metrics and the run's max over ranks)."""
+    from tests.test_distributed import KINDS, accelerate_launch
+
+    cfg = _steps(tmp_path, model_dir, addition_file, "fsdp2", save_every=0)
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(cfg.to_yaml())
+    accelerate_launch(KINDS["fsdp2"], ["-m", "klgrpo", "train", "--config", str(config)], timeout=600)
+    rows = read_metrics(tmp_path / "fsdp2")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r[m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL for r in rows), [r[m.SAMPLER_LOGP_DIFF_MAX] for r in rows]
+    assert rows[-1]["train/loss"] != 0 and rows[0]["grad_norm"] > 0
 
 
 # ------------------------------------------------------------------ SmolLM2-135M-Instruct's real weights

@@ -8,8 +8,9 @@ device, with the policy's weights pushed into it whenever they changed since the
     weights     pushed before a rollout when the weights changed since the last push (an optimizer step, which the
                 training step reports through ``Sampler.weights_changed``; a load into the parameters, seen by
                 torch's in-place version counters) or the policy is another object:
-                ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``; a LoRA policy is
-                pushed merged (base + adapter, then unmerged again)
+                ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, one tensor at a
+                time (``named_whole_weights``: a sharded policy, FSDP2 or ZeRO-3, gathers each parameter as vLLM
+                takes it, never the whole model at once); a LoRA policy is pushed merged
     sampling    the prompts' token ids, n = G, temperature / top-p / top-k, stop at the run's EOS ids, a seed
                 drawn from torch's generator (a resumed run draws the same), and the sampled tokens' log-probs
                 after temperature and the filters (``logprobs_mode="processed_logprobs"``): the distribution
@@ -24,10 +25,13 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+
+from klgrpo.backends.weights import named_whole_weights
 
 #: rollout.vllm.memory_fraction's default: the share of the device (CUDA) or of the RAM (CPU) vLLM may take.
 DEFAULT_MEMORY_FRACTION = 0.3
@@ -66,6 +70,12 @@ class VLLMSampler:
         """The step changed the policy's weights: the next rollout pushes them."""
         weights_changed(model)
 
+    def push_weights(self, model, weights: Callable[[], Iterator[tuple[str, Tensor]]]) -> bool:
+        """Push ``model``'s weights if they changed, read from ``weights()`` (a training engine's tensor-by-tensor
+        gathering of sharded parameters); every rank calls it. The engine holds its own copy, so sampling needs
+        no gathered policy. Returns whether it pushed."""
+        return engine_for(model, self.memory_fraction).sync(model, weights)
+
     def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
                eos_ids: list[int]) -> tuple[Tensor, Tensor]:
         engine = engine_for(model, self.memory_fraction)
@@ -74,19 +84,36 @@ class VLLMSampler:
 
 
 class Engine:
-    """One ``vllm.LLM`` and what was last pushed into it."""
+    """One ``vllm.LLM`` and what was last pushed into it. ``sleeps``: between rollouts the engine sleeps (vLLM's
+    sleep mode, level 2: its weights and KV cache freed), so the training step has the device's memory; the next
+    rollout wakes the weights, pushes the policy's (always, as the old ones are gone), then wakes the KV cache.
+    On CUDA only: vLLM's sleep mode is a CUDA feature."""
 
-    def __init__(self, llm):
-        self.llm = llm
+    def __init__(self, llm, sleeps: bool = False):
+        self.llm, self.sleeps = llm, sleeps
         self.pushed: tuple | None = None  # (id(model), the parameters' version counters) at the last push
         self.pushes = 0
+        self.asleep: set[str] = set()  # the memory vLLM has freed: "weights", "kv_cache"
 
-    def sync(self, model) -> bool:
-        """Push ``model``'s weights when they changed since the last push; returns whether it pushed."""
+    def _wake(self, tag: str) -> None:
+        if tag in self.asleep:
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+    def sleep(self) -> None:
+        if self.sleeps:
+            self.llm.sleep(level=2)
+            self.asleep, self.pushed = {"weights", "kv_cache"}, None
+
+    def sync(self, model, weights: Callable[[], Iterator[tuple[str, Tensor]]] | None = None) -> bool:
+        """Push ``model``'s weights (``weights()``, else ``named_whole_weights``) when they changed since the last
+        push; returns whether it pushed."""
         state = weights_version(model)
         if state == self.pushed:
             return False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(full_weights(model)))})
+        tensors = weights() if weights is not None else named_whole_weights(model)
+        self._wake("weights")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         self.pushed, self.pushes = state, self.pushes + 1
         return True
 
@@ -101,7 +128,11 @@ class Engine:
         sampling = VLLMParams(n=params.group_size, temperature=params.temperature, top_p=params.top_p,
                               top_k=params.top_k, max_tokens=params.max_new_tokens, logprobs=0,
                               stop_token_ids=list(eos_ids), ignore_eos=True, detokenize=False, seed=seed)
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        self._wake("kv_cache")
+        try:
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        finally:
+            self.sleep()
         rows = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         width = max(len(c.token_ids) for c in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -122,7 +153,7 @@ def engine_for(model, memory_fraction: float) -> Engine:
     device = next(model.parameters()).device
     key = (base.config.to_json_string(use_diff=False), str(dtype), device.type)
     if key not in _ENGINES:
-        _ENGINES[key] = Engine(_start(base.config, dtype, device, memory_fraction))
+        _ENGINES[key] = Engine(_start(base.config, dtype, device, memory_fraction), sleeps=device.type == "cuda")
     return _ENGINES[key]
 
 
@@ -142,7 +173,7 @@ def _start(config, dtype: torch.dtype, device: torch.device, memory_fraction: fl
 
     folder = tempfile.mkdtemp(prefix="klgrpo-vllm-")
     config.save_pretrained(folder)
-    memory = ({"gpu_memory_utilization": memory_fraction} if device.type == "cuda" else
+    memory = ({"gpu_memory_utilization": memory_fraction, "enable_sleep_mode": True} if device.type == "cuda" else
               {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes())})
     with _kept_random_state():
         return LLM(model=folder, dtype=str(dtype).removeprefix("torch."), load_format="dummy",
@@ -194,17 +225,3 @@ def weights_version(model) -> tuple:
     """(the model object, its optimizer updates, its parameters' in-place version counters): changes with every
     optimizer step the step reports and every load into the parameters."""
     return id(model), getattr(model, _UPDATES, 0), tuple(p._version for p in model.parameters())
-
-
-def full_weights(model):
-    """(name, tensor) of the policy as transformers names them; a LoRA policy merged (base + adapter)."""
-    if not hasattr(model, "merge_adapter"):
-        yield from ((k, v.detach()) for k, v in model.state_dict().items())
-        return
-    model.merge_adapter()
-    try:
-        for name, value in model.get_base_model().state_dict().items():
-            if "lora_" not in name:
-                yield name.replace(".base_layer.", "."), value.detach().clone()
-    finally:
-        model.unmerge_adapter()

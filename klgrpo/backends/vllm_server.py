@@ -36,7 +36,8 @@ import urllib.request
 import torch
 from torch import Tensor
 
-from klgrpo.backends.vllm_sampler import full_weights, weights_changed, weights_version
+from klgrpo.backends.vllm_sampler import weights_changed, weights_version
+from klgrpo.backends.weights import named_whole_weights
 from klgrpo.errors import ConfigError, KLGRPOError
 
 #: rollout.vllm.server_timeout / server_retries defaults: seconds one request may take, tries after the first
@@ -197,7 +198,7 @@ def write_weights(model, folder: str) -> None:
                                   "write: give an empty folder for the weights sent to the vLLM server")
 
     tensors, seen = {}, set()
-    for name, value in full_weights(model):
+    for name, value in named_whole_weights(model):
         value = value.detach().cpu().contiguous()
         tensors[name] = value.clone() if value.data_ptr() in seen else value
         seen.add(value.data_ptr())

@@ -4,7 +4,11 @@ model without a word, so every load of a trained model (resume, eval, kl, export
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import torch
+from torch import Tensor
 
 from klgrpo.errors import ConfigError
 
@@ -53,9 +57,49 @@ def check_float_weights(model, folder: Path, fix: str) -> None:
                                       f"floating-point tensor: the file was altered; {fix}")
 
 
+def whole(value: Tensor) -> Tensor:
+    """``value`` as it is: the ``gather`` of a model whose parameters are not sharded."""
+    return value.detach()
+
+
+def named_whole_weights(model, gather: Callable[[Tensor], Tensor] = whole) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of ``model`` as transformers names them, one tensor at a time, for a copy of the model held
+    elsewhere (a vLLM engine). ``gather`` turns each parameter (``state_dict(keep_vars=True)``'s entry: a sharded
+    one as FSDP2 or ZeRO-3 keeps it) into the whole tensor, so the whole model is never gathered at once. A LoRA
+    policy comes merged: each target layer's base weight plus its adapters' B @ A x scaling (peft's own delta,
+    computed here from the gathered factors), the model itself left untouched (peft's merge and unmerge would
+    round its frozen weights on every push)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name, value in base.state_dict(keep_vars=True).items():
+        if "lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            yield name, gather(value)
+            continue
+        layer_name, _, kind = name.rpartition(".base_layer.")
+        merged = gather(value)
+        delta = _lora_delta(base.get_submodule(layer_name), gather) if kind == "weight" else None
+        yield f"{layer_name}.{kind}", merged if delta is None else (merged + delta).to(merged.dtype)
+
+
+def _lora_delta(layer, gather: Callable[[Tensor], Tensor]) -> Tensor | None:
+    """The sum of ``layer``'s active adapters' deltas as peft's ``get_delta_weight`` computes each: in the
+    factors' dtype (peft keeps them float32 beside a half-precision base by default), half-precision factors
+    multiplied in float32; None without an active adapter."""
+    delta = None
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        a, b = gather(layer.lora_A[adapter].weight), gather(layer.lora_B[adapter].weight)
+        term = b.float() @ a.float() if a.dtype in (torch.float16, torch.bfloat16) else b @ a
+        term = ((term.T if layer.fan_in_fan_out else term) * layer.scaling[adapter]).to(a.dtype)
+        delta = term if delta is None else delta + term
+    return delta
+
+
 def _names(names: list[str], shown: int = 3) -> str:
     more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
 
 
-__all__ = ["check_weight_report", "check_weight_names", "check_float_weights"]
+__all__ = ["check_weight_report", "check_weight_names", "check_float_weights", "named_whole_weights", "whole"]

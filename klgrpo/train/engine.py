@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from klgrpo.backends.weights import check_weight_names
+from klgrpo.backends.weights import check_weight_names, named_whole_weights
 from klgrpo.errors import ConfigError
 from klgrpo.store.sharded_checkpoint import load_sharded, save_sharded
 
@@ -249,6 +250,16 @@ class Engine:
         with context:
             yield model
 
+    def whole_weights(self, model) -> Iterator[tuple[str, Tensor]]:
+        """Every rank iterates it in step: the policy's (name, whole tensor) one parameter gathered at a time
+        (FSDP2: each DTensor's full_tensor; ZeRO-3: DeepSpeed's GatheredParameters, one parameter each), for a
+        sampler that holds its own copy of the weights (vLLM): the whole model is never gathered on a rank."""
+        if self.kind == "fsdp2":
+            return named_whole_weights(model, _whole_dtensor)
+        if self.zero_stage == 3:
+            return named_whole_weights(model, _whole_zero3)
+        return named_whole_weights(model)
+
     # ------------------------------------------------------------------------------------- checkpoints
     def full_state_dict(self, model) -> dict[str, Tensor] | None:
         """Every rank calls this. The full (unsharded) state dict for rank 0's save_pretrained, or None where
@@ -446,6 +457,20 @@ def _load_sharded_adapter(model, ckpt: Path) -> None:
 
 def _full(value):
     return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _whole_dtensor(value: Tensor) -> Tensor:
+    return _full(value.detach())
+
+
+def _whole_zero3(param: Tensor) -> Tensor:
+    """A copy of one ZeRO-3 parameter gathered from every rank (a buffer, never partitioned, as it is)."""
+    if not hasattr(param, "ds_id"):
+        return param.detach()
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param]):
+        return param.detach().clone()
 
 
 def _shard_like(value, param):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -129,7 +129,7 @@ class GRPOStep:
         local = indices[self.dist.local_slice(len(indices))]
         rows = [self.dataset[i] for i in local]
         prompts = [r["prompt"] for r in rows]
-        with _timed(timings, names.TIME_GENERATE), self.engine.full_weights(self.model):
+        with _timed(timings, names.TIME_GENERATE), self._weights_for_sampling():
             try:
                 rollout = generate_groups(self.model, self.tokenizer, prompts, self.sampling_params())
             except PromptTooLong as exc:  # said in the run's terms: which row of which file, and the remedy
@@ -166,6 +166,16 @@ class GRPOStep:
                                                num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
                                                max_len=float(plan.sampling.max_new_tokens)),
                          ref_logp=ref_logp, old_logp=old_logp, timings=timings)
+
+    def _weights_for_sampling(self):
+        """The context sampling runs in. A sampler with its own copy of the weights (vLLM) gets them pushed one
+        tensor at a time when they changed, and the policy stays sharded; any other samples from the policy
+        itself, gathered whole for it (``Engine.full_weights``)."""
+        push = getattr(self.sampler, "push_weights", None)
+        if push is None:
+            return self.engine.full_weights(self.model)
+        push(self.model, lambda: self.engine.whole_weights(self.model))
+        return nullcontext()
 
     def _micro_slices(self, n: int) -> list[slice]:
         return micro_slices(n, self.plan.micro_batch_size)

@@ -2,11 +2,13 @@
 
 ``update CONFIG BATCH OUT``: each rank samples its slice of prompts under the engine's full weights, computes the
 reference log-probs of its shard of a saved global batch, then runs one optimizer update on that shard through
-the trainer's own path; rank 0 writes completions, reference log-probs, metrics, the full gradient and the
-updated weights for the test to compare with one process.
+the trainer's own path; rank 0 writes completions, reference log-probs, metrics, the full gradient, the
+updated weights and the weights a vLLM engine would be pushed (gathered tensor by tensor) for the test to
+compare with one process.
 
 ``train CONFIG OUT``: a 2-step run (checkpoint at the end), then a second trainer resumes it to step 3 on the
-same 2 processes; rank 0 writes what the first run left in checkpoints/.
+same 2 processes; rank 0 writes what the first run left in checkpoints/, and (OUT.whole.pt) the weights a vLLM
+engine would have been pushed at the end of the first run.
 
 ``both UPDATE_CONFIG BATCH UPDATE_OUT TRAIN_CONFIG TRAIN_OUT``: the two above in one launch.
 
@@ -60,6 +62,11 @@ def full_weights(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+def whole_weights(trainer) -> dict[str, torch.Tensor]:
+    """What a vLLM engine would be pushed: the engine's tensor-by-tensor gathering (collective under FSDP2)."""
+    return {k: v.detach().clone() for k, v in trainer.engine.whole_weights(trainer.model)}
+
+
 def update_metrics(trainer, batch) -> dict[str, float]:
     metrics, _ = trainer.grpo_step.update(batch)
     return {k: v for k, v in metrics.items() if not k.startswith("time/")}
@@ -78,15 +85,20 @@ def run_update(config_file, batch_file, out_file):
     ref_logp = d.gather(ref_logp)
     metrics = update_metrics(trainer, shard)
     grads, weights = full_gradients(trainer.model), full_weights(trainer)
+    whole = whole_weights(trainer)
     if d.is_main:
         torch.save({"kind": trainer.engine.kind, "world_size": d.world_size, "completions": completions,
-                    "ref_logp": ref_logp, "metrics": metrics, "grads": grads, "weights": weights}, out_file)
+                    "ref_logp": ref_logp, "metrics": metrics, "grads": grads, "weights": weights,
+                    "whole_weights": whole}, out_file)
 
 
 def run_train(config_file, out_file):
     raw = json.loads(open(config_file).read())
     trainer = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
     summary = trainer.train()
+    whole = whole_weights(trainer)
+    if trainer.dist.is_main:
+        torch.save(whole, out_file + ".whole.pt")
     folders = sorted(os.listdir(trainer.run_dir / "checkpoints"))
     raw["train"]["steps"] = 3
     resumed = GRPOTrainer(GRPOConfig.from_dict(raw), log=lambda *_: None)
