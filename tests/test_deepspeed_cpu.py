@@ -107,6 +107,9 @@ def test_zero_on_two_cpu_processes_matches_one_process_and_resumes(stage, shm_op
     # ZeRO-3's reference runs transformers' forward, one process klgrpo's fast path (as FSDP2 in test_distributed)
     torch.testing.assert_close(out["ref_logp"], batch.ref_logp, rtol=0, atol=2e-4)
     check_same_update(out["metrics"], out["weights"], metrics, weights)
+    # What a vLLM engine is pushed, each parameter gathered on its own (ZeRO-3), is the full state dict bitwise.
+    assert sorted(out["whole_weights"]) == sorted(out["weights"])
+    assert all(torch.equal(out["whole_weights"][n], w) for n, w in out["weights"].items())
     check_run_and_resume(train_dict, perturbed_model_dir, json.loads((tmp_path / "train_out.json").read_text()),
                          torch.load(tmp_path / "resumed.pt", weights_only=False), batch, tmp_path)
     check_evaluations_match_one_process(train_dict, perturbed_model_dir)

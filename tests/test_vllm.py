@@ -165,7 +165,7 @@ def test_a_killed_run_resumes_bitwise_with_a_new_engine(tmp_path, model_dir, add
 def test_fsdp2_pushes_each_ranks_engine_tensor_by_tensor(tmp_path, model_dir, addition_file):
     """Two processes under FSDP2 (gloo), an engine in each: the policy stays sharded while each engine is pushed
     the weights one gathered tensor at a time, and after steps 1, 2 and 3 every rank's sampler log-probs equal
-    the trainer's pi_old (each rank logs its own; rank 0's metrics and the run's max over ranks)."""
+    the trainer's pi_old (sampler/logp_diff_max is the maximum over both ranks' completion tokens)."""
     from tests.test_distributed import KINDS, accelerate_launch
 
     cfg = _steps(tmp_path, model_dir, addition_file, "fsdp2", save_every=0)
@@ -176,6 +176,22 @@ def test_fsdp2_pushes_each_ranks_engine_tensor_by_tensor(tmp_path, model_dir, ad
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r[m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL for r in rows), [r[m.SAMPLER_LOGP_DIFF_MAX] for r in rows]
     assert rows[-1]["train/loss"] != 0 and rows[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_the_learning_benchmark_runs_in_its_small_mode(tmp_path):
+    """benchmarks/vllm_learning.py with one seed, 2 steps and a 10-step SFT warm start: both samplers train and
+    the results hold every field its results test reads."""
+    out = tmp_path / "learning.json"
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "vllm_learning.py"),
+                           "--seeds", "0", "--steps", "2", "--window", "1", "--sft-max-steps", "10",
+                           "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["seed"], r["sampler"]) for r in result["runs"]] == [(0, "kv_loop"), (0, "vllm")]
+    assert all(len(r["rewards"]) == 2 and set(r["after"]) == {"addition", "subtraction"} for r in result["runs"])
+    assert set(result["summary"]["vllm_minus_kv_loop"]) == {"0"}
 
 
 # ------------------------------------------------------------------ SmolLM2-135M-Instruct's real weights

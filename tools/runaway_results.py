@@ -1,7 +1,7 @@
 """Write docs/results/forgetting-runaway/ from the runaway sweep's folder: its table (``klgrpo sweep --table-only``),
 each run's rollbacks and KL reach (from its summary.json), and the paired comparison against the published
-forgetting sweep's beta 0 and beta 0.01 runs (docs/results/forgetting/table.json; CPU runs repeat bit for bit, so
-its runs at the same seeds are the pairs).
+forgetting sweep's beta 0, beta 0.01 and beta 0.01 + replay anchor runs (docs/results/forgetting/table.json; CPU
+runs repeat bit for bit, so its runs at the same seeds are the pairs).
 
     python tools/runaway_results.py runs/runaway      # after: klgrpo sweep ... --output-dir runs/runaway --table-only
 
@@ -21,9 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT / "docs" / "results" / "forgetting" / "table.json"
 TARGET = ROOT / "docs" / "results" / "forgetting-runaway"
-#: The published settings the new ones are paired against: beta 0 (the sweep's baseline) and beta 0.01 (the
-#: rollback's own beta, without the guard).
-BASELINES = ("kl.coef=0", "kl.coef=0.01")
+#: The published settings the new ones are paired against: beta 0 (the sweep's baseline), beta 0.01 (the
+#: rollback's own beta, without the guard) and the replay anchor at beta 0.01 (the settings beside the anchor,
+#: without the guard or the auto horizon).
+BASELINES = ("kl.coef=0", "kl.coef=0.01", "kl.coef=0.01,kl.replay.coef=1")
 
 
 def paired(new: dict, published: dict) -> dict:

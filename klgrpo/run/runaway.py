@@ -35,7 +35,8 @@ from klgrpo.store.resume import load_resumable_checkpoint
 from klgrpo.train.step_state import load_step_state, step_state
 
 HEALTHY, WINDOW_END, RUNAWAY = "healthy", "window_end", "runaway"
-ROLLED_BACK, STOPPED = "rolled_back", "stopped"
+#: the verdicts that act, and each record's "action" in the summary (WARNED: a runaway under kl.on_runaway warn)
+ROLLED_BACK, STOPPED, WARNED = "rolled_back", "stopped", "warned"
 #: The share of the available memory an in-memory rollback target may take; above it the target is on disk.
 MEMORY_SHARE = 0.25
 #: The adaptive controller's target band, in units of kl.target (the step controller's default band).
@@ -257,7 +258,7 @@ class RunawayGuard:
         if self.action == "stop":
             return self._stop(step, mean, seen, logger)
         if self.rollbacks >= self.cfg.runaway_max_rollbacks:
-            self.records.append({"action": "warned", "step": step, "kl": mean})
+            self.records.append({"action": WARNED, "step": step, "kl": mean})
             self._announce(logger, step, f"{seen}: kl.runaway_max_rollbacks ({self.cfg.runaway_max_rollbacks}) "
                                          f"reached, training on")
             return RUNAWAY
@@ -268,7 +269,7 @@ class RunawayGuard:
         self.stop_reason = (f"{seen}; kl.on_runaway stop: the last healthy window started at the checkpoint {folder} "
                             f"(step {self.target.step}): train on from its weights (model.name_or_path {folder}, "
                             f"kl.reference the original model) with a larger kl.coef or a smaller optim.lr")
-        self.records.append({"action": "stopped", "step": step, "kl": mean, "checkpoint": str(folder),
+        self.records.append({"action": STOPPED, "step": step, "kl": mean, "checkpoint": str(folder),
                              "target_step": self.target.step})
         self._announce(logger, step, self.stop_reason)
         return STOPPED
@@ -287,7 +288,7 @@ class RunawayGuard:
             logger.rewind(target.step)
             beta, lr = self._apply_factors(grpo)
             self.rollbacks += 1
-            record = {"action": "rolled_back", "step": step, "kl": mean, "to_step": target.step, "beta": beta,
+            record = {"action": ROLLED_BACK, "step": step, "kl": mean, "to_step": target.step, "beta": beta,
                       "base_lr": lr, "rollback": self.rollbacks, "store": self.store,
                       "removed_checkpoints": [p.name for p in removed]}
             self.records.append(record)
