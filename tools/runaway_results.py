@@ -28,15 +28,21 @@ BASELINES = ("kl.coef=0", "kl.coef=0.01", "kl.coef=0.01,kl.replay.coef=1")
 
 
 def paired(new: dict, published: dict) -> dict:
-    """Every new setting against each published baseline on the seeds both have (sweep_paired's comparison)."""
+    """The new settings against each published baseline on the seeds both have (sweep_paired's comparison):
+    every one against beta 0; those without the anchor against beta 0.01, those beside it against the anchor."""
     from klgrpo.apps.sweep.paired import paired_table
 
     base = {c["setting"]: c for c in published["cells"]}
     out = {}
     for name in BASELINES:
-        table = {**new, "cells": [base[name]] + [c for c in new["cells"] if c["setting"] != name]}
-        out[name] = paired_table(table, name)
+        cells = [c for c in new["cells"] if name == BASELINES[0] or _anchored(c["setting"]) == _anchored(name)]
+        if cells:
+            out[name] = paired_table({**new, "cells": [base[name]] + cells}, name)
     return out
+
+
+def _anchored(setting: str) -> bool:
+    return "kl.replay.coef=" in setting
 
 
 def with_earlier_runs(table: dict, earlier: dict) -> dict:
