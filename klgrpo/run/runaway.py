@@ -35,7 +35,7 @@ from klgrpo.store.resume import load_resumable_checkpoint
 from klgrpo.train.step_state import load_step_state, step_state
 
 HEALTHY, WINDOW_END, RUNAWAY = "healthy", "window_end", "runaway"
-#: the verdicts that act, and each record's "action" in the summary (WARNED: a runaway under kl.on_runaway warn)
+#: the verdicts that act, and each record's "action" in the summary (WARNED: a runaway past kl.runaway_max_rollbacks)
 ROLLED_BACK, STOPPED, WARNED = "rolled_back", "stopped", "warned"
 #: The share of the available memory an in-memory rollback target may take; above it the target is on disk.
 MEMORY_SHARE = 0.25
