@@ -181,8 +181,9 @@ def test_the_anchored_reading_is_the_runs():
     alone = {r["seed"]: r["values"]["add/change"] for c in _published()["cells"]
              if c["setting"] == "kl.coef=0.01,kl.replay.coef=1" for r in c["runs"]}
 
-    def pair(values):
-        return " and ".join(f"{values[s]:+.1f}" for s in seeds)
+    def pair(values):  # "a and b", "a, b and c"
+        shown = [f"{values[s]:+.1f}" for s in seeds]
+        return " and ".join([", ".join(shown[:-1]), shown[-1]] if len(shown) > 1 else shown)
 
     assert f"learned the sums ({pair({s: rollback[s]['add/change'] for s in seeds})} points" in docs
     assert f"the anchor alone lost them at these seeds ({pair(alone)})" in docs
