@@ -169,7 +169,7 @@ def test_readme_quotes_the_readings_claims():
 
 def test_the_anchored_reading_is_the_runs():
     """Beside the anchor: no run lost a point of either set; with rollback the sums were learned where the anchor
-    alone lost them at the same seeds; with the auto horizon they fell."""
+    alone lost them at the same seeds; with the auto horizon they did not rise."""
     docs = _section()
     table = json.loads((RESULTS / "table.json").read_text())
     runs = {c["setting"]: {r["seed"]: r["values"] for r in c["runs"] if "values" in r} for c in table["cells"]}
@@ -187,4 +187,5 @@ def test_the_anchored_reading_is_the_runs():
 
     assert f"learned the sums ({pair({s: rollback[s]['add/change'] for s in seeds})} points" in docs
     assert f"the anchor alone lost them at these seeds ({pair(alone)})" in docs
-    assert f"they fell anyway ({pair({s: auto[s]['add/change'] for s in seeds})}" in docs
+    assert f"they did not rise ({pair({s: auto[s]['add/change'] for s in seeds})}" in docs
+    assert all(auto[s]["add/change"] <= 0 for s in seeds)
