@@ -66,6 +66,7 @@ RANGES = {
     "loss.vespo_lambda_pos": (0, True, 100.0, True, ""), "loss.vespo_lambda_neg": (0, True, 100.0, True, ""),
     # added with their declarations: a vLLM server's request timeout (a day at most) and its retries
     "rollout.vllm.server_timeout": (0, False, 86400, True, ""), "rollout.vllm.server_retries": (0, True, 20, True, ""),
+    "rollout.vllm.group_port": (1, True, 65535, True, ""),
     "kl.runaway_lr_factor": (0, False, 1, True, ""),
 }
 #: Other settings a field needs to be valid at its bound (a cross-field check would refuse it otherwise).
@@ -77,7 +78,7 @@ RESUME_SAFE = {"train.steps", "train.save_every", "train.keep_checkpoints", "tra
                "model.gradient_checkpointing", "model.fast_path", "model.forward", "model.lora.save_merged",
                # added with their declarations: where the vLLM server is and how long to wait, not what it computes
                "rollout.vllm.server_url", "rollout.vllm.server_timeout", "rollout.vllm.server_retries",
-               "rollout.vllm.weights_dir"}
+               "rollout.vllm.weights_dir", "rollout.vllm.weight_transfer", "rollout.vllm.group_port"}
 
 
 def test_the_declared_bounds_are_the_checked_ones():

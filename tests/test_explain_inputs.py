@@ -172,9 +172,9 @@ def test_a_discounted_reward_kl_is_refused(tmp_path, capsys):
 def test_trl_fields_are_the_installed_trls():
     pytest.importorskip("trl")
     from klgrpo.apps.explain.trl_fields import FIELDS
-    from tools.trl_fields import default_of, parsed_dataclasses, type_name
+    from tools.trl_fields import declared_type, default_of, parsed_dataclasses, type_name
 
-    theirs = {f.name: (cls.__name__, type_name(f.type), default_of(f))
+    theirs = {f.name: (cls.__name__, type_name(declared_type(cls, f.name)), default_of(f))
               for cls in parsed_dataclasses() for f in dataclasses.fields(cls)}
     assert FIELDS == theirs
 

@@ -487,6 +487,10 @@ def test_use_vllm_maps_onto_the_vllm_sampler_and_its_correction():
             server.config["rollout.sampler_correction_min"], server.config["rollout.sampler_correction_max"]) == (
         "vllm_server", "token_truncate", 0.5, 2.0)
     assert server.config["rollout.vllm.server_url"] == "http://0.0.0.0:8000"  # TRL's client's default address
+    assert (server.config["rollout.vllm.weight_transfer"], server.config["rollout.vllm.group_port"]) == ("nccl", 51216)
+    ported = map_trl({**base, "vllm_mode": "server", "vllm_group_port": 52000})
+    assert ported.config["rollout.vllm.group_port"] == 52000
+    assert "rollout.vllm.weight_transfer" not in default.config  # colocated: the weights stay in the process
     based = map_trl({**base, "vllm_mode": "server", "vllm_server_base_url": "http://gen:8001"})
     assert based.config["rollout.vllm.server_url"] == "http://gen:8001"
     assert "rollout.vllm.server_url" not in default.config

@@ -305,3 +305,54 @@ def test_a_weights_file_klgrpo_did_not_write_is_never_overwritten(tmp_path, tiny
     written = load_file(str(ours / "model.safetensors"))
     assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())
     assert sorted(p.name for p in ours.iterdir()) == ["model.safetensors"]  # no partial file left
+
+
+def test_nccl_weight_transfer_drives_trls_client_tensor_by_tensor(tiny_model_dir, monkeypatch):
+    """rollout.vllm.weight_transfer nccl: TRL 1.16's own VLLMClient (its HTTP posts and vLLM's NCCL broadcast
+    replaced by recorders: no server, no GPU here) is told the names, dtypes and shapes, then receives the
+    policy's whole weights one tensor at a time between /start_weight_update and /finish_weight_update; the
+    prefix cache is reset after; unchanged weights are not sent again."""
+    vllm_client = pytest.importorskip("trl.generation.vllm_client")
+    from transformers import AutoModelForCausalLM
+
+    from klgrpo.backends.weights import named_whole_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    posts, streamed = [], []
+
+    def broadcast(iterator, group, src, post_iter_func):
+        assert group == "communicator" and src == 0
+        streamed.extend((name, post_iter_func((name, value)).clone()) for name, value in iterator)
+
+    monkeypatch.setattr(vllm_client, "_HAS_STATEFUL_TRAINER_ENGINE", True)
+    monkeypatch.setattr(vllm_client, "packed_nccl_broadcast_producer", broadcast, raising=False)
+    trl = object.__new__(vllm_client.VLLMClient)
+    trl.base_url, trl.communicator, trl._updating_weights = "http://h:1", "communicator", False
+    trl._post = lambda url, json: posts.append((url.removeprefix("http://h:1"), json)) or {}
+    ours = vllm_server.ServerClient("http://h:1", 1, 0, weight_transfer="nccl")
+    ours._model_name, ours._nccl = "m", trl
+    requested = []
+    ours.request = lambda path, body=None: requested.append(path)
+
+    assert ours.sync(model) and not ours.sync(model)
+    assert [p for p, _ in posts] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+    info = posts[1][1]["update_info"]
+    expected = list(named_whole_weights(model))
+    assert info["names"] == [name for name, _ in expected] == [name for name, _ in streamed]
+    assert info["dtype_names"] == ["float32"] * len(expected)
+    assert info["shapes"] == [list(value.shape) for _, value in expected]
+    assert all(torch.equal(sent, value) for (_, sent), (_, value) in zip(streamed, expected))
+    assert requested == ["/reset_prefix_cache"] and ours.weights_dir == ""  # no file written anywhere
+
+    vllm_server.weights_changed(model)
+    assert ours.sync(model) and len(posts) == 6 and requested == ["/reset_prefix_cache"] * 2
+
+
+def test_nccl_weight_transfer_off_cuda_is_refused_in_one_line(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ours = vllm_server.ServerClient("http://h:1", 1, 0, weight_transfer="nccl")
+    ours._model_name = "m"
+    with pytest.raises(ConfigError, match="weight_transfer nccl needs the policy on a CUDA device .* folder"):
+        ours.sync(model)

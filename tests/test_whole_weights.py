@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from klgrpo.backends.weights import named_whole_weights
+from klgrpo.backends.weights import named_whole_weights, whole_weight_specs
 
 peft = pytest.importorskip("peft")
 
@@ -85,3 +85,14 @@ def test_each_tensor_is_gathered_once_as_it_is_reached(tiny_model_dir):
     rest = list(weights)
     state = model.get_base_model().state_dict(keep_vars=True)
     assert len(gathered) == len(state) and len(rest) + 1 == len([k for k in state if "lora_" not in k])
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_announced_specs_are_what_follows(tiny_model_dir, lora):
+    """``whole_weight_specs`` (told to a receiver before the tensors) names each tensor ``named_whole_weights``
+    then yields, in its order, with its dtype and shape, and gathers nothing."""
+    model = lora_model(tiny_model_dir, torch.bfloat16) if lora else AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.bfloat16)
+    specs = whole_weight_specs(model)
+    assert specs == [(name, value.dtype, list(value.shape)) for name, value in named_whole_weights(model)]
+    assert not any("lora_" in name or "base_layer" in name for name, _, _ in specs)

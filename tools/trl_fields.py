@@ -36,6 +36,13 @@ def type_name(kind) -> str:
     return re.sub(r"\b[\w.]+\.(\w+)", r"\1", text).replace("typing.", "")
 
 
+def declared_type(cls, name: str):
+    """The annotation ``name`` was declared with in ``cls`` or a base: ``Field.type`` is not it once transformers'
+    HfArgumentParser has parsed the class (it replaces an Optional field's type by the inner type, in place)."""
+    return next(klass.__dict__["__annotations__"][name] for klass in cls.__mro__
+                if name in klass.__dict__.get("__annotations__", {}))
+
+
 def default_of(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -56,7 +63,8 @@ def render() -> str:
     lines = [HEADER.format(version=trl.__version__, classes=", ".join(c.__name__ for c in classes))]
     for cls in classes:
         for f in dataclasses.fields(cls):
-            lines.append(f"    {f.name!r}: ({cls.__name__!r}, {type_name(f.type)!r}, {default_of(f)!r}),\n")
+            kind = type_name(declared_type(cls, f.name))
+            lines.append(f"    {f.name!r}: ({cls.__name__!r}, {kind!r}, {default_of(f)!r}),\n")
     lines.append("}\n")
     return "".join(lines)
 

@@ -13,9 +13,14 @@ server, which ``trl vllm-serve`` runs):
                                       ``trl vllm-serve`` and ``python -m klgrpo.backends.vllm_server_main`` set)
     POST /reset_prefix_cache          after a reload: no cached prompt keeps the old weights' keys and values
 
+or, with ``rollout.vllm.weight_transfer: nccl`` on CUDA, the weights broadcast tensor by tensor over the server's
+NCCL weight-transfer engine (``--weight-transfer-config '{"backend": "nccl"}'``, which ``trl vllm-serve`` sets)
+through TRL's own ``VLLMClient`` (``init_communicator`` once, then ``weight_update`` / ``update_named_params``):
+no file, no folder both sides must see.
+
 The server must log-prob the sampled tokens after temperature and the filters (``--logprobs-mode
 processed_logprobs``, as both servers above do), so ``sampler_logp`` is the distribution drawn from, as the
-colocated ``vllm`` sampler reports it. TRL's NCCL weight transfer is not used (see docs/vllm.md).
+colocated ``vllm`` sampler reports it.
 
 A server that is down or stops answering: ``retries`` more tries with a growing pause, then one KLGRPOError
 naming the URL and the fix. The rollout runs before the step's optimizer step, so a failed step changes nothing
@@ -37,12 +42,14 @@ import torch
 from torch import Tensor
 
 from klgrpo.backends.vllm_sampler import weights_changed, weights_version
-from klgrpo.backends.weights import named_whole_weights
+from klgrpo.backends.weights import named_whole_weights, whole_weight_specs
 from klgrpo.errors import ConfigError, KLGRPOError
 
 #: rollout.vllm.server_timeout / server_retries defaults: seconds one request may take, tries after the first
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_RETRIES = 3
+#: rollout.vllm.group_port's default: TRL's vllm_group_port
+DEFAULT_GROUP_PORT = 51216
 #: the pause before retry i (0-based) is RETRY_PAUSE_S * 2**i
 RETRY_PAUSE_S = 0.5
 #: how to start a server, said in every "no answer" error
@@ -57,19 +64,23 @@ class VLLMServerSampler:
     name = "vllm_server"
 
     def __init__(self, server_url: str = "", timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
-                 weights_dir: str = ""):
+                 weights_dir: str = "", weight_transfer: str = "folder", group_port: int = DEFAULT_GROUP_PORT):
         self.server_url, self.timeout_s, self.retries, self.weights_dir = server_url, timeout_s, retries, weights_dir
+        self.weight_transfer, self.group_port = weight_transfer, group_port
         self._client: ServerClient | None = None
 
     def configured(self, server_url: str | None = None, server_timeout: float | None = None,
-                   server_retries: int | None = None, weights_dir: str | None = None, **_) -> "VLLMServerSampler":
+                   server_retries: int | None = None, weights_dir: str | None = None,
+                   weight_transfer: str | None = None, group_port: int | None = None, **_) -> "VLLMServerSampler":
         url = self.server_url if server_url is None else server_url
         if not url:
             raise ConfigError("rollout.sampler vllm_server needs rollout.vllm.server_url (e.g. "
                               "http://127.0.0.1:8000): the address of a running vLLM server")
         return VLLMServerSampler(url, self.timeout_s if server_timeout is None else server_timeout,
                                  self.retries if server_retries is None else server_retries,
-                                 self.weights_dir if weights_dir is None else weights_dir)
+                                 self.weights_dir if weights_dir is None else weights_dir,
+                                 self.weight_transfer if weight_transfer is None else weight_transfer,
+                                 self.group_port if group_port is None else group_port)
 
     def supports(self, model, total_len: int, params) -> bool:
         return params.temperature > 0
@@ -81,7 +92,8 @@ class VLLMServerSampler:
     @property
     def client(self) -> "ServerClient":
         if self._client is None:
-            self._client = ServerClient(self.server_url, self.timeout_s, self.retries, self.weights_dir)
+            self._client = ServerClient(self.server_url, self.timeout_s, self.retries, self.weights_dir,
+                                        self.weight_transfer, self.group_port)
         return self._client
 
     def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
@@ -93,15 +105,18 @@ class VLLMServerSampler:
 class ServerClient:
     """HTTP to one vLLM server, and the weights last sent to it."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int, weights_dir: str = ""):
+    def __init__(self, url: str, timeout_s: float, retries: int, weights_dir: str = "",
+                 weight_transfer: str = "folder", group_port: int = DEFAULT_GROUP_PORT):
         self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
-        if not weights_dir:  # a policy-sized file: removed when the process ends
+        self.weight_transfer, self.group_port = weight_transfer, group_port
+        if not weights_dir and weight_transfer == "folder":  # a policy-sized file: removed when the process ends
             weights_dir = tempfile.mkdtemp(prefix="klgrpo-vllm-weights-")
             atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
         self.weights_dir = weights_dir
         self.sent: tuple | None = None  # weights_version of the policy at the last reload
         self.reloads = 0
         self._model_name: str | None = None
+        self._nccl = None  # TRL's VLLMClient, its communicator open (weight_transfer nccl)
 
     def request(self, path: str, body: dict | None = None):
         """The JSON answer of GET (``body`` None) or POST ``path``; a refused or failed connection, a timeout or
@@ -146,11 +161,38 @@ class ServerClient:
         if state == self.sent:
             return False
         _ = self.model_name  # the server is up before the weights are written
-        write_weights(model, self.weights_dir)
-        self.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}})
+        if self.weight_transfer == "nccl":
+            self.broadcast_weights(model)
+        else:
+            write_weights(model, self.weights_dir)
+            self.request("/collective_rpc", {"method": "reload_weights",
+                                             "kwargs": {"weights_path": self.weights_dir}})
         self.request("/reset_prefix_cache", {})
         self.sent, self.reloads = state, self.reloads + 1
         return True
+
+    def broadcast_weights(self, model) -> None:
+        """``model``'s weights (a LoRA policy merged) over the server's NCCL weight-transfer engine, through TRL
+        1.16's own client: the names, dtypes and shapes announced first, then one tensor after another."""
+        if self._nccl is None:
+            device = next(model.parameters()).device
+            if device.type != "cuda":
+                raise ConfigError(f"rollout.vllm.weight_transfer nccl needs the policy on a CUDA device (it is on "
+                                  f"{device.type}): use rollout.vllm.weight_transfer folder")
+            try:  # TRL's client needs vllm and requests beside it
+                from trl.generation.vllm_client import VLLMClient
+
+                client = VLLMClient(base_url=self.url, group_port=self.group_port, connection_timeout=self.timeout_s)
+            except ImportError as e:
+                raise ConfigError(f"rollout.vllm.weight_transfer nccl talks to the server through TRL's VLLMClient, "
+                                  f"which could not start ({e}): pip install 'trl[vllm]', or use "
+                                  "rollout.vllm.weight_transfer folder") from None
+            client.init_communicator(device)  # the server's error names a missing --weight-transfer-config
+            self._nccl = client
+        announced = [(name, str(dtype).removeprefix("torch."), shape)
+                     for name, dtype, shape in whole_weight_specs(model)]
+        with self._nccl.weight_update():
+            self._nccl.update_named_params(announced, named_whole_weights(model))
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
                  eos_ids: list[int]) -> tuple[Tensor, Tensor]:

@@ -69,17 +69,38 @@ def named_whole_weights(model, gather: Callable[[Tensor], Tensor] = whole) -> It
     policy comes merged: each target layer's base weight plus its adapters' B @ A x scaling (peft's own delta,
     computed here from the gathered factors), the model itself left untouched (peft's merge and unmerge would
     round its frozen weights on every push)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base_model(model)
+    for name, value, lora_layer in _whole_entries(base):
+        value = gather(value)
+        delta = None if lora_layer is None else _lora_delta(base.get_submodule(lora_layer), gather)
+        yield name, value if delta is None else (value + delta).to(value.dtype)
+
+
+def whole_weight_specs(model) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of each tensor ``named_whole_weights`` yields, in its order, read from the
+    declarations without gathering or merging anything: what a receiver is told before the tensors follow."""
+    specs = []
+    for name, value, _ in _whole_entries(_base_model(model)):
+        shape = getattr(value, "ds_shape", value.shape)  # ZeRO-3 keeps the whole shape beside an empty tensor
+        specs.append((name, value.dtype, list(shape)))
+    return specs
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _whole_entries(base) -> Iterator[tuple[str, Tensor, str | None]]:
+    """(transformers' name, the state dict's tensor, the LoRA layer whose adapters add to it or None) for each
+    weight of the whole model: a LoRA layer's base weight under the layer's own name, its factors left out."""
     for name, value in base.state_dict(keep_vars=True).items():
         if "lora_" in name:
             continue
-        if ".base_layer." not in name:
-            yield name, gather(value)
-            continue
-        layer_name, _, kind = name.rpartition(".base_layer.")
-        merged = gather(value)
-        delta = _lora_delta(base.get_submodule(layer_name), gather) if kind == "weight" else None
-        yield f"{layer_name}.{kind}", merged if delta is None else (merged + delta).to(merged.dtype)
+        layer_name, lora, kind = name.rpartition(".base_layer.")
+        if not lora:
+            yield name, value, None
+        else:
+            yield f"{layer_name}.{kind}", value, layer_name if kind == "weight" else None
 
 
 def _lora_delta(layer, gather: Callable[[Tensor], Tensor]) -> Tensor | None:
@@ -102,4 +123,5 @@ def _names(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-__all__ = ["check_weight_report", "check_weight_names", "check_float_weights", "named_whole_weights", "whole"]
+__all__ = ["check_weight_report", "check_weight_names", "check_float_weights", "named_whole_weights", "whole",
+           "whole_weight_specs"]

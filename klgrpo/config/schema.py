@@ -29,6 +29,8 @@ from klgrpo.math.policy_params import SapoParams, VespoParams
 LR_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 #: kl.on_runaway: what a KL runaway does (klgrpo/run/runaway.py).
 RUNAWAY_ACTIONS = ("warn", "stop", "rollback")
+#: rollout.vllm.weight_transfer: how the policy's weights reach a vLLM server
+WEIGHT_TRANSFERS = ("folder", "nccl")
 #: kl.replay.estimator's extra form beside the registered estimators: the exact KL over the vocabulary.
 REPLAY_FULL_KL = "full"
 
@@ -101,6 +103,14 @@ class VLLMConfig(Settings):
                               "trainer writes the policy's safetensors for the server to reload after each "
                               "optimizer step; empty: a temporary folder on this machine (a server on the same "
                               "machine)", resume_safe=True)
+    weight_transfer: str = _f("folder", "rollout.sampler vllm_server: how the weights reach the server: folder "
+                                        "(safetensors in rollout.vllm.weights_dir, reloaded by vLLM; any device), "
+                                        "nccl (broadcast over the server's NCCL weight-transfer engine through "
+                                        "TRL's VLLMClient, as trl vllm-serve expects; CUDA only)",
+                              Names(WEIGHT_TRANSFERS), resume_safe=True)
+    group_port: int = _f(51216, "rollout.vllm.weight_transfer nccl: the port of the NCCL group the trainer and "
+                                "the server's workers join (TRL's vllm_group_port)", low=1, high=65535,
+                         resume_safe=True)
 
 
 @dataclass

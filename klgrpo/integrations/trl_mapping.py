@@ -105,7 +105,7 @@ TRL_OTHER_DEFAULTS = {
     "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
     "vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": 3.0,
     "vllm_importance_sampling_cap": None, "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0",
-    "vllm_server_port": 8000,
+    "vllm_server_port": 8000, "vllm_group_port": 51216,
     "multi_objective_aggregation": "sum_then_normalize", "reward_weights": None,
 }
 TRL_DEFAULTS = {**{row.field: row.default for row in TRL_FIELDS}, **TRL_OTHER_DEFAULTS}
@@ -225,14 +225,17 @@ def _sequence_level(v: dict, policy: str, out: Mapped) -> None:
 
 def _map_sampler(v: dict, out: Mapped) -> None:
     """use_vllm: klgrpo's vLLM sampler of the same mode (server: at the address TRL's client would use, its base
-    URL or host and port); TRL's vLLM importance ratio is rollout.sampler_correction with the same mode and bounds
-    (vllm_importance_sampling_cap: the deprecated name of clip_max)."""
+    URL or host and port, the weights over the NCCL group on TRL's group port, as TRL sends them); TRL's vLLM
+    importance ratio is rollout.sampler_correction with the same mode and bounds (vllm_importance_sampling_cap:
+    the deprecated name of clip_max)."""
     if not v["use_vllm"]:
         return
     out.config["rollout.sampler"] = "vllm_server" if v["vllm_mode"] == "server" else "vllm"
     if v["vllm_mode"] == "server":
         out.config["rollout.vllm.server_url"] = (v["vllm_server_base_url"]
                                                  or f"http://{v['vllm_server_host']}:{v['vllm_server_port']}")
+        out.config["rollout.vllm.weight_transfer"] = "nccl"
+        out.config["rollout.vllm.group_port"] = int(v["vllm_group_port"])
     if not v["vllm_importance_sampling_correction"] or "use_vllm" in out.unmapped:  # vespo: see _map_policy
         return
     clip_max = v["vllm_importance_sampling_cap"] or v["vllm_importance_sampling_clip_max"]
