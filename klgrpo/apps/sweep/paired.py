@@ -97,10 +97,15 @@ def _label(key: str) -> str:
     return "retention (mean of sets)" if key == RETENTION else key.replace("/change", "")
 
 
+def points(value: float) -> str:
+    """``value`` in points with its sign, to one decimal; a mean that rounds to zero reads +0.0, never -0.0."""
+    return f"{round(value, 1) + 0.0:+.1f}"
+
+
 def _cell_text(c: dict | None) -> str:
     if c is None:
         return "n/a"
-    return (f"{c['mean']:+.1f} ({c['low']:+.1f}..{c['high']:+.1f}); {c['higher']}+ {c['lower']}- "
+    return (f"{points(c['mean'])} ({points(c['low'])}..{points(c['high'])}); {c['higher']}+ {c['lower']}- "
             f"p={c['sign_p']:.3g}")
 
 
@@ -123,8 +128,9 @@ def paired_markdown(paired: dict[str, Any]) -> str:
         r = row.get(RETENTION)
         if r:
             n = len(r["seeds"])
-            sentences.append(f"- {row['setting']}: retention change vs {paired['baseline']}: {r['mean']:+.1f} points "
-                             f"({100 * paired['level']:.0f}% interval {r['low']:+.1f}..{r['high']:+.1f}) over "
+            sentences.append(f"- {row['setting']}: retention change vs {paired['baseline']}: "
+                             f"{points(r['mean'])} points ({100 * paired['level']:.0f}% interval "
+                             f"{points(r['low'])}..{points(r['high'])}) over "
                              f"{n} seed{'s' if n > 1 else ''} ({r['higher']} above, {r['lower']} below; sign test "
                              f"p={r['sign_p']:.3g})")
     return "\n".join(lines + ([""] + sentences if sentences else [])) + "\n"
