@@ -29,6 +29,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from klgrpo.backends import vllm_sampler  # noqa: E402
+from klgrpo.backends.samplers import SAMPLERS  # noqa: E402
 from klgrpo.core.rollout import SamplingParams, generate_groups  # noqa: E402
 from klgrpo.run.metrics import read_metrics  # noqa: E402
 from klgrpo.run.trainer import GRPOTrainer  # noqa: E402
@@ -65,6 +66,28 @@ def test_greedy_completions_are_kv_loops(model_dir):
     assert kv.completion_mask.sum() >= 8 * 4  # real completions, not all stopped at once
     # greedy: each token had the whole (top-1) mass, log mu = 0 in both
     assert vl.sampler_logp.abs().max() < 1e-6
+
+
+def test_a_rollout_beyond_one_prefill_batch_samples_on_the_cpu(model_dir):
+    """A rollout whose prompts hold more tokens than vLLM's prefill batch (4096 on the CPU): with chunked prefill a
+    prompt split across two batches has its first sampled token discarded, and vLLM rewinds that request's seeded
+    generator, which a CPU generator cannot do (RuntimeError: CPU Generator does not use offset). The engine is
+    built without chunked prefill on the CPU: the rollout samples, and a resampled draw repeats bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    prompt_ids = torch.randint(3, 16, (200, 24))  # the demo vocabulary; 200 prompts x G 2 x 24 tokens: 9600
+    mask = torch.ones_like(prompt_ids)
+    params = SamplingParams(group_size=2, max_new_tokens=3)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        sampler = SAMPLERS["vllm"].configured(memory_fraction=0.01)
+        draws.append(sampler.sample(model, prompt_ids, mask, params, pad_id=0, eos_ids=[2]))
+    (ids, logp), (again, again_logp) = draws
+    assert ids.shape == (200 * 2, 3) and torch.equal(ids, again) and torch.equal(logp, again_logp)
+    assert (logp[:, 0] < 0).all()  # temperature 1: each first token drawn with its own probability
 
 
 def _steps(tmp_path, model_dir, addition_file, name, steps=3, **train):

@@ -125,6 +125,26 @@ def test_greedy_completions_are_kv_loops(server, model_dir):
     assert vs.sampler_logp.abs().max() < 1e-6
 
 
+def test_a_rollout_beyond_one_prefill_batch_samples_on_the_cpu(server, model_dir):
+    """More prompt tokens than one prefill batch (4096 by default), each request seeded: the CPU server prefills
+    whole prompts (a chunked one would make vLLM rewind the request's CPU generator, which fails with "CPU
+    Generator does not use offset"); the same seed draws the same tokens again."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    prompt_ids = torch.randint(3, 16, (200, 24))  # the demo vocabulary; 200 prompts x G 2 x 24 tokens: 9600
+    remote = vllm_server.VLLMServerSampler().configured(server_url=server[1])
+    params = SamplingParams(group_size=2, max_new_tokens=3)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        draws.append(remote.sample(model, prompt_ids, torch.ones_like(prompt_ids), params, pad_id=0, eos_ids=[2]))
+    (ids, logp), (again, again_logp) = draws
+    assert ids.shape == (200 * 2, 3) and torch.equal(ids, again) and torch.equal(logp, again_logp)
+    assert (logp[:, 0] < 0).all()
+
+
 def _config(tmp_path, model_dir, addition_file, name, url, steps=3, **rollout):
     return make_config(model_dir, addition_file, tmp_path / name, rollout={**_rollout(url), **rollout},
                        optim={"lr": 3e-2}, train={"steps": steps, "save_every": 1})

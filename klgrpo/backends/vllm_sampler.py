@@ -174,11 +174,19 @@ def _start(config, dtype: torch.dtype, device: torch.device, memory_fraction: fl
     folder = tempfile.mkdtemp(prefix="klgrpo-vllm-")
     config.save_pretrained(folder)
     memory = ({"gpu_memory_utilization": memory_fraction, "enable_sleep_mode": True} if device.type == "cuda" else
-              {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes())})
+              {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes()), **whole_prompt_prefill(config)})
     with _kept_random_state():
         return LLM(model=folder, dtype=str(dtype).removeprefix("torch."), load_format="dummy",
                    skip_tokenizer_init=True, seed=0, enforce_eager=device.type != "cuda",
                    logprobs_mode="processed_logprobs", max_model_len=config.max_position_embeddings, **memory)
+
+
+def whole_prompt_prefill(config) -> dict:
+    """The CPU engine's scheduling: no chunked prefill, a prefill batch as long as the context. With chunked
+    prefill a prompt split across two batches has its first sampled token discarded and vLLM rewinds the
+    request's seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset"): every
+    rollout with more prompt tokens than one batch (4096 by default, e.g. 64 prompts x G 8) would fail."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": config.max_position_embeddings}
 
 
 def _ram_bytes() -> int:

