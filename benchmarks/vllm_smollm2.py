@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--memory-fraction", type=float, default=0.05,
                         help="the engine's KV cache, a share of the RAM (8192 positions need 0.35 GiB)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
+    parser.add_argument("--samplers", default=",".join(SAMPLERS), help="comma-separated, in the order run, of "
+                        + ", ".join(SAMPLERS))
     parser.add_argument("--generate-only", action="store_true",
                         help="time the generate phase alone (no training step), --repeats times per sampler")
     parser.add_argument("--repeats", type=int, default=2, help="--generate-only: timed generations per sampler")
@@ -58,9 +60,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be 2 or more: the first step is not timed")
-    args.dtypes = args.dtypes.split(",")
+    args.dtypes, args.samplers = args.dtypes.split(","), args.samplers.split(",")
     if not args.dtypes or set(args.dtypes) - set(DTYPES):
         parser.error(f"--dtypes {','.join(args.dtypes)}: choose among {', '.join(DTYPES)}")
+    if sorted(args.samplers) != sorted(SAMPLERS):
+        parser.error(f"--samplers {','.join(args.samplers)}: each of {', '.join(SAMPLERS)} once")
     result = generate_only(args) if args.generate_only else run(args)
     print(generate_table(result) if args.generate_only else table(result))
     if args.out:
@@ -122,7 +126,7 @@ def each_policy(model, args, prefix: str):
 
     root = Path(tempfile.mkdtemp(prefix=prefix))
     for dtype in args.dtypes:
-        for sampler in SAMPLERS:
+        for sampler in getattr(args, "samplers", SAMPLERS):
             policy = copy.deepcopy(model).to(getattr(torch, dtype))
             yield dtype, sampler, policy, root / f"{dtype}-{sampler}"
 
