@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
     parser.add_argument("--micro-batch", type=int, default=16,
                         help="train.micro_batch_size: sequences per forward/backward (the whole 512-sequence batch "
-                             "at once would need ~60 GiB)")
+                             "at once would need ~60 GiB); a batch no larger goes whole")
     parser.add_argument("--memory-fraction", type=float, default=0.05,
                         help="the engine's KV cache, a share of the RAM (8192 positions need 0.35 GiB)")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ", ".join(DTYPES))
@@ -169,7 +169,8 @@ def trainer_for(policy, tokenizer, dtype: str, sampler: str, args, out: Path):
         "model.dtype": dtype, "data.source": str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"),
         "eval.sets": [], "rollout.sampler": sampler, "rollout.vllm.memory_fraction": args.memory_fraction,
         "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group,
-        "rollout.max_new_tokens": args.new_tokens, "train.micro_batch_size": args.micro_batch,
+        "rollout.max_new_tokens": args.new_tokens,
+        "train.micro_batch_size": 0 if args.prompts * args.group <= args.micro_batch else args.micro_batch,
         "train.steps": args.steps, "train.output_dir": str(out),
         "train.save_every": 0, "logging.progress": False, "logging.plots": False, "logging.tensorboard": False})
     return GRPOTrainer(cfg, model=policy, tokenizer=tokenizer, log=lambda *_: None)
