@@ -298,6 +298,11 @@ def test_the_docs_settings_table_is_the_declarations():
                     "server_retries": str(VLLMConfig().server_retries)}
     assert VLLMConfig().server_timeout == vllm_server.DEFAULT_TIMEOUT_S
     assert VLLMConfig().server_retries == vllm_server.DEFAULT_RETRIES
+    assert VLLMConfig().group_port == vllm_server.DEFAULT_GROUP_PORT  # TRL's vllm_group_port: one value, said thrice
+    from klgrpo.integrations.trl_mapping import TRL_DEFAULTS
+
+    assert TRL_DEFAULTS["vllm_group_port"] == vllm_server.DEFAULT_GROUP_PORT
+    assert f"| `group_port` | {vllm_server.DEFAULT_GROUP_PORT} |" in doc
     assert f"pauses of {vllm_server.RETRY_PAUSE_S:g}, {2 * vllm_server.RETRY_PAUSE_S:g}, " in doc
 
 
@@ -376,3 +381,14 @@ def test_nccl_weight_transfer_off_cuda_is_refused_in_one_line(tiny_model_dir):
     ours._model_name = "m"
     with pytest.raises(ConfigError, match="weight_transfer nccl needs the policy on a CUDA device .* folder"):
         ours.sync(model)
+
+
+def test_the_cpu_server_is_told_the_colocated_engines_prefill_rule():
+    """The server's flags are the colocated engine's arguments (one rule, vllm_sampler.whole_prompt_prefill),
+    written as vLLM's server reads them; on CUDA vLLM's defaults stay."""
+    from klgrpo.backends.vllm_server_main import server_arguments
+
+    cpu = server_arguments("m", "127.0.0.1", 8000, context=8192)
+    assert cpu[cpu.index("--no-enable-chunked-prefill") + 1:][:2] == ["--max-num-batched-tokens", "8192"]
+    gpu = server_arguments("m", "127.0.0.1", 8000, cpu=False, context=8192)
+    assert not any("chunked" in a or "batched" in a for a in gpu)

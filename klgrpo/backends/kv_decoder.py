@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from klgrpo.backends.weights import base_model
+
 _SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 
@@ -176,7 +178,7 @@ def _compiled_step(architecture: tuple):
 def decoder_parts(model, total_len: int):
     """(base model, decoder) when klgrpo's decoder reproduces ``model``'s forward over ``total_len`` positions, else
     None: the one capability check behind the KV-loop sampler and the log-prob fast path."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     cfg = getattr(base, "config", None)
     decoder = getattr(base, "model", None)
     if getattr(cfg, "model_type", None) not in _SUPPORTED_MODEL_TYPES or not hasattr(base, "lm_head"):

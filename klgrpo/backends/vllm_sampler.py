@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from klgrpo.backends.weights import named_whole_weights
+from klgrpo.backends.weights import base_model, named_whole_weights
 
 #: rollout.vllm.memory_fraction's default: the share of the device (CUDA) or of the RAM (CPU) vLLM may take.
 DEFAULT_MEMORY_FRACTION = 0.3
@@ -148,7 +148,7 @@ _ENGINES: dict[tuple, Engine] = {}
 
 
 def engine_for(model, memory_fraction: float) -> Engine:
-    base = _base_model(model)
+    base = base_model(model)
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     key = (base.config.to_json_string(use_diff=False), str(dtype), device.type)
@@ -174,19 +174,21 @@ def _start(config, dtype: torch.dtype, device: torch.device, memory_fraction: fl
     folder = tempfile.mkdtemp(prefix="klgrpo-vllm-")
     config.save_pretrained(folder)
     memory = ({"gpu_memory_utilization": memory_fraction, "enable_sleep_mode": True} if device.type == "cuda" else
-              {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes()), **whole_prompt_prefill(config)})
+              {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes()),
+               **whole_prompt_prefill(config.max_position_embeddings)})
     with _kept_random_state():
         return LLM(model=folder, dtype=str(dtype).removeprefix("torch."), load_format="dummy",
                    skip_tokenizer_init=True, seed=0, enforce_eager=device.type != "cuda",
                    logprobs_mode="processed_logprobs", max_model_len=config.max_position_embeddings, **memory)
 
 
-def whole_prompt_prefill(config) -> dict:
-    """The CPU engine's scheduling: no chunked prefill, a prefill batch as long as the context. With chunked
-    prefill a prompt split across two batches has its first sampled token discarded and vLLM rewinds the
-    request's seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset"): every
-    rollout with more prompt tokens than one batch (4096 by default, e.g. 64 prompts x G 8) would fail."""
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": config.max_position_embeddings}
+def whole_prompt_prefill(context: int) -> dict:
+    """A CPU engine's scheduling (vLLM's engine arguments; klgrpo's server passes them on its command line): no
+    chunked prefill, a prefill batch as long as the ``context``. With chunked prefill a prompt split across two
+    batches has its first sampled token discarded and vLLM rewinds the request's seeded generator, which a CPU
+    generator cannot do ("CPU Generator does not use offset"): every rollout with more prompt tokens than one
+    batch (4096 by default, e.g. 64 prompts x G 8) would fail."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": context}
 
 
 def _ram_bytes() -> int:
@@ -213,10 +215,6 @@ def _kept_random_state():
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
-
-
-def _base_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 #: the attribute counting the optimizer steps that changed a policy's weights (``weights_changed``)

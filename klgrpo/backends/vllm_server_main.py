@@ -25,9 +25,8 @@ def server_arguments(model: str, host: str, port: int, dtype: str = "auto", max_
                      cpu: bool = True, kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
                      extra: list[str] | None = None, context: int = 0) -> list[str]:
     """The command line of vLLM's server (after ``python -m ...``) serving ``model`` for klgrpo. ``context``: the
-    longest sequence it serves (max_model_len, else the model's own), which a CPU server prefills whole: with
-    chunked prefill a prompt split across two batches makes vLLM rewind the request's seeded generator, which a
-    CPU generator cannot do (the colocated engine is built the same way: vllm_sampler.whole_prompt_prefill)."""
+    longest sequence it serves (max_model_len, else the model's own), which a CPU server prefills whole, as the
+    colocated engine does (``vllm_sampler.whole_prompt_prefill`` says why)."""
     args = ["--model", model, "--host", host, "--port", str(port), "--dtype", dtype,
             "--logprobs-mode", "processed_logprobs", "--seed", "0"]
     if max_model_len:
@@ -35,8 +34,19 @@ def server_arguments(model: str, host: str, port: int, dtype: str = "auto", max_
     if cpu:
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
         if context:
-            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(context)]
+            from klgrpo.backends.vllm_sampler import whole_prompt_prefill
+
+            args += command_line(whole_prompt_prefill(context))
     return args + list(extra or [])
+
+
+def command_line(engine_args: dict) -> list[str]:
+    """vLLM engine arguments as its server's flags: ``--name value``, a false switch ``--no-name``."""
+    flags = []
+    for name, value in engine_args.items():
+        flag = name.replace("_", "-")
+        flags += ([f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)])
+    return flags
 
 
 def _parser() -> argparse.ArgumentParser:

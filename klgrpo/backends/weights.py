@@ -69,7 +69,7 @@ def named_whole_weights(model, gather: Callable[[Tensor], Tensor] = whole) -> It
     policy comes merged: each target layer's base weight plus its adapters' B @ A x scaling (peft's own delta,
     computed here from the gathered factors), the model itself left untouched (peft's merge and unmerge would
     round its frozen weights on every push)."""
-    base = _base_model(model)
+    base = base_model(model)
     for name, value, lora_layer in _whole_entries(base):
         value = gather(value)
         delta = None if lora_layer is None else _lora_delta(base.get_submodule(lora_layer), gather)
@@ -80,13 +80,14 @@ def whole_weight_specs(model) -> list[tuple[str, torch.dtype, list[int]]]:
     """(name, dtype, shape) of each tensor ``named_whole_weights`` yields, in its order, read from the
     declarations without gathering or merging anything: what a receiver is told before the tensors follow."""
     specs = []
-    for name, value, _ in _whole_entries(_base_model(model)):
+    for name, value, _ in _whole_entries(base_model(model)):
         shape = getattr(value, "ds_shape", value.shape)  # ZeRO-3 keeps the whole shape beside an empty tensor
         specs.append((name, value.dtype, list(shape)))
     return specs
 
 
-def _base_model(model):
+def base_model(model):
+    """The transformers model inside a peft wrapper, or ``model`` itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -123,5 +124,5 @@ def _names(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-__all__ = ["check_weight_report", "check_weight_names", "check_float_weights", "named_whole_weights", "whole",
-           "whole_weight_specs"]
+__all__ = ["base_model", "check_weight_report", "check_weight_names", "check_float_weights", "named_whole_weights",
+           "whole", "whole_weight_specs"]
