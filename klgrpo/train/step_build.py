@@ -56,8 +56,10 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
         check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
     check_checkpoint(cfg.kl.reference, "kl.reference")
     tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
+    rollout_tokens = cfg.rollout.prompts_per_step // dist.world_size * cfg.rollout.group_size * \
+        cfg.rollout.max_new_tokens  # one process's rollout: what auto's choice on the CPU is measured by
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
-                                options=dataclasses.asdict(cfg.rollout.vllm))
+                                options=dataclasses.asdict(cfg.rollout.vllm), rollout_tokens=rollout_tokens)
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
     reference = _reference(cfg, model, device, main_log)
