@@ -348,7 +348,8 @@ def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_
     one token fewer, bfloat16, head size 8 (vLLM's CPU attention refuses it) or no vllm keep the KV loop, each
     with its reason once the rollout is large enough."""
     from klgrpo.backends import samplers
-    from klgrpo.backends.samplers import VLLM_CPU_FASTER_FROM_TOKENS as BIG, auto_sampler, pick_sampler
+    from klgrpo.backends.samplers import VLLM_CPU_FASTER_FROM_TOKENS as BIG
+    from klgrpo.backends.samplers import auto_sampler, pick_sampler
 
     monkeypatch.setattr(samplers, "vllm_installed", lambda: True)
     head_64 = _llama(head_dim=64)  # 4 heads of 64 (the projections' width, not hidden_size, follows head_dim)

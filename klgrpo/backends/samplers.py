@@ -29,9 +29,9 @@ from torch import Tensor
 
 from klgrpo.backends.hf import default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
-from klgrpo.backends.weights import base_model
 from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message, vllm_installed
 from klgrpo.backends.vllm_server import VLLMServerSampler
+from klgrpo.backends.weights import base_model
 from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
 
