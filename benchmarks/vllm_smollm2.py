@@ -140,7 +140,8 @@ def generate_only(args, loaded: tuple | None = None) -> dict:
 
 def trl_run(args, loaded: tuple | None = None) -> dict:
     """TRL 1.16's GRPOTrainer with its colocated vLLM engine on SmolLM2, the example config's settings (chat
-    prompts with its system prompt, temperature 1, numeric_match, beta 0.04, lr 2e-5, clip 1.0), ``--prompts`` x
+    prompts with its system prompt, temperature 1, numeric_match, beta 0.04, lr 2e-5, clip 1.0; gradient
+    checkpointing off, as in klgrpo's run), ``--prompts`` x
     ``--group`` completions a step in micro-batches of ``--micro-batch`` (TRL's per_device_train_batch_size, the
     gradient accumulated over the batch: one generation, one optimizer step). Every step is timed from TRL's
     on_step_begin to on_step_end; the generate phase is TRL's ``_generate`` (wrapped on the instance). TRL logs
@@ -163,8 +164,11 @@ def trl_run(args, loaded: tuple | None = None) -> dict:
     tokenizer.save_pretrained(folder / "model")
     rows = load_prompts(str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"))
     system = {"role": "system", "content": example.data.system_prompt}
-    dataset = Dataset.from_dict({"prompt": [[system, {"role": "user", "content": p}] for p in rows.prompts],
-                                 "answer": list(rows.columns["answer"])})
+    # TRL draws a step's prompts without replacement and stops where the data cannot fill one: with fewer rows than
+    # --prompts (49 here) the rows go in as often as a step needs, as klgrpo's prompt order wraps around them
+    copies = -(-args.prompts // len(rows.prompts))
+    dataset = Dataset.from_dict({"prompt": [[system, {"role": "user", "content": p}] for p in rows.prompts] * copies,
+                                 "answer": list(rows.columns["answer"]) * copies})
 
     def numeric_match_reward(prompts, completions, answer, **_):
         return numeric_match(prompts, [c[-1]["content"] if isinstance(c, list) else c for c in completions], answer)
@@ -187,6 +191,7 @@ def trl_run(args, loaded: tuple | None = None) -> dict:
         learning_rate=example.optim.lr, max_grad_norm=example.optim.max_grad_norm, beta=example.kl.coef,
         use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=max(args.memory_fraction, 0.1),  # on a CPU: RAM, less what the process holds
+        gradient_checkpointing=False,  # TRL turns it on by default; klgrpo's run has it off
         max_steps=args.steps, report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False, use_cpu=True, model_init_kwargs={"dtype": torch.float32})
     trainer = GRPOTrainer(model=str(folder / "model"), reward_funcs=[numeric_match_reward], args=trl_args,

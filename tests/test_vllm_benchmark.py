@@ -168,3 +168,4 @@ def test_auto_takes_vllm_on_the_cpu_from_the_smallest_rollout_where_every_larger
     assert threshold == VLLM_CPU_FASTER_FROM_TOKENS == 64 * 8 * 128
     docs = " ".join((ROOT / "docs" / "benchmarks.md").read_text().split())
     assert f"from {VLLM_CPU_FASTER_FROM_TOKENS} completion tokens a rollout" in docs
+

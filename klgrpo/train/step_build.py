@@ -59,7 +59,8 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     rollout_tokens = cfg.rollout.prompts_per_step // dist.world_size * cfg.rollout.group_size * \
         cfg.rollout.max_new_tokens  # one process's rollout: what auto's choice on the CPU is measured by
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
-                                options=dataclasses.asdict(cfg.rollout.vllm), rollout_tokens=rollout_tokens)
+                                options=dataclasses.asdict(cfg.rollout.vllm), rollout_tokens=rollout_tokens,
+                                processes=dist.world_size)
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
     reference = _reference(cfg, model, device, main_log)
