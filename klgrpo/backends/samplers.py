@@ -234,10 +234,9 @@ def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache
                  options: dict | None = None, rollout_tokens: int = 0, processes: int = 1) -> tuple[Sampler, str]:
     """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
     name, or "auto" (``auto_sampler`` for a rollout of ``rollout_tokens`` completion tokens per process, one of
-    ``processes``; a
-    deprecated rollout.generate_cache is honoured while it is "auto"). A sampler that compiles on CUDA keeps its
-    kernels in klgrpo's cache folder, so the next run on this machine starts in seconds. ``options``
-    (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
+    ``processes``; a deprecated rollout.generate_cache is honoured while it is "auto"). A sampler that compiles on
+    CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine starts in seconds.
+    ``options`` (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
     if name == VLLMSampler.name and (missing := missing_vllm_message()):
         raise ConfigError(missing)
     device = next(model.parameters()).device
