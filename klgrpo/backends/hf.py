@@ -18,6 +18,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DTYPE_NAMES = ("auto", *_DTYPES)
 
 
+def config_int(config, name: str, default: int = 0) -> int:
+    """A positive integer field of a transformers config, else ``default`` (missing, None or not positive)."""
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and value > 0 else default
+
+
+def attention_head_size(config) -> int:
+    """The attention's head size a transformers config declares: ``head_dim`` where set, else hidden_size /
+    num_attention_heads (0 where it says neither)."""
+    return config_int(config, "head_dim", config_int(config, "hidden_size") // config_int(
+        config, "num_attention_heads", 1))
+
 
 def default_cache_root() -> Path:
     """klgrpo's cache folder (the demo's SFT model, torch's compiled kernels): $KLGRPO_CACHE, else

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from klgrpo.backends.hf import default_cache_root
+from klgrpo.backends.hf import attention_head_size, default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
 from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message, vllm_installed
 from klgrpo.backends.vllm_server import VLLMServerSampler
@@ -216,9 +216,7 @@ def vllm_on_cpu_why_not(model, rollout_tokens: int, processes: int = 1) -> str |
         return "vLLM measured faster on the CPU in float32 only"
     if processes > 1:
         return f"vLLM measured faster on the CPU in a run of one process, this one has {processes}"
-    cfg = getattr(base_model(model), "config", None)
-    head = getattr(cfg, "head_dim", None) or (
-        cfg.hidden_size // cfg.num_attention_heads if hasattr(cfg, "num_attention_heads") else None)
+    head = attention_head_size(getattr(base_model(model), "config", None))
     if head not in VLLM_CPU_HEAD_SIZES:
         return f"vLLM's CPU attention does not take head size {head}"
     if not vllm_installed():

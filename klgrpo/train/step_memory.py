@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from klgrpo.backends.hf import attention_head_size, config_int
 from klgrpo.errors import ConfigError
 
 #: A klgrpo.config.schema.GRPOConfig (read by field name only).
@@ -42,13 +43,11 @@ def estimate_step_memory(cfg: GRPOConfig, model_config, dtype_bytes: int, longes
     positions = longest_prompt + r.max_new_tokens
 
     def field(name: str, default: int = 0) -> int:
-        value = getattr(model_config, name, None)
-        return value if isinstance(value, int) and value > 0 else default
+        return config_int(model_config, name, default)
 
-    layers, hidden, vocab = field("num_hidden_layers"), field("hidden_size"), field("vocab_size")
-    heads = field("num_attention_heads", 1)
-    head_dim = field("head_dim", hidden // heads)
-    kv_width = field("num_key_value_heads", heads) * head_dim
+    layers, vocab = field("num_hidden_layers"), field("vocab_size")
+    hidden, heads = field("hidden_size"), field("num_attention_heads", 1)
+    kv_width = field("num_key_value_heads", heads) * attention_head_size(model_config)
     rollout = sequences * positions * layers * 2 * kv_width * dtype_bytes
     kept_per_position = hidden + 2 * kv_width + 2 * field("intermediate_size")
     update = micro * (2 * r.max_new_tokens * vocab + positions * layers * kept_per_position) * dtype_bytes
