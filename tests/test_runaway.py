@@ -138,38 +138,49 @@ def test_the_summary_has_the_reach_of_an_adaptive_run(tiny_model_dir, addition_f
     assert reach["reached"] == (0.04 <= reach["last_window_kl"] <= 0.12)
 
 
-class Killed(BaseException):
-    """A kill: no handler of the run catches it (as SIGKILL, nothing is saved)."""
+ROLLBACK_KILLS = [(point, "memory") for point in ("before_restore", "after_restore", "inside_save", "after_save",
+                                                  "between_removals", "after_removals")] + [
+    (point, "disk") for point in ("before_restore", "inside_save", "after_save", "between_removals")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["_apply_factors", "_announce"])
-def test_a_kill_in_the_middle_of_a_rollback_resumes_to_the_run_never_killed(rolled_back, tiny_model_dir,
-                                                                           addition_file, tmp_path, monkeypatch,
-                                                                           where):
-    """Killed after the restore (before its checkpoint: nothing newer is left, the run replays to the same
-    rollback) or after the rollback's checkpoint (the run resumes from it)."""
+@pytest.mark.parametrize("where,store", ROLLBACK_KILLS)
+def test_a_kill_anywhere_in_a_rollback_resumes_from_a_checkpoint_to_the_run_never_killed(
+        rolled_back, tiny_model_dir, addition_file, tmp_path, monkeypatch, where, store):
+    """SIGKILLed at a point of a rollback (tests/helpers/rollback_kill.py), the run folder still holds a checkpoint
+    (--resume latest, not a fresh start), and the resumed run ends with the uninterrupted run's weights, bit for
+    bit, after the same one rollback, leaving nothing but checkpoints behind. A rollback that deleted the undone
+    checkpoints before its own was in place left none."""
+    import subprocess
+    import sys
+
     from klgrpo.run import runaway
+    from klgrpo.store.checkpoint import list_checkpoints
 
     uninterrupted, summary, _ = rolled_back
-    real = getattr(runaway.RunawayGuard, where)
-
-    def killed(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        raise Killed
-
     out = tmp_path / "run"
     cfg = _config(tiny_model_dir, addition_file, out, on_runaway="rollback")
-    with monkeypatch.context() as patch:
-        patch.setattr(runaway.RunawayGuard, where, killed)
-        with pytest.raises(Killed):
-            GRPOTrainer(cfg, log=quiet).train()
-    GRPOTrainer(cfg, log=quiet).train(resume="auto")
-    again = json.loads((out / "summary.json").read_text())
-    assert again["runaway"]["rollbacks"] == summary["runaway"]["rollbacks"] == 1
+    if store == "disk":  # no memory to spare, in the killed process and the resumed one
+        cfg.train.keep_checkpoints = 1
+        monkeypatch.setattr(runaway, "available_memory", lambda: 0)
+    config = tmp_path / "config.yaml"
+    config.write_text(cfg.to_yaml())
+    tests = Path(__file__).resolve().parent
+    killed = subprocess.run([sys.executable, "-m", "helpers.rollback_kill", str(config), where,
+                             *(["disk"] if store == "disk" else [])], cwd=tests, capture_output=True, text=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert list_checkpoints(out), f"killed {where}: no checkpoint left"
+    GRPOTrainer(cfg, log=quiet).train(resume="latest")
+    again = json.loads((out / "summary.json").read_text())["runaway"]
+    assert again["rollbacks"] == summary["runaway"]["rollbacks"] == 1
+    assert again["target_store"] == store
+    assert [a["to_step"] for a in again["actions"]] == [0]
     expected, got = _weights(uninterrupted / "checkpoints" / f"step_{STEPS}"), _weights(out / "checkpoints" /
                                                                                       f"step_{STEPS}")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+    leftovers = [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith("step_")]
+    assert leftovers == [], leftovers
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from klgrpo.run.kl_watch import EntropyWatch, KLWatch
 from klgrpo.run.metrics import MetricsLogger
 from klgrpo.run.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
 from klgrpo.run.tally import StepTally
-from klgrpo.store.checkpoint import checkpoint_writer, is_sharded, step_folder
+from klgrpo.store.checkpoint import LINEAGE_KEY, checkpoint_writer, is_sharded, step_folder
 from klgrpo.store.resume import load_resumable_checkpoint
 from klgrpo.store.run_folder import SUMMARY_FILE, open_run_folder, resolve_auto_resume
 from klgrpo.train import metric_names as names
@@ -257,6 +257,7 @@ class TrainingRun:
                  "run_config": self.cfg.to_dict()}  # the settings a resume checks config.yaml against
         if self.runaway.enabled:
             state["runaway"] = self.runaway.state_dict()
+            state[LINEAGE_KEY] = self.runaway.rollbacks  # a rollback's checkpoint outranks the steps it undid
         if self.kl_reach is not None:
             state["kl_reach"] = self.kl_reach.state_dict()
         return state

@@ -11,12 +11,17 @@ A runaway is judged on the KL warning signs' windows (``kl.warn_window`` consecu
 start on disk (never pruned while it is the target) and stops the run cleanly at the runaway, naming it.
 ``rollback`` restores the last healthy window's start (the data position and RNG included), multiplies beta by
 kl.runaway_beta_factor and the learning rate (its schedule) by kl.runaway_lr_factor, and trains on, at most
-kl.runaway_max_rollbacks times (a runaway after them is only warned). The target is kept in memory (CPU copies of
-what the step owns) when the run's memory allows, else as a checkpoint on disk.
+kl.runaway_max_rollbacks times (a runaway after them is only warned).
 
-A rollback deletes the undone steps' checkpoints first, restores, and writes the restored state (its rollback
-count and factors included) as the checkpoint of its step: a process killed anywhere in it resumes either from
-that checkpoint or from an earlier one of the same run, which replays to the same rollback.
+Both kept states (the window's start and the target) are checkpoints on disk, never pruned while kept (a state at
+a step no checkpoint was saved at is written once); when the run's memory allows, the target is also held in
+memory (CPU copies of what the step owns), which a rollback restores without reading the disk.
+
+A rollback restores, then writes the restored state (its rollback count and factors included) as the checkpoint
+of its target step, one lineage higher (store/checkpoint.py), and only then deletes the undone steps' checkpoints:
+a process killed before that checkpoint is in place resumes from the newest one of the run, the target or an
+undone step, which replays to the same rollback; killed after it, from it. Either way the run goes on as if never
+killed.
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ import torch
 
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl_control import horizon_to_reach
-from klgrpo.store.checkpoint import is_complete, remove_checkpoints_after, rng_state, set_rng_state, step_folder
+from klgrpo.store.checkpoint import (
+    checkpoints_after,
+    is_complete,
+    remove_checkpoints_after,
+    rng_state,
+    set_rng_state,
+    step_folder,
+)
 from klgrpo.store.resume import load_resumable_checkpoint
 from klgrpo.train.step_state import load_step_state, step_state
 
@@ -196,8 +208,9 @@ class RunawayGuard:
                               f"warn")
         need, free = snapshot_bytes(run.grpo_step), available_memory()
         self.store = "memory" if self.action == "rollback" and 2 * need <= MEMORY_SHARE * free else "disk"
-        where = (f"in memory (CPU copies, 2 x {need / 2**30:.2f} GiB of {free / 2**30:.1f} GiB available)"
-                 if self.store == "memory" else "on disk (checkpoints kept while they are needed)")
+        where = (f"in memory (CPU copies, 2 x {need / 2**30:.2f} GiB of {free / 2**30:.1f} GiB available) and on "
+                 f"disk" if self.store == "memory" else "on disk")
+        where += " (checkpoints kept while they are needed)"
         log(f"kl.on_runaway {self.action}: the start of the last healthy window is kept {where}")
         completed = run.grpo_step.completed
         window_step, target_step = self._steps_at_load  # a resumed run's; None: a fresh run
@@ -220,15 +233,17 @@ class RunawayGuard:
         return None
 
     def _keep_now(self, run) -> Kept:
+        """This step's state, kept: its checkpoint (written now if the step has none), and with the memory store
+        its CPU copies too. On disk in both stores, so that a kill before a rollback resumes to the same run."""
         step = run.grpo_step.completed
-        if self.store == "memory":
-            return Kept(step, snapshot=capture(run))
         folder = step_folder(run.run_dir, step)
         kept = Kept(step, folder=folder)
         if not is_complete(folder):
             self._saving = kept  # protected from the save's own pruning
             run.save()
             self._saving = None
+        if self.store == "memory":
+            kept.snapshot = capture(run)
         return kept
 
     def keep(self, run, verdict: str | None) -> None:
@@ -278,7 +293,7 @@ class RunawayGuard:
         grpo, target = run.grpo_step, self.target
         grpo.stop_gate.hold()  # a signal waits until the rollback is whole
         try:
-            removed = remove_checkpoints_after(run.run_dir, target.step)
+            undone = checkpoints_after(run.run_dir, target.step)
             progress = self._progress()
             if target.snapshot is not None:
                 restore(run, target.snapshot)
@@ -290,12 +305,15 @@ class RunawayGuard:
             self.rollbacks += 1
             record = {"action": ROLLED_BACK, "step": step, "kl": mean, "to_step": target.step, "beta": beta,
                       "base_lr": lr, "rollback": self.rollbacks, "store": self.store,
-                      "removed_checkpoints": [p.name for p in removed]}
+                      "removed_checkpoints": [p.name for p in undone]}
             self.records.append(record)
             self.window_start = self.target = Kept(target.step, folder=step_folder(run.run_dir, target.step))
-            run.save()  # the restored state with its count and factors: a kill from here on resumes to it
+            # The restored state with its count and factors, one lineage higher: from the moment it is in place a
+            # resume takes it, never an undone step, so the undone checkpoints can go.
+            run.save()
+            remove_checkpoints_after(run.run_dir, target.step)
             if self.store == "memory":
-                self.window_start = self.target = Kept(target.step, snapshot=capture(run))
+                self.target.snapshot = capture(run)
         finally:
             grpo.stop_gate.release()
         self._announce(logger, step, f"{seen}: rolled back to step {target.step} (the start of the last healthy "

@@ -6,8 +6,15 @@
                           file, checked by ``verify_checksums`` before a load), reference/ once synced
 
 A checkpoint is written to a temporary sibling folder (.tmp_step_N_<pid>) and renamed into place, so step_N
-either exists whole or not at all; pruning renames a folder to .trash_step_N_<pid> before deleting it.
-``clean_incomplete`` removes what a kill in the middle of either leaves behind.
+either exists whole or not at all; a checkpoint written again at the same step (a rollback's) first moves the old
+one aside (.replaced_step_N_<pid>), which a kill before the new one is in place leaves to be put back; pruning
+renames a folder to .trash_step_N_<pid> before deleting it. ``clean_incomplete`` repairs or removes what a kill in
+the middle of any of them leaves behind.
+
+Each trainer_state.json records its lineage: how many rollbacks (kl.on_runaway rollback) the run's history holds
+up to that state. A rollback writes its target step again with a lineage one higher, so the checkpoints of the
+steps it undid, until they are deleted, are those of a later step with a smaller lineage than an earlier one:
+``list_checkpoints`` leaves them out, and no resume takes them.
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ SHARDS_DIR = "sharded"  # train.sharded_checkpoints: every rank's shards of weig
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp_step_(\d+)_(\d+)$")
 _TRASH_DIR = re.compile(r"^\.trash_step_(\d+)_(\d+)$")
+_REPLACED_DIR = re.compile(r"^\.replaced_step_(\d+)_(\d+)$")
+#: in trainer_state.json: the rollbacks in the run's history up to this state (the module's docstring)
+LINEAGE_KEY = "lineage"
 
 
 class CheckpointLoadError(KLGRPOError):
@@ -129,9 +139,11 @@ def checkpoint_writer(run_dir: Path, step: int, *, owner: bool = True, pid: int 
         return
     try:
         yield tmp
-        if final.exists():
-            _remove(final)
+        aside = final.with_name(f".replaced_{final.name}_{os.getpid()}")
+        if final.exists():  # moved aside, not deleted, until the new one is in place (clean_incomplete)
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
     except Exception as exc:  # an OSError, or safetensors' own SafetensorError wrapping one (a full disk)
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
@@ -148,10 +160,15 @@ def checkpoint_step(folder: Path) -> int:
     return int(_STEP_DIR.match(Path(folder).name).group(1))
 
 
+def checkpoints_after(run_dir: Path, step: int) -> list[Path]:
+    """The complete checkpoints of steps after ``step``, undone ones included, oldest first."""
+    return [p for p in _complete_folders(run_dir) if checkpoint_step(p) > step]
+
+
 def remove_checkpoints_after(run_dir: Path, step: int) -> list[Path]:
-    """Delete the checkpoints of steps after ``step`` (a rollback undid those steps: a resume must not find
-    them); returns the folders removed."""
-    later = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) > step]
+    """Delete the checkpoints of steps after ``step`` (a rollback undid those steps, and wrote ``step`` again
+    with a higher lineage first, so a resume already skips them); returns the folders removed."""
+    later = checkpoints_after(run_dir, step)
     for folder in later:
         _remove(folder)
     return later
@@ -178,7 +195,8 @@ def write_checkpoint_files(folder: Path, *, model, tokenizer, trainer_state: dic
     if reference is not None:
         reference.save(folder, **({"state_dict": reference_state} if reference_state is not None else {}))
     save_state(folder, STATE_STEM, trainer_state,
-               extra={WEIGHTS_SUMS: weights_checksums(folder), VERSION_KEY: CHECKPOINT_VERSION},
+               extra={WEIGHTS_SUMS: weights_checksums(folder), VERSION_KEY: CHECKPOINT_VERSION,
+                      LINEAGE_KEY: int(trainer_state.get(LINEAGE_KEY, 0))},
                metadata={VERSION_KEY: str(CHECKPOINT_VERSION)})
 
 
@@ -295,28 +313,71 @@ def is_complete(folder: Path) -> bool:
                  or (shards.is_dir() and any(shards.glob("*.safetensors")))))
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def _put_back_replaced(root: Path) -> None:
+    """A checkpoint moved aside by a dead process's save of the same step, whose new one never took its place
+    (a kill between the two renames), is put back as step_N: the state the run was in before that save."""
+    for p in sorted(root.iterdir()):
+        if (m := _REPLACED_DIR.match(p.name)) and not pid_alive(int(m.group(2))):
+            final = root / f"step_{m.group(1)}"
+            if not final.exists() and is_complete(p):
+                os.replace(p, final)
+
+
+def _complete_folders(run_dir: Path) -> list[Path]:
+    """Every complete step_N folder, undone ones included, oldest first."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
+    _put_back_replaced(root)
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)]
     return [p for _, p in sorted(found)]
 
 
+def lineage(folder: Path) -> int:
+    """A checkpoint's lineage (the module's docstring); 0 where its trainer_state.json has none or is unreadable
+    (its load then fails and names the file)."""
+    try:
+        value = read_state_doc(Path(folder), STATE_STEM).get(LINEAGE_KEY, 0)
+    except StateFileError:
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _undone(folders: list[Path]) -> set[Path]:
+    """The folders (oldest first) that a rollback undid: a later step with a smaller lineage than an earlier one."""
+    undone, highest = set(), -1
+    for folder in folders:
+        mark = lineage(folder)
+        if mark < highest:
+            undone.add(folder)
+        highest = max(highest, mark)
+    return undone
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints a run can resume from, oldest first (those a rollback undid left out)."""
+    found = _complete_folders(run_dir)
+    undone = _undone(found)
+    return [p for p in found if p not in undone]
+
+
 def clean_incomplete(run_dir: Path) -> list[Path]:
-    """Remove what killed saves and prunes leave behind: .tmp_step_* of dead processes, .trash_step_* and
-    step_N folders that are incomplete and older than the newest complete checkpoint. Returns the removed."""
+    """Remove what killed saves, rollbacks and prunes leave behind (a checkpoint moved aside by a save that never
+    finished is put back first: ``_put_back_replaced``): .tmp_step_* and .replaced_step_* of dead processes,
+    .trash_step_*, the checkpoints a rollback undid, and step_N folders that are incomplete and older than the
+    newest complete checkpoint. Returns the removed."""
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    complete = list_checkpoints(run_dir)
-    newest = int(_STEP_DIR.match(complete[-1].name).group(1)) if complete else -1
+    found = _complete_folders(run_dir)
+    undone = _undone(found)
+    live = [p for p in found if p not in undone]
+    newest = checkpoint_step(live[-1]) if live else -1
     removed = []
     for p in root.iterdir():
-        tmp = _TMP_DIR.match(p.name)
+        tmp = _TMP_DIR.match(p.name) or _REPLACED_DIR.match(p.name)
         step = _STEP_DIR.match(p.name)
-        orphan = ((tmp and not pid_alive(int(tmp.group(2)))) or _TRASH_DIR.match(p.name)
+        orphan = ((tmp and not pid_alive(int(tmp.group(2)))) or _TRASH_DIR.match(p.name) or p in undone
                   or (step and int(step.group(1)) < newest and not is_complete(p)))
         if orphan and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
