@@ -156,6 +156,7 @@ def trl_run(args) -> dict:
     from klgrpo.config.schema import GRPOConfig as KlgrpoConfig
     from klgrpo.core.data import load_prompts
     from klgrpo.core.rewards.builtins import numeric_match
+    from klgrpo.trl import reload_colocated_weights_on_cpu
 
     model, tokenizer = load_smollm2()
     example = KlgrpoConfig.from_yaml(EXAMPLE)
@@ -196,6 +197,9 @@ def trl_run(args) -> dict:
         dataloader_num_workers=0, log_completions=False, use_cpu=True, model_init_kwargs={"dtype": torch.float32})
     trainer = GRPOTrainer(model=str(folder / "model"), reward_funcs=[numeric_match_reward], args=trl_args,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimes()])
+    # TRL's own weight sync (load_weights into the running engine) fails on CPUs where vLLM repacks its linear
+    # layers (oneDNN / AMX); the engine takes them through vLLM's reload_weights, as klgrpo.trl's bridge does
+    run_sync = reload_colocated_weights_on_cpu(trainer.vllm_generation)
     inner = trainer._generate
 
     def timed_generate(*a, **kw):
@@ -211,6 +215,7 @@ def trl_run(args) -> dict:
            for name, values in (("generate", generate), ("step", steps))}
     run["mean_length"] = [r["completions/mean_length"] for r in logged]
     run["engine_dtype"] = str(trainer.vllm_generation.llm.llm_engine.model_config.dtype)
+    run["weights_sync"] = "reload_weights" if run_sync else "TRL's load_weights"
     for key in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"):
         values = [r[key] for r in logged if key in r]
         if values:

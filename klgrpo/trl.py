@@ -183,6 +183,51 @@ def build_kl_controller(args: GRPOConfig) -> KLController:
         raise ConfigError(f"GRPOConfig: kl_controller={args.resolved_kl_controller!r}: {err}") from None
 
 
+def reload_colocated_weights_on_cpu(generation) -> bool:
+    """On the CPU, TRL's colocated vLLM engine takes the policy's weights through vLLM's ``reload_weights``
+    instead of TRL's ``model.load_weights``; returns whether it does.
+
+    vLLM's CPU backend repacks every linear layer's weight for its GEMM kernel after loading (oneDNN, or the AMX
+    kernel for bfloat16) and leaves an empty plain Parameter in its place, so TRL's ``load_weights`` into the
+    running model fails at the first sync ("'Parameter' object has no attribute 'weight_loader'") on every CPU
+    whose oneDNN build takes the engine's dtype (AVX512-BF16 or AMX for TRL's bfloat16 engine). ``reload_weights``
+    restores the layers' loading form, loads the tensors and repacks them: klgrpo's own vLLM sampler syncs the
+    same way. The tensors are TRL's (``_iter_named_params``: gathered under FSDP / ZeRO-3, LoRA merged), taken in
+    one pass as ``reload_weights`` needs, with a tied output embedding sent under its own name too (TRL walks
+    ``named_parameters``, which lists a tied weight once; a reload leaves a layer that gets no weight unloaded)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    tied = _tied_output_embedding(generation.accelerator.unwrap_model(generation.model))
+
+    def weights():
+        for name, tensor in generation._iter_named_params():
+            yield name, tensor
+            if name in tied:
+                yield tied[name], tensor
+
+    def sync_weights():
+        generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        generation.llm.reset_prefix_cache()
+
+    generation.sync_weights = sync_weights
+    return True
+
+
+def _tied_output_embedding(model) -> dict[str, str]:
+    """{the input embedding's weight name: the output embedding's} where the model ties them, else {}."""
+    from klgrpo.backends.weights import base_model
+
+    base = base_model(model)
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    inputs, outputs = base.get_input_embeddings(), base.get_output_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or inputs is None or outputs is None:
+        return {}
+    names = {id(module): name for name, module in base.named_modules()}
+    return {f"{names[id(inputs)]}.weight": f"{names[id(outputs)]}.weight"}
+
+
 class GRPOTrainer(trl.GRPOTrainer):
     """TRL's GRPOTrainer whose loss is klgrpo's ``grpo_objective`` and whose beta is a klgrpo controller.
 
@@ -200,6 +245,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if isinstance(model, str):  # a klgrpo checkpoint is read only if its weights are the ones saved
             check_checkpoint(model, "model")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        if getattr(self, "use_vllm", False) and args.vllm_mode == "colocate":
+            reload_colocated_weights_on_cpu(self.vllm_generation)
         self.klgrpo_config = klgrpo_config(args)
         self.kl_controller = build_kl_controller(args)
         self.entropy_controller = build_entropy_controller(self.klgrpo_config.loss)

@@ -499,3 +499,21 @@ def test_use_vllm_maps_onto_the_vllm_sampler_and_its_correction():
     off = map_trl({**base, "vllm_importance_sampling_correction": False})
     assert "rollout.sampler_correction" not in off.config and off.config["rollout.sampler"] == "vllm"
     assert "rollout.sampler" not in map_trl({"beta": 0.0}).config
+
+
+# ---- TRL's colocated vLLM on the CPU ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_cpu_weight_sync_names_a_tied_output_embedding(model_dir, tied):
+    """TRL walks named_parameters, which lists a tied weight once; vLLM's reload_weights leaves a layer without a
+    weight unloaded, so the sync sends the tied lm_head under its own name as well (and nothing extra untied)."""
+    from klgrpo.trl import _tied_output_embedding
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, tie_word_embeddings=tied)
+    listed = {name for name, _ in model.named_parameters()}
+    assert ("lm_head.weight" in listed) is not tied
+    expected = {"model.embed_tokens.weight": "lm_head.weight"} if tied else {}
+    assert _tied_output_embedding(model) == expected
+    if tied:  # the name the sync adds is the output embedding's, a state-dict entry sharing the input's storage
+        state = model.state_dict()
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
