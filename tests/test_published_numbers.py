@@ -8,18 +8,19 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "docs" / "quickstart.md"  # the README's front door links here for the demo and the numbers
 
 
-def test_readme_demo_gain_is_the_seed_sweeps():
+def test_quickstart_demo_gain_is_the_seed_sweeps():
     table = json.loads((ROOT / "docs" / "results" / "demo_seeds" / "table.json").read_text())
     (cell,) = table["cells"]
     stats = cell["stats"]["addition/change"]
     seed0 = next(r for r in cell["runs"] if r["seed"] == 0)["values"]["addition/change"]
-    readme = " ".join(ROOT.joinpath("README.md").read_text().split())
+    quickstart = " ".join(QUICKSTART.read_text().split())
     quoted = (f"the trained skill gains {stats['mean']:+.1f} ± {stats['std']:.1f} points over seeds "
               f"{min(cell['seeds'])}-{max(cell['seeds'])}, from {stats['min']:+.1f} to {stats['max']:+.1f} "
-              f"([docs/results/demo_seeds/table.md]")
-    assert quoted in readme
+              f"([results/demo_seeds/table.md]")
+    assert quoted in quickstart
     assert stats["min"] <= seed0 <= stats["max"]
     table = (ROOT / "docs/results/demo_seeds/table.md").read_text()
     assert "klgrpo sweep --grid kl.replay.coef=1 --seeds 0,1,2" in table
@@ -205,12 +206,14 @@ def test_retention_demo_seeds_are_the_seed_sweeps():
 
 
 def test_readme_test_count_and_time_are_the_recorded_run():
+    """The README and the quickstart's "Development" quote the recorded run's count and time."""
     record = (ROOT / "docs/results/test_suite.txt").read_text()
     passed, skipped, seconds = re.search(r"^(\d+) passed, (\d+) skipped, .* in ([\d.]+)s", record, flags=re.M).groups()
     assert int(skipped) == sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\]", record, flags=re.M))
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 CPU cores" \
-           in readme
+    for page, link in ((ROOT / "README.md", "docs/results/test_suite.txt"), (QUICKSTART, "results/test_suite.txt")):
+        text = " ".join(page.read_text().split())
+        assert (f"runs the default suite ({passed} passed and {skipped} skipped, in {float(seconds):.0f} s on 2 CPU "
+                f"cores: [{link}]({link}))") in text, page.name
 
 
 def _entropy_cost_rows(shape: str, log: str) -> tuple[list[str], list[str], list[str], list[str]]:
@@ -244,7 +247,8 @@ def test_entropy_metrics_cost_is_the_results_file():
 
 
 def test_readme_first_run_times_are_the_recorded_fresh_clone_run():
-    """The README's demo times (set-up included, SFT, GRPO) are those of docs/results/first_run.txt, rounded."""
+    """The demo times (set-up included, SFT, GRPO) that the README and the quickstart quote are those of
+    docs/results/first_run.txt, rounded, and so is the quickstart's seed-0 gain of that run."""
     record = (ROOT / "docs/results/first_run.txt").read_text()
 
     def seconds(label: str) -> float:
@@ -254,15 +258,17 @@ def test_readme_first_run_times_are_the_recorded_fresh_clone_run():
     total = seconds(re.escape("set-up (venv + pip install)")) + seconds("klgrpo train")
     sft = float(re.search(r"demo assets: ready in ([\d.]+) s", record).group(1))
     grpo = float(re.search(r"GRPO wall ([\d.]+) s", record).group(1))
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert f"{total:.0f} s on 2 idle cores from a fresh clone, set-up included" in readme
-    assert f"{sft:.0f} s of SFT, {grpo:.0f} s of GRPO" in readme
+    for page, link in ((ROOT / "README.md", "docs/results/first_run.txt"), (QUICKSTART, "results/first_run.txt")):
+        text = " ".join(page.read_text().split())
+        assert f"{total:.0f} s on 2 idle cores from a fresh clone, set-up included" in text, page.name
+        assert f"{sft:.0f} s of SFT, {grpo:.0f} s of GRPO ([{link}]({link}))" in text, page.name
     gain = re.search(r"^  addition \(trained\) .* ([+-][\d.]+)$", record, flags=re.M).group(1)
-    assert f"seed 0, what `klgrpo train` runs, gained {gain} in the recorded run above" in readme
+    quickstart = " ".join(QUICKSTART.read_text().split())
+    assert f"seed 0, what `klgrpo train` runs, gained {gain} in the recorded run above" in quickstart
 
 
-def test_readme_demo_digits_per_cpu_are_the_recorded_runs():
-    """The README states the demo's result as the seeds' range and says that one run's digits depend on the CPU's
+def test_quickstart_demo_digits_per_cpu_are_the_recorded_runs():
+    """The quickstart states the demo's result as the seeds' range and says that one run's digits depend on the CPU's
     vector instructions: the seed-0 gains it quotes for other instruction sets are those of
     docs/results/demo_cpu_capability.txt, where the same seed and code gave different digits per capability."""
     record = (ROOT / "docs/results/demo_cpu_capability.txt").read_text()
@@ -271,10 +277,11 @@ def test_readme_demo_digits_per_cpu_are_the_recorded_runs():
     gains = {capability: gain for _, capability, gain in runs}
     assert set(gains) == {"AVX2", "DEFAULT"} and len(set(gains.values())) == 2  # the digits change with the CPU
     assert "ATEN_CPU_CAPABILITY=default" in next(command for command, capability, _ in runs if capability == "DEFAULT")
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    quickstart = " ".join(QUICKSTART.read_text().split())
     assert (f"{gains['AVX2']} on an AVX2-only CPU and {gains['DEFAULT']} there with the vectorized kernels off "
-            f"(`ATEN_CPU_CAPABILITY=default`; [docs/results/demo_cpu_capability.txt]") in readme
-    assert "bit for bit" not in readme.split("## What the demo does")[0]
+            f"(`ATEN_CPU_CAPABILITY=default`; [results/demo_cpu_capability.txt]") in quickstart
+    assert "bit for bit" not in quickstart.split("## What the demo does")[0]
+    assert "bit for bit" not in (ROOT / "README.md").read_text()
 
 
 
@@ -379,8 +386,8 @@ def test_forgetting_every_run_is_the_tables():
         assert f"| {cell['setting']} | " + " | ".join(parts) + " |" in docs, cell["setting"]
 
 
-def test_readme_forgetting_statement_is_the_sweeps():
-    readme = " ".join((ROOT / "README.md").read_text().split())
+def test_quickstart_forgetting_statement_is_the_sweeps():
+    quickstart = " ".join(QUICKSTART.read_text().split())
     table = json.loads((FORGETTING / "table.json").read_text())
     rows = {r["setting"]: r["retention"] for r in table["paired"]["rows"]}
 
@@ -388,12 +395,13 @@ def test_readme_forgetting_statement_is_the_sweeps():
         r = rows[name]
         return f"{r['mean']:+.1f} points (95% interval {r['low']:+.1f}..{r['high']:+.1f})"
     assert (f"{said('kl.coef=0.01')} at beta 0.01, {said('kl.coef=0.1')} at 0.1 and "
-            f"{said('kl.controller=adaptive,kl.coef=0.01')} with the adaptive controller") in readme
-    assert f"{said('kl.coef=0,kl.replay.coef=1')} against beta 0 over 5 seeds" in readme
-    assert f"--train.steps 20 # {table['sweep_wall_seconds'] / 60:.0f} min on 2 cores" in readme
+            f"{said('kl.controller=adaptive,kl.coef=0.01')} with the adaptive controller") in quickstart
+    assert f"{said('kl.coef=0,kl.replay.coef=1')} against beta 0 over 5 seeds" in quickstart
+    assert f"--train.steps 20 # {table['sweep_wall_seconds'] / 60:.0f} min on 2 cores" in quickstart
     lost = [-w for w in _worst_retention_changes(table, anchored=False) if -w >= 10 - 1e-9]
-    assert f"had runs that lost {min(lost):.1f} to {max(lost):.1f} points of a retention set" in readme
-    assert f"no anchored run lost more than {-min(_worst_retention_changes(table, anchored=True)):.1f} points" in readme
+    assert f"had runs that lost {min(lost):.1f} to {max(lost):.1f} points of a retention set" in quickstart
+    anchored = _worst_retention_changes(table, anchored=True)
+    assert f"no anchored run lost more than {-min(anchored):.1f} points" in quickstart
 
 
 def test_kl_guide_forgetting_advice_is_the_sweeps():
@@ -406,29 +414,31 @@ def test_kl_guide_forgetting_advice_is_the_sweeps():
             assert row["retention"]["low"] <= 0 <= row["retention"]["high"], row["setting"]
 
 
-def test_readme_verify_kl_count_and_time_are_the_recorded_run():
-    """The README's count of verify-kl's checks and its wall time are those of docs/results/verify_kl.txt."""
+def test_quickstart_verify_kl_count_and_time_are_the_recorded_run():
+    """The quickstart's count of verify-kl's checks and its wall time are those of docs/results/verify_kl.txt."""
     record = (ROOT / "docs/results/verify_kl.txt").read_text()
     passed, total = re.search(r"^verify-kl: PASSED: (\d+)/(\d+) checks passed$", record, flags=re.M).groups()
     wall = re.search(r"^wall time ([\d.]+) s", record, flags=re.M).group(1)
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    quickstart = " ".join(QUICKSTART.read_text().split())
     assert passed == total
-    assert f"{total} checks ([docs/results/verify_kl.txt](docs/results/verify_kl.txt): {wall} s wall" in readme
+    assert f"{total} checks ([results/verify_kl.txt](results/verify_kl.txt): {wall} s wall" in quickstart
 
 
 def test_every_policy_loss_the_docs_name_as_trls_is_registered():
-    """TRL's loss types the README says klgrpo has are registered policy losses, the help of loss.policy_loss
-    names every registered one, and no page says one of them has no counterpart."""
+    """TRL's loss types docs/explain.md's migration table says klgrpo has are registered policy losses, the help of
+    loss.policy_loss names every registered one, and neither that page nor the README says one of them has no
+    counterpart."""
     from klgrpo.config.schema import config_help
     from klgrpo.integrations.trl_mapping import map_trl
     from klgrpo.math.policy_loss import POLICY_LOSSES
 
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    explain = " ".join((ROOT / "docs" / "explain.md").read_text().split())
     for name in ("sapo", "vespo"):
-        assert f"`loss.policy_loss: {name}`" in readme or f"and `{name}`" in readme
+        assert f"`loss.policy_loss: {name}`" in explain or f"and `{name}`" in explain
         assert name in POLICY_LOSSES
         assert map_trl({"loss_type": name}).klgrpo_config().loss.policy_loss == name
-    assert "no klgrpo counterpart yet" not in readme
+    assert "no klgrpo counterpart yet" not in explain
+    assert "no klgrpo counterpart yet" not in (ROOT / "README.md").read_text()
     lines = config_help().splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("  --loss.policy_loss "))
     choices, help_line = lines[at], lines[at + 1]

@@ -1,5 +1,5 @@
 """The runaway sweep's committed results (docs/results/forgetting-runaway, written by tools/runaway_results.py) and
-what docs/ablation.md and the README quote from them."""
+what docs/ablation.md and docs/quickstart.md quote from them."""
 
 from __future__ import annotations
 
@@ -90,15 +90,15 @@ def test_the_reading_is_the_runs():
     assert f"lost {min(lost):.0f}-{max(lost):.0f} points of capitals there" in docs
 
 
-def test_readme_quotes_the_rollback_run():
-    readme = " ".join((ROOT / "README.md").read_text().split())
+def test_quickstart_quotes_the_rollback_run():
+    quickstart = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
     table = json.loads((RESULTS / "table.json").read_text())
     v = next(r["values"] for c in table["cells"] for r in c["runs"]
              if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback" and r["seed"] == 4)
     run = next(r for r in json.loads((RESULTS / "runs.json").read_text()) if r["seed"] == 4 and r["runaway"])
     assert (f"rolled back twice, ended at beta {run['final_beta']:g} and a quarter of the learning rate, and changed "
             f"add / capitals / opposites by {v['add/change']:+.1f} / {v['capitals/change']:+.1f} / "
-            f"{v['opposites/change']:+.1f} points") in readme
+            f"{v['opposites/change']:+.1f} points") in quickstart
     assert run["runaway"]["rollbacks"] == 2 and run["runaway"]["lr_scale"] == 0.25
 
 
@@ -144,26 +144,26 @@ def test_the_readings_claims_are_the_runs():
     assert f"plain beta 0.01 ended at {min(plain.values()):+.1f} to {max(plain.values()):+.1f}" in docs
 
 
-def test_readme_quotes_the_readings_claims():
-    readme = " ".join((ROOT / "README.md").read_text().split())
+def test_quickstart_quotes_the_readings_claims():
+    quickstart = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
     docs = _section()
     adaptive = [r["values"] for c in json.loads((RESULTS / "table.json").read_text())["cells"]
                 if c["setting"] == "kl.controller=adaptive,kl.coef=0.01,kl.horizon=auto" for r in c["runs"]]
-    assert f"one lost {-min(v['capitals/change'] for v in adaptive):.1f} points of capitals" in readme
+    assert f"one lost {-min(v['capitals/change'] for v in adaptive):.1f} points of capitals" in quickstart
     lost = sum(min(v["capitals/change"], v["opposites/change"]) < -10 for v in adaptive)
-    assert f"({['no', 'one', 'two', 'three', 'four', 'five'][lost]} of five runs lost more than 10 points" in readme
+    assert f"({['no', 'one', 'two', 'three', 'four', 'five'][lost]} of five runs lost more than 10 points" in quickstart
     table = json.loads((RESULTS / "table.json").read_text())
     rollback = [r["values"] for c in table["cells"] if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback"
                 for r in c["runs"] if "values" in r]
     worst = max(-min(v["capitals/change"], v["opposites/change"]) for v in rollback)
-    assert f"no run lost more than {worst:.1f} points of a retention set" in readme
-    assert len(rollback) == 5 and "on the same regime (5 seeds)" in readme
+    assert f"no run lost more than {worst:.1f} points of a retention set" in quickstart
+    assert len(rollback) == 5 and "on the same regime (5 seeds)" in quickstart
     published = json.loads((ROOT / "docs" / "results" / "forgetting" / "table.json").read_text())
     plain = next(c for c in published["cells"] if c["setting"] == "kl.coef=0.01")
     seeds = {r["seed"] for c in table["cells"] if "on_runaway" in c["setting"] for r in c["runs"] if "values" in r}
     plain_worst = max(-min(r["values"]["capitals/change"], r["values"]["opposites/change"])
                       for r in plain["runs"] if r["seed"] in seeds)
-    assert f"plain beta 0.01 at the same seeds lost up to {plain_worst:.1f} points" in readme
+    assert f"plain beta 0.01 at the same seeds lost up to {plain_worst:.1f} points" in quickstart
     assert f"lost 10.9 to {plain_worst:.1f} points at two of the same seeds" in docs
 
 
@@ -222,8 +222,8 @@ def test_the_anchored_reading_quotes_retention_and_rollbacks():
     assert rollbacks == {0: 1, 1: 1, 2: 1, 3: 2, 4: 1} and "one rollback each but two at seed 3" in docs
 
 
-def test_readme_quotes_the_anchored_rollback():
-    readme = " ".join((ROOT / "README.md").read_text().split())
+def test_quickstart_quotes_the_anchored_rollback():
+    quickstart = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
     table = json.loads((RESULTS / "table.json").read_text())
     anchored = [r["values"] for c in table["cells"] if c["setting"] == "kl.coef=0.01,kl.on_runaway=rollback,"
                 "kl.replay.coef=1" for r in c["runs"] if "values" in r]
@@ -234,4 +234,4 @@ def test_readme_quotes_the_anchored_rollback():
     assert worst <= 0 and all(v["capitals/change"] >= 0 and v["opposites/change"] >= 0 for v in anchored)
     assert (f"rollback kept both sets (no run lost a point of either) and learned the sums at "
             f"all 5 seeds: {task['mean']:+.1f} points of the task against the anchor alone (95% interval "
-            f"{task['low']:+.1f}..{task['high']:+.1f})") in readme
+            f"{task['low']:+.1f}..{task['high']:+.1f})") in quickstart
