@@ -96,6 +96,21 @@ def test_stop_ends_the_run_at_the_runaway_and_names_a_loadable_checkpoint(tiny_m
     assert GRPOTrainer(cfg, log=quiet).train()["steps"] == 1
 
 
+def test_klgrpo_train_exits_3_when_it_stopped_on_a_runaway_and_0_when_it_rolled_back(tiny_model_dir, addition_file,
+                                                                                   tmp_path, capsys):
+    """A script tells "stopped on a runaway" from "finished": `klgrpo train && klgrpo eval` goes on only after the
+    latter. A rollback that trained to the end is a finished run."""
+    from klgrpo.apps.train import RUNAWAY_STOP_EXIT, main
+
+    codes = {}
+    for action in ("stop", "rollback"):
+        config = tmp_path / f"{action}.yaml"
+        config.write_text(_config(tiny_model_dir, addition_file, tmp_path / action, on_runaway=action).to_yaml())
+        codes[action] = main(["--config", str(config)])
+    assert codes == {"stop": RUNAWAY_STOP_EXIT, "rollback": 0} and RUNAWAY_STOP_EXIT == 3
+    assert "kl.on_runaway stop" in capsys.readouterr().out
+
+
 def test_the_reach_line_on_a_known_kl_trace():
     # window 2, target 0.08: band [0.04, 0.12]; trace 0, 0.05 | 0.3, 0.5 | 0.4, 0.6 -> window means 0.025, 0.4, 0.5
     reach = KLReach(target=0.08, window=2)

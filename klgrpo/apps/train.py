@@ -1,8 +1,10 @@
 """``klgrpo train``: defaults < --config YAML < dotted overrides; no model configured -> the embedded demo.
 
-Exit codes: 0 done, 2 a bad input or a run that cannot go on (one line on stderr), 130 Ctrl-C, 143 SIGTERM
-(both save the last complete step first; continue with --resume latest), 1 another process of a multi-process
-run failed (one line; that process's own output says why) or an unexpected error (a traceback).
+Exit codes: 0 done, 2 a bad input or a run that cannot go on (one line on stderr), 3 stopped on a KL runaway
+(kl.on_runaway stop: the summary names the checkpoint to train on from), 130 Ctrl-C, 143 SIGTERM (both save the
+last complete step first; continue with --resume latest), 1 another process of a multi-process run failed (one
+line; that process's own output says why) or an unexpected error (a traceback). A script can tell each from the
+others: ``klgrpo train && klgrpo eval`` evaluates only a run that finished.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def main(argv: list[str]) -> int:
         if trainer.dist.is_main:  # once, not once per process
             print_run_summary(summary, trainer.run_dir)
         _close_process_group()
-        return 0
+        return RUNAWAY_STOP_EXIT if stopped_on_runaway(summary) else 0
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
         if fresh and run_dir is not None and os.environ.get("RANK", "0") == "0":  # rank 0 owns the folder
@@ -63,6 +65,16 @@ def main(argv: list[str]) -> int:
             return 143
         print("klgrpo train: interrupted", file=sys.stderr)
         return 130
+
+
+#: the exit status of a run that kl.on_runaway stop ended (its summary's stopped_early says where and why)
+RUNAWAY_STOP_EXIT = 3
+
+
+def stopped_on_runaway(summary: dict) -> bool:
+    from klgrpo.run.runaway import STOPPED
+
+    return any(action.get("action") == STOPPED for action in (summary.get("runaway") or {}).get("actions", []))
 
 
 def _run_demo(command, cfg, opts) -> int:
