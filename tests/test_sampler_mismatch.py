@@ -21,8 +21,9 @@ class _ShiftedSampler(KVLoopSampler):
     """kv_loop's tokens, with log-probs SHIFT above the ones it drew them with."""
 
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
-        ids, logp = super().sample(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
-        return ids, logp + SHIFT
+        drawn = super().sample(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
+        drawn.logp = drawn.logp + SHIFT
+        return drawn
 
 
 def _run(tmp_path, tiny_model_dir, addition_file, name, **rollout):
@@ -46,7 +47,7 @@ def test_a_shifted_sampler_is_measured_and_corrected(tmp_path, tiny_model_dir, a
         |diff| = 0.1 (mean, p99 and max); sampler/kl = r - 1 - log r, r = e^-0.1: 0.904837 - 1 + 0.1 = 0.0048374;
         token_truncate's weight e^-0.1 = 0.904837 (inside [0, 3]) multiplies every token's loss, policy and KL:
         the step's loss is 0.904837 times the uncorrected one (same seed, same batch)."""
-    monkeypatch.setitem(SAMPLERS._items, "kv_loop", _ShiftedSampler())
+    monkeypatch.setitem(SAMPLERS._items, "kv_loop", _ShiftedSampler)
     plain = _run(tmp_path, tiny_model_dir, addition_file, "plain")
     for key in (m.SAMPLER_LOGP_DIFF_MEAN, m.SAMPLER_LOGP_DIFF_P99, m.SAMPLER_LOGP_DIFF_MAX):
         assert plain[key] == pytest.approx(SHIFT, abs=1e-5)

@@ -81,10 +81,11 @@ def test_a_rollout_beyond_one_prefill_batch_samples_on_the_cpu(model_dir):
     mask = torch.ones_like(prompt_ids)
     params = SamplingParams(group_size=2, max_new_tokens=3)
     draws = []
-    for _ in range(2):
-        torch.manual_seed(1)
-        sampler = SAMPLERS["vllm"].configured(memory_fraction=0.01)
-        draws.append(sampler.sample(model, prompt_ids, mask, params, pad_id=0, eos_ids=[2]))
+    with SAMPLERS["vllm"](memory_fraction=0.01) as sampler:
+        for _ in range(2):
+            torch.manual_seed(1)
+            drawn = sampler.sample(model, prompt_ids, mask, params, pad_id=0, eos_ids=[2])
+            draws.append((drawn.completion_ids, drawn.logp))
     (ids, logp), (again, again_logp) = draws
     assert ids.shape == (200 * 2, 3) and torch.equal(ids, again) and torch.equal(logp, again_logp)
     assert (logp[:, 0] < 0).all()  # temperature 1: each first token drawn with its own probability
@@ -118,14 +119,12 @@ def test_sampler_logprobs_are_the_trainers_after_each_sync(tmp_path, model_dir, 
     assert all(r[m.SAMPLER_LOGP_DIFF_MEAN] > 0 for r in rows)  # two implementations: rounding, not a copy
     # planted: the weights pushed once (at the first rollout), never again
     real = vllm_sampler.Engine.sync
-    monkeypatch.setattr(vllm_sampler.Engine, "sync",
-                        lambda self, model, weights=None: self.pushes == 0 and real(self, model, weights))
-    vllm_sampler.shut_down_engines()
+    monkeypatch.setattr(vllm_sampler.Engine, "sync", lambda self, model, version=0, weights=None:
+                        self.pushes == 0 and real(self, model, version, weights))
     GRPOTrainer(_steps(tmp_path, model_dir, addition_file, "stale"), log=quiet).train()
     stale = read_metrics(tmp_path / "stale")
     assert stale[0][m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL
     assert all(r[m.SAMPLER_LOGP_DIFF_MAX] > 10 * LOGP_ATOL for r in stale[1:])
-    vllm_sampler.shut_down_engines()
 
 
 def test_resume_is_bitwise_with_the_engine_rebuilt(tmp_path, model_dir, addition_file):
@@ -133,7 +132,7 @@ def test_resume_is_bitwise_with_the_engine_rebuilt(tmp_path, model_dir, addition
 
     GRPOTrainer(_steps(tmp_path, model_dir, addition_file, "straight"), log=quiet).train()
     GRPOTrainer(_steps(tmp_path, model_dir, addition_file, "resumed", steps=2), log=quiet).train()
-    vllm_sampler.shut_down_engines()  # the resumed run starts a new engine and pushes the checkpoint's weights
+    # the resumed run starts its own engine and pushes the checkpoint's weights
     GRPOTrainer(_steps(tmp_path, model_dir, addition_file, "resumed"), log=quiet).train(resume="latest")
     drop = ("time/", "wall_time")
     rows = [[{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_metrics(tmp_path / name)]
@@ -315,7 +314,7 @@ def test_smollm2_benchmarks_trl_run_runs_in_its_small_mode(smollm2, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_sampler_logprobs_are_the_trainers_after_each_sync(smollm2, tmp_path):
+def test_smollm2_sampler_logprobs_are_the_trainers_after_each_sync(smollm2, tmp_path, monkeypatch):
     """Two steps of the example config (2 prompts x 4 completions) on the model above (it trains it: this test
     comes last): at each rollout the engine holds the weights the trainer scores with (float32, the step's
     sampler/logp_diff_max)."""
@@ -329,15 +328,15 @@ def test_smollm2_sampler_logprobs_are_the_trainers_after_each_sync(smollm2, tmp_
         "rollout.prompts_per_step": 2,
         "train.steps": 2, "train.output_dir": str(tmp_path / "smol"), "logging.progress": False,
         "logging.plots": False, "logging.tensorboard": False})
-    engine = vllm_sampler.engine_for(model, SMOLLM2_MEMORY_FRACTION)  # the greedy test's, or a new one
-    engine.sync(model)  # holding the weights before step 1
-    before = engine.pushes
+    pushes, real = [], vllm_sampler.Engine.sync
+    monkeypatch.setattr(vllm_sampler.Engine, "sync", lambda self, model, version=0, weights=None:
+                        pushes.append(version) if real(self, model, version, weights) else False)
     GRPOTrainer(cfg, model=model, tokenizer=tokenizer, log=quiet).train()
     rows = [r for r in read_metrics(tmp_path / "smol") if "train/reward" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r[m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL for r in rows), [r[m.SAMPLER_LOGP_DIFF_MAX] for r in rows]
     assert all(r[m.SAMPLER_LOGP_DIFF_MEAN] > 0 for r in rows)
-    assert engine.pushes == before + 1  # step 1 changed the weights: pushed again before step 2's rollout
+    assert pushes == [0, 1]  # the run's engine: filled before step 1, pushed again after step 1's update
 
 
 # ------------------------------------------------------------------ TRL's own vLLM path, through klgrpo.trl

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from klgrpo.backends import vllm_sampler
-from klgrpo.backends.vllm_sampler import Engine, weights_changed
+from klgrpo.backends.sampling import SamplingParams
+from klgrpo.backends.vllm_sampler import Engine, VLLMSampler
 
 
-@dataclass
-class Params:
-    group_size: int = 2
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 3
+def Params():
+    return SamplingParams(group_size=2, max_new_tokens=3)
 
 
 class FakeLLM:
@@ -58,8 +53,8 @@ def fake_vllm_modules(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
 
 
-def rollout(engine, model):
-    engine.sync(model)
+def rollout(engine, model, version=0):
+    engine.sync(model, version)
     ids, mask = torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long)
     return engine.generate(ids, mask, Params(), pad_id=0, eos_ids=[0])
 
@@ -70,11 +65,10 @@ def test_weights_are_pushed_once_per_change_and_the_sampled_logprobs_kept():
     ids, logp = rollout(engine, model)
     assert ids.tolist() == [[7], [7]] and logp.tolist() == [[-0.5], [-0.5]]
     rollout(engine, model)  # nothing changed: no second push
-    weights_changed(model)  # an optimizer step
-    rollout(engine, model)
+    rollout(engine, model, version=1)  # an optimizer step: the step's weights version moved
     with torch.no_grad():
         model.weight.add_(1.0)  # a load into the parameters (a resume, a rollback)
-    rollout(engine, model)
+    rollout(engine, model, version=1)
     assert [c for c in llm.calls if c[0] == "push"] == [("push", 2)] * 3
     assert torch.equal(llm.pushed["weight"], model.weight)
     assert not any(c[0] in ("sleep", "wake") for c in llm.calls)  # the CPU: never asleep
@@ -114,3 +108,27 @@ def test_the_engine_is_started_with_the_sleep_mode_on_cuda_only(monkeypatch):
     vllm_sampler._start(config, torch.float32, torch.device("cpu"), 0.01)
     assert started[0]["enable_sleep_mode"] is True and started[0]["gpu_memory_utilization"] == 0.3
     assert "enable_sleep_mode" not in started[1] and started[1]["kv_cache_memory_bytes"] > 0
+
+
+def test_a_run_owns_its_engine_started_at_the_first_rollout_and_shut_down_by_close(monkeypatch):
+    """No engine table in the process: each VLLMSampler starts its own at its first use, pushes the weights when
+    the step's version moves, and close() lets it go (a later use starts a new one and pushes again)."""
+    started = []
+    monkeypatch.setattr(vllm_sampler, "_start", lambda *a: started.append(a) or FakeLLM())
+    monkeypatch.setattr(vllm_sampler, "base_model", lambda model: types.SimpleNamespace(
+        config=types.SimpleNamespace(to_json_string=lambda use_diff: "linear")))
+    model = torch.nn.Linear(2, 2)
+    first, second = VLLMSampler.open(), VLLMSampler.open()
+    assert first.holds_weights and first.engine is None and not started
+    assert first.sync_weights(model, 0) and not first.sync_weights(model, 0)  # started, pushed once
+    assert first.sync_weights(model, 1)  # an optimizer step
+    second.sync_weights(model, 1)
+    assert len(started) == 2 and first.engine is not second.engine  # one engine per run
+    ids, mask = torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long)
+    drawn = first.sample(model, ids, mask, Params(), pad_id=0, eos_ids=[0])
+    assert drawn.weights_version == 1 and drawn.logp.tolist() == [[-0.5], [-0.5]]
+    assert first.engine.pushes == 2  # nothing new to push before the rollout
+    first.close()
+    assert first.engine is None
+    first.sample(model, ids, mask, Params(), pad_id=0, eos_ids=[0])
+    assert len(started) == 3 and first.engine.pushes == 1  # a new engine, given the weights at once

@@ -110,7 +110,7 @@ def test_greedy_completions_are_kv_loops(server, model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts = [f"{a:02d}+{b:02d}=" for a, b in ((3, 4), (12, 30), (7, 7), (39, 1))]
-    remote = vllm_server.VLLMServerSampler().configured(server_url=server[1])
+    remote = vllm_server.VLLMServerSampler(server[1])
     out = {}
     for name, sampler in (("kv_loop", "kv_loop"), ("server", remote)):
         params = SamplingParams(group_size=2, max_new_tokens=12, top_k=1, sampler=sampler)
@@ -134,12 +134,13 @@ def test_a_rollout_beyond_one_prefill_batch_samples_on_the_cpu(server, model_dir
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(0)
     prompt_ids = torch.randint(3, 16, (200, 24))  # the demo vocabulary; 200 prompts x G 2 x 24 tokens: 9600
-    remote = vllm_server.VLLMServerSampler().configured(server_url=server[1])
+    remote = vllm_server.VLLMServerSampler(server[1])
     params = SamplingParams(group_size=2, max_new_tokens=3)
     draws = []
     for _ in range(2):
         torch.manual_seed(1)
-        draws.append(remote.sample(model, prompt_ids, torch.ones_like(prompt_ids), params, pad_id=0, eos_ids=[2]))
+        drawn = remote.sample(model, prompt_ids, torch.ones_like(prompt_ids), params, pad_id=0, eos_ids=[2])
+        draws.append((drawn.completion_ids, drawn.logp))
     (ids, logp), (again, again_logp) = draws
     assert ids.shape == (200 * 2, 3) and torch.equal(ids, again) and torch.equal(logp, again_logp)
     assert (logp[:, 0] < 0).all()
@@ -159,7 +160,8 @@ def test_sampler_logprobs_are_the_trainers_after_each_reload(server, tmp_path, m
     assert all(r[m.SAMPLER_LOGP_DIFF_MEAN] > 0 for r in rows)  # two implementations: rounding, not a copy
     # planted: the weights sent once (at the first rollout), never again
     real = vllm_server.ServerClient.sync
-    monkeypatch.setattr(vllm_server.ServerClient, "sync", lambda self, model: self.reloads == 0 and real(self, model))
+    monkeypatch.setattr(vllm_server.ServerClient, "sync",
+                        lambda self, model, version=0: self.reloads == 0 and real(self, model, version))
     GRPOTrainer(_config(tmp_path, model_dir, addition_file, "stale", server[1]), log=quiet).train()
     stale = read_metrics(tmp_path / "stale")
     assert stale[0][m.SAMPLER_LOGP_DIFF_MAX] < LOGP_ATOL
@@ -174,11 +176,11 @@ def test_a_server_killed_mid_run_ends_in_one_line_with_the_last_checkpoint_loada
     proc, url = server
     real, syncs = vllm_server.ServerClient.sync, []
 
-    def sync_then_die(self, model):
+    def sync_then_die(self, model, version=0):
         syncs.append(1)
         if len(syncs) == 3:
             _stop(proc, signal.SIGKILL)
-        return real(self, model)
+        return real(self, model, version)
 
     monkeypatch.setattr(vllm_server.ServerClient, "sync", sync_then_die)
     out = tmp_path / "killed"
@@ -369,8 +371,7 @@ def test_nccl_weight_transfer_drives_trls_client_tensor_by_tensor(tiny_model_dir
     assert all(torch.equal(sent, value) for (_, sent), (_, value) in zip(streamed, expected))
     assert requested == ["/reset_prefix_cache"] and ours.weights_dir == ""  # no file written anywhere
 
-    vllm_server.weights_changed(model)
-    assert ours.sync(model) and len(posts) == 6 and requested == ["/reset_prefix_cache"] * 2
+    assert ours.sync(model, version=1) and len(posts) == 6 and requested == ["/reset_prefix_cache"] * 2
 
 
 def test_nccl_weight_transfer_off_cuda_is_refused_in_one_line(tiny_model_dir):
@@ -392,3 +393,66 @@ def test_the_cpu_server_is_told_the_colocated_engines_prefill_rule():
     assert cpu[cpu.index("--no-enable-chunked-prefill") + 1:][:2] == ["--max-num-batched-tokens", "8192"]
     gpu = server_arguments("m", "127.0.0.1", 8000, cpu=False, context=8192)
     assert not any("chunked" in a or "batched" in a for a in gpu)
+
+
+def _answer(*rows):
+    return {"choices": [{"index": i, "token_ids": ids, "logprobs": {"token_logprobs": lps}}
+                        for i, (ids, lps) in enumerate(rows)]}
+
+
+GOOD = ([7, 2], [-0.25, -1.5])
+
+
+@pytest.mark.parametrize("answer,said", [
+    (_answer(GOOD), "1 choices where 2 were asked for (G per prompt)"),
+    ({"error": "overloaded"}, "no choices where 2 were asked for"),
+    ([1, 2], "no choices where 2 were asked for"),
+    (_answer(GOOD, ([7, 99], [-0.1, -0.2])), "choice 1 has token id 99, outside the policy's vocabulary of 16 "
+                                             "(is it serving another model?)"),
+    (_answer(GOOD, ([-1], [-0.1])), "choice 1 has token id -1, outside"),
+    (_answer(GOOD, (["7"], [-0.1])), "choice 1 has no list of integer token_ids"),
+    (_answer(GOOD, ([7, 2], [-0.1])), "choice 1 has 1 log-probs for its 2 tokens"),
+    (_answer(GOOD, ([7, 2], None)), "choice 1 has no log-probs for its 2 tokens"),
+    (_answer(GOOD, ([7, 2], [-0.1, float("nan")])), "choice 1 has the log-prob nan, not a finite number <= 0"),
+    (_answer(GOOD, ([7, 2], [-0.1, 0.3])), "choice 1 has the log-prob 0.3, not a finite number <= 0"),
+    (_answer(GOOD, ([7, 2], [-0.1, None])), "choice 1 has the log-prob None"),
+])
+def test_a_completions_answer_that_cannot_be_right_is_refused_in_one_line(answer, said):
+    """Every answer is checked before any of it is used: a server sending NaN log-probs was logged as a perfect
+    match, one serving another model gave ids the policy never scored. One line names the URL, the endpoint and
+    what is wrong (a KLGRPOError: klgrpo train exits 2)."""
+    ours = vllm_server.ServerClient("http://h:1", 1, 0, weights_dir="unused")
+    ours._model_name = "m"
+    ours.request = lambda path, body=None: answer
+    params = SamplingParams(group_size=2, max_new_tokens=3)
+    with pytest.raises(KLGRPOError) as error:
+        ours.generate(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]), params, pad_id=0, eos_ids=[2], vocab_size=16)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(
+        "the vLLM server at http://h:1 answered /v1/completions with something klgrpo cannot use: ")
+    assert said in message, message
+    good = _answer(GOOD, ([9, 9, 8], [-2.0, -0.5, 0.0]))  # and the same checks let a right answer through
+    ours.request = lambda path, body=None: good
+    ids, logp = ours.generate(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]), params, pad_id=0, eos_ids=[2],
+                              vocab_size=16)
+    assert ids.tolist() == [[7, 2, 0], [9, 9, 8]] and logp[1].tolist() == [-2.0, -0.5, 0.0]
+
+
+@pytest.mark.parametrize("models,said", [({"data": []}, "it lists no served model"),
+                                         ({"object": "list"}, "it lists no served model"),
+                                         (b"<html>busy</html>", "its answer is not JSON")])
+def test_a_models_answer_without_a_model_or_not_json_is_refused_in_one_line(models, said, monkeypatch):
+    ours = vllm_server.ServerClient("http://h:1", 1, 0, weights_dir="unused")
+
+    def request(path, body=None):
+        if path == "/health":
+            return None
+        if isinstance(models, bytes):
+            return ours._parsed(path, models)
+        return models
+
+    ours.request = request
+    with pytest.raises(KLGRPOError) as error:
+        ours.model_name
+    message = str(error.value)
+    assert "\n" not in message and "http://h:1 answered /v1/models" in message and said in message, message

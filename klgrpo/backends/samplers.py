@@ -12,86 +12,37 @@
 
 ``auto`` (the default) takes the fastest measured sampler for the device and model (``auto_sampler``;
 docs/benchmarks.md has the measurements). Every sampler draws from softmax(logits / temperature) after the
-top-k and top-p filters and nothing else, so the training log-probs are those of the distribution sampled.
+top-k and top-p filters and nothing else, and gives the log-prob of each token it drew under that distribution
+(``SampledRollout.logp``): the contract is backends/sampling.py.
 
-A new engine (vLLM, SGLang, a CUDA-graph decoder) is one class with ``supports`` and ``sample``, registered in
-``SAMPLERS``; the config and the CLI accept its name at once.
+A new engine (vLLM, SGLang, a CUDA-graph decoder) is one ``Sampler`` subclass with ``sample`` (and, where it
+holds its own weights or compiles, the methods the base class declares), registered in ``SAMPLERS``: the config
+and the CLI accept its name at once, and ``pick_sampler`` opens one for each run.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-from torch import Tensor
 
 from klgrpo.backends.hf import attention_head_size, default_cache_root
 from klgrpo.backends.kv_decoder import KVSampler, decoder_parts
+from klgrpo.backends.sampling import AUTO, SampledRollout, Sampler, SamplingParams
 from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message, vllm_installed
 from klgrpo.backends.vllm_server import VLLMServerSampler
 from klgrpo.backends.weights import base_model
 from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
 
-#: rollout.sampler's value that picks the sampler for the device and model (``auto_sampler``).
-AUTO = "auto"
+__all__ = ["AUTO", "SAMPLERS", "SampledRollout", "Sampler", "SamplingParams", "auto_sampler", "open_sampler",
+           "pick_sampler", "resolve_sampler"]
+
+#: name -> the Sampler class; ``open_sampler`` makes a run's instance (``Sampler.open``: its own settings)
+SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How a rollout samples: the rollout settings of one call, by name.
-
-    group_size      G, completions per prompt
-    max_new_tokens  completion length limit; a row without EOS by then is truncated
-    temperature     sample from softmax(logits / temperature); > 0
-    top_p, top_k    nucleus and top-k filters (1.0 and 0: off)
-    system_prompt   system message prepended to chat prompts
-    as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
-    compiled        run the KV-cached loop's steps through torch.compile where the model allows it
-    sampler         the Sampler (a run's, from ``pick_sampler``), a name in SAMPLERS, or "auto" (``auto_sampler``)
-    """
-
-    group_size: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    system_prompt: str = ""
-    as_chat: bool = False
-    compiled: bool = False
-    sampler: "Sampler | str" = AUTO
-
-
-class Sampler(Protocol):
-    """Draws ``params.group_size`` completions for each of the (left-padded) prompts given once each; ``name`` is
-    the name it is registered under (rollout.sampler)."""
-
-    name: str
-
-    def supports(self, model, total_len: int, params: SamplingParams) -> bool:
-        """Whether this sampler reproduces ``model``'s distribution over ``total_len`` positions."""
-
-    def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, pad_id: int,
-               eos_ids: list[int]) -> Tensor:
-        """Completion ids [N * G, T], T <= max_new_tokens, rows [i*G, (i+1)*G) continuing prompt i, ``pad_id``
-        after a row's EOS; or (those ids, their log-probs [N * G, T] under the distribution the sampler drew
-        from) for a sampler that scores its own tokens. Called under no_grad with the model in eval mode."""
-
-    # A sampler that compiles a kernel per input shape may also define (core/rollout.py:warm_up_sampler calls
-    # them before step 1, so no step pays for a shape it meets for the first time):
-    #   compiles(model, params) -> bool            whether it compiles per shape here
-    #   padded_width(width) -> int                 the prompt width its kernel sees for a batch this wide
-    #   warm_up(model, width, prompts, params, pad_id, eos_ids)   compile that width for ``prompts`` prompts
-    # A sampler that keeps its own copy of the weights (vLLM) may define weights_changed(model): the training
-    # step calls it after every optimizer step that changed the policy's weights.
-
-
-SAMPLERS: Registry[Sampler] = Registry("sampler")
-
-
-class KVLoopSampler:
+class KVLoopSampler(Sampler):
     """klgrpo's KV-cached loop: each distinct prompt is prefilled once, then its G rows share the cache; it gives
     the log-probs it drew each token with (read off the probabilities it sampled from: no extra work)."""
 
@@ -100,10 +51,12 @@ class KVLoopSampler:
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
         return params.temperature > 0 and decoder_parts(model, total_len) is not None
 
-    def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
+    def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids) -> SampledRollout:
         loop = KVSampler.for_model(model, prompt_ids.shape[1] + params.max_new_tokens)
-        return loop.sample(prompt_ids, prompt_mask, params.max_new_tokens, params.temperature, params.top_p,
-                           params.top_k, pad_id, eos_ids, params.group_size, params.compiled, with_logprobs=True)
+        ids, logp = loop.sample(prompt_ids, prompt_mask, params.max_new_tokens, params.temperature, params.top_p,
+                                params.top_k, pad_id, eos_ids, params.group_size, params.compiled,
+                                with_logprobs=True)
+        return SampledRollout(ids, logp, params.filters, self.weights_version)
 
 
 #: generate_static left-pads the prompts to a multiple of this many positions. transformers sizes a static cache
@@ -114,21 +67,25 @@ class KVLoopSampler:
 STATIC_PROMPT_BUCKET = 64
 
 
-class GenerateSampler:
-    """transformers' ``generate`` (do_sample) on the prompts repeated G times; ``cache`` is its
-    cache_implementation (None: the dynamic cache); ``bucket``: left-pad the prompts to a multiple of it."""
+class GenerateSampler(Sampler):
+    """transformers' ``generate`` (do_sample) on the prompts repeated G times, with its dynamic cache. The
+    temperature and the filters are transformers' own warpers, handed to ``generate`` as its logits processors
+    (in its order: temperature, top-k, top-p) with a recorder after them that reads each drawn token's log-prob
+    off the scores it was drawn from: the same draw as ``generate``'s own warpers, and log mu for the trainer."""
 
-    def __init__(self, name: str, cache: str | None = None, bucket: int = 0):
-        self.name, self.cache, self.bucket = name, cache, bucket
+    name = "generate"
+    cache: str | None = None  # generate's cache_implementation (None: its dynamic cache)
+    bucket = 0  # left-pad the prompts to a multiple of this many positions (0: no padding)
 
-    def supports(self, model, total_len: int, params: SamplingParams) -> bool:
-        return True
-
-    def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
-        return self._generate(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
+    def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids) -> SampledRollout:
+        ids, logp = self._generate(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
+        return SampledRollout(ids, logp, params.filters, self.weights_version)
 
     def _generate(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids, stop_after: int = 0):
-        """``sample``; ``stop_after`` > 0 stops every row after that many tokens (the cache keeps its full size)."""
+        """(completion ids, their log-probs or None when greedy); ``stop_after`` > 0 stops every row after that
+        many tokens (the cache keeps its full size)."""
+        from transformers import LogitsProcessorList
+
         g, width = params.group_size, prompt_ids.shape[1]
         if self.padded_width(width) > width:  # left padding changes no logit: the mask hides it
             extra = self.padded_width(width) - width
@@ -136,19 +93,33 @@ class GenerateSampler:
             prompt_mask = torch.nn.functional.pad(prompt_mask, (extra, 0), value=0)
         stop = {"stopping_criteria": _stop_at_length(prompt_ids.shape[1] + stop_after)
                 } if stop_after else {}
+        sampling = params.temperature > 0
+        recorder = _DrawnLogprobs(prompt_ids.shape[1]) if sampling else None
+        warpers = _warpers(params) + [recorder] if sampling else []
         out = model.generate(
             input_ids=prompt_ids.repeat_interleave(g, 0), attention_mask=prompt_mask.repeat_interleave(g, 0),
-            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids,
-            **({"cache_implementation": self.cache} if self.cache else {}), **stop)
-        return out[:, prompt_ids.shape[1]:]
+            do_sample=sampling, temperature=1.0, top_p=1.0, top_k=0, min_p=None,  # the warpers are ours, above
+            logits_processor=LogitsProcessorList(warpers), max_new_tokens=params.max_new_tokens,
+            pad_token_id=pad_id, eos_token_id=eos_ids, **({"cache_implementation": self.cache} if self.cache else {}),
+            **stop)
+        ids = out[:, prompt_ids.shape[1]:]
+        return ids, (recorder.logp(out) if recorder is not None else None)
 
     def padded_width(self, width: int) -> int:
         return -(-width // self.bucket) * self.bucket if self.bucket else width
 
+
+class StaticGenerateSampler(GenerateSampler):
+    """transformers' ``generate`` with a preallocated (static) cache, which transformers compiles on CUDA, the
+    prompts left-padded to a multiple of STATIC_PROMPT_BUCKET."""
+
+    name = "generate_static"
+    cache = "static"
+    bucket = STATIC_PROMPT_BUCKET
+
     def compiles(self, model, params: SamplingParams) -> bool:
         """transformers compiles the static cache's decoding step on CUDA, once per cache shape."""
-        return self.cache == "static" and next(model.parameters()).device.type == "cuda"
+        return next(model.parameters()).device.type == "cuda"
 
     def warm_up(self, model, width: int, prompts: int, params: SamplingParams, pad_id: int, eos_ids: list[int]):
         """Compile the kernels of a batch of ``prompts`` prompts ``width`` wide: a generate of that shape (the
@@ -158,6 +129,49 @@ class GenerateSampler:
         mask = torch.zeros_like(ids)
         mask[:, -1] = 1
         self._generate(model, ids, mask, params, pad_id, eos_ids, stop_after=2)
+
+
+def _warpers(params: SamplingParams) -> list:
+    """transformers' own warpers for the rollout's temperature, top-k and top-p, in the order ``generate`` applies
+    them (its _get_logits_processor)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=params.top_p))
+    return warpers
+
+
+class _DrawnLogprobs:
+    """The last logits processor of a sampling ``generate``: it sees the scores each token is drawn from (after
+    the warpers) and, at the next call, the token drawn (the last column of ``input_ids``), and keeps that token's
+    log-probability under those scores; ``logp(sequences)`` adds the last token's. float32 [B, T]."""
+
+    def __init__(self, prompt_width: int):
+        self.prompt_width = prompt_width
+        self.previous = None  # the last call's log_softmax of the scores: [B, V]
+        self.columns: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        self._read(input_ids[:, -1])
+        self.previous = scores.float().log_softmax(dim=-1)
+        return scores
+
+    def _read(self, tokens) -> None:
+        if self.previous is not None:
+            self.columns.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
+            self.previous = None
+
+    def logp(self, sequences):
+        if sequences.shape[1] > self.prompt_width + len(self.columns):
+            self._read(sequences[:, -1])
+        if not self.columns:
+            return torch.zeros((sequences.shape[0], 0), dtype=torch.float32, device=sequences.device)
+        return torch.stack(self.columns, dim=1)
 
 
 def _stop_at_length(length: int):
@@ -173,9 +187,7 @@ def _stop_at_length(length: int):
     return StoppingCriteriaList([StopAtLength()])
 
 
-for _sampler in (KVLoopSampler(), GenerateSampler("generate"),
-                 GenerateSampler("generate_static", "static", bucket=STATIC_PROMPT_BUCKET), VLLMSampler(),
-                 VLLMServerSampler()):
+for _sampler in (KVLoopSampler, GenerateSampler, StaticGenerateSampler, VLLMSampler, VLLMServerSampler):
     SAMPLERS.register(_sampler.name, _sampler)
 
 
@@ -228,13 +240,14 @@ def vllm_on_cpu_why_not(model, rollout_tokens: int, processes: int = 1) -> str |
 LEGACY_GENERATE_CACHES = {"dynamic": AUTO, "static": "generate_static"}
 
 
-def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "",
-                 options: dict | None = None, rollout_tokens: int = 0, processes: int = 1) -> tuple[Sampler, str]:
-    """(the Sampler a training run keeps, why: what its log line says). ``name`` is rollout.sampler: a registered
-    name, or "auto" (``auto_sampler`` for a rollout of ``rollout_tokens`` completion tokens per process, one of
-    ``processes``; a deprecated rollout.generate_cache is honoured while it is "auto"). A sampler that compiles on
-    CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine starts in seconds.
-    ``options`` (rollout.vllm's settings) reach a sampler that takes them (``configured``)."""
+def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache: str = "", settings=None,
+                 rollout_tokens: int = 0, processes: int = 1) -> tuple[Sampler, str]:
+    """(the Sampler a training run opens and closes, why: what its log line says). ``name`` is rollout.sampler: a
+    registered name, or "auto" (``auto_sampler`` for a rollout of ``rollout_tokens`` completion tokens per
+    process, one of ``processes``; a deprecated rollout.generate_cache is honoured while it is "auto").
+    ``settings``: rollout.vllm, which the vLLM samplers read their own fields of (``open_sampler``). A sampler
+    that compiles on CUDA keeps its kernels in klgrpo's cache folder, so the next run on this machine starts in
+    seconds."""
     if name == VLLMSampler.name and (missing := missing_vllm_message()):
         raise ConfigError(missing)
     device = next(model.parameters()).device
@@ -247,22 +260,33 @@ def pick_sampler(name: str, model, fast_path: bool = True, legacy_generate_cache
             why += "; " + (vllm_on_cpu_why_not(model, rollout_tokens, processes) or (
                 f"vLLM measured faster on the CPU from {VLLM_CPU_FASTER_FROM_TOKENS} completion tokens a rollout "
                 f"(float32), this one has {rollout_tokens}"))
-    sampler = SAMPLERS[name]
-    if hasattr(sampler, "configured"):
-        sampler = sampler.configured(**(options or {}))
-    if device.type == "cuda" and sampler.name == "generate_static":
+    sampler = open_sampler(name, settings)
+    if device.type == "cuda" and sampler.name == StaticGenerateSampler.name:
         enable_compile_cache(default_cache_root() / "torch_compile")
         why += "; compiles once per process, ~20 s the first time on this machine, seconds after that"
     return sampler, why
 
 
-def resolve_sampler(sampler: Sampler | str, model, total_len: int, params: SamplingParams) -> Sampler:
-    """The sampler of one call: ``sampler`` itself (a name: the one it names, "auto": ``auto_sampler``), or
-    transformers' generate where it cannot reproduce this call (the loop with a sliding window shorter than
-    ``total_len``, or greedy decoding)."""
-    if isinstance(sampler, str):
-        sampler = SAMPLERS[auto_sampler(model) if sampler == AUTO else sampler]
-    return sampler if sampler.supports(model, total_len, params) else SAMPLERS["generate"]
+def open_sampler(name: str, settings=None) -> Sampler:
+    """A new sampler registered as ``name`` (``Sampler.open`` reads what it needs of ``settings``, rollout.vllm;
+    None: its defaults). Close it when done (``close``, or ``with``)."""
+    return SAMPLERS[name].open(settings)
+
+
+def resolve_sampler(sampler: Sampler | str, model, total_len: int, params: SamplingParams) -> tuple[Sampler, bool]:
+    """(the sampler of one call, whether the call opened it and so closes it): ``sampler`` itself (a name: a new
+    one of that name, "auto": ``auto_sampler``'s), or transformers' generate where it cannot reproduce this call
+    (the loop with a sliding window shorter than ``total_len``, or greedy decoding)."""
+    opened = isinstance(sampler, str)
+    if opened:
+        sampler = open_sampler(auto_sampler(model) if sampler == AUTO else sampler)
+    if sampler.supports(model, total_len, params):
+        return sampler, opened
+    if opened:
+        sampler.close()
+    fallback = GenerateSampler()
+    fallback.weights_version = sampler.weights_version
+    return fallback, True
 
 
 def enable_compile_cache(folder) -> None:

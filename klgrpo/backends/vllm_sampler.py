@@ -1,13 +1,14 @@
 """vLLM as the sampler (``rollout.sampler: vllm``): one engine in the training process, started once, sharing the
 device, with the policy's weights pushed into it whenever they changed since the last push.
 
-    engine      ``vllm.LLM`` built in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) from the policy's config
+    engine      ``vllm.LLM`` built in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one per run (the sampler owns
+                it: ``VLLMSampler.close`` shuts it down), from the policy's config
                 alone (``load_format="dummy"``, no tokenizer: prompts go in as token ids), then filled with the
                 policy's weights by ``reload_weights``; on CUDA ``gpu_memory_utilization`` is
                 ``rollout.vllm.memory_fraction``, on the CPU that fraction of the machine's RAM is the KV cache
     weights     pushed before a rollout when the weights changed since the last push (an optimizer step, which the
-                training step reports through ``Sampler.weights_changed``; a load into the parameters, seen by
-                torch's in-place version counters) or the policy is another object:
+                training step reports as a new weights version through ``Sampler.sync_weights``; a load into the
+                parameters, seen by torch's in-place version counters) or the policy is another object:
                 ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, one tensor at a
                 time (``named_whole_weights``: a sharded policy, FSDP2 or ZeRO-3, gathers each parameter as vLLM
                 takes it, never the whole model at once); a LoRA policy is pushed merged
@@ -25,12 +26,12 @@ from __future__ import annotations
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
+from klgrpo.backends.sampling import SampledRollout, Sampler, WeightsStream
 from klgrpo.backends.weights import base_model, named_whole_weights
 
 #: rollout.vllm.memory_fraction's default: the share of the device (CUDA) or of the RAM (CPU) vLLM may take.
@@ -51,36 +52,58 @@ def missing_vllm_message() -> str | None:
             "2.13.0+cpu and transformers < 5.20, best in its own virtual environment)")
 
 
-class VLLMSampler:
-    """The registered ``vllm`` sampler; ``configured(memory_fraction=...)`` is a run's copy. One engine per
-    process (``_ENGINES``), keyed by the model's architecture, dtype and device."""
+class VLLMSampler(Sampler):
+    """The registered ``vllm`` sampler: a run's own engine, started at its first rollout (for the policy's
+    architecture, dtype and device; another policy gets a new one) and shut down by ``close``."""
 
     name = "vllm"
+    holds_weights = True
 
     def __init__(self, memory_fraction: float = DEFAULT_MEMORY_FRACTION):
+        super().__init__()
         self.memory_fraction = memory_fraction
+        self.engine: Engine | None = None
+        self._engine_key: tuple | None = None
 
-    def configured(self, memory_fraction: float | None = None, **_) -> "VLLMSampler":
-        return VLLMSampler(self.memory_fraction if memory_fraction is None else memory_fraction)
+    @classmethod
+    def open(cls, settings=None) -> "VLLMSampler":
+        return cls(DEFAULT_MEMORY_FRACTION if settings is None else settings.memory_fraction)
 
     def supports(self, model, total_len: int, params) -> bool:
         return vllm_installed() and params.temperature > 0
 
-    def weights_changed(self, model) -> None:
-        """The step changed the policy's weights: the next rollout pushes them."""
-        weights_changed(model)
+    def engine_for(self, model) -> "Engine":
+        """This sampler's engine for ``model`` (started now if it has none, or one for another architecture)."""
+        key = engine_key(model)
+        if self.engine is None or key != self._engine_key:
+            self.close()
+            base = base_model(model)
+            self.engine = Engine(_start(base.config, key[1], next(model.parameters()).device, self.memory_fraction),
+                                 sleeps=key[2] == "cuda")
+            self._engine_key = key
+        return self.engine
 
-    def push_weights(self, model, weights: Callable[[], Iterator[tuple[str, Tensor]]]) -> bool:
-        """Push ``model``'s weights if they changed, read from ``weights()`` (a training engine's tensor-by-tensor
-        gathering of sharded parameters); every rank calls it. The engine holds its own copy, so sampling needs
-        no gathered policy. Returns whether it pushed."""
-        return engine_for(model, self.memory_fraction).sync(model, weights)
+    def sync_weights(self, model, version: int, weights: WeightsStream | None = None) -> bool:
+        """Push ``model``'s weights if they changed since the last push (``version`` moved, a load into the
+        parameters, another policy), read from ``weights()`` (a training engine's tensor-by-tensor gathering of
+        sharded parameters); every rank calls it."""
+        self.weights_version = version
+        return self.engine_for(model).sync(model, version, weights)
 
     def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
-               eos_ids: list[int]) -> tuple[Tensor, Tensor]:
-        engine = engine_for(model, self.memory_fraction)
-        engine.sync(model)
-        return engine.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids)
+               eos_ids: list[int]) -> SampledRollout:
+        engine = self.engine_for(model)
+        engine.sync(model, self.weights_version)
+        ids, logp = engine.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids)
+        return SampledRollout(ids, logp, params.filters, self.weights_version)
+
+    def close(self) -> None:
+        """Shut the engine down (its memory comes back once nothing else refers to it)."""
+        import gc
+
+        if self.engine is not None:
+            self.engine, self._engine_key = None, None
+            gc.collect()
 
 
 class Engine:
@@ -105,10 +128,10 @@ class Engine:
             self.llm.sleep(level=2)
             self.asleep, self.pushed = {"weights", "kv_cache"}, None
 
-    def sync(self, model, weights: Callable[[], Iterator[tuple[str, Tensor]]] | None = None) -> bool:
+    def sync(self, model, version: int = 0, weights: WeightsStream | None = None) -> bool:
         """Push ``model``'s weights (``weights()``, else ``named_whole_weights``) when they changed since the last
-        push; returns whether it pushed."""
-        state = weights_version(model)
+        push (``weights_state``); returns whether it pushed."""
+        state = weights_state(model, version)
         if state == self.pushed:
             return False
         tensors = weights() if weights is not None else named_whole_weights(model)
@@ -143,26 +166,10 @@ class Engine:
         return ids.to(prompt_ids.device), logp.to(prompt_ids.device)
 
 
-#: (architecture, dtype, device) -> the process's engine
-_ENGINES: dict[tuple, Engine] = {}
-
-
-def engine_for(model, memory_fraction: float) -> Engine:
-    base = base_model(model)
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    key = (base.config.to_json_string(use_diff=False), str(dtype), device.type)
-    if key not in _ENGINES:
-        _ENGINES[key] = Engine(_start(base.config, dtype, device, memory_fraction), sleeps=device.type == "cuda")
-    return _ENGINES[key]
-
-
-def shut_down_engines() -> None:
-    """Forget the process's engines (a rebuilt one starts from the policy's weights at its first rollout)."""
-    import gc
-
-    _ENGINES.clear()
-    gc.collect()
+def engine_key(model) -> tuple:
+    """(architecture, dtype, device type): what an engine is built for."""
+    return (base_model(model).config.to_json_string(use_diff=False), next(model.parameters()).dtype,
+            next(model.parameters()).device.type)
 
 
 def _start(config, dtype: torch.dtype, device: torch.device, memory_fraction: float):
@@ -217,17 +224,8 @@ def _kept_random_state():
         torch.set_rng_state(states[2])
 
 
-#: the attribute counting the optimizer steps that changed a policy's weights (``weights_changed``)
-_UPDATES = "_klgrpo_weight_updates"
-
-
-def weights_changed(model) -> None:
-    """Called by the training step after an optimizer step that changed ``model``'s weights (a fused optimizer
-    does not move torch's in-place version counters, so they alone do not tell)."""
-    setattr(model, _UPDATES, getattr(model, _UPDATES, 0) + 1)
-
-
-def weights_version(model) -> tuple:
-    """(the model object, its optimizer updates, its parameters' in-place version counters): changes with every
-    optimizer step the step reports and every load into the parameters."""
-    return id(model), getattr(model, _UPDATES, 0), tuple(p._version for p in model.parameters())
+def weights_state(model, version: int) -> tuple:
+    """(the model object, the step's weights version, its parameters' in-place version counters): changes with
+    every change the training step reports (an optimizer step: a fused optimizer does not move torch's counters)
+    and every load into the parameters."""
+    return id(model), version, tuple(p._version for p in model.parameters())

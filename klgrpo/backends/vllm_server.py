@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -41,7 +42,8 @@ import urllib.request
 import torch
 from torch import Tensor
 
-from klgrpo.backends.vllm_sampler import weights_changed, weights_version
+from klgrpo.backends.sampling import SampledRollout, Sampler
+from klgrpo.backends.vllm_sampler import weights_state
 from klgrpo.backends.weights import named_whole_weights, whole_weight_specs
 from klgrpo.errors import ConfigError, KLGRPOError
 
@@ -57,37 +59,32 @@ START_HINT = ("start one (python -m klgrpo.backends.vllm_server_main --model DIR
               "or fix rollout.vllm.server_url")
 
 
-class VLLMServerSampler:
-    """The registered ``vllm_server`` sampler; ``configured(server_url=..., ...)`` is a run's copy, which keeps
-    one ``ServerClient`` (the weights it last sent)."""
+class VLLMServerSampler(Sampler):
+    """The registered ``vllm_server`` sampler; a run's instance (``open``: rollout.vllm's server fields) keeps one
+    ``ServerClient`` (the weights it last sent). The weights are sent from the policy gathered whole for the
+    rollout, inside ``sample``, when the step's weights version moved."""
 
     name = "vllm_server"
 
     def __init__(self, server_url: str = "", timeout_s: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
                  weights_dir: str = "", weight_transfer: str = "folder", group_port: int = DEFAULT_GROUP_PORT):
+        super().__init__()
         self.server_url, self.timeout_s, self.retries, self.weights_dir = server_url, timeout_s, retries, weights_dir
         self.weight_transfer, self.group_port = weight_transfer, group_port
         self._client: ServerClient | None = None
 
-    def configured(self, server_url: str | None = None, server_timeout: float | None = None,
-                   server_retries: int | None = None, weights_dir: str | None = None,
-                   weight_transfer: str | None = None, group_port: int | None = None, **_) -> "VLLMServerSampler":
-        url = self.server_url if server_url is None else server_url
-        if not url:
+    @classmethod
+    def open(cls, settings=None) -> "VLLMServerSampler":
+        """The run's sampler from rollout.vllm (server_url, server_timeout, server_retries, weights_dir,
+        weight_transfer, group_port); refused without a server_url."""
+        if settings is None or not settings.server_url:
             raise ConfigError("rollout.sampler vllm_server needs rollout.vllm.server_url (e.g. "
                               "http://127.0.0.1:8000): the address of a running vLLM server")
-        return VLLMServerSampler(url, self.timeout_s if server_timeout is None else server_timeout,
-                                 self.retries if server_retries is None else server_retries,
-                                 self.weights_dir if weights_dir is None else weights_dir,
-                                 self.weight_transfer if weight_transfer is None else weight_transfer,
-                                 self.group_port if group_port is None else group_port)
+        return cls(settings.server_url, settings.server_timeout, settings.server_retries, settings.weights_dir,
+                   settings.weight_transfer, settings.group_port)
 
     def supports(self, model, total_len: int, params) -> bool:
         return params.temperature > 0
-
-    def weights_changed(self, model) -> None:
-        """The step changed the policy's weights: the next rollout sends them."""
-        weights_changed(model)
 
     @property
     def client(self) -> "ServerClient":
@@ -97,9 +94,10 @@ class VLLMServerSampler:
         return self._client
 
     def sample(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
-               eos_ids: list[int]) -> tuple[Tensor, Tensor]:
-        self.client.sync(model)
-        return self.client.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids)
+               eos_ids: list[int]) -> SampledRollout:
+        self.client.sync(model, self.weights_version)
+        ids, logp = self.client.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids, vocab_size(model))
+        return SampledRollout(ids, logp, params.filters, self.weights_version)
 
 
 class ServerClient:
@@ -113,7 +111,7 @@ class ServerClient:
             weights_dir = tempfile.mkdtemp(prefix="klgrpo-vllm-weights-")
             atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
         self.weights_dir = weights_dir
-        self.sent: tuple | None = None  # weights_version of the policy at the last reload
+        self.sent: tuple | None = None  # weights_state of the policy at the last reload
         self.reloads = 0
         self._model_name: str | None = None
         self._nccl = None  # TRL's VLLMClient, its communicator open (weight_transfer nccl)
@@ -131,7 +129,7 @@ class ServerClient:
                 req = urllib.request.Request(self.url + path, data=data, headers=headers)
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as answer:
                     text = answer.read()
-                return json.loads(text) if text.strip() else None
+                return self._parsed(path, text)
             except urllib.error.HTTPError as e:
                 if e.code < 500:
                     raise KLGRPOError(self._refused(path, e)) from None
@@ -140,6 +138,19 @@ class ServerClient:
                 reason = str(getattr(e, "reason", e))
         raise KLGRPOError(f"the vLLM server at {self.url} gave no answer to {path} after {self.retries + 1} "
                           f"tries ({reason}): {START_HINT}")
+
+    def _parsed(self, path: str, text: bytes):
+        """The JSON of an answer (None for an empty one); an answer that is not JSON is refused in one line."""
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise KLGRPOError(self.wrong(path, f"its answer is not JSON ({text[:80]!r})")) from None
+
+    def wrong(self, path: str, what: str) -> str:
+        """The one line saying that the server's answer to ``path`` cannot be used, and why."""
+        return f"the vLLM server at {self.url} answered {path} with something klgrpo cannot use: {what}"
 
     def _refused(self, path: str, error) -> str:
         detail = error.read().decode(errors="replace").replace("\n", " ")[:200]
@@ -152,12 +163,17 @@ class ServerClient:
     def model_name(self) -> str:
         if self._model_name is None:
             self.request("/health")
-            self._model_name = self.request("/v1/models")["data"][0]["id"]
+            models = self.request("/v1/models")
+            data = models.get("data") if isinstance(models, dict) else None
+            if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
+                raise KLGRPOError(self.wrong("/v1/models", "it lists no served model (no data[0].id)"))
+            self._model_name = data[0]["id"]
         return self._model_name
 
-    def sync(self, model) -> bool:
-        """Send ``model``'s weights when they changed since the last send; returns whether it sent."""
-        state = weights_version(model)
+    def sync(self, model, version: int = 0) -> bool:
+        """Send ``model``'s weights when they changed since the last send (``weights_state``: the step's weights
+        ``version``, a load into the parameters, another policy); returns whether it sent."""
+        state = weights_state(model, version)
         if state == self.sent:
             return False
         _ = self.model_name  # the server is up before the weights are written
@@ -194,8 +210,8 @@ class ServerClient:
         with self._nccl.weight_update():
             self._nccl.update_named_params(announced, named_whole_weights(model))
 
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int,
-                 eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int, eos_ids: list[int],
+                 vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         seed = int(torch.randint(0, 2**31 - 1, (1,)))  # from the run's generator: a resume draws the same
         body = {"model": self.model_name, "prompt": prompts, "n": params.group_size,
@@ -203,8 +219,50 @@ class ServerClient:
                 "max_tokens": params.max_new_tokens, "logprobs": 0, "return_token_ids": True,
                 "return_tokens_as_token_ids": True, "stop_token_ids": list(eos_ids), "ignore_eos": True,
                 "seed": seed}
-        choices = sorted(self.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        answer = self.request("/v1/completions", body)
+        choices = checked_choices(answer, len(prompts) * params.group_size, vocab_size,
+                                  lambda what: self.wrong("/v1/completions", what))
         return completions_to_tensors(choices, pad_id, prompt_ids.device)
+
+
+def checked_choices(answer, rows: int, vocab_size: int | None, wrong) -> list[dict]:
+    """The completions answer's choices in order, each checked before any is used: ``rows`` of them (G per
+    prompt), token ids that are integers inside the policy's vocabulary, one finite log-prob <= 0 per token.
+    ``wrong(what)`` makes the one-line message of what is not so (raised as a KLGRPOError)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != rows:
+        got = len(choices) if isinstance(choices, list) else "no"
+        raise KLGRPOError(wrong(f"{got} choices where {rows} were asked for (G per prompt)"))
+    try:
+        choices = sorted(choices, key=lambda c: c["index"])
+    except (KeyError, TypeError):
+        raise KLGRPOError(wrong("a choice without an index")) from None
+    for c in choices:
+        ids = c.get("token_ids")
+        logps = (c.get("logprobs") or {}).get("token_logprobs") if isinstance(c.get("logprobs"), dict) else None
+        where = f"choice {c['index']}"
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise KLGRPOError(wrong(f"{where} has no list of integer token_ids"))
+        if vocab_size is not None and any(t < 0 or t >= vocab_size for t in ids):
+            bad = next(t for t in ids if t < 0 or t >= vocab_size)
+            raise KLGRPOError(wrong(f"{where} has token id {bad}, outside the policy's vocabulary of {vocab_size} "
+                                    f"(is it serving another model?)"))
+        if not isinstance(logps, list) or len(logps) != len(ids):
+            n = len(logps) if isinstance(logps, list) else "no"
+            raise KLGRPOError(wrong(f"{where} has {n} log-probs for its {len(ids)} tokens (logprobs 0 asks for "
+                                    f"one per token)"))
+        if any(not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v > 0
+               for v in logps):
+            bad = next(v for v in logps if not isinstance(v, (int, float)) or isinstance(v, bool)
+                       or not math.isfinite(v) or v > 0)
+            raise KLGRPOError(wrong(f"{where} has the log-prob {bad!r}, not a finite number <= 0"))
+    return choices
+
+
+def vocab_size(model) -> int | None:
+    """The number of token ids the policy scores (its output embedding's rows), None where it has none."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(head.weight.shape[0]) if head is not None and hasattr(head, "weight") else None
 
 
 def completions_to_tensors(choices: list[dict], pad_id: int, device) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
+from klgrpo.backends.sampling import SamplingFilters
 from klgrpo.errors import ConfigError
 
 __all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "compiling_sampler",
@@ -45,6 +46,8 @@ class RolloutBatch:
     prompts          the B prompts as given (each repeated G times); completions: the B decoded texts
     sampler_logp     [B, T] the sampler's own log-prob of each sampled token (log mu, float32; 0 after EOS), or
                      None where the sampler gives none: what the sampler-mismatch metrics and correction read
+    filters          the distribution the sampler drew from (temperature, top-k, top-p)
+    weights_version  the version of the policy's weights that drew the completions (``Sampler.sync_weights``)
     """
 
     input_ids: Tensor
@@ -57,6 +60,8 @@ class RolloutBatch:
     prompts: list
     completions: list[str]
     sampler_logp: Tensor | None = None
+    filters: SamplingFilters = SamplingFilters()
+    weights_version: int = 0
 
     @property
     def size(self) -> int:
@@ -141,15 +146,16 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     prompt_mask = unique_mask.repeat_interleave(p.group_size, dim=0)
     prompt_len = prompt_ids.shape[1]
     eos_ids = eos_token_ids(model, tokenizer)
-    sampler = resolve_sampler(p.sampler, model, prompt_len + p.max_new_tokens, p)
+    sampler, opened = resolve_sampler(p.sampler, model, prompt_len + p.max_new_tokens, p)
     was_training = model.training
     model.eval()
     try:
         sampled = sampler.sample(model, unique_ids, unique_mask, p, tokenizer.pad_token_id, eos_ids)
     finally:
         model.train(was_training)
-    # a sampler that scores its own tokens returns (ids, log-probs), the others the ids alone
-    completion_ids, sampler_logp = sampled if isinstance(sampled, tuple) else (sampled, None)
+        if opened:  # a sampler named for this call alone (not a run's): closed with it
+            sampler.close()
+    completion_ids, sampler_logp = sampled.completion_ids, sampled.logp
     if completion_ids.shape[1] == 0:  # every row stopped at once: keep one (masked) column
         completion_ids = torch.full((prompt_ids.shape[0], 1), tokenizer.pad_token_id, device=device,
                                     dtype=prompt_ids.dtype)
@@ -174,6 +180,8 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         prompts=[prompt for prompt in prompts for _ in range(p.group_size)],
         completions=completions,
         sampler_logp=sampler_logp,
+        filters=sampled.filters,
+        weights_version=sampled.weights_version,
     )
 
 
@@ -189,8 +197,12 @@ def batch_widths(lengths: list[int], prompts_per_batch: int, padded_width) -> li
 def compiling_sampler(model, params: SamplingParams):
     """``params.sampler`` when it compiles a kernel per input shape on ``model``'s device (``Sampler.compiles``),
     else None."""
-    sampler = resolve_sampler(params.sampler, model, 1, params)
-    return sampler if getattr(sampler, "compiles", lambda *a: False)(model, params) else None
+    sampler, opened = resolve_sampler(params.sampler, model, 1, params)
+    if sampler.compiles(model, params):
+        return sampler
+    if opened:
+        sampler.close()
+    return None
 
 
 @torch.no_grad()

@@ -90,6 +90,7 @@ class TrainingRun:
                     self.lock.config_after_resume(self.log)
             return self._train(summary_extras)
         finally:
+            self.grpo_step.sampler.close()  # an engine it holds goes with the run (a later use starts another)
             if self.lock is not None:
                 self.lock.release()
 

@@ -29,13 +29,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from klgrpo.backends.sampling import SamplingFilters
 from klgrpo.core.batch import StepBatch
 from klgrpo.core.rollout import RolloutBatch
 from klgrpo.errors import KLGRPOError, first_line
 from klgrpo.math.aggregation import Normalizer
 
 _TAG = "__klgrpo__"
-_DATACLASSES = {cls.__name__: cls for cls in (StepBatch, RolloutBatch, Normalizer)}
+_DATACLASSES = {cls.__name__: cls for cls in (StepBatch, RolloutBatch, SamplingFilters, Normalizer)}
 FORMAT = 1
 
 

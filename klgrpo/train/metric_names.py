@@ -201,8 +201,7 @@ GLOSSARY: dict[str, str] = {
     OFF_POLICY_KL: "mean over completions of mean_t (log pi_old(y_t) - log pi(y_t)): the off-policy mask's "
                    "per-sequence KL(pi_old || pi) estimate (0 in a batch's first update)",
     SAMPLER_LOGP_DIFF_MEAN: "mean over the step's completion tokens of |log pi_old(y_t) - log mu(y_t)|, mu the "
-                            "sampler's own log-prob of the token (logged where the sampler gives them: kv_loop, "
-                            "vllm)",
+                            "sampler's own log-prob of the token (every sampler gives them)",
     SAMPLER_LOGP_DIFF_P99: "99th percentile of |log pi_old(y_t) - log mu(y_t)| over the step's completion tokens",
     SAMPLER_LOGP_DIFF_MAX: "largest |log pi_old(y_t) - log mu(y_t)| over the step's completion tokens",
     SAMPLER_KL: "mean per completion token of r - 1 - log r, r = pi_old(y_t) / mu(y_t): an estimate of "

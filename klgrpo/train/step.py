@@ -82,6 +82,9 @@ class GRPOStep:
     replay: Any = None
     loss_fast_path: bool = True
     completed: int = 0
+    #: how many times this process's step changed the policy's weights (optimizer steps, loads): the version a
+    #: sampler holding its own copy compares with its own (``Sampler.sync_weights``)
+    weights_version: int = 0
     batch: StepBatch | None = None
     #: the data position, RNG and pending batch before the step in progress (``rollback``)
     _started: tuple | None = field(default=None, repr=False)
@@ -171,10 +174,10 @@ class GRPOStep:
         """The context sampling runs in. A sampler with its own copy of the weights (vLLM) gets them pushed one
         tensor at a time when they changed, and the policy stays sharded; any other samples from the policy
         itself, gathered whole for it (``Engine.full_weights``)."""
-        push = getattr(self.sampler, "push_weights", None)
-        if push is None:
+        if not self.sampler.holds_weights:
+            self.sampler.sync_weights(self.model, self.weights_version)
             return self.engine.full_weights(self.model)
-        push(self.model, lambda: self.engine.whole_weights(self.model))
+        self.sampler.sync_weights(self.model, self.weights_version, lambda: self.engine.whole_weights(self.model))
         return nullcontext()
 
     def _micro_slices(self, n: int) -> list[slice]:
@@ -273,8 +276,7 @@ class GRPOStep:
                                                   allow=lambda norm: self.guard.allows_update(loss_sum, norm))
             if applied:
                 self.scheduler.step()
-                if (changed := getattr(self.sampler, "weights_changed", None)) is not None:
-                    changed(self.model)  # an engine holding its own copy of the weights refreshes it
+                self.weights_version += 1  # a sampler holding its own copy of the weights refreshes it
             else:
                 self.optimizer.zero_grad(set_to_none=True)
         if dump_kl is not None:
@@ -365,6 +367,7 @@ class GRPOStep:
 
     def load(self, folder: Path) -> dict[str, Any]:
         """Read everything the step owns from the checkpoint ``folder``; returns the whole trainer state."""
+        self.weights_version += 1  # the weights change (a sampler with its own copy pushes them again)
         return load_step(self, folder)
 
     @contextmanager

@@ -3,7 +3,6 @@ policy and its sampler (backends/), the reference (core/), then what trains the 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -59,7 +58,7 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     rollout_tokens = cfg.rollout.prompts_per_step // dist.world_size * cfg.rollout.group_size * \
         cfg.rollout.max_new_tokens  # one process's rollout: what auto's choice on the CPU is measured by
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
-                                options=dataclasses.asdict(cfg.rollout.vllm), rollout_tokens=rollout_tokens,
+                                settings=cfg.rollout.vllm, rollout_tokens=rollout_tokens,
                                 processes=dist.world_size)
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
