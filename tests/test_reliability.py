@@ -695,3 +695,24 @@ def test_a_failed_resume_leaves_config_yaml_as_it_was(tiny_model_dir, addition_f
     code, _, err = _cli(["--output-dir", str(out), "--resume", "latest", "--train.steps", "3"], capsys)
     assert code == 2 and "cannot resume" in err, err
     assert (out / "config.yaml").read_bytes() == saved  # not rewritten with train.steps 3
+
+
+def test_a_finished_multi_process_command_runs_its_exit_handlers_then_leaves_without_the_teardown(tmp_path):
+    """exit_now_if_distributed: under a launcher (WORLD_SIZE > 1) the exit handlers run, the output is flushed and
+    the process leaves with the command's status, skipping the interpreter's teardown (where a gloo rank could
+    abort after a finished run); a single process returns and exits as usual."""
+    import subprocess
+    import sys
+
+    script = (f"import atexit, pathlib, sys\n"
+              f"from klgrpo.train.distributed import exit_now_if_distributed\n"
+              f"atexit.register(lambda: pathlib.Path({str(tmp_path / 'handler')!r}).write_text('ran'))\n"
+              f"print('summary', end='')\n"
+              f"exit_now_if_distributed(3)\n"
+              f"print(' returned', end='')\n")
+    for world, code, out in (("2", 3, "summary"), ("1", 0, "summary returned")):
+        (tmp_path / "handler").unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "WORLD_SIZE": world},
+                              capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout) == (code, out), done.stderr[-2000:]
+        assert (tmp_path / "handler").read_text() == "ran"

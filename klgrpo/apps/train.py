@@ -42,8 +42,7 @@ def main(argv: list[str]) -> int:
         summary = trainer.train(resume=opts["resume"], overwrite=opts["overwrite"])
         if trainer.dist.is_main:  # once, not once per process
             print_run_summary(summary, trainer.run_dir)
-        _close_process_group()
-        return RUNAWAY_STOP_EXIT if stopped_on_runaway(summary) else 0
+        return _finish(RUNAWAY_STOP_EXIT if stopped_on_runaway(summary) else 0)
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
         if fresh and run_dir is not None and os.environ.get("RANK", "0") == "0":  # rank 0 owns the folder
@@ -83,7 +82,7 @@ def _run_demo(command, cfg, opts) -> int:
     _early_checks_of_demo(cfg, opts)
     code = run_demo(command, user=cfg)  # the config resolved once, in main
     if code == 0:  # every rank finished (a barrier waiting for a failed rank would hang)
-        _close_process_group()
+        return _finish(code)
     return code
 
 
@@ -156,9 +155,12 @@ def _check_rewards(cfg) -> None:
                    trust_remote_code=cfg.model.trust_remote_code)
 
 
-def _close_process_group() -> None:
-    """A finished multi-process run takes its process group down before the interpreter exits."""
+def _finish(code: int) -> int:
+    """A finished multi-process run takes its process group down and leaves without the interpreter's teardown
+    (``exit_now_if_distributed``); a single process returns ``code``."""
     if "torch" in sys.modules:  # the demo's early exits never load it
-        from klgrpo.train.distributed import close_process_group
+        from klgrpo.train.distributed import close_process_group, exit_now_if_distributed
 
         close_process_group()
+        exit_now_if_distributed(code)
+    return code
