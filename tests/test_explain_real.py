@@ -1,7 +1,7 @@
 """``klgrpo explain`` on real public files, verbatim (tests/data/explain_real/SOURCES names each one's repository,
 path and commit): TRL's example scripts and notebook at three releases, open-r1's recipes at three commits (three
-TRL pins), Unsloth's GRPO notebooks (exported as scripts), verl's launch scripts and Hydra trainer config,
-OpenRLHF's launch scripts.
+TRL pins), Unsloth's GRPO notebooks (exported as scripts, and one as Colab runs it), verl's launch scripts and
+Hydra trainer config, OpenRLHF's launch scripts.
 
 Each verdict is derived by hand below from the source's own formula at the release the file runs on:
 - TRL (grpo_trainer.py at the tag): the KL is k3 = exp(ref - logp) - (ref - logp) - 1 added to each token's loss;
@@ -70,6 +70,10 @@ EXPECTED = {
     "unsloth_Phi_4_14B-GRPO.py": (None, "unsloth", "forward", "neither", "fixed at 0.001", {"forward"}),
     "unsloth_Advanced_Llama3_1_3B_GRPO_LoRA.py": (None, "unsloth", "forward", "neither", "fixed at 0.001",
                                                   {"forward"}),
+    # The notebook as Colab runs it (not exported): its first code cell's `!uv pip install` is the only body of
+    # an `if`; it pins trl==0.22.2 and the newest Unsloth; no beta: Unsloth's 0.001, the same loss -> forward.
+    "unsloth_gpt_oss_20B_GRPO_Minesweeper_BF16.ipynb": (None, "unsloth", "forward", "neither", "fixed at 0.001",
+                                                        {"forward"}),
     # verl grpo + low_var_kl in the loss at 0.001: forward, clipped at 10; 1024 / 256 = 4 mini-batches ->
     # off-policy; (r - mean) / (std + 1e-6) -> the epsilon risk.
     "verl_run_qwen2-7b.sh": (None, "verl", "forward", "neither", "fixed at 0.001",
@@ -88,6 +92,12 @@ EXPECTED = {
     # whitens over the batch, no group std -> no epsilon risk.
     "verl_run_qwen2-7b_math_rf.sh": (None, "verl", "reverse", "reverse", "fixed at 0.001", set()),
     "verl_run_qwen2-7b_math_rf_baseline.sh": (None, "verl", "reverse", "reverse", "fixed at 0.001", set()),
+    # verl 0.8.0's synchronous trainer (python3 -m verl.trainer.main_ppo_sync, a module of 0.8.0 alone): the KL in
+    # the reward (kl_penalty kl) at kl_ctrl.kl_coef 0.0: apply_kl_penalty subtracts 0 * k1, no KL: zero, beta 0.
+    "verl_v0.8.0_remax_run_qwen2.5_math_7b_sync_fsdp.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0"}),
+    # verl 0.9.0's GDPO: +algorithm.gdpo_reward_keys (a key added by the script, named, not fatal); use_kl_loss
+    # False and use_kl_in_reward at 0.9's default false: kl_loss_coef 0.001 is set but no KL term runs: zero.
+    "verl_v0.9.0_gdpo_run_qwen3_8b_fsdp.sh": ("verl==0.9.0", "verl", "zero", "zero", "fixed at 0", {"beta0"}),
     # gae without any KL (use_kl_loss False, use_kl_in_reward False): zero.
     "verl_ppo_run_gemma.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0"}),
     # The Hydra trainer config (defaults: list): verl's defaults, no KL anywhere.

@@ -158,10 +158,11 @@ def _tool(name):
 
 def test_the_verl_table_holds_the_releases_read():
     rows = {row["from"]: row for row in _table("verl")["ranges"]}
-    assert list(rows) == ["0.1", "0.2", "0.4.0", "0.6.0"]
+    assert list(rows) == ["0.1", "0.2", "0.4.0", "0.6.0", "0.8.0", "0.9.0"]
     # v0.1: no KL loss yet; ray_trainer.py calls apply_kl_penalty on every batch; kl_penalty: kl, abs, mse
     assert "actor_rollout_ref.actor.use_kl_loss" not in rows["0.1"]["defaults"] and rows["0.1"]["reward_kl"] == "always"
-    assert rows["0.1"]["estimators"] == {"kl": "k1 = l", "abs": "abs = |l|", "mse": "k2 = l^2 / 2"}
+    assert rows["0.1"]["estimators"] == {"kl": "k1 = l", "abs": "abs = |l|", "mse": "k2 = l^2 / 2",
+                                         "full": "raises NotImplementedError"}
     # v0.2 - v0.3: use_kl_loss (default False) and the reward KL whenever it is off: verl's default puts the KL in
     # the reward; low_var_kl: ratio - kl - 1 with kl = ref - logp, clamped to [-10, 10]
     assert rows["0.2"]["reward_kl"] == "whenever actor.use_kl_loss is false"
@@ -173,7 +174,16 @@ def test_the_verl_table_holds_the_releases_read():
     assert rows["0.4.0"]["defaults"]["algorithm.kl_ctrl.target_kl"] == 0.1
     assert rows["0.4.0"]["estimators"]["k3"] == rows["0.4.0"]["estimators"]["low_var_kl"]
     # v0.6.0 on: names ending in "+" exist, and kl_penalty_forward, given the name with its "+", raises
-    assert rows["0.6.0"]["estimators"]["k3+"] == "raises NotImplementedError" and rows["0.6.0"]["to"] is None
+    assert rows["0.6.0"]["estimators"]["k3+"] == "raises NotImplementedError" and rows["0.6.0"]["to"] == "0.8.0"
+    # v0.8.0: kl_penalty strips the "+" and returns k2's square with k3's value put in through .detach(); "mse+"
+    # is k2 itself; main_ppo_sync.py is a second Hydra trainer beside main_ppo.py
+    assert rows["0.8.0"]["estimators"]["k3+"] == "k3 = exp(-l) - 1 + l, clamped to [-10, 10]; gradient of k2"
+    assert rows["0.8.0"]["estimators"]["kl+"] == "k1 = l; gradient of k2" and rows["0.8.0"]["estimators"][
+        "mse+"] == "k2 = l^2 / 2"
+    assert rows["0.8.0"]["entry_points"] == ["verl.trainer.main_ppo", "verl.trainer.main_ppo_sync"]
+    # v0.9.0: main_ppo_sync.py is gone (main_ppo.py runs the new trainer); every release: "full" raises
+    assert rows["0.9.0"]["entry_points"] == ["verl.trainer.main_ppo"] and rows["0.9.0"]["to"] is None
+    assert all(r["estimators"]["full"] == "raises NotImplementedError" for r in rows.values())
     assert all(read.startswith("volcengine/verl ") and " at tag v" in read for r in rows.values() for read in r["read"])
 
 
@@ -252,6 +262,31 @@ def test_a_notebook_is_read_with_its_pins(tmp_path):
     status, report = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
     assert status == 0 and report["gradient"]["token_on_policy"] == "forward"
     assert report["controller"] == "fixed at 0.04" and report["releases"] == ["TRL >= 0.18.0, < 0.19.0"]
+
+
+def test_a_shell_line_in_a_notebook_stays_a_statement_at_its_indentation(tmp_path):
+    # Colab's install cell: a `!pip` line is the only body of an `if`, a `%%capture` line opens the cell, and a
+    # shell line continued with a backslash runs on; as comments they would leave the `if` empty
+    install = ("%%capture\nimport os\nif 'COLAB_' not in ''.join(os.environ):\n    !pip install trl==0.18.0 \\\n"
+               "        unsloth_zoo\nelse:\n    %env X=1\n")
+    cells = [{"cell_type": "code", "source": install},
+             {"cell_type": "code", "source": "%%bash\nif then fi\n"},
+             {"cell_type": "code", "source": ["from trl import GRPOConfig\n", "args = GRPOConfig(beta=0.04)\n"]}]
+    status, report = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
+    assert status == 0 and report["source"] == "trl" and report["controller"] == "fixed at 0.04"
+    assert report["releases"] == ["TRL >= 0.18.0, < 0.19.0"]
+
+
+@pytest.mark.parametrize("cells, said", [
+    ([{"cell_type": "code", "source": "x = 1\n"}, {"cell_type": "code", "source": "def f(:\n"}],
+     "nb.ipynb: code cell 2, line 1: not valid Python ("),
+    ([{"cell_type": "code", "source": [1, 2]}], "nb.ipynb: code cell 1: its source is list [1, 2], not text"),
+    ([{"cell_type": "code", "source": {"a": 1}}], "nb.ipynb: code cell 1: its source is dict {'a': 1}, not text"),
+])
+def test_a_notebook_that_does_not_parse_is_said_as_a_notebook(tmp_path, capsys, cells, said):
+    status, _ = _run(tmp_path, json.dumps({"cells": cells, "nbformat": 4}), "nb.ipynb")
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and said in err and "YAML" not in err, err
 
 
 def test_a_notebook_over_the_size_limit_is_one_line_naming_it(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """A verl or OpenRLHF launch script, read as text (never run): the arguments of its ``python3 -m
-verl.trainer.main_ppo`` or ``openrlhf.cli.train_ppo_ray`` command.
+verl.trainer.main_ppo`` (or another trainer module of a verl release: 0.8's ``main_ppo_sync``) or
+``openrlhf.cli.train_ppo_ray`` command.
 
 What the reader follows: line continuations, comments, ``NAME=value`` and ``export NAME=value`` assignments with
 literal values (substituted where the command uses ``$NAME`` / ``${NAME}``), bash arrays (``ARGS=( ... )`` used
@@ -16,8 +17,17 @@ from dataclasses import dataclass, field
 
 from klgrpo.apps.explain.reading import on_line, refuse
 from klgrpo.errors import ConfigError
+from klgrpo.integrations.versions import rl_profiles
 
-LAUNCHERS = {"verl": ("verl.trainer.main_ppo", "verl.trainer.main_ppo.py", "verl/trainer/main_ppo.py"),
+
+def _spellings(module: str) -> tuple[str, ...]:
+    """How a command names a trainer module: ``-m verl.trainer.main_ppo``, or its file."""
+    return module, f"{module}.py", module.replace(".", "/") + ".py"
+
+
+#: verl's trainer modules of every release (verl.json's entry_points: main_ppo, 0.8's main_ppo_sync); OpenRLHF's.
+VERL_ENTRY_POINTS = tuple(dict.fromkeys(m for p in rl_profiles("verl") for m in p.release["entry_points"]))
+LAUNCHERS = {"verl": tuple(s for module in VERL_ENTRY_POINTS for s in _spellings(module)),
              "openrlhf": ("openrlhf.cli.train_ppo_ray", "openrlhf/cli/train_ppo_ray.py")}
 _ASSIGNMENT = re.compile(r"^(?:export\s+|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$")
 _ARRAY = re.compile(r"^([A-Za-z_]\w*)=\($")
@@ -35,6 +45,7 @@ class LaunchCommand:
     line: int
     arguments: list[str]
     unresolved: dict[str, str] = field(default_factory=dict)  # argument -> the variable it still holds
+    module: str = ""  # the trainer module it runs (verl.trainer.main_ppo_sync)
 
 
 def launchers_in(text: str) -> set[str]:
@@ -123,7 +134,9 @@ def _command(framework: str, number: int, tokens: list[str], variables: dict, ar
     starts = [i for i, token in enumerate(tokens) if any(token.endswith(m) for m in modules)]
     if not starts:  # the module named inside another word (an echo, a JSON argument): no launch
         return None
-    command = LaunchCommand(framework, number, [])
+    named = max((m for m in modules if tokens[starts[0]].endswith(m)), key=len)  # main_ppo_sync, not main_ppo
+    module = named.removesuffix(".py").replace("/", ".")
+    command = LaunchCommand(framework, number, [], module=module)
     for token in tokens[starts[0] + 1:]:
         used = _ARRAY_USE.match(token)
         expanded = arrays.get(used.group(1), [token]) if used else [token]
@@ -143,7 +156,8 @@ def launch_command(text: str, origin: str, line: int | None = None) -> LaunchCom
     if line is not None:
         return on_line(found, line, origin, "launcher command starts at line", "the commands start at lines")
     if not found:
-        raise refuse(origin, "runs neither verl.trainer.main_ppo nor openrlhf.cli.train_ppo_ray")
+        raise refuse(origin, f"runs none of verl's trainers ({', '.join(VERL_ENTRY_POINTS)}) nor "
+                             "openrlhf.cli.train_ppo_ray")
     if len({c.framework for c in found}) > 1:
         raise ConfigError(f"{origin} launches both verl and OpenRLHF (lines "
                           f"{', '.join(str(c.line) for c in found)}); pass --call LINE to pick one")

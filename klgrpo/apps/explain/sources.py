@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, canonical, m
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS
 from klgrpo.integrations.verl_mapping import ROOTS as VERL_ROOTS
 from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
-from klgrpo.integrations.versions import Constraint, NotInRange, Profile, outside_every_range, profiles
+from klgrpo.integrations.versions import Constraint, NotInRange, Profile, newest, outside_every_range, profiles
 
 FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
@@ -155,7 +156,8 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
     possibly none), a TRL, Unsloth, verl or OpenRLHF file is mapped under each release range they allow that has
     every field the file sets; without, by the newest rules alone (range None)."""
     if suffix(origin) == ".ipynb" or text.lstrip().startswith("{") and '"cells"' in text[:4096]:
-        text = notebook_code(text, origin)
+        # a notebook is Python: never read as YAML (JSON is YAML) when a cell does not parse
+        return _from_python(notebook_code(text, origin), origin, source, call, versions)
     shape, data = _parse(text, origin)
     if shape == "python":
         return _from_python(text, origin, source, call, versions)
@@ -231,29 +233,72 @@ def rl_variants(framework: str, origin: str, versions: dict[str, list[Constraint
             out.append((profile, mapper(profile)))
         except NotInRange as err:
             missing.append(err)
-    if not out:
-        raise missing[-1]
+    if not out:  # the newest range's reason: the release a user most likely runs
+        raise missing[0]
     return out
 
 
+#: Cell magics whose body is not Python (the shell, another language): the body is kept out of the script.
+_FOREIGN_CELL_MAGICS = ("%%bash", "%%sh", "%%shell", "%%script", "%%writefile", "%%html", "%%javascript", "%%js",
+                        "%%latex", "%%markdown", "%%perl", "%%ruby", "%%svg", "%%sql")
+
+
 def notebook_code(text: str, origin: str) -> str:
-    """A Jupyter notebook's code cells as one script: shell (``!pip ...``) and magic lines become comments, so
-    their pins stay readable and the rest parses as Python."""
+    """A Jupyter notebook's code cells as one Python script. A shell (``!pip ...``) or magic (``%env``) line is
+    a statement where it stands, so it becomes ``pass`` at its indentation (Colab puts ``!pip install`` as the
+    only body of an ``if``) with the line kept beside it as a comment; a cell of shell or another language
+    (``%%bash``) becomes comments. A script that still does not parse is refused naming the cell and its line."""
     import json
 
     try:
         cells = json.loads(text).get("cells", [])
     except (ValueError, AttributeError, RecursionError):
         raise ConfigError(f"{origin} is not a valid notebook (JSON with cells)") from None
-    lines = []
-    for cell in cells if isinstance(cells, list) else []:
-        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
-            continue
-        source = cell.get("source", "")
-        source = "".join(source) if isinstance(source, list) else str(source)
-        for line in source.splitlines():
-            lines.append(f"# {line}" if line.lstrip().startswith(("!", "%")) else line)
-    return "\n".join(lines) + "\n"
+    lines: list[str] = []
+    where: list[tuple[int, int]] = []  # script line -> (code cell, line in the cell), both from 1
+    code_cells = [cell for cell in cells if isinstance(cell, dict) and cell.get("cell_type") == "code"] if (
+        isinstance(cells, list)) else []
+    for number, cell in enumerate(code_cells, 1):
+        source = _cell_source(cell.get("source", ""), origin, number)
+        foreign = source.lstrip().startswith(_FOREIGN_CELL_MAGICS)
+        shell = False  # inside a shell line continued with a backslash (IPython joins them)
+        for line_number, line in enumerate(source.splitlines(), 1):
+            body = line.lstrip()
+            if foreign or shell:
+                lines.append(f"# {line}")
+            elif body.startswith(("!", "%")):
+                lines.append(f"{line[:len(line) - len(body)]}pass  # {body}")
+            else:
+                lines.append(line)
+            shell = (shell or body.startswith(("!", "%"))) and line.endswith("\\") and not foreign
+            where.append((number, line_number))
+    script = "\n".join(lines) + "\n"
+    try:
+        compile(script, origin, "exec", flags=ast.PyCF_ONLY_AST)
+    except SyntaxError as err:
+        cell, line = where[min(max((err.lineno or 1) - 1, 0), len(where) - 1)] if where else (0, 0)
+        raise ConfigError(f"{origin}: code cell {cell}, line {line}: not valid Python ({err.msg}); explain reads "
+                          "a notebook's code cells as one script: fix that cell or copy the GRPOConfig(...) cell "
+                          "into a .py file") from None
+    except (RecursionError, MemoryError, ValueError):
+        raise ConfigError(f"{origin}: its code cells nest too deeply to be parsed as Python") from None
+    return script
+
+
+def _cell_source(source: Any, origin: str, number: int) -> str:
+    """A cell's source as nbformat writes it: one string, or a list of strings (its lines)."""
+    if isinstance(source, str):
+        return source
+    if isinstance(source, list) and all(isinstance(part, str) for part in source):
+        return "".join(source)
+    raise ConfigError(f"{origin}: code cell {number}: its source is {type(source).__name__} "
+                      f"{_short_json(source)}, not text (a string or a list of strings, as nbformat writes it); "
+                      "re-save the notebook with Jupyter")
+
+
+def _short_json(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _from_python(text: str, origin: str, source: str | None, line: int | None,
@@ -293,6 +338,11 @@ def _range_default(profile: Profile | None, name: str, newest: dict[str, Any]) -
 
 
 def _verl_from_script(command: shell_script.LaunchCommand, where: str, profile: Profile | None) -> Mapped:
+    row = profile.release if profile is not None and profile.release else newest("verl")
+    if command.module not in row["entry_points"]:
+        label = profile.label if profile is not None else f"verl {row['from']} or later"
+        raise NotInRange(f"{where}: {command.module} is no trainer of {label} (it has: "
+                         f"{', '.join(row['entry_points'])}); pass the release you run, e.g. --version verl==0.8")
     values: dict[str, Any] = {}
     notes: dict[str, str] = {}
     for argument in command.arguments:
