@@ -6,6 +6,7 @@ copied); the Unsloth fields map as the TRL bridge maps them."""
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from types import MethodType, SimpleNamespace
 
@@ -315,19 +316,21 @@ def test_mapped_verl_kl_loss_equals_verl_formula(kl_type, mode, beta):
     assert float((ours[1] - expected[1]).abs().max()) <= 1e-10
 
 
-def test_verl_plus_names_raise_where_verl_has_them():
-    # verl.json, 0.6.0 on: kl_penalty("k3+") passes the name with its "+" to kl_penalty_forward, which matches no
-    # branch and raises NotImplementedError (core_algos.py at v0.6.0 - v0.7.0): no KL term to map; named as such
+def test_verl_plus_names_per_release():
+    # verl.json: 0.8.0 on, kl_penalty("k3+") strips the "+": k3's value (capped at 10), k2's gradient: k3_st, the
+    # cap named (it bounds the value only); 0.6.0 - 0.7.1 it raises NotImplementedError, and before 0.6.0 the name
+    # is none of the range's KL types: both ranges cannot run the file
+    from klgrpo.integrations.versions import NotInRange, parse_option, profiles
+
     overrides = {"actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.kl_loss_type": "k3+"}
     mapped = map_verl(overrides)
-    assert "raises NotImplementedError" in mapped.unmapped["actor_rollout_ref.actor.kl_loss_type"]
-    assert mapped.config["kl.coef"] == 0.0 and not mapped.extra_kl
-    # before 0.6.0 the name is none of the range's KL types (verl.json 0.4.0 row)
-    from klgrpo.integrations.versions import parse_option, profiles
-
-    (older,) = profiles("verl", parse_option("verl==0.5.0"))
-    assert "is not a KL type of verl >= 0.4.0, < 0.6.0" in map_verl(overrides, release=older).unmapped[
-        "actor_rollout_ref.actor.kl_loss_type"]
+    assert mapped.config["kl.estimator"] == "k3_st" and mapped.config["kl.coef"] == 0.001 and not mapped.extra_kl
+    assert "verl caps the value at 10" in mapped.unmapped["actor_rollout_ref.actor.kl_loss_type"]
+    for version, said in (("verl==0.7", "raises NotImplementedError in verl >= 0.6.0, < 0.8.0"),
+                          ("verl==0.5.0", "is not a KL type of verl >= 0.4.0, < 0.6.0")):
+        (older,) = profiles("verl", parse_option(version))
+        with pytest.raises(NotInRange, match=re.escape(said)):
+            map_verl(overrides, release=older)
 
 
 def test_mapped_verl_kl_in_reward_equals_verl_formula():

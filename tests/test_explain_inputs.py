@@ -247,7 +247,7 @@ def _hostile(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
                           "launches both verl and OpenRLHF"),
         "two runs": ([put("two.sh", "python3 -m verl.trainer.main_ppo a=1\npython3 -m verl.trainer.main_ppo a=2\n")],
                      "launches 2 runs (lines 1, 2)"),
-        "no launcher": ([put("other.sh", "#!/bin/bash\necho hello\n")], "runs neither"),
+        "no launcher": ([put("other.sh", "#!/bin/bash\necho hello\n")], "runs none of verl's trainers"),
         "unclosed quote": ([put("quote.sh", "python3 -m verl.trainer.main_ppo a='1\n")], "unclosed quote"),
         "python syntax": ([put("broken.py", "from trl import GRPOConfig\nGRPOConfig(beta=\n")], "is not valid Python"),
         "deep python": ([put("deep.py", "x = " + "(" * 10000 + ")" * 10000 + "\n")], "deep.py"),

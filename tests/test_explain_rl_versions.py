@@ -90,16 +90,53 @@ def test_a_verl_key_of_later_releases_rules_the_earlier_out(tmp_path, capsys):
     assert err.count("\n") == 1 and "algorithm.use_kl_in_reward is not a key of verl >= 0.2, < 0.4.0" in err
 
 
-def test_verl_estimator_names_are_each_ranges(tmp_path):
+def test_verl_estimator_names_are_each_ranges(tmp_path, capsys):
     text = VERL_NO_KL + "actor_rollout_ref.actor.use_kl_loss=true\nactor_rollout_ref.actor.kl_loss_type=k3\n"
     status, report = _run(tmp_path, text)
     # 0.4.0 row on: k3 is "exp(-l) - 1 + l, clamped to [-10, 10]" in the loss: forward, clipped at 10. 0.2 row:
-    # no name k3 (kl, abs, mse, low_var_kl): no KL term klgrpo can map (verl raises), zero; 0.1: no use_kl_loss
-    assert _answers(report) == [(["verl 0.4.0 or later"], "forward", "neither", "fixed at 0.001"),
-                                (["verl >= 0.2, < 0.4.0"], "zero", "zero", "fixed at 0")]
-    assert "clipped at 10" in " ".join(report["versions"][0]["risks"])
-    assert "'k3' is not a KL type of verl >= 0.2, < 0.4.0" in report["versions"][1]["unmapped"][
-        "actor_rollout_ref.actor.kl_loss_type"]
+    # no name k3 (kl, abs, mse, low_var_kl): verl's kl_penalty raises there, so the file cannot run on it
+    assert _answers(report) == [(["verl 0.4.0 or later"], "forward", "neither", "fixed at 0.001")]
+    assert "clipped at 10" in " ".join(report["risks"])
+    capsys.readouterr()
+    assert main([str(tmp_path / "cfg.txt"), "--version", "verl==0.3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'k3' is not a KL type of verl >= 0.2, < 0.4.0" in err, err
+
+
+@pytest.mark.parametrize("kl_type, version, said", [
+    # core_algos.py v0.6.0 - v0.7.1: kl_penalty_forward gets "k3+" with its "+" and raises
+    ("k3+", "verl==0.7", "'k3+': verl's kl_penalty raises NotImplementedError in verl >= 0.6.0, < 0.8.0"),
+    # every release: kl_penalty_forward's "full" branch raises (the logits are never passed)
+    ("full", None, "'full': verl's kl_penalty raises NotImplementedError in verl 0.9.0 or later"),
+    # no release has the name: unknown, one line
+    ("k9", None, "kl_loss_type 'k9' is no KL type of any verl release; verl's are: kl, abs, mse"),
+])
+def test_a_verl_kl_type_that_cannot_run_is_refused(tmp_path, capsys, kl_type, version, said):
+    text = VERL_NO_KL + f"actor_rollout_ref.actor.use_kl_loss=true\nactor_rollout_ref.actor.kl_loss_type={kl_type}\n"
+    (tmp_path / "cfg.txt").write_text(text)
+    assert main([str(tmp_path / "cfg.txt"), *(["--version", version] if version else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
+def test_verl_k3_plus_is_k3_st_from_0_8(tmp_path):
+    text = (VERL_NO_KL + "actor_rollout_ref.actor.use_kl_loss=true\nactor_rollout_ref.actor.kl_loss_type=k3+\n"
+            "actor_rollout_ref.actor.kl_loss_coef=0.01\n")
+    status, report = _run(tmp_path, text)
+    # 0.8.0 on: value k3 (capped at 10), gradient of k2 = (logp - ref) grad logp, mean under pi grad KL(pi||ref):
+    # reverse per token, at 0.01 (no false "beta is 0"); 0.6.0 - 0.7.1 raise: ruled out; before 0.6: no such name
+    assert _answers(report) == [(["verl 0.8.0 or later"], "reverse", "neither", "fixed at 0.01")]
+    assert report["config"]["kl"]["estimator"] == "k3_st" and report["config"]["kl"]["coef"] == 0.01
+    assert not any(risk.startswith("beta is 0") for risk in report["risks"])
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_verl_coefficient_that_is_no_number_is_refused(tmp_path, capsys, value):
+    (tmp_path / "cfg.yaml").write_text(f"actor_rollout_ref:\n  actor:\n    use_kl_loss: true\n"
+                                       f"    kl_loss_coef: {value}\n")
+    assert main([str(tmp_path / "cfg.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "actor_rollout_ref.actor.kl_loss_coef must be a finite number" in err, err
 
 
 def test_openrlhf_flat_flags_are_read_per_range(tmp_path, capsys):
@@ -179,10 +216,39 @@ def test_the_mappings_read_their_defaults_and_formulas_from_the_tables():
         for row in _table(name)["ranges"]:
             for formula in row["estimators"].values():
                 found = table_estimator(formula)
-                assert found.estimator in ESTIMATORS or formula in ("abs = |l|", "raises NotImplementedError")
+                assert found.estimator in ESTIMATORS or formula.startswith("abs = |l|") or formula == (
+                    "raises NotImplementedError")
     assert table_estimator("k3 = exp(-l) - 1 + l, clamped to [-10, 10]") == table_estimator("k3 = x, clamped to "
                                                                                             "[-10, 10]")
     assert (table_estimator("k3 = exp(-l) - 1 + l; gradient of k2").estimator, table_estimator("k1 = l").cap) == (
         "k3_st", None)
     # planted: a formula tools/rl_versions.py could not name maps to nothing
     assert table_estimator("none of k1, k2, k3, |l|").estimator is None
+
+
+def test_a_verl_trainer_module_rules_out_the_releases_without_it(tmp_path, capsys):
+    script = ("#!/bin/bash\npython3 -m verl.trainer.main_ppo_sync algorithm.adv_estimator=grpo "
+              "actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0.01 "
+              "actor_rollout_ref.actor.ppo_mini_batch_size=1024 actor_rollout_ref.rollout.n=4\n")
+    status, report = _run(tmp_path, script, "run.sh")
+    # main_ppo_sync.py is a Hydra main at v0.8.0 only: the 0.8.0 row; low_var_kl (the default) in the loss at
+    # 0.01 -> k3 clamped at 10 without the ratio: forward
+    assert status == 0 and _answers(report) == [(["verl >= 0.8.0, < 0.9.0"], "forward", "neither", "fixed at 0.01")]
+    capsys.readouterr()
+    assert main([str(tmp_path / "run.sh"), "--version", "verl==0.7"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "verl.trainer.main_ppo_sync is no trainer of verl >= 0.6.0, < 0.8.0" in err, err
+
+
+def test_an_unknown_verl_key_is_listed_while_others_are_known(tmp_path, capsys):
+    text = VERL_NO_KL + "+algorithm.gdpo_reward_keys=[a,b]\nactor_rollout_ref.actor.kl_los_coef=0.1\n"
+    status, report = _run(tmp_path, text, extra=("--version", "verl==0.9"))
+    assert status == 0 and report["controller"] == "fixed at 0"
+    assert report["unmapped"]["algorithm.gdpo_reward_keys"].startswith("not a verl key explain knows")
+    assert "did you mean actor_rollout_ref.actor.kl_loss_coef?" in report["unmapped"][
+        "actor_rollout_ref.actor.kl_los_coef"]
+    # nothing verl knows: no verl config
+    (tmp_path / "bad.txt").write_text("algorithm.gdpo_reward_keys=[a]\n")
+    capsys.readouterr()
+    assert main([str(tmp_path / "bad.txt")]) == 2
+    assert "unknown verl key 'algorithm.gdpo_reward_keys'" in capsys.readouterr().err

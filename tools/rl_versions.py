@@ -5,7 +5,8 @@ range, read from their own source at every release tag of a git clone.
 
 verl: the KL defaults of the trainer config (``verl/trainer/config/ppo_trainer.yaml``, from v0.5.0 the composed
 ``_generated_ppo_trainer.yaml``: ``actor_rollout_ref.actor.use_kl_loss / kl_loss_coef / kl_loss_type``,
-``algorithm.use_kl_in_reward / kl_penalty / kl_ctrl.*``), when ``verl/trainer/ppo/ray_trainer.py`` puts the KL in
+``algorithm.use_kl_in_reward / kl_penalty / kl_ctrl.*``), the trainer modules a launch script runs
+(``verl.trainer.main_ppo``, 0.8's ``main_ppo_sync``), when ``verl/trainer/ppo/ray_trainer.py`` puts the KL in
 the reward, and the estimators of ``verl/trainer/ppo/core_algos.py``'s ``kl_penalty``. OpenRLHF: the KL flags'
 defaults of ``train_ppo_ray.py`` (``examples/`` before v0.3.6, then ``openrlhf/cli/``), and the estimators of
 ``openrlhf/models/utils.py``'s ``compute_approx_kl``.
@@ -106,13 +107,22 @@ def verl_release(clone: Path, tag: str) -> dict:
     trainer = git(clone, "show", f"{tag}:verl/trainer/ppo/ray_trainer.py")
     algos = git(clone, "show", f"{tag}:verl/trainer/ppo/core_algos.py")
     run = functions(algos, ("kl_penalty", "kl_penalty_forward"))["kl_penalty"]
-    names = [n for n in compared_with(algos, "kl_penalty") if n != "full"]
+    names = compared_with(algos, "kl_penalty")  # "full" too: the release's function says what it does with it
     if re.search(r"kl_penalty\.endswith\(['\"]\+['\"]\)", algos):
-        names += [f"{n}+" for n in names]
+        names += [f"{n}+" for n in names if n != "full"]
     estimators = {n: formula(lambda l, n=n: run(l, torch.zeros_like(l), n)) for n in names}
     return {"version": tag.lstrip("v"), "read": f"volcengine/verl {config_path}, verl/trainer/ppo/ray_trainer.py, "
-            f"verl/trainer/ppo/core_algos.py at tag {tag}", "defaults": defaults, "reward_kl": _verl_reward(trainer),
-            "estimators": estimators}
+            f"verl/trainer/ppo/core_algos.py, verl/trainer/main_ppo*.py at tag {tag}", "defaults": defaults,
+            "reward_kl": _verl_reward(trainer), "estimators": estimators, "entry_points": _verl_entry_points(clone, tag,
+                                                                                                          files)}
+
+
+def _verl_entry_points(clone: Path, tag: str, files: list[str]) -> list[str]:
+    """The trainer modules a launch script may run at the tag: verl/trainer/main_ppo*.py with a Hydra main
+    (``main_ppo_sync`` in 0.8; ``main_ppo_v0`` in 0.9 is imported by ``main_ppo``, not run)."""
+    found = [path for path in files if re.fullmatch(r"verl/trainer/main_ppo\w*\.py", path)
+             and "@hydra.main" in git(clone, "show", f"{tag}:{path}")]
+    return sorted(path[:-3].replace("/", ".") for path in found)
 
 
 def compared_with(source: str, variable: str) -> list[str]:
@@ -218,7 +228,7 @@ def main() -> None:
             "differs) gradient, found by running the release's own function")
     tables = {
         "verl": ranges([verl_release(args.verl, t) for t in release_tags(args.verl)],
-                       ("defaults", "reward_kl", "estimators")),
+                       ("defaults", "reward_kl", "estimators", "entry_points")),
         "openrlhf": ranges([openrlhf_release(args.openrlhf, t) for t in release_tags(args.openrlhf)],
                            ("defaults", "reward_kl", "estimators")),
     }

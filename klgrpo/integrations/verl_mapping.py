@@ -18,6 +18,7 @@ different estimators or coefficients, the reward term goes into ``Mapped.extra_k
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from klgrpo.errors import ConfigError
@@ -109,13 +110,16 @@ ALGORITHM_KEYS = ("_target_", "adv_estimator", "gamma", "kl_ctrl", "kl_penalty",
 KL_CTRL_KEYS = ("_target_", "type", "kl_coef", "horizon", "target_kl")
 
 
-def check_keys(values: dict[str, Any], origin: str) -> list[str]:
-    """ConfigError for a key verl does not have (in the groups that hold the objective); returns the keys the
-    mapping does not read (speed, memory, I/O, logging)."""
+def check_keys(values: dict[str, Any], origin: str) -> tuple[list[str], dict[str, str]]:
+    """(the keys the mapping does not read: speed, memory, I/O, logging; the keys explain does not know, each with
+    why). A key unknown here may be a typo or a key of a verl release newer than these lists (0.9's
+    ``algorithm.gdpo_*``): it is named, never fatal, while another key is verl's; a file of unknown keys alone is
+    no verl config (ConfigError)."""
     import difflib
 
     known = set(VERL_DEFAULTS)
-    ignored = []
+    ignored: list[str] = []
+    unknown: dict[str, str] = {}
     for key in values:
         parts = key.split(".")
         group_keys = {ACTOR: ACTOR_KEYS, ALGORITHM: ALGORITHM_KEYS, ALGORITHM + "kl_ctrl.": KL_CTRL_KEYS}
@@ -126,11 +130,15 @@ def check_keys(values: dict[str, Any], origin: str) -> list[str]:
                 bad = True
         if bad:
             close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; verl's groups are: {', '.join(ROOTS[:9])}"
-            raise ConfigError(f"{origin}: unknown verl key {key!r}{hint}")
-        if key not in known:
+            unknown[key] = f"did you mean {close[0]}?" if close else f"verl's groups are: {', '.join(ROOTS[:9])};"
+        elif key not in known:
             ignored.append(key)
-    return ignored
+    if unknown and len(unknown) == len(values):
+        key, hint = next(iter(unknown.items()))
+        raise ConfigError(f"{origin}: unknown verl key {key!r}; {hint.rstrip(';')}")
+    return ignored, {key: (f"not a verl key explain knows ({hint} or a key of a release after {VERL_VERSION}): the "
+                           "verdict leaves it out; check that it does not change the objective")
+                     for key, hint in unknown.items()}
 
 
 #: Keys of the objective's groups that change speed, memory, I/O or logging only.
@@ -158,6 +166,8 @@ def _check_type(key: str, value: Any, origin: str) -> None:
     if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
         name = {bool: "true or false", str: "a name"}.get(kind, "a number")
         raise ConfigError(f"{origin}: {key} must be {name}, got {value!r}")
+    if kind is not bool and kind is not str and not math.isfinite(value):  # .nan, .inf: every loss would be NaN
+        raise ConfigError(f"{origin}: {key} must be a finite number, got {value!r}")
 
 
 def map_verl(values: dict[str, Any], origin: str = "config", release: Profile | None = None) -> Mapped:
@@ -171,16 +181,16 @@ def map_verl(values: dict[str, Any], origin: str = "config", release: Profile | 
         if key in KL_KEYS and key not in row["defaults"]:
             raise NotInRange(f"{origin}: {key} is not a key of {label} (klgrpo/integrations/versions/verl.json); "
                              "drop it or pass the release you run, e.g. --version verl==0.4")
-    unread = check_keys(values, origin)
+    unread, unknown = check_keys(values, origin)
     for key in values:
         if key in VERL_DEFAULTS:
             _check_type(key, values[key], origin)
     v = {**VERL_DEFAULTS, **row["defaults"], **values}
-    out = Mapped()
+    out = Mapped(unmapped=unknown)
     _not_read(unread, out)
     _map_policy(v, out)
     _map_advantages(v, out)
-    _map_kl(v, out, row, label)
+    _map_kl(v, out, row, label, origin)
     mini_batches = v["data.train_batch_size"] / v[ACTOR + "ppo_mini_batch_size"]
     out.off_policy = v[ACTOR + "ppo_epochs"] > 1 or mini_batches > 1
     if mini_batches > 1:
@@ -244,13 +254,25 @@ def _map_advantages(v: dict, out: Mapped) -> None:
     out.config.update({"loss.advantage_scale": scale, "loss.std_eps": 1e-6, "loss.std_ddof": 1})
 
 
-def _estimator(name: str, key: str, out: Mapped, row: dict, label: str) -> tuple[str, str, float] | None:
-    """(klgrpo estimator, loss shaping, cap) of the KL type ``name`` in the range's row, or None (named in
-    unmapped): a name the range lacks, or one klgrpo has no counterpart for."""
-    formula = row["estimators"].get(name)
+#: Every KL type name some verl release has (verl.json): another name is no verl KL type at all.
+KL_TYPES = tuple(dict.fromkeys(name for p in rl_profiles("verl") for name in p.release["estimators"]))
+
+
+def _estimator(name: Any, key: str, out: Mapped, row: dict, label: str,
+               origin: str) -> tuple[str, str, float] | None:
+    """(klgrpo estimator, loss shaping, cap) of the KL type ``name`` in the range's row; None (named in unmapped)
+    where klgrpo has no counterpart. A name no verl release has is a ConfigError; one this range lacks, or one
+    whose function raises there (``k3+`` before 0.8, ``full``), is a NotInRange: the range cannot run it."""
+    formula = row["estimators"].get(name) if isinstance(name, str) else None
+    if formula is None and name not in KL_TYPES:
+        raise ConfigError(f"{origin}: {key} {name!r} is no KL type of any verl release; verl's are: "
+                          f"{', '.join(KL_TYPES)}")
     if formula is None:
-        out.unmapped[key] = f"{name!r} is not a KL type of {label}; choose one of: {', '.join(row['estimators'])}"
-        return None
+        raise NotInRange(f"{origin}: {key} {name!r} is not a KL type of {label} (it has: "
+                         f"{', '.join(row['estimators'])}); pass the release you run, e.g. --version verl==0.8")
+    if formula.startswith("raises"):
+        raise NotInRange(f"{origin}: {key} {name!r}: verl's kl_penalty {formula} in {label} (core_algos.py): "
+                         "the run stops at its first KL; pick another KL type or the release that has it")
     found = table_estimator(formula)
     if found.estimator is None:
         out.unmapped[key] = f"{name!r} in {label}: {found.why}"
@@ -258,7 +280,8 @@ def _estimator(name: str, key: str, out: Mapped, row: dict, label: str) -> tuple
     # a cap on k3 (>= 0: the upper bound only) is klgrpo's clip shaping there, zero gradient above
     if found.cap is not None and found.estimator != "k3":
         out.unmapped[key] = (f"{name!r}: verl caps the value at {found.cap:g}, klgrpo's {found.estimator} does not "
-                             "(equal below the cap)")
+                             "(equal below the cap" + ("; the gradient, k2's, is not capped in either)"
+                                                       if found.estimator.endswith("_st") else ")"))
     shaping = "clip" if found.cap is not None and found.estimator == "k3" else "none"
     return found.estimator, shaping, found.cap or LOW_VAR_KL_CAP
 
@@ -273,11 +296,12 @@ def _part(estimator: tuple[str, str, float], coef: float, placement: str) -> dic
     return part
 
 
-def _map_kl(v: dict, out: Mapped, row: dict, label: str) -> None:
+def _map_kl(v: dict, out: Mapped, row: dict, label: str, origin: str) -> None:
     loss_on, reward_on = bool(v[ACTOR + "use_kl_loss"]), REWARD_RULES[row["reward_kl"]](v)
-    loss_est = _estimator(v[ACTOR + "kl_loss_type"], ACTOR + "kl_loss_type", out, row, label) if loss_on else None
-    reward_est = (_estimator(v[ALGORITHM + "kl_penalty"], ALGORITHM + "kl_penalty", out, row, label) if reward_on
-                  else None)
+    loss_est = (_estimator(v[ACTOR + "kl_loss_type"], ACTOR + "kl_loss_type", out, row, label, origin) if loss_on
+                else None)
+    reward_est = (_estimator(v[ALGORITHM + "kl_penalty"], ALGORITHM + "kl_penalty", out, row, label, origin)
+                  if reward_on else None)
     controller = v[ALGORITHM + "kl_ctrl.type"]
     if reward_on and controller not in ("fixed", "adaptive"):
         out.unmapped[ALGORITHM + "kl_ctrl.type"] = f"{controller!r} is not a verl KL controller"
