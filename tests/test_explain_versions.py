@@ -378,3 +378,26 @@ def test_run_options_and_rows_out_of_bounds_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "klgrpo explain: --warn-above must be a finite number >= 0 (a KL per token), got nan"
     assert len(err) == 2 and "nests too deeply" in err[1]
+
+
+@pytest.mark.parametrize("keywords, releases", [
+    # unsloth/models/rl.py: vllm_sampling_params and unsloth_num_chunks from 2025.2.13 (in every Unsloth range
+    # whose TRL allows a beta of 0.04 with a token-mean loss: the two newest give one answer)
+    ("vllm_sampling_params=sp, unsloth_num_chunks=-1, loss_type='bnpo'",
+     ["Unsloth >= 2025.6.5, < 2025.9.1 (with TRL >= 0.16.0, < 0.26.0)",
+      "Unsloth 2025.9.1 or later (with TRL >= 0.18.0, < 0.26.0)"]),
+    # unsloth_grpo_mini_batch from 2026.1.2: only the range that holds it
+    ("unsloth_grpo_mini_batch=4", ["Unsloth 2025.9.1 or later (with TRL >= 0.18.0, < 0.26.0)"]),
+])
+def test_unsloths_own_config_fields_make_a_script_unsloths(tmp_path, keywords, releases):
+    # no `import unsloth` (the cell that imports it is elsewhere): TRL's GRPOConfig refuses these fields, so the
+    # call runs on Unsloth's patched class: Unsloth's loss, k3 without the ratio: forward
+    text = f"from trl import GRPOConfig\nsp = None\nargs = GRPOConfig(beta=0.04, {keywords})\n"
+    status, report = _run(tmp_path, text, "train.py")
+    assert status == 0 and report["source"] == "unsloth" and "versions" not in report
+    assert report["releases"] == releases and report["controller"] == "fixed at 0.04"
+    assert report["gradient"]["token_on_policy"] == "forward"
+    assert {"unsloth_num_chunks", "unsloth_grpo_mini_batch"} & set(keywords.replace("=", " ").split()) <= set(
+        report["ignored"])
+    if "vllm_sampling_params" in keywords:
+        assert "replace the config's" in report["unmapped"]["vllm_sampling_params"]

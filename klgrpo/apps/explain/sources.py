@@ -32,7 +32,15 @@ from klgrpo.integrations.openrlhf_mapping import OPENRLHF_DEFAULTS, canonical, m
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS
 from klgrpo.integrations.verl_mapping import ROOTS as VERL_ROOTS
 from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
-from klgrpo.integrations.versions import Constraint, NotInRange, Profile, newest, outside_every_range, profiles
+from klgrpo.integrations.versions import (
+    Constraint,
+    NotInRange,
+    Profile,
+    newest,
+    outside_every_range,
+    profiles,
+    unsloth_config_fields,
+)
 
 FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
@@ -205,12 +213,16 @@ def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Co
     missing: list[NotInRange] = []
     for profile in candidates:
         try:
-            mapped = map_trl_config(dict(data), origin, adaptive, profile)
+            mapped = map_trl_config(dict(data), origin, adaptive, profile, unsloth=kind == "unsloth")
         except NotInRange as err:
             missing.append(err)
             continue
         for keyword, why in (computed or {}).items():
-            mapped.unmapped.setdefault(keyword, why)
+            own = unsloth_config_fields().get(keyword) if kind == "unsloth" else None
+            if own is not None and own[1] is None:
+                mapped.ignored.append(keyword)  # whatever it holds: speed and memory only
+                continue
+            mapped.unmapped.setdefault(keyword, f"Unsloth's GRPOConfig field, {why}: {own[1]}" if own else why)
         out.append((profile, mapped))
     if not out:
         raise missing[-1]
@@ -310,7 +322,11 @@ def _from_python(text: str, origin: str, source: str | None, line: int | None,
     where = f"{origin}: line {call.line}"
     adaptive = source == "adaptive_kl" or source is None and (
         bool(set(call.keywords) & set(ADAPTIVE_KL_DEFAULTS)) or call.imported_from.startswith("klgrpo"))
-    unsloth = not adaptive and (source == "unsloth" or source is None and bool(_UNSLOTH_IMPORT.search(text)))
+    # Unsloth's own GRPOConfig fields (vllm_sampling_params, ...): TRL's GRPOConfig refuses them, so the call runs
+    # on Unsloth's patched class even where the cell importing Unsloth is not in the file
+    own = set(unsloth_config_fields()) & {*call.keywords, *call.computed}
+    unsloth = not adaptive and (source == "unsloth" or source is None and (bool(_UNSLOTH_IMPORT.search(text))
+                                                                           or bool(own)))
     kind = "adaptive_kl" if adaptive else "unsloth" if unsloth else "trl"
     return kind, trl_variants(call.keywords, where, kind, versions, call.computed)
 

@@ -16,7 +16,7 @@ from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, LOSS_TYPES, TRL_DEFAULTS, map_trl
-from klgrpo.integrations.versions import NotInRange, Profile
+from klgrpo.integrations.versions import NotInRange, Profile, unsloth_config_fields
 
 #: Names of earlier TRL releases that ``trl grpo`` configs still carry -> the 1.16 name.
 EARLIER_NAMES = {"torch_dtype": "dtype"}
@@ -117,20 +117,25 @@ NOT_THE_OBJECTIVE = frozenset((
     "model_name_or_path", "dataset_name", "dataset_config", "learning_rate", "lr_scheduler_type", "warmup_steps"))
 
 
-def known_fields(adaptive: bool, profile: Profile | None = None) -> set[str]:
+def known_fields(adaptive: bool, profile: Profile | None = None, unsloth: bool = False) -> set[str]:
     names = set(FIELDS) | set(EARLIER_NAMES) | set(PARSER_KEYS) | set(LAUNCHER_FIELDS) | set(OLDER_TRAINING_ARGUMENTS)
     if profile is not None:
         names = (names - profile.absent) | profile.removed_since
+    if unsloth:  # Unsloth's patched GRPOConfig, in the ranges whose releases have each field
+        names |= {name for name, (first, _) in unsloth_config_fields().items()
+                  if profile is None or profile.high is None or profile.high > first}
     return names | set(ADAPTIVE_KL_DEFAULTS) if adaptive else names
 
 
-def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Profile | None = None) -> None:
+def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Profile | None = None,
+                          unsloth: bool = False) -> None:
     """One line naming every key no TRL dataclass has (each with its closest name), or a value of the wrong type.
     Under a release range (``profile``), a field that range lacks is a :class:`NotInRange` error."""
-    known = known_fields(adaptive, profile)
+    known = known_fields(adaptive, profile, unsloth)
     unknown = [key for key in data if key not in known]
     if profile is not None:
-        later = sorted(str(key) for key in unknown if key in profile.absent or key in other_releases_fields())
+        later = sorted(str(key) for key in unknown if key in profile.absent or key in other_releases_fields()
+                       or unsloth and key in unsloth_config_fields())
         if later:
             raise NotInRange(f"{origin}: {', '.join(later)}: no field of {profile.label}")
     where = profile.label if profile is not None else f"TRL {TRL_FIELDS_VERSION}"
@@ -224,10 +229,12 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | None = None) -> Mapped:
+def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | None = None,
+                   unsloth: bool = False) -> Mapped:
     """A ``trl grpo --config`` mapping (or a GRPOConfig call's keywords) -> klgrpo's config; under ``profile``,
     by that release range's fields and defaults (and, for Unsloth, its rewrites and its loss's unweighted KL)."""
-    check_names_and_types(data, origin, adaptive, profile)
+    unsloth = profile is not None and profile.framework == "unsloth" or unsloth
+    check_names_and_types(data, origin, adaptive, profile, unsloth)
     data = {EARLIER_NAMES.get(key, key): value for key, value in data.items()}
     notes = _profile_rules(data, profile) if profile is not None else {}
     objective = {k: v for k, v in data.items() if k in TRL_DEFAULTS or k in ADAPTIVE_KL_DEFAULTS}
@@ -241,6 +248,12 @@ def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | N
             mapped.unmapped.setdefault(key, OTHER_COUNTERPARTS[key])
             if key == "reward_model_name_or_path" and isinstance(data[key], str) and data[key]:
                 mapped.rewards += reward_entries([{"model": data[key]}], as_chat=False)
+        elif unsloth and key in unsloth_config_fields():
+            does = unsloth_config_fields()[key][1]
+            if does:
+                mapped.unmapped.setdefault(key, f"Unsloth's GRPOConfig field: {does}")
+            else:
+                mapped.ignored.append(key)  # Unsloth's chunking of the loss: speed and memory only
         elif key in LAUNCHER_FIELDS or OLDER_TRAINING_ARGUMENTS.get(key):
             mapped.unmapped.setdefault(key, LAUNCHER_FIELDS.get(key) or OLDER_TRAINING_ARGUMENTS[key])
         elif key in NOT_THE_OBJECTIVE or key in PARSER_KEYS or key in OLDER_TRAINING_ARGUMENTS:

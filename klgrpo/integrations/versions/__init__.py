@@ -155,6 +155,15 @@ def trl_profiles() -> tuple[Profile, ...]:
 
 
 @lru_cache(maxsize=None)
+def unsloth_config_fields() -> dict[str, tuple[Version, str | None]]:
+    """The fields Unsloth's patched GRPOConfig adds to TRL's (unsloth.json's config_fields): name -> (the first
+    Unsloth release that has it, what it changes; None: speed or memory only). TRL's own GRPOConfig refuses
+    them, so a file that sets one runs on Unsloth."""
+    fields = _table("unsloth")["config_fields"]["fields"]
+    return {name: (parse_version(row["from"]), row["does"]) for name, row in fields.items()}
+
+
+@lru_cache(maxsize=None)
 def unsloth_profiles() -> tuple[Profile, ...]:
     """Each Unsloth range paired with each TRL range its pins allow."""
     table = _table("unsloth")
