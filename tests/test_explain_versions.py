@@ -401,3 +401,20 @@ def test_unsloths_own_config_fields_make_a_script_unsloths(tmp_path, keywords, r
         report["ignored"])
     if "vllm_sampling_params" in keywords:
         assert "replace the config's" in report["unmapped"]["vllm_sampling_params"]
+
+
+def test_a_default_that_changed_between_releases_is_said_with_the_release(tmp_path, capsys):
+    # trl.json (grpo_config.py per tag): use_bias_correction_kl False until 1.10.0 sets it True (its field exists
+    # from 0.26.0; before it the trainer never weighs the KL: False); beta 0.04 until 0.19.0's 0.0; loss_type
+    # grpo, bnpo from 0.16.0, dapo from 0.22.0. The file sets beta, so beta is no changed default of its
+    status, report = _run(tmp_path, "beta: 0.04\n")
+    changes = {line.split(":")[0]: line for line in report["default_changes"]}
+    assert changes["use_bias_correction_kl"] == "use_bias_correction_kl: False from TRL 0.14.0, True from TRL 1.10.0"
+    assert changes["loss_type"] == "loss_type: 'grpo' from TRL 0.14.0, 'bnpo' from TRL 0.16.0, 'dapo' from TRL 0.22.0"
+    assert "beta" not in changes
+    capsys.readouterr()
+    assert main([str(tmp_path / "cfg.yaml")]) == 0
+    assert "use_bias_correction_kl: False from TRL 0.14.0, True from TRL 1.10.0" in capsys.readouterr().out
+    # one release: nothing changed
+    status, report = _run(tmp_path, "beta: 0.04\n", extra=("--version", "trl==1.10"))
+    assert report["default_changes"] == []

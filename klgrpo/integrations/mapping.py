@@ -44,6 +44,8 @@ class Mapped:
                 bridge keeps them: it runs inside TRL's trainer)
     rewards     the source's reward functions as ``klgrpo explain`` lists them (dicts; a klgrpo config's
                 rewards.functions)
+    defaults    the release range's defaults the verdict took for objective fields the source leaves unset
+                (TRL's use_bias_correction_kl, beta, ...): where they differ between ranges, explain says so
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -53,6 +55,7 @@ class Mapped:
     off_policy: bool = False
     source_runtime: set[str] = field(default_factory=set)
     rewards: list[dict[str, Any]] = field(default_factory=list)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     def nested(self) -> dict[str, dict[str, Any]]:
         """``config`` as the nested mapping a klgrpo YAML holds ({"kl": {"coef": ...}, ...})."""

@@ -136,10 +136,31 @@ def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
         report["notes"] = _version_note(source) if profile is None else []
         reports.append((profile, report))
     groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
-    report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0])}
+    report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0]),
+              "default_changes": default_changes(variants)}
     if len(groups) > 1:
         report["versions"] = [{**one, "releases": spans(found)} for found, one in groups]
     return report
+
+
+def default_changes(variants: list) -> list[str]:
+    """For each TRL objective field the file leaves unset whose default differs between the TRL release ranges
+    it was mapped under: each default with the first release that holds it, oldest first, e.g.
+    "use_bias_correction_kl: False from TRL 0.14.0, True from TRL 1.10.0". (Unsloth's ranges pair with TRL's and
+    write their own defaults: their verdicts per range say it.)"""
+    from klgrpo.integrations.versions import release_label
+
+    ranged = sorted(((p, m) for p, m in variants if p is not None and p.framework == "trl"), key=lambda pm: pm[0].low)
+    out = []
+    for name in dict.fromkeys(k for _, m in ranged for k in m.defaults):
+        runs: list[tuple[Any, str]] = []
+        for profile, mapped in ranged:
+            value = mapped.defaults.get(name, runs[-1][0] if runs else None)
+            if name in mapped.defaults and (not runs or runs[-1][0] != value):
+                runs.append((value, f"TRL {release_label(profile.low)}"))
+        if len(runs) > 1:
+            out.append(f"{name}: " + ", ".join(f"{value!r} from {first}" for value, first in runs))
+    return out
 
 
 def _stated_by(option: str) -> dict[str, Any]:
@@ -210,6 +231,9 @@ def _print_report(report: dict[str, Any]) -> None:
         print(format_report(report["origin"], entry))
     if not versions:
         return
+    if report.get("default_changes"):
+        print(f"{report['origin']}: defaults it leaves unset that changed between releases (the verdicts above "
+              f"take each range's): {'; '.join(report['default_changes'])}")
     said = "; ".join(f"on {' and '.join(e['releases'])}: {_answer(e, versions)}" for e in versions)
     example = {"verl": "verl==0.3", "openrlhf": "openrlhf==0.8.5"}.get(report["source"], "trl==0.18")
     print(f"{report['origin']}: the answer depends on the release ({said}): which do you run? Pass --version "

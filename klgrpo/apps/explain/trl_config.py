@@ -236,9 +236,12 @@ def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | N
     unsloth = profile is not None and profile.framework == "unsloth" or unsloth
     check_names_and_types(data, origin, adaptive, profile, unsloth)
     data = {EARLIER_NAMES.get(key, key): value for key, value in data.items()}
+    unset = {k: v for k, v in (profile.defaults if profile is not None else {}).items()
+             if k in TRL_DEFAULTS and k not in data}
     notes = _profile_rules(data, profile) if profile is not None else {}
     objective = {k: v for k, v in data.items() if k in TRL_DEFAULTS or k in ADAPTIVE_KL_DEFAULTS}
     mapped = map_trl(objective, defaults=profile.defaults if profile is not None else None)
+    mapped.defaults = unset
     mapped.unmapped.update(notes)
     _map_model_and_data(data, mapped)
     for key in data:

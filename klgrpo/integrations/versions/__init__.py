@@ -64,6 +64,11 @@ def _label(version: Version) -> str:
     return ".".join(map(str, version[:3])) + (f".post{version[3]}" if len(version) > 3 else "")
 
 
+def release_label(version: Version) -> str:
+    """(1, 10, 0) -> "1.10.0"; a post release's fourth part as ".postN"."""
+    return _label(version)
+
+
 @dataclass(frozen=True)
 class Constraint:
     """One ``op version`` clause; ``==0.18`` (fewer than three parts) matches every 0.18.x."""
