@@ -68,6 +68,8 @@ RANGES = {
     "rollout.vllm.server_timeout": (0, False, 86400, True, ""), "rollout.vllm.server_retries": (0, True, 20, True, ""),
     "rollout.vllm.group_port": (1, True, 65535, True, ""),
     "kl.runaway_lr_factor": (0, False, 1, True, ""),
+    # added with its declaration: min-p's share of the largest probability, below 1 (1 keeps only ties)
+    "rollout.min_p": (0, True, 1, False, ""),
 }
 #: Other settings a field needs to be valid at its bound (a cross-field check would refuse it otherwise).
 AT_BOUND_WITH = {"kl.log_ratio_clamp": {"kl.estimator": "k1"}}

@@ -49,7 +49,7 @@ def _is_documented_in_docs(name: str, documented: set[str]) -> bool:
 def logged(tiny_model_dir, addition_file, tmp_path_factory):
     """Every name two short runs log with the optional metrics switched on: the KL in the loss and the reward,
     the clip shaping, the replay anchor, an evaluation set, a reward model and a custom loss that returns a
-    metric; then the entropy bonus, the top-entropy and the off-policy masks."""
+    metric; then the entropy bonus, the top-entropy and the off-policy masks under truncated sampling (top-p)."""
     tokenizer = rm_tokenizer()
     reward_model = save_reward_model(tmp_path_factory.mktemp("rm"), build_reward_model(tokenizer), tokenizer)
     replay_file = write_jsonl(tmp_path_factory.mktemp("replay") / "sub.jsonl",
@@ -73,7 +73,7 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
     # the entropy bonus and the masks shape the built-in objective only: a second run without the custom loss
     entropy_cfg = make_config(tiny_model_dir, addition_file, out / "entropy", train={"steps": 2, "num_iterations": 2},
                               loss={"entropy_coef": 0.01, "top_entropy_quantile": 0.5,
-                                    "off_policy_mask_threshold": 0.05})
+                                    "off_policy_mask_threshold": 0.05}, rollout={"top_p": 0.9})
     entropy_run = GRPOTrainer(entropy_cfg, log=quiet)
     entropy_run.train()
     rows = [*read_metrics(trainer.run_dir), *read_metrics(entropy_run.run_dir)]

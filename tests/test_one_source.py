@@ -25,11 +25,13 @@ from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS
+from klgrpo.math.truncation import TRUNCATIONS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "klgrpo"
 
 #: config field -> the names it must accept, read from where the code that uses the field looks them up.
 SOURCES = {
+    "rollout.truncation": TRUNCATIONS,
     "model.dtype": DTYPE_NAMES,
     "model.forward": FORWARDS,
     "kl.estimator": (*ESTIMATORS, *FULL_KL_ESTIMATORS),

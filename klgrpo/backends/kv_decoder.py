@@ -18,43 +18,39 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from klgrpo.backends.weights import base_model
+from klgrpo.math.truncation import kept_counts, truncate_scores
 
 _SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 
 
-def filter_logits(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """float32 scores logits / temperature with -inf outside top-k, then outside top-p, as transformers'
-    TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper in that order: top-k keeps the scores >= the
-    k-th largest (ties kept); top-p drops the smallest tokens whose cumulative probability is <= 1 - top_p and
-    always keeps the most likely one."""
+def filter_logits(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> Tensor:
+    """float32 scores logits / temperature with -inf outside the kept set of top-k, then top-p, then min-p, as
+    transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper in that order
+    (klgrpo.math.truncation.truncate_scores)."""
     scores = logits_BV.float()
     if temperature != 1.0:
         scores = scores / temperature
-    if 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1)
-        drop = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
-        drop[..., -1] = False
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return scores
+    return truncate_scores(scores, top_k, top_p, min_p)
 
 
-def sample_next_token(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+def sample_next_token(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0) -> Tensor:
     """One token per row drawn from softmax(filter_logits(...)), [B] int64 (one torch.multinomial call, as
     ``generate`` draws)."""
-    return draw_next_token(logits_BV, temperature, top_k, top_p)[0]
+    return draw_next_token(logits_BV, temperature, top_k, top_p, min_p)[0]
 
 
-def draw_next_token(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0) -> tuple[Tensor, Tensor]:
-    """``sample_next_token``'s token (the same draw) and its log-probability under the distribution drawn from,
-    float32 [B]: the sampler's own log mu of the token, read off the probabilities it sampled with."""
-    probs = filter_logits(logits_BV, temperature, top_k, top_p).softmax(dim=-1)
+def draw_next_token(logits_BV: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """``sample_next_token``'s token (the same draw), its log-probability under the distribution drawn from,
+    float32 [B] (the sampler's own log mu of the token, read off the probabilities it sampled with), and the size
+    of the kept set it was drawn from, int32 [B] (the vocabulary's size where no filter is on)."""
+    scores = filter_logits(logits_BV, temperature, top_k, top_p, min_p)
+    probs = scores.softmax(dim=-1)
     token = torch.multinomial(probs, 1)
-    return token.squeeze(-1), probs.gather(-1, token).squeeze(-1).log()
+    return token.squeeze(-1), probs.gather(-1, token).squeeze(-1).log(), kept_counts(scores)
 
 
 def _linear(module, x: Tensor) -> Tensor:
@@ -145,19 +141,20 @@ def _fused_layer(w: _FusedLayer, h: Tensor, cos: Tensor, sin: Tensor, keys: Tens
 
 def _decode_step(token_B: Tensor, cos: Tensor, sin: Tensor, column: Tensor, keys_valid: Tensor, done: Tensor,
                  caches, layers: list[_FusedLayer], head: tuple, n_heads: int, scale: float, sampling: tuple,
-                 eos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                 eos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One step of the fused loop as a function of tensors only (what train.compile compiles): feed token_B at
-    cache ``column``, draw the next token as ``sample_next_token`` does; returns (token, done, its log-prob)."""
+    cache ``column``, draw the next token as ``sample_next_token`` does; returns (token, done, its log-prob, the
+    size of its kept set)."""
     embed, norm, norm_eps, lm_head, lm_head_bias = head
-    temperature, top_k, top_p, pad_id = sampling
+    temperature, top_k, top_p, min_p, pad_id = sampling
     h = F.embedding(token_B[:, None], embed)
     mask = (keys_valid & (torch.arange(keys_valid.shape[1], device=column.device) <= column))[:, None, None]
     for w, (keys, values) in zip(layers, caches):
         h = _fused_layer(w, h, cos, sin, keys, values, column, mask, n_heads, scale)
     logits = F.linear(F.rms_norm(h[:, -1], (h.shape[-1],), norm, norm_eps), lm_head, lm_head_bias)
-    token, logp = draw_next_token(logits, temperature, top_k, top_p)
+    token, logp, kept = draw_next_token(logits, temperature, top_k, top_p, min_p)
     token = token.masked_fill(done, pad_id)
-    return token, done | torch.isin(token, eos), logp
+    return token, done | torch.isin(token, eos), logp, kept
 
 
 _compiled_decode_steps: dict[tuple, object] = {}
@@ -383,12 +380,14 @@ class KVSampler:
 
     def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int, temperature: float,
                top_p: float, top_k: int, pad_id: int, eos_ids: list[int], group_size: int = 1,
-               compiled: bool = False, with_logprobs: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+               compiled: bool = False, with_logprobs: bool = False, min_p: float = 0.0
+               ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         """Completion ids [B * group_size, n], n <= max_new_tokens (the loop stops once every row has emitted an
         EOS), rows [i*G, (i+1)*G) continuing prompt i; after its EOS a row holds ``pad_id``, as ``generate`` pads
         it. Each prompt is prefilled once and its cache copied to its G rows. ``compiled``: the steps after the
         first run through torch.compile (``_decode_step``) where the model allows it (``_compilable``).
-        ``with_logprobs``: (ids, the tokens' log-probs under the distribution drawn from, float32 [B * G, n])."""
+        ``with_logprobs``: (ids, the tokens' log-probs under the distribution drawn from, float32 [B * G, n], the
+        size of the kept set each was drawn from, int32 [B * G, n])."""
         caches, logits, keys_valid, last = self.prefill_groups(prompt_ids, prompt_mask, group_size)
         b, p = keys_valid.shape[0], prompt_ids.shape[1]
         # cos/sin of every step's position at once: [B, 1, steps, D], one column per step
@@ -396,27 +395,28 @@ class KVSampler:
         cos, sin = self.cos[steps].unsqueeze(1), self.sin[steps].unsqueeze(1)
         out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         logps = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=self.device)
+        kept = torch.zeros((b, max_new_tokens), dtype=torch.int32, device=self.device)
         eos = torch.tensor(eos_ids or [-1], device=self.device)
         head = self._compilable() if compiled else None
         if head is not None:
             step = _compiled_step((tuple(w.shape for w in head if isinstance(w, Tensor)), len(self.fused),
                                    self.fused[0].qkv.shape, self.fused[0].down.shape, self.dtype, self.device))
         columns = torch.arange(p, p + max_new_tokens, device=self.device)
-        token, logp = draw_next_token(logits, temperature, top_k, top_p)
+        token, logp, count = draw_next_token(logits, temperature, top_k, top_p, min_p)
         done = torch.isin(token, eos)
         n = 0
         for t in range(max_new_tokens):
-            out[:, t], logps[:, t], n = token, logp, t + 1
+            out[:, t], logps[:, t], kept[:, t], n = token, logp, count, t + 1
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
             if head is not None:
-                token, done, logp = step(token, cos[:, :, t:t + 1], sin[:, :, t:t + 1], columns[t:t + 1],
+                token, done, logp, count = step(token, cos[:, :, t:t + 1], sin[:, :, t:t + 1], columns[t:t + 1],
                                          keys_valid, done, caches, self.fused, head, self.n_heads,
-                                         self.scaling, (temperature, top_k, top_p, pad_id), eos)
+                                         self.scaling, (temperature, top_k, top_p, min_p, pad_id), eos)
             else:
                 logits = self._logits(token[:, None], cos[:, :, t:t + 1], sin[:, :, t:t + 1], p + t,
                                       keys_valid[:, None, None, :p + t + 1], caches)
-                token, logp = draw_next_token(logits, temperature, top_k, top_p)
+                token, logp, count = draw_next_token(logits, temperature, top_k, top_p, min_p)
                 token = token.masked_fill(done, pad_id)
                 done = done | torch.isin(token, eos)
-        return (out[:, :n], logps[:, :n]) if with_logprobs else out[:, :n]
+        return (out[:, :n], logps[:, :n], kept[:, :n]) if with_logprobs else out[:, :n]

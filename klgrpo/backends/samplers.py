@@ -34,6 +34,7 @@ from klgrpo.backends.vllm_server import VLLMServerSampler
 from klgrpo.backends.weights import base_model
 from klgrpo.errors import ConfigError
 from klgrpo.math.registry import Registry
+from klgrpo.math.truncation import kept_counts
 
 __all__ = ["AUTO", "SAMPLERS", "SampledRollout", "Sampler", "SamplingParams", "auto_sampler", "open_sampler",
            "pick_sampler", "resolve_sampler"]
@@ -53,10 +54,10 @@ class KVLoopSampler(Sampler):
 
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids) -> SampledRollout:
         loop = KVSampler.for_model(model, prompt_ids.shape[1] + params.max_new_tokens)
-        ids, logp = loop.sample(prompt_ids, prompt_mask, params.max_new_tokens, params.temperature, params.top_p,
-                                params.top_k, pad_id, eos_ids, params.group_size, params.compiled,
-                                with_logprobs=True)
-        return SampledRollout(ids, logp, params.filters, self.weights_version)
+        ids, logp, kept = loop.sample(prompt_ids, prompt_mask, params.max_new_tokens, params.temperature,
+                                      params.top_p, params.top_k, pad_id, eos_ids, params.group_size,
+                                      params.compiled, with_logprobs=True, min_p=params.min_p)
+        return SampledRollout(ids, logp, params.filters, self.weights_version, kept)
 
 
 #: generate_static left-pads the prompts to a multiple of this many positions. transformers sizes a static cache
@@ -70,7 +71,7 @@ STATIC_PROMPT_BUCKET = 64
 class GenerateSampler(Sampler):
     """transformers' ``generate`` (do_sample) on the prompts repeated G times, with its dynamic cache. The
     temperature and the filters are transformers' own warpers, handed to ``generate`` as its logits processors
-    (in its order: temperature, top-k, top-p) with a recorder after them that reads each drawn token's log-prob
+    (in its order: temperature, top-k, top-p, min-p) with a recorder after them that reads each drawn token's log-prob
     off the scores it was drawn from: the same draw as ``generate``'s own warpers, and log mu for the trainer."""
 
     name = "generate"
@@ -78,12 +79,12 @@ class GenerateSampler(Sampler):
     bucket = 0  # left-pad the prompts to a multiple of this many positions (0: no padding)
 
     def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids) -> SampledRollout:
-        ids, logp = self._generate(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
-        return SampledRollout(ids, logp, params.filters, self.weights_version)
+        ids, logp, kept = self._generate(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
+        return SampledRollout(ids, logp, params.filters, self.weights_version, kept)
 
     def _generate(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids, stop_after: int = 0):
-        """(completion ids, their log-probs or None when greedy); ``stop_after`` > 0 stops every row after that
-        many tokens (the cache keeps its full size)."""
+        """(completion ids, their log-probs and kept-set sizes, both None when greedy); ``stop_after`` > 0 stops
+        every row after that many tokens (the cache keeps its full size)."""
         from transformers import LogitsProcessorList
 
         g, width = params.group_size, prompt_ids.shape[1]
@@ -103,7 +104,9 @@ class GenerateSampler(Sampler):
             pad_token_id=pad_id, eos_token_id=eos_ids, **({"cache_implementation": self.cache} if self.cache else {}),
             **stop)
         ids = out[:, prompt_ids.shape[1]:]
-        return ids, (recorder.logp(out) if recorder is not None else None)
+        if recorder is None:
+            return ids, None, None
+        return ids, *recorder.logp_and_kept(out)
 
     def padded_width(self, width: int) -> int:
         return -(-width // self.bucket) * self.bucket if self.bucket else width
@@ -132,9 +135,9 @@ class StaticGenerateSampler(GenerateSampler):
 
 
 def _warpers(params: SamplingParams) -> list:
-    """transformers' own warpers for the rollout's temperature, top-k and top-p, in the order ``generate`` applies
-    them (its _get_logits_processor)."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    """transformers' own warpers for the rollout's temperature, top-k, top-p and min-p, in the order ``generate``
+    applies them (its _get_logits_processor)."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     warpers = []
     if params.temperature != 1.0:
@@ -143,22 +146,27 @@ def _warpers(params: SamplingParams) -> list:
         warpers.append(TopKLogitsWarper(top_k=params.top_k))
     if params.top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p=params.top_p))
+    if params.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(min_p=params.min_p))
     return warpers
 
 
 class _DrawnLogprobs:
     """The last logits processor of a sampling ``generate``: it sees the scores each token is drawn from (after
     the warpers) and, at the next call, the token drawn (the last column of ``input_ids``), and keeps that token's
-    log-probability under those scores; ``logp(sequences)`` adds the last token's. float32 [B, T]."""
+    log-probability under those scores and the size of their kept set (the finite scores);
+    ``logp_and_kept(sequences)`` adds the last token's: (float32 [B, T], int32 [B, T])."""
 
     def __init__(self, prompt_width: int):
         self.prompt_width = prompt_width
         self.previous = None  # the last call's log_softmax of the scores: [B, V]
         self.columns: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
 
     def __call__(self, input_ids, scores):
         self._read(input_ids[:, -1])
         self.previous = scores.float().log_softmax(dim=-1)
+        self.kept.append(kept_counts(scores))
         return scores
 
     def _read(self, tokens) -> None:
@@ -166,12 +174,13 @@ class _DrawnLogprobs:
             self.columns.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
             self.previous = None
 
-    def logp(self, sequences):
+    def logp_and_kept(self, sequences):
         if sequences.shape[1] > self.prompt_width + len(self.columns):
             self._read(sequences[:, -1])
         if not self.columns:
-            return torch.zeros((sequences.shape[0], 0), dtype=torch.float32, device=sequences.device)
-        return torch.stack(self.columns, dim=1)
+            empty = torch.zeros((sequences.shape[0], 0), device=sequences.device)
+            return empty, empty.to(torch.int32)
+        return torch.stack(self.columns, dim=1), torch.stack(self.kept[:len(self.columns)], dim=1)
 
 
 def _stop_at_length(length: int):

@@ -3,9 +3,10 @@ has (klgrpo/backends/samplers.py registers the samplers; core/rollout.py and tra
 
     SamplingParams   how one rollout samples (G, length, temperature and filters, chat template, which sampler)
     SamplingFilters  the distribution a sampler draws each token from: softmax(logits / temperature) after top-k,
-                     then top-p; what the trainer needs to rebuild each position's kept set
+                     top-p and min-p; what the trainer needs to rebuild each position's kept set
     SampledRollout   what a sampler drew: the completion ids, its own log-probs of them (under the distribution
-                     drawn from), the filters, and the version of the policy's weights that drew them
+                     drawn from), the size of each position's kept set where it records it, the filters, and
+                     the version of the policy's weights that drew them
     Sampler          the base class: ``sample`` is the one method a sampler must write; the others are declared
                      here with the defaults of a sampler that draws from the live policy (nothing to push, compile
                      or close)
@@ -33,6 +34,7 @@ class SamplingParams:
     max_new_tokens  completion length limit; a row without EOS by then is truncated
     temperature     sample from softmax(logits / temperature); > 0
     top_p, top_k    nucleus and top-k filters (1.0 and 0: off)
+    min_p           min-p filter: drop the tokens less likely than min_p times the most likely one (0: off)
     system_prompt   system message prepended to chat prompts
     as_chat         wrap string prompts as one user message and apply the tokenizer's chat template
     compiled        run the KV-cached loop's steps through torch.compile where the model allows it
@@ -44,6 +46,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     system_prompt: str = ""
     as_chat: bool = False
     compiled: bool = False
@@ -51,23 +54,27 @@ class SamplingParams:
 
     @property
     def filters(self) -> "SamplingFilters":
-        return SamplingFilters(self.temperature, self.top_p, self.top_k)
+        return SamplingFilters(self.temperature, self.top_p, self.top_k, self.min_p)
 
 
 @dataclass(frozen=True)
 class SamplingFilters:
     """Each token is drawn from softmax(logits / temperature) with -inf outside the top_k largest scores, then
-    outside the smallest set whose probability reaches top_p (top_k 0 and top_p 1.0: off), in that order, as
-    transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper apply them."""
+    outside the smallest set whose probability reaches top_p, then below min_p times the largest probability
+    (top_k 0, top_p 1.0, min_p 0: off), in that order, as transformers' TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper apply them; ``min_p_first``: min-p before top-k and
+    top-p, vLLM's order (klgrpo.math.truncation.truncate_scores)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    min_p_first: bool = False
 
     @property
     def truncates(self) -> bool:
         """Whether a position's kept set can be smaller than the vocabulary."""
-        return self.top_p < 1.0 or self.top_k > 0
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
 
 
 @dataclass
@@ -77,6 +84,8 @@ class SampledRollout:
     completion_ids   [N*G, T] T <= max_new_tokens; after a row's EOS anything (the caller masks it)
     logp             [N*G, T] float32, the sampler's own log-prob of each sampled token under the distribution
                      it drew from (after temperature and the filters), or None for a sampler that gives none
+    kept_count       [N*G, T] int32, the size of the kept set each token was drawn from, or None where the
+                     sampler does not record it (the trainer then rebuilds the sets from the filters)
     filters          the distribution drawn from (SamplingFilters)
     weights_version  the version of the policy's weights the tokens were drawn with (``Sampler.sync_weights``)
     """
@@ -85,6 +94,7 @@ class SampledRollout:
     logp: Tensor | None
     filters: SamplingFilters
     weights_version: int = 0
+    kept_count: Tensor | None = None
 
 
 #: a training engine's tensor-by-tensor gathering of the policy's weights: (transformers' name, whole tensor)

@@ -27,11 +27,12 @@ import os
 import random
 import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from klgrpo.backends.sampling import SampledRollout, Sampler, WeightsStream
+from klgrpo.backends.sampling import SampledRollout, Sampler, SamplingFilters, WeightsStream
 from klgrpo.backends.weights import base_model, named_whole_weights
 
 #: rollout.vllm.memory_fraction's default: the share of the device (CUDA) or of the RAM (CPU) vLLM may take.
@@ -95,7 +96,7 @@ class VLLMSampler(Sampler):
         engine = self.engine_for(model)
         engine.sync(model, self.weights_version)
         ids, logp = engine.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids)
-        return SampledRollout(ids, logp, params.filters, self.weights_version)
+        return SampledRollout(ids, logp, vllm_filters(params), self.weights_version)
 
     def close(self) -> None:
         """Shut the engine down (its memory comes back once nothing else refers to it)."""
@@ -149,7 +150,7 @@ class Engine:
                    for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         seed = int(torch.randint(0, 2**31 - 1, (1,)))  # from the run's generator: a resume draws the same
         sampling = VLLMParams(n=params.group_size, temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k, max_tokens=params.max_new_tokens, logprobs=0,
+                              top_k=params.top_k, min_p=params.min_p, max_tokens=params.max_new_tokens, logprobs=0,
                               stop_token_ids=list(eos_ids), ignore_eos=True, detokenize=False, seed=seed)
         self._wake("kv_cache")
         try:
@@ -164,6 +165,11 @@ class Engine:
             ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
             logp[i, :len(c.token_ids)] = torch.tensor([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
         return ids.to(prompt_ids.device), logp.to(prompt_ids.device)
+
+
+def vllm_filters(params) -> SamplingFilters:
+    """The distribution vLLM draws from for ``params``: its sampler applies min-p before top-k and top-p."""
+    return replace(params.filters, min_p_first=True)
 
 
 def engine_key(model) -> tuple:

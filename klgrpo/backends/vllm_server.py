@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from klgrpo.backends.sampling import SampledRollout, Sampler
-from klgrpo.backends.vllm_sampler import weights_state
+from klgrpo.backends.vllm_sampler import vllm_filters, weights_state
 from klgrpo.backends.weights import named_whole_weights, whole_weight_specs
 from klgrpo.errors import ConfigError, KLGRPOError
 
@@ -97,7 +97,7 @@ class VLLMServerSampler(Sampler):
                eos_ids: list[int]) -> SampledRollout:
         self.client.sync(model, self.weights_version)
         ids, logp = self.client.generate(prompt_ids, prompt_mask, params, pad_id, eos_ids, vocab_size(model))
-        return SampledRollout(ids, logp, params.filters, self.weights_version)
+        return SampledRollout(ids, logp, vllm_filters(params), self.weights_version)
 
 
 class ServerClient:
@@ -216,7 +216,7 @@ class ServerClient:
         seed = int(torch.randint(0, 2**31 - 1, (1,)))  # from the run's generator: a resume draws the same
         body = {"model": self.model_name, "prompt": prompts, "n": params.group_size,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "max_tokens": params.max_new_tokens, "logprobs": 0, "return_token_ids": True,
+                "min_p": params.min_p, "max_tokens": params.max_new_tokens, "logprobs": 0, "return_token_ids": True,
                 "return_tokens_as_token_ids": True, "stop_token_ids": list(eos_ids), "ignore_eos": True,
                 "seed": seed}
         answer = self.request("/v1/completions", body)

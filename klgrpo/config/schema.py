@@ -123,6 +123,14 @@ class RolloutConfig(Settings):
                             low=0, above=True, at_low="use a small value such as 0.1 for near-greedy")
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)", low=0, above=True, high=1)
     top_k: int = _f(0, "top-k sampling (0: off)", low=0, at_low="0 turns top-k off")
+    min_p: float = _f(0.0, "min-p sampling: drop the tokens less likely than min_p times the most likely one "
+                           "(0: off; TRL's and vLLM's min_p)", low=0, below=True, high=1)
+    truncation: str = _f("policy", "with a filter on (top_p < 1, top_k > 0 or min_p > 0): policy trains the "
+                                   "truncated distribution the sampler drew from, each position's softmax over its "
+                                   "kept set for the policy, pi_old and the reference alike, so the KL is "
+                                   "KL(pi_S || ref_S) (docs/algorithm.md, Truncated sampling); ignore scores the "
+                                   "whole softmax, the bias of earlier releases (warned at start)",
+                         Names("klgrpo.math.truncation:TRUNCATIONS"))
     mask_truncated: bool = _f(False, "drop truncated completions from the loss (DAPO's overlong filtering)")
     sampler: str = _f("auto", "how completions are drawn: kv_loop (klgrpo's KV-cached decoder, Llama family), "
                               "generate (transformers, dynamic cache), generate_static (transformers, static cache, "

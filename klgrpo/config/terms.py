@@ -144,6 +144,7 @@ class StepPlan:
     sync_alpha: float
     seed: int                     # train.seed: a resume on another process count reseeds from it
     sampler_correction: SamplerCorrection = SamplerCorrection()  # the sampler-mismatch weight (rollout.*)
+    trains_kept_sets: bool = False  # rollout.truncation policy with a filter on: pi_S, pi_old_S and ref_S
 
     @property
     def with_entropy(self) -> bool:
@@ -161,7 +162,7 @@ def step_plan(cfg: GRPOConfig) -> StepPlan:
     """The plan of a run's steps, from its validated config (GRPOConfig.validate: once per run)."""
     r, t, loss = cfg.rollout, cfg.train, cfg.loss
     sampling = SamplingParams(group_size=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                              top_p=r.top_p, top_k=r.top_k, system_prompt=cfg.data.system_prompt,
+                              top_p=r.top_p, top_k=r.top_k, min_p=r.min_p, system_prompt=cfg.data.system_prompt,
                               as_chat=cfg.data.as_chat, compiled=t.compile)
     return StepPlan(sampling=sampling, prompts_per_step=r.prompts_per_step, data_source=cfg.data.source,
                     micro_batch_size=t.micro_batch_size, mask_truncated=r.mask_truncated,
@@ -171,4 +172,5 @@ def step_plan(cfg: GRPOConfig) -> StepPlan:
                     entropy_metrics=t.entropy_metrics, top_entropy_quantile=loss.top_entropy_quantile,
                     max_grad_norm=cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
                     sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed,
-                    sampler_correction=sampler_correction(r))
+                    sampler_correction=sampler_correction(r),
+                    trains_kept_sets=r.truncation == "policy" and sampling.filters.truncates)

@@ -133,10 +133,19 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
          f"loss.delta and loss.dual_clip guard PPO's clip only: set them to 0 with "
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
 
-    _check_sampler_correction(r, loss)
+    _check_sampler_correction(r, loss, cfg.kl)
 
 
-def _check_sampler_correction(r, loss) -> None:
+def _check_sampler_correction(r, loss, kl) -> None:
+    filtered = r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0
+    need(not (filtered and r.truncation == "policy" and kl.estimator == "full"),
+         "kl.estimator full sums the KL over the whole vocabulary, not yet over a filter's kept sets: with "
+         "rollout.top_p, top_k or min_p on use a per-token estimator (kl.estimator k3_st or k1), or turn the "
+         "filters off")
+    need(not (filtered and r.truncation == "ignore" and r.sampler_correction != "none"),
+         f"rollout.sampler_correction {r.sampler_correction} with rollout.truncation ignore: no importance weight "
+         "repairs a truncation (a token outside the kept set is never sampled, so the weight only scales the loss "
+         "down by the kept mass); set rollout.truncation policy")
     if r.sampler_correction == "none":
         return
     low, high = r.sampler_correction_min, r.sampler_correction_max
@@ -221,6 +230,12 @@ def _warnings(cfg: GRPOConfig) -> list[str]:
             f"the rollout's KL in the reward; use num_iterations=1 or kl.placement=loss for the exact gradient")
     if k.shaping == "clip" and k.estimator in ("k1", "k1_st"):
         warnings.append("kl.shaping=clip on a signed estimator clips only from above; negative k1 values pass")
+    if r.truncation == "ignore" and (r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0):
+        warnings.append(
+            f"rollout.truncation ignore with top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: the sampler draws "
+            "from the truncated distribution while the trainer scores the whole softmax, so the policy ratio "
+            "carries the kept mass and the logged KL and its gradient estimate neither the policy's KL nor the "
+            "sampled one's (docs/algorithm.md, Truncated sampling); use rollout.truncation policy")
     return warnings
 
 

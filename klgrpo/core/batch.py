@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from klgrpo.core.kept_sets import KeptSets
 from klgrpo.core.rollout import RolloutBatch
 from klgrpo.math.aggregation import Normalizer
 
@@ -28,6 +29,7 @@ class StepBatch:
     normalizer: Normalizer
     ref_logp: torch.Tensor | None    # [B, T]
     old_logp: torch.Tensor | None    # [B, T]; None until the batch's first update (then old = logp.detach())
+    kept_sets: KeptSets | None = None  # truncated sampling: the kept-set pass (core/kept_sets.py)
     timings: dict[str, float] = field(default_factory=dict)
     iterations_done: int = 0
 
@@ -40,10 +42,13 @@ class StepBatch:
             input_ids=r.input_ids[sl], attention_mask=r.attention_mask[sl], completion_ids=r.completion_ids[sl],
             completion_mask=r.completion_mask[sl], truncated=r.truncated[sl], prompt_len=r.prompt_len,
             group_size=g, prompts=r.prompts[sl], completions=r.completions[sl],
-            sampler_logp=None if r.sampler_logp is None else r.sampler_logp[sl])
+            sampler_logp=None if r.sampler_logp is None else r.sampler_logp[sl], filters=r.filters,
+            weights_version=r.weights_version, kept_count=None if r.kept_count is None else r.kept_count[sl])
         pick = (lambda t: None if t is None else t[sl])
         return StepBatch(rollout=rollout, rewards=self.rewards[sl],
                          reward_columns={k: v[sl] for k, v in self.reward_columns.items()},
                          advantages=self.advantages[sl], loss_mask=self.loss_mask[sl], normalizer=self.normalizer,
-                         ref_logp=pick(self.ref_logp), old_logp=pick(self.old_logp), timings=dict(self.timings),
+                         ref_logp=pick(self.ref_logp), old_logp=pick(self.old_logp),
+                         kept_sets=None if self.kept_sets is None else self.kept_sets.rows(sl),
+                         timings=dict(self.timings),
                          iterations_done=self.iterations_done)

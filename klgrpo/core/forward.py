@@ -52,6 +52,7 @@ def completion_logprobs(
     rows: slice | Tensor | None = None,
     with_entropy: bool = False,
     fast_path: bool = True,
+    kept_sets: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t | prefix) for the completion tokens of ``batch`` (optionally a subset of rows), [b, T].
 
@@ -62,27 +63,32 @@ def completion_logprobs(
     completion length (``length_chunks``), each cut to its longest completion and its prompts' longest
     left padding removed: causal attention makes the cut positions irrelevant to the kept ones, so the
     log-probs of completion tokens are the same; positions past a row's completion read 0.
+    ``kept_sets`` (the policy's side under truncated sampling): each position's softmax over the kept set its
+    token was drawn from (``batch.kept_count``, klgrpo.math.truncation), not over the whole vocabulary.
     """
     input_ids, attention_mask = batch.input_ids, batch.attention_mask
     completion_ids, completion_mask = batch.completion_ids, batch.completion_mask
+    kept = batch.kept_count if kept_sets else None
     if rows is not None:
         input_ids, attention_mask, completion_ids = input_ids[rows], attention_mask[rows], completion_ids[rows]
         completion_mask = completion_mask[rows]
+        kept = None if kept is None else kept[rows]
     t = completion_ids.shape[1]
     p = input_ids.shape[1] - t
     base = teacher_forcing_model(model, input_ids.shape[1]) if fast_path else None
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # train.compile: one shape, no chunks
         return _forward_rows(model, base, input_ids, attention_mask, completion_ids, batch.group_size, temperature,
-                             with_entropy)
+                             with_entropy, kept)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None) or CHUNK_REFERENCE_HIDDEN
     chunks = length_chunks(completion_mask.sum(1), p, input_ids.device.type, hidden)
     parts = []
     for index, width in chunks:
         ids, mask = (input_ids, attention_mask) if index is None else (input_ids[index], attention_mask[index])
         first = _first_used_column(mask[:, :p])
+        rows_kept = None if kept is None else kept[:, :width] if index is None else kept[index, :width]
         parts.append(_forward_rows(model, base, ids[:, first:p + width], mask[:, first:p + width],
                                    completion_ids[:, :width] if index is None else completion_ids[index, :width],
-                                   batch.group_size, temperature, with_entropy))
+                                   batch.group_size, temperature, with_entropy, rows_kept))
     return _rows_in_order(parts, chunks, t, len(input_ids), with_entropy)
 
 
@@ -149,7 +155,8 @@ def _first_used_column(prompt_mask: Tensor) -> int:
 
 
 def _forward_rows(model, base, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor, group_size: int,
-                  temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+                  temperature: float, with_entropy: bool, kept: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
     """completion_logprobs of these rows at their full width: klgrpo's decoder (``base`` not None) where some
     rows share a prompt, else the model's forward."""
     t = completion_ids.shape[1]
@@ -158,14 +165,14 @@ def _forward_rows(model, base, input_ids: Tensor, attention_mask: Tensor, comple
         prompts, masks, sharing = _distinct_prompts(input_ids[:, :p], attention_mask[:, :p], group_size)
         if sharing is not None:  # one prompt pass per distinct prompt; otherwise nothing to share
             return _shared_prompt_logprobs(base, model is not base, prompts, masks, completion_ids, sharing,
-                                           temperature, with_entropy)
+                                           temperature, with_entropy, kept)
     # Only the last T + 1 positions' logits are needed: no output-layer work on the prompt.
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=t + 1)
     logits = out.logits[:, :-1]
     if with_entropy:
-        return token_logprobs_and_entropy(logits, completion_ids, temperature)
-    return token_logprobs(logits, completion_ids, temperature), None
+        return token_logprobs_and_entropy(logits, completion_ids, temperature, kept_BT=kept)
+    return token_logprobs(logits, completion_ids, temperature, kept_BT=kept), None
 
 
 def teacher_forcing_model(model, total_len: int):
@@ -208,7 +215,7 @@ def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor,
 
 
 def _shared_prompt_logprobs(model, compiled: bool, prompts: Tensor, masks: Tensor, completion_ids: Tensor,
-                            g: int | Tensor, temperature: float, with_entropy: bool):
+                            g: int | Tensor, temperature: float, with_entropy: bool, kept: Tensor | None = None):
     """completion_logprobs through ``KVSampler.teacher_forced_logits``: the rows of a prompt share one prompt
     pass (``prompts``/``masks`` hold each prompt once; ``g`` the group size or each row's prompt index);
     ``compiled``: that function under torch.compile (train.compile), built once per process."""
@@ -220,9 +227,11 @@ def _shared_prompt_logprobs(model, compiled: bool, prompts: Tensor, masks: Tenso
         forward = _compiled_teacher_forced_logits
     first, rest = forward(model, prompts, masks, completion_ids, g)
     per_position = token_logprobs_and_entropy if with_entropy else token_logprobs
-    parts = [per_position(first[:, None], completion_ids[:, :1], temperature)]
+    parts = [per_position(first[:, None], completion_ids[:, :1], temperature,
+                          kept_BT=None if kept is None else kept[:, :1])]
     if rest is not None:
-        parts.append(per_position(rest, completion_ids[:, 1:], temperature))
+        parts.append(per_position(rest, completion_ids[:, 1:], temperature,
+                                  kept_BT=None if kept is None else kept[:, 1:]))
     if not with_entropy:
         return torch.cat(parts, dim=1), None
     return torch.cat([lp for lp, _ in parts], dim=1), torch.cat([ent for _, ent in parts], dim=1)

@@ -36,8 +36,9 @@ from klgrpo.core.rollout import RolloutBatch
 class Reference(Protocol):
     def logprobs(self, batch: RolloutBatch, temperature: float, micro_batch_size: int = 0) -> Tensor: ...
 
-    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Full next-token logits [B, L, V] of the reference (no grad), e.g. for the exact replay KL."""
+    def logits(self, input_ids: Tensor, attention_mask: Tensor, keep: int = 0) -> Tensor:
+        """Full next-token logits [B, L, V] of the reference (no grad), e.g. for the exact replay KL; ``keep`` > 0:
+        those of the last ``keep`` positions only."""
         ...
 
     def head_inputs(self, input_ids: Tensor, attention_mask: Tensor, keep: int) -> tuple[Tensor, torch.nn.Module]:
@@ -83,9 +84,10 @@ class FrozenCopyReference:
         return out.clone()
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def logits(self, input_ids: Tensor, attention_mask: Tensor, keep: int = 0) -> Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+                          position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                          logits_to_keep=keep).logits
 
     def head_inputs(self, input_ids: Tensor, attention_mask: Tensor, keep: int):
         return capture_head_inputs(self.model, input_ids, attention_mask, keep)
@@ -160,10 +162,11 @@ class AdapterDisabledReference:
         return torch.cat(parts, dim=0)
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def logits(self, input_ids: Tensor, attention_mask: Tensor, keep: int = 0) -> Tensor:
         with self.sampling_model() as model:
             return model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                         logits_to_keep=keep).logits
 
     def head_inputs(self, input_ids: Tensor, attention_mask: Tensor, keep: int):
         """The output layer is the base model's, shared with the policy (core.full_kl checks the rebuilt

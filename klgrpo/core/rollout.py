@@ -46,8 +46,12 @@ class RolloutBatch:
     prompts          the B prompts as given (each repeated G times); completions: the B decoded texts
     sampler_logp     [B, T] the sampler's own log-prob of each sampled token (log mu, float32; 0 after EOS), or
                      None where the sampler gives none: what the sampler-mismatch metrics and correction read
-    filters          the distribution the sampler drew from (temperature, top-k, top-p)
+    filters          the distribution the sampler drew from (temperature, top-k, top-p, min-p)
     weights_version  the version of the policy's weights that drew the completions (``Sampler.sync_weights``)
+    kept_count       [B, T] int32 under a filter that truncates: the size of the kept set each token was drawn
+                     from (klgrpo.math.truncation; 0: the whole vocabulary, as after EOS), as the sampler recorded
+                     it or, where it records none, rebuilt from the filters on the policy's logits (step's
+                     ``truncation``); None without truncation
     """
 
     input_ids: Tensor
@@ -62,6 +66,7 @@ class RolloutBatch:
     sampler_logp: Tensor | None = None
     filters: SamplingFilters = SamplingFilters()
     weights_version: int = 0
+    kept_count: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -163,6 +168,13 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
     if sampler_logp is not None:
         sampler_logp = sampler_logp.to(device, torch.float32).masked_fill(~completion_mask, 0.0)
+    kept_count = sampled.kept_count if sampled.filters.truncates else None
+    if kept_count is not None:  # a set as large as the vocabulary is no truncation: 0 says so, cheaply
+        if kept_count.shape != completion_ids.shape:
+            kept_count = torch.zeros(completion_ids.shape, dtype=torch.int32, device=device)
+        vocabulary = model.get_output_embeddings().weight.shape[0]
+        kept_count = kept_count.to(device, torch.int32)
+        kept_count = kept_count.masked_fill(~completion_mask | (kept_count >= vocabulary), 0)
     # Tokens after EOS are padding: give them a harmless id and no attention.
     completion_ids = torch.where(completion_mask, completion_ids, torch.full_like(completion_ids,
                                                                                   tokenizer.pad_token_id))
@@ -182,6 +194,7 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         sampler_logp=sampler_logp,
         filters=sampled.filters,
         weights_version=sampled.weights_version,
+        kept_count=kept_count,
     )
 
 

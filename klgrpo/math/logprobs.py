@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from klgrpo.math.truncation import kept_floor, mask_below_
+
 #: Positions per block at most. Small vocabularies get few, large blocks; large ones are capped below.
 DEFAULT_CHUNK_TOKENS = 8192
 #: Scratch per block at most: the smaller of MAX_BLOCK_BYTES and a quarter of the logits' own bytes, so the
@@ -69,18 +71,29 @@ def _logsumexp_(x: Tensor) -> Tensor:
     return x.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
+def _kept_copy(block: Tensor, acc: torch.dtype, temperature: float, floor: Tensor | None) -> Tensor:
+    """``_scaled_copy`` with -inf below each position's kept-set floor (truncated sampling), when given."""
+    x = _scaled_copy(block, acc, temperature)
+    return x if floor is None else mask_below_(x, floor)
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_BTV: Tensor, targets_BT: Tensor, temperature: float, chunk: int, with_entropy: bool):
+    def forward(ctx, logits_BTV: Tensor, targets_BT: Tensor, temperature: float, chunk: int, with_entropy: bool,
+                kept_BT: Tensor | None):
         b, t, v = logits_BTV.shape
         acc = _accumulation_dtype(logits_BTV)
         logp_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device)
         lse_BT = torch.empty_like(logp_BT)
+        floor_BT = None if kept_BT is None else torch.empty_like(logp_BT)
         entropy_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device) if with_entropy else None
         buffers = 2 if with_entropy else 1  # the entropy needs exp(z) beside z
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
             x = _scaled_copy(logits_BTV[rows, cols], acc, temperature)
+            if kept_BT is not None:  # the kept set: the sampler's count of top tokens, the sampled one always in
+                floor_BT[rows, cols] = kept_floor(x, targets_BT[rows, cols], kept_BT[rows, cols])[0]
+                mask_below_(x, floor_BT[rows, cols])
             target_x = x.gather(-1, targets_BT[rows, cols, None]).squeeze(-1)
             if with_entropy:
                 lse, entropy_BT[rows, cols] = _logsumexp_and_entropy_(x)
@@ -89,7 +102,7 @@ class _TokenLogProbs(torch.autograd.Function):
             lse_BT[rows, cols] = lse
             logp_BT[rows, cols] = target_x - lse
             del x  # before the next block's buffer exists: one block of scratch at a time
-        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT, *((entropy_BT,) if with_entropy else ()))
+        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT, floor_BT, *((entropy_BT,) if with_entropy else ()))
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)  # an output nobody differentiates (the entropy metric) costs nothing
         if with_entropy:
@@ -98,7 +111,7 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BT: Tensor | None, grad_entropy_BT: Tensor | None = None):
-        logits_BTV, targets_BT, lse_BT, *entropy = ctx.saved_tensors
+        logits_BTV, targets_BT, lse_BT, floor_BT, *entropy = ctx.saved_tensors
         temperature = ctx.temperature
         acc = lse_BT.dtype
         grad_logits = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
@@ -106,7 +119,8 @@ class _TokenLogProbs(torch.autograd.Function):
         budget = _block_budget(logits_BTV)
         buffers = 1 if grad_entropy_BT is None else 2
         for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
-            log_p = _scaled_copy(logits_BTV[rows, cols], acc, temperature).sub_(lse_BT[rows, cols, None])
+            floor = None if floor_BT is None else floor_BT[rows, cols]
+            log_p = _kept_copy(logits_BTV[rows, cols], acc, temperature, floor).sub_(lse_BT[rows, cols, None])
             p = log_p.exp() if grad_entropy_BT is not None else log_p.exp_()
             if grad_entropy_BT is not None:  # p (log p + H) per unit of entropy gradient (p = 0 adds 0)
                 g_h = (grad_entropy_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)
@@ -120,7 +134,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 block = log_p.neg_()
             grad_logits[rows, cols] = block
             del log_p, p, block
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def _logsumexp_and_entropy_(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -138,22 +152,27 @@ def _logsumexp_and_entropy_(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def token_logprobs(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 1.0,
-                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+                   chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kept_BT: Tensor | None = None) -> Tensor:
     """log softmax(logits / temperature)[target] per position [B, T]; differentiable in the logits.
 
     Accumulates in float32 (float64 for float64 logits) whatever the logits' dtype (bf16 included).
 
     ``logits_BTV`` may be a slice of the model output (e.g. ``logits[:, P-1:-1]``); it is never copied whole.
+    ``kept_BT`` (truncated sampling, klgrpo.math.truncation): each position's kept-set size (0: the whole
+    vocabulary); the softmax is then over that kept set, the distribution the sampler drew from.
     """
-    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), False)
+    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), False,
+                                kept_BT)
 
 
 def token_logprobs_and_entropy(logits_BTV: Tensor, targets_BT: Tensor, temperature: float = 1.0,
-                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+                               chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                               kept_BT: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(token_logprobs(...), token_entropy(...)) from one pass over the logits: each block is upcast once
     instead of twice. Both are differentiable in the logits (module docstring); the entropy is in float32
-    (float64 for float64 logits)."""
-    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), True)
+    (float64 for float64 logits); under ``kept_BT`` both are the kept set's distribution's."""
+    return _TokenLogProbs.apply(logits_BTV, targets_BT.long(), float(temperature), int(chunk_tokens), True,
+                                kept_BT)
 
 
 @torch.no_grad()

@@ -55,6 +55,11 @@ SAMPLER_LOGP_DIFF_MEAN = "sampler/logp_diff_mean"
 SAMPLER_LOGP_DIFF_P99 = "sampler/logp_diff_p99"
 SAMPLER_LOGP_DIFF_MAX = "sampler/logp_diff_max"
 SAMPLER_KL = "sampler/kl"
+SAMPLER_LOGP_DIFF_SIGNED = "sampler/logp_diff_signed"
+SAMPLER_KEPT_MASS = "sampler/kept_mass"
+SAMPLER_KEPT_MASS_P10 = "sampler/kept_mass_p10"
+SAMPLER_KEPT_MASS_MIN = "sampler/kept_mass_min"
+SAMPLER_KEPT_SET_MISMATCH = "sampler/kept_set_mismatch"
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
@@ -205,7 +210,18 @@ GLOSSARY: dict[str, str] = {
     SAMPLER_LOGP_DIFF_P99: "99th percentile of |log pi_old(y_t) - log mu(y_t)| over the step's completion tokens",
     SAMPLER_LOGP_DIFF_MAX: "largest |log pi_old(y_t) - log mu(y_t)| over the step's completion tokens",
     SAMPLER_KL: "mean per completion token of r - 1 - log r, r = pi_old(y_t) / mu(y_t): an estimate of "
-                "KL(mu || pi_old) from the sampler's samples",
+                "KL(mu || pi_old) from the sampler's samples (second order in a lost mass: it reads small where a "
+                "filter's truncation, ignored, biases the logged KL by far more)",
+    SAMPLER_LOGP_DIFF_SIGNED: "mean over the step's completion tokens of log pi_old(y_t) - log mu(y_t): negative "
+                              "where the trainer scores the whole vocabulary while the sampler truncated (the mean "
+                              "log kept mass), about 0 when both score the same distribution",
+    SAMPLER_KEPT_MASS: "mean over the step's completion tokens of pi_old(S_t), the probability the rollout's "
+                       "filters (top-k, top-p, min-p) kept at that position; logged under truncated sampling",
+    SAMPLER_KEPT_MASS_P10: "10th percentile of pi_old(S_t) over the step's completion tokens",
+    SAMPLER_KEPT_MASS_MIN: "smallest pi_old(S_t) over the step's completion tokens",
+    SAMPLER_KEPT_SET_MISMATCH: "fraction of the step's completion tokens whose kept set the trainer rebuilt "
+                               "differently from the sampler's (another size under the filters on the trainer's "
+                               "logits, or the sampled token ranked outside it: near ties, another kernel)",
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "

@@ -30,6 +30,7 @@ from klgrpo.core.batch import StepBatch, micro_slices
 from klgrpo.core.data import PromptSampler, dataset_prompts
 from klgrpo.core.forward import completion_logprobs
 from klgrpo.core.full_kl import completion_logprobs_and_full_kl
+from klgrpo.core.kept_sets import kept_set_pass
 from klgrpo.core.loss_api import LossInput, call_loss
 from klgrpo.core.rewards import RewardComputer
 from klgrpo.core.rollout import PromptTooLong, SamplingParams, compiling_sampler, generate_groups, warm_up_sampler
@@ -44,7 +45,7 @@ from klgrpo.train import metric_names as names
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
-from klgrpo.train.step_metrics import StepSums, sampler_metrics, step_metrics
+from klgrpo.train.step_metrics import StepSums, kept_set_metrics, sampler_metrics, step_metrics
 from klgrpo.train.step_state import load_step, save_step
 from klgrpo.train.stop_signals import StopGate
 from klgrpo.train.timing import phase_timer as _timed
@@ -152,10 +153,17 @@ class GRPOStep:
         loss_mask = rollout.completion_mask
         if plan.mask_truncated:
             loss_mask = loss_mask & ~rollout.truncated.unsqueeze(-1)
-        ref_logp = old_logp = None
+        ref_logp = old_logp = kept_sets = None
         with _timed(timings, names.TIME_REFERENCE):
-            if self.reference is not None:
-                ref_logp = self.reference.logprobs(rollout, plan.sampling.temperature, plan.micro_batch_size)
+            if plan.trains_kept_sets:  # the reference renormalised over the policy's kept sets (core/kept_sets.py)
+                kept_sets = kept_set_pass(self.train_forward, self.reference, rollout,
+                                          self._micro_slices(rollout.size))
+                rollout.kept_count = kept_sets.kept_count
+                ref_logp = kept_sets.ref_logp if self.reference is not None else None
+            else:
+                rollout.kept_count = None  # rollout.truncation ignore: the whole softmax, as the trainer scored it
+                if self.reference is not None:
+                    ref_logp = self.reference.logprobs(rollout, plan.sampling.temperature, plan.micro_batch_size)
         scores, kl = rewards, self.kl_term()
         if ref_logp is not None and kl.in_reward and kl.reward_mode == "sequence_score" and kl.coef > 0:
             old_logp = self._rollout_logprobs(rollout)  # pi_old: the KL must be in the score before normalising
@@ -168,7 +176,7 @@ class GRPOStep:
                          normalizer=Normalizer(num_sequences=float(all_scores.numel()),
                                                num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
                                                max_len=float(plan.sampling.max_new_tokens)),
-                         ref_logp=ref_logp, old_logp=old_logp, timings=timings)
+                         ref_logp=ref_logp, old_logp=old_logp, kept_sets=kept_sets, timings=timings)
 
     def _weights_for_sampling(self):
         """The context sampling runs in. A sampler with its own copy of the weights (vLLM) gets them pushed one
@@ -187,7 +195,7 @@ class GRPOStep:
         """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
         with torch.no_grad():
             return torch.cat([completion_logprobs(self.train_forward, rollout, self.plan.sampling.temperature, sl,
-                                                  fast_path=self.loss_fast_path)[0]
+                                                  fast_path=self.loss_fast_path, kept_sets=True)[0]
                               for sl in self._micro_slices(rollout.size)])
 
     # ----------------------------------------------------------------------------------------- the update
@@ -232,7 +240,8 @@ class GRPOStep:
                 self.train_forward, self.reference, batch.rollout, temperature, sl, ref)
         else:
             logp, entropy = completion_logprobs(self.train_forward, batch.rollout, temperature, sl,
-                                                with_entropy=plan.with_entropy, fast_path=self.loss_fast_path)
+                                                with_entropy=plan.with_entropy, fast_path=self.loss_fast_path,
+                                                kept_sets=True)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
         with torch.set_grad_enabled(self.loss_fn is None):
             out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
@@ -289,6 +298,9 @@ class GRPOStep:
         if batch.rollout.sampler_logp is not None:
             metrics.update(sampler_metrics(old_logp, batch.rollout.sampler_logp, batch.rollout.completion_mask,
                                            int(batch.normalizer.max_len), self.dist))
+        if batch.kept_sets is not None:
+            metrics.update(kept_set_metrics(batch.kept_sets.log_kept_mass, batch.kept_sets.mismatch,
+                                            batch.rollout.completion_mask, int(batch.normalizer.max_len), self.dist))
         metrics.update(self._custom_metrics(sums.custom, batch))
         metrics[names.SKIPPED_STEPS] = self.guard.skipped_total
         return metrics, observation

@@ -202,14 +202,32 @@ def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tenso
     """The sampler's mismatch over every process's completion tokens: |log pi_old - log mu| (mean, p99, max) and
     the mean per-token k3 estimate of KL(mu || pi_old) (math/sampler_correction.py)."""
     diff_BT, kl_BT = mismatch_per_token(old_logp_BT.detach(), sampler_logp_BT)
+    signed_BT = torch.nan_to_num(old_logp_BT.detach().to(diff_BT.dtype) - sampler_logp_BT.to(diff_BT.dtype), nan=0.0)
     mask = mask_BT[:, :diff_BT.shape[-1]].to(diff_BT.dtype)
-    total = dist.sum(torch.stack([(diff_BT * mask).sum(), (kl_BT * mask).sum(), mask.sum()]).float())
+    total = dist.sum(torch.stack([(diff_BT * mask).sum(), (kl_BT * mask).sum(), (signed_BT * mask).sum(),
+                                  mask.sum()]).float())
     peak = dist.max(torch.where(mask > 0, diff_BT, torch.zeros_like(diff_BT)).max().float().reshape(1))
     p99 = token_percentiles(diff_BT[None], mask, max_len, dist, (0.99,))
-    diff_sum, kl_sum, tokens, peak_f, p99_f = torch.cat([total, peak, p99.to(total.device)]).tolist()
+    diff_sum, kl_sum, signed_sum, tokens, peak_f, p99_f = torch.cat([total, peak, p99.to(total.device)]).tolist()
     tokens = max(tokens, 1.0)
     return {m.SAMPLER_LOGP_DIFF_MEAN: diff_sum / tokens, m.SAMPLER_LOGP_DIFF_P99: p99_f,
-            m.SAMPLER_LOGP_DIFF_MAX: peak_f, m.SAMPLER_KL: kl_sum / tokens}
+            m.SAMPLER_LOGP_DIFF_MAX: peak_f, m.SAMPLER_KL: kl_sum / tokens,
+            m.SAMPLER_LOGP_DIFF_SIGNED: signed_sum / tokens}
+
+
+def kept_set_metrics(log_kept_mass_BT: Tensor, mismatch_BT: Tensor, mask_BT: Tensor, max_len: int,
+                     dist: Distributed) -> dict[str, float]:
+    """Truncated sampling's panel over every process's completion tokens: the kept mass pi_old(S_t) (mean, p10,
+    min) and the share of positions whose kept set the trainer rebuilt differently (core/kept_sets.py)."""
+    mass_BT = log_kept_mass_BT.float().exp()
+    mask = mask_BT.to(torch.float32)
+    total = dist.sum(torch.stack([(mass_BT * mask).sum(), (mismatch_BT.float() * mask).sum(), mask.sum()]))
+    low = -dist.max((-torch.where(mask > 0, mass_BT, torch.ones_like(mass_BT))).max().reshape(1))
+    p10 = token_percentiles(mass_BT[None], mask, max_len, dist, (0.10,))
+    mass_sum, mismatched, tokens, low_f, p10_f = torch.cat([total, low, p10.to(total.device)]).tolist()
+    tokens = max(tokens, 1.0)
+    return {m.SAMPLER_KEPT_MASS: mass_sum / tokens, m.SAMPLER_KEPT_MASS_P10: p10_f, m.SAMPLER_KEPT_MASS_MIN: low_f,
+            m.SAMPLER_KEPT_SET_MISMATCH: mismatched / tokens}
 
 
 def loss_share(kl_term: float, policy_abs: float) -> float:

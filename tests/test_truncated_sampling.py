@@ -1,0 +1,76 @@
+"""Truncated sampling trained as the distribution drawn from (rollout.truncation policy): the trainer's log-probs
+of the sampled tokens equal the sampler's own under top-p, top-k and min-p, through the KV loop and generate;
+with rollout.truncation ignore they differ by the log kept mass, as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from klgrpo.math.logprobs import token_logprobs
+from klgrpo.math.truncation import kept_counts, kept_floor, truncate_scores
+from klgrpo.run.metrics import read_metrics
+from klgrpo.run.trainer import GRPOTrainer
+from klgrpo.train import metric_names as m
+from tests.helpers.configs import make_config, quiet
+
+
+def _last_row(tmp_path, tiny_model_dir, addition_file, name, **rollout):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / name, train={"steps": 1},
+                      rollout={"temperature": 0.7, **rollout})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    trainer.train()
+    return read_metrics(trainer.run_dir)[-1]
+
+
+@pytest.mark.parametrize("sampler", ["kv_loop", "generate"])
+@pytest.mark.parametrize("filters", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.5},
+                                     {"top_p": 0.9, "top_k": 8, "min_p": 0.2}])
+def test_the_trainer_scores_the_truncated_distribution_the_sampler_drew_from(tmp_path, tiny_model_dir,
+                                                                             addition_file, sampler, filters):
+    row = _last_row(tmp_path, tiny_model_dir, addition_file, "policy", sampler=sampler, **filters)
+    assert row[m.SAMPLER_LOGP_DIFF_MAX] <= 1e-4
+    assert abs(row[m.SAMPLER_LOGP_DIFF_SIGNED]) <= 1e-4
+    assert 0.0 < row[m.SAMPLER_KEPT_MASS_MIN] <= row[m.SAMPLER_KEPT_MASS_P10] <= row[m.SAMPLER_KEPT_MASS] < 1.0
+    assert row[m.SAMPLER_KEPT_SET_MISMATCH] <= 0.01
+
+
+def test_ignoring_the_truncation_scores_the_whole_softmax(tmp_path, tiny_model_dir, addition_file):
+    """The planted bug the definition removes: the trainer's log pi_old - log mu is the log kept mass (< 0)."""
+    row = _last_row(tmp_path, tiny_model_dir, addition_file, "ignore", sampler="kv_loop", top_p=0.8,
+                    truncation="ignore")
+    assert row[m.SAMPLER_LOGP_DIFF_SIGNED] < -1e-3
+    assert row[m.SAMPLER_LOGP_DIFF_MAX] > 1e-2
+    assert m.SAMPLER_KEPT_MASS not in row
+
+
+def test_ignore_with_a_sampler_correction_is_refused(tmp_path, tiny_model_dir, addition_file):
+    from klgrpo.errors import ConfigError
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "r", train={"steps": 1},
+                      rollout={"top_p": 0.8, "truncation": "ignore", "sampler_correction": "token_mask"})
+    with pytest.raises(ConfigError, match="no importance weight repairs a truncation"):
+        cfg.validate()
+
+
+def test_kept_set_log_probs_and_gradient_are_the_renormalised_softmax():
+    """Hand-built: the log-prob over the kept set and its gradient equal log_softmax over the kept logits alone
+    (float64, exact); the sampled token is always in the set, and a count that ranks it outside is flagged."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    scores = truncate_scores(logits.detach() / 0.7, top_k=6, top_p=0.85, min_p=0.05)
+    counts = kept_counts(scores)
+    targets = torch.multinomial(scores.reshape(-1, 12).softmax(-1), 1, generator=gen).reshape(2, 4)
+    got = token_logprobs(logits, targets, 0.7, kept_BT=counts)
+    kept_logits = torch.where(torch.isfinite(scores), logits / 0.7, torch.tensor(float("-inf"), dtype=torch.float64))
+    want = kept_logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-14, rtol=0)
+    weights = torch.randn(2, 4, dtype=torch.float64, generator=gen)
+    (g_got,) = torch.autograd.grad((got * weights).sum(), logits)
+    (g_want,) = torch.autograd.grad((want * weights).sum(), logits)
+    assert torch.allclose(g_got, g_want, atol=1e-14, rtol=0)
+    assert (g_got.abs() * (~torch.isfinite(scores))).max() == 0  # no gradient outside the kept set
+    # a count of 1 at a position whose sampled token is not the top one: the set grows to hold it, flagged
+    x = torch.tensor([[3.0, 2.0, 1.0]], dtype=torch.float64)
+    floor, outside = kept_floor(x, torch.tensor([1]), torch.tensor([1]))
+    assert floor.item() == 2.0 and outside.item()
