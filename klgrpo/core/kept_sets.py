@@ -26,7 +26,7 @@ from torch import Tensor
 
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.core.rollout import RolloutBatch
-from klgrpo.math.truncation import WHOLE_VOCABULARY, kept_counts, kept_floor, truncate_scores
+from klgrpo.math.truncation import kept_counts, kept_floor, settled_counts, truncate_scores
 
 
 @dataclass
@@ -56,7 +56,7 @@ def kept_set_pass(policy, reference, batch: RolloutBatch, slices: list[slice]) -
         r = None if reference is None else reference.logits(ids, mask, keep=t + 1)[:, :-1].float() / filters.temperature
         completion = batch.completion_mask[sl]
         targets = batch.completion_ids[sl]
-        rebuilt = _settled(kept_counts(truncate_scores(x, filters.top_k, filters.top_p, filters.min_p,
+        rebuilt = settled_counts(kept_counts(truncate_scores(x, filters.top_k, filters.top_p, filters.min_p,
                                                        filters.min_p_first)), completion, x.shape[-1])
         recorded = None if batch.kept_count is None else batch.kept_count[sl]
         counts = rebuilt if recorded is None else recorded
@@ -76,7 +76,3 @@ def kept_set_pass(policy, reference, batch: RolloutBatch, slices: list[slice]) -
     return KeptSets(*(torch.cat([getattr(p, name) for p in parts]) for name in
                       ("kept_count", "ref_logp", "log_kept_mass", "mismatch")))
 
-
-def _settled(counts: Tensor, completion: Tensor, vocabulary: int) -> Tensor:
-    """Set sizes as a batch stores them: WHOLE_VOCABULARY after a row's completion and where nothing was cut."""
-    return counts.masked_fill(~completion | (counts >= vocabulary), WHOLE_VOCABULARY)

@@ -16,6 +16,7 @@ from torch import Tensor
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
 from klgrpo.backends.sampling import SamplingFilters
 from klgrpo.errors import ConfigError
+from klgrpo.math.truncation import settled_counts
 
 __all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "compiling_sampler",
            "completion_mask_from_ids", "encode_prompts", "eos_token_ids", "generate_groups", "warm_up_sampler"]
@@ -172,9 +173,8 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
     if kept_count is not None:  # a set as large as the vocabulary is no truncation: 0 says so, cheaply
         if kept_count.shape != completion_ids.shape:
             kept_count = torch.zeros(completion_ids.shape, dtype=torch.int32, device=device)
-        vocabulary = model.get_output_embeddings().weight.shape[0]
-        kept_count = kept_count.to(device, torch.int32)
-        kept_count = kept_count.masked_fill(~completion_mask | (kept_count >= vocabulary), 0)
+        kept_count = settled_counts(kept_count.to(device), completion_mask,
+                                    model.get_output_embeddings().weight.shape[0])
     # Tokens after EOS are padding: give them a harmless id and no attention.
     completion_ids = torch.where(completion_mask, completion_ids, torch.full_like(completion_ids,
                                                                                   tokenizer.pad_token_id))

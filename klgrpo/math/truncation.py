@@ -85,3 +85,9 @@ def log_kept_mass(scores: Tensor, floor: Tensor) -> Tensor:
     whole vocabulary)."""
     kept = scores.masked_fill(scores < floor.unsqueeze(-1), float("-inf"))
     return torch.logsumexp(kept, dim=-1) - torch.logsumexp(scores, dim=-1)
+
+
+def settled_counts(counts: Tensor, completion_mask: Tensor, vocabulary: int) -> Tensor:
+    """Kept-set sizes as a batch stores them, int32: WHOLE_VOCABULARY after a row's completion and where the
+    filters cut nothing (a set as large as the vocabulary)."""
+    return counts.to(torch.int32).masked_fill(~completion_mask | (counts >= vocabulary), WHOLE_VOCABULARY)
