@@ -15,9 +15,9 @@ from klgrpo.train import metric_names as m
 from tests.helpers.configs import make_config, quiet
 
 
-def _last_row(tmp_path, tiny_model_dir, addition_file, name, **rollout):
-    cfg = make_config(tiny_model_dir, addition_file, tmp_path / name, train={"steps": 1},
-                      rollout={"temperature": 0.7, **rollout})
+def _last_row(tmp_path, tiny_model_dir, addition_file, name, kl=None, steps=1, **rollout):
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / name, train={"steps": steps},
+                      rollout={"temperature": 0.7, **rollout}, **({"kl": kl} if kl else {}))
     trainer = GRPOTrainer(cfg, log=quiet)
     trainer.train()
     return read_metrics(trainer.run_dir)[-1]
@@ -74,3 +74,52 @@ def test_kept_set_log_probs_and_gradient_are_the_renormalised_softmax():
     x = torch.tensor([[3.0, 2.0, 1.0]], dtype=torch.float64)
     floor, outside = kept_floor(x, torch.tensor([1]), torch.tensor([1]))
     assert floor.item() == 2.0 and outside.item()
+
+
+def test_full_kl_over_kept_sets_is_the_kl_between_both_renormalised_distributions():
+    """kl.estimator full under truncated sampling: KL(pi_S || ref_S) with both sides renormalised over the
+    policy's kept set, its gradient, log pi_S and log ref_S, against the masked softmaxes written out (float64)."""
+    from klgrpo.math.full_kl import token_logprobs_and_full_kl
+
+    gen = torch.Generator().manual_seed(5)
+    v, h, temperature = 12, 4, 0.7
+    logits = torch.randn(2, 3, v, dtype=torch.float64, generator=gen, requires_grad=True)
+    hidden = torch.randn(2, 3, h, dtype=torch.float64, generator=gen)
+    head = torch.nn.Linear(h, v, bias=False).double()
+    scores = truncate_scores(logits.detach() / temperature, top_p=0.8, top_k=7)
+    counts = kept_counts(scores)
+    counts[1, 2] = 0  # one position without a filter: the whole vocabulary on both sides
+    targets = torch.multinomial(scores.reshape(-1, v).softmax(-1), 1, generator=gen).reshape(2, 3)
+    logp, kl, entropy, ref_logp = token_logprobs_and_full_kl(logits, targets, hidden, head, temperature,
+                                                             kept_BT=counts)
+    kept = torch.isfinite(scores)
+    kept[1, 2] = True
+    minus_inf = torch.tensor(float("-inf"), dtype=torch.float64)
+    a = torch.where(kept, logits / temperature, minus_inf).log_softmax(-1)
+    with torch.no_grad():
+        r = torch.where(kept, head(hidden) / temperature, minus_inf).log_softmax(-1)
+    p, zero = a.exp(), torch.zeros((), dtype=torch.float64)
+    want_kl = (p * (torch.where(kept, a, zero) - torch.where(kept, r, zero))).sum(-1)  # no inf - inf anywhere
+    assert torch.allclose(kl, want_kl, atol=1e-13, rtol=0)
+    assert torch.allclose(logp, a.gather(-1, targets[..., None]).squeeze(-1), atol=1e-13, rtol=0)
+    assert torch.allclose(ref_logp, r.gather(-1, targets[..., None]).squeeze(-1), atol=1e-13, rtol=0)
+    want_entropy = -(p * torch.where(kept, a, zero)).sum(-1)
+    assert torch.allclose(entropy.double(), want_entropy.detach(), atol=1e-6, rtol=0)  # stored in float32
+    weights = torch.randn(2, 2, 3, dtype=torch.float64, generator=gen)
+    (g_got,) = torch.autograd.grad((kl * weights[0] + logp * weights[1]).sum(), logits)
+    (g_want,) = torch.autograd.grad((want_kl * weights[0] + a.gather(-1, targets[..., None]).squeeze(-1)
+                                     * weights[1]).sum(), logits)
+    assert torch.allclose(g_got, g_want, atol=1e-13, rtol=0)
+    assert (g_got.abs() * ~kept).max() == 0  # no gradient outside the kept set
+    assert float(want_kl[0].min()) > 0  # the check is not vacuous
+
+
+@pytest.mark.parametrize("sampler", ["kv_loop", "generate"])
+def test_full_kl_trains_over_the_kept_sets(tmp_path, tiny_model_dir, addition_file, sampler):
+    """The whole step with kl.estimator full and top-p: the update's log-probs are the sampler's (pi_S), the
+    reference check of the full KL's rebuilt log ref_S against the kept-set pass's passes, and the KL is logged."""
+    row = _last_row(tmp_path, tiny_model_dir, addition_file, "full", kl={"estimator": "full", "coef": 0.1},
+                    steps=2, sampler=sampler, top_p=0.8)  # step 2: the policy has moved off the reference
+    assert row[m.SAMPLER_LOGP_DIFF_MAX] <= 1e-4
+    assert row[m.SAMPLER_KEPT_MASS] < 1.0
+    assert row[m.RAW_KL] > 1e-6 and row[m.KL_MIN] >= 0  # full: KL(pi_S || ref_S) >= 0 at every position

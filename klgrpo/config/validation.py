@@ -138,10 +138,6 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
 
 def _check_sampler_correction(r, loss, kl) -> None:
     filtered = r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0
-    need(not (filtered and r.truncation == "policy" and kl.estimator == "full"),
-         "kl.estimator full sums the KL over the whole vocabulary, not yet over a filter's kept sets: with "
-         "rollout.top_p, top_k or min_p on use a per-token estimator (kl.estimator k3_st or k1), or turn the "
-         "filters off")
     need(not (filtered and r.truncation == "ignore" and r.sampler_correction != "none"),
          f"rollout.sampler_correction {r.sampler_correction} with rollout.truncation ignore: no importance weight "
          "repairs a truncation (a token outside the kept set is never sampled, so the weight only scales the loss "

@@ -63,8 +63,10 @@ def completion_logprobs_and_full_kl(model, reference, batch: "RolloutBatch", tem
     ref_hidden, ref_head = reference.head_inputs(input_ids, attention_mask, t + 1)
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, logits_to_keep=t + 1)
+    kept = None if batch.kept_count is None else batch.kept_count[rows]  # truncated sampling: over the kept sets
     logp, kl, entropy, rebuilt_ref_logp = token_logprobs_and_full_kl(out.logits[:, :-1], completion_ids,
-                                                                     ref_hidden[:, :-1], ref_head, temperature)
+                                                                     ref_hidden[:, :-1], ref_head, temperature,
+                                                                     kept_BT=kept)
     if ref_logp_BT is not None:
         _check_reference_head(rebuilt_ref_logp, ref_logp_BT, batch.completion_mask[rows])
     return logp, entropy, kl

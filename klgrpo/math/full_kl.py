@@ -5,7 +5,8 @@
     d KL_t / d x_t[v] = p_t[v] ((a_t[v] - r_t[v]) - KL_t) / temperature
 
 ``kl.estimator: full`` puts beta * KL_t in the loss instead of a one-sample estimate k(l_t): no variance over
-the vocabulary, and its gradient at each prefix is exactly the reverse KL's (docs/kl_guide.md).
+the vocabulary, and its gradient at each prefix is exactly the reverse KL's (docs/kl_guide.md). Under truncated
+sampling both sums run over the policy's kept set S_t, a and r renormalised over it: KL(pi_S || ref_S).
 
 Memory: the reference's logits are never materialised whole. The reference hands over the INPUT of its output
 layer (``ref_hidden_BTH``, [B, T, H] with H much smaller than V) and that layer (``ref_head``); each block of
@@ -27,9 +28,11 @@ from klgrpo.math.logprobs import (
     _accumulation_dtype,
     _block_budget,
     _blocks,
+    _kept_copy,
     _logsumexp_and_entropy_,
     _scaled_copy,
 )
+from klgrpo.math.truncation import kept_floor, mask_below_
 
 #: ``kl.estimator`` names served here rather than by the per-token ESTIMATORS registry (whose functions
 #: take a sampled log-ratio; this needs both models' whole distributions).
@@ -53,27 +56,37 @@ _BUFFERS = 5
 
 
 def _ref_log_softmax(ref_head: Callable[[Tensor], Tensor], hidden: Tensor, acc: torch.dtype,
-                     temperature: float) -> Tensor:
+                     temperature: float, kept: Tensor | None = None) -> Tensor:
+    """log ref over the vocabulary, or, with ``kept`` (the policy's kept set, bool [..., V]), log ref_S: -inf
+    outside the set, renormalised over it."""
     with torch.no_grad():
         r = _scaled_copy(ref_head(hidden), acc, temperature)
+    if kept is not None:
+        r.masked_fill_(~kept, float("-inf"))
     return r.sub_(torch.logsumexp(r, dim=-1, keepdim=True))
 
 
 class _FullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_BTV: Tensor, targets_BT: Tensor, ref_hidden_BTH: Tensor, ref_head, temperature: float,
-                chunk: int):
+                chunk: int, kept_BT: Tensor | None):
         b, t, v = logits_BTV.shape
         acc = _accumulation_dtype(logits_BTV)
         out = {name: torch.empty(b, t, dtype=acc, device=logits_BTV.device)
                for name in ("logp", "lse", "kl", "ref_logp")}
+        floor_BT = None if kept_BT is None else torch.empty(b, t, dtype=acc, device=logits_BTV.device)
         entropy_BT = torch.empty(b, t, dtype=torch.float32, device=logits_BTV.device)
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, chunk, _BUFFERS * v * torch.finfo(acc).bits // 8, budget):
             x = _scaled_copy(logits_BTV[rows, cols], acc, temperature)
             target = targets_BT[rows, cols, None]
+            kept = None
+            if kept_BT is not None:  # both sides over the policy's kept set (docs/algorithm.md, Truncated sampling)
+                floor_BT[rows, cols] = kept_floor(x, targets_BT[rows, cols], kept_BT[rows, cols])[0]
+                kept = x >= floor_BT[rows, cols, None]
+                mask_below_(x, floor_BT[rows, cols])
             target_x = x.gather(-1, target).squeeze(-1)
-            r = _ref_log_softmax(ref_head, ref_hidden_BTH[rows, cols], acc, temperature)
+            r = _ref_log_softmax(ref_head, ref_hidden_BTH[rows, cols], acc, temperature, kept)
             a = x.clone()
             lse, entropy_BT[rows, cols] = _logsumexp_and_entropy_(x)
             a.sub_(lse.unsqueeze(-1))
@@ -81,15 +94,15 @@ class _FullKL(torch.autograd.Function):
             out["kl"][rows, cols] = _kl_rows_(a, r)
             out["lse"][rows, cols] = lse
             out["logp"][rows, cols] = target_x - lse
-            del x, a, r
-        ctx.save_for_backward(logits_BTV, targets_BT, ref_hidden_BTH, out["lse"], out["kl"])
+            del x, a, r, kept
+        ctx.save_for_backward(logits_BTV, targets_BT, ref_hidden_BTH, out["lse"], out["kl"], floor_BT)
         ctx.ref_head, ctx.temperature, ctx.chunk = ref_head, temperature, chunk
         ctx.mark_non_differentiable(entropy_BT, out["ref_logp"])
         return out["logp"], out["kl"], entropy_BT, out["ref_logp"]
 
     @staticmethod
     def backward(ctx, grad_logp_BT: Tensor, grad_kl_BT: Tensor, *_non_differentiable):
-        logits_BTV, targets_BT, ref_hidden_BTH, lse_BT, kl_BT = ctx.saved_tensors
+        logits_BTV, targets_BT, ref_hidden_BTH, lse_BT, kl_BT, floor_BT = ctx.saved_tensors
         temperature = ctx.temperature
         acc = lse_BT.dtype
         zeros = torch.zeros_like(lse_BT)
@@ -99,8 +112,11 @@ class _FullKL(torch.autograd.Function):
         v = logits_BTV.shape[-1]
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, _BUFFERS * v * torch.finfo(acc).bits // 8, budget):
-            a = _scaled_copy(logits_BTV[rows, cols], acc, temperature).sub_(lse_BT[rows, cols, None])
-            r = _ref_log_softmax(ctx.ref_head, ref_hidden_BTH[rows, cols], acc, temperature)
+            floor = None if floor_BT is None else floor_BT[rows, cols]
+            a = _kept_copy(logits_BTV[rows, cols], acc, temperature, floor)
+            kept = None if floor is None else torch.isfinite(a)
+            a.sub_(lse_BT[rows, cols, None])
+            r = _ref_log_softmax(ctx.ref_head, ref_hidden_BTH[rows, cols], acc, temperature, kept)
             g_logp = (grad_logp_BT[rows, cols] / temperature).unsqueeze(-1)
             g_kl = (grad_kl_BT[rows, cols] / temperature).unsqueeze(-1)
             # g_kl * p * ((a - r) - KL) - g_logp * p + onehot * g_logp, built in r's buffer
@@ -108,8 +124,8 @@ class _FullKL(torch.autograd.Function):
             r.sub_(kl_BT[rows, cols, None]).mul_(g_kl).sub_(g_logp).mul_(a.exp_())
             r.scatter_add_(-1, targets_BT[rows, cols, None], g_logp)
             grad_logits[rows, cols] = r
-            del a, r
-        return grad_logits, None, None, None, None, None
+            del a, r, kept
+        return grad_logits, None, None, None, None, None, None
 
 
 def _kl_rows_(a: Tensor, r: Tensor) -> Tensor:
@@ -126,6 +142,7 @@ def token_logprobs_and_full_kl(
     ref_head: Callable[[Tensor], Tensor],
     temperature: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    kept_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logp, full_kl, entropy, ref_logp), each [B, T], from one pass over the policy's logits.
 
@@ -134,6 +151,10 @@ def token_logprobs_and_full_kl(
     from ``ref_head(ref_hidden_BTH)``: compare it with the reference's own log-probs to catch an output layer
     that is not the whole story, e.g. a logit soft-cap) carry no gradient. ``ref_head`` maps [..., H] to
     [..., V] logits and runs without gradient. Accumulates in float32 (float64 for float64 logits).
+
+    ``kept_BT`` (truncated sampling, klgrpo.math.truncation): each position's kept-set size (0: the whole
+    vocabulary). Both distributions are then taken over the policy's kept set S_t: logp = log pi_S(y_t),
+    full_kl = KL(pi_S || ref_S), ref_logp = log ref_S(y_t), the entropy pi_S's.
     """
     return _FullKL.apply(logits_BTV, targets_BT.long(), ref_hidden_BTH, ref_head, float(temperature),
-                         int(chunk_tokens))
+                         int(chunk_tokens), kept_BT)
