@@ -422,6 +422,8 @@ def test_quickstart_verify_kl_count_and_time_are_the_recorded_run():
     quickstart = " ".join(QUICKSTART.read_text().split())
     assert passed == total
     assert f"{total} checks ([results/verify_kl.txt](results/verify_kl.txt): {wall} s wall" in quickstart
+    guide = " ".join((ROOT / "docs/kl_guide.md").read_text().split())
+    assert f"[results/verify_kl.txt](results/verify_kl.txt) ({total} checks, {wall} s wall" in guide
 
 
 def test_every_policy_loss_the_docs_name_as_trls_is_registered():

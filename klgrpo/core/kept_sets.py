@@ -26,7 +26,7 @@ from torch import Tensor
 
 from klgrpo.core.forward import position_ids_from_mask
 from klgrpo.core.rollout import RolloutBatch
-from klgrpo.math.truncation import kept_counts, kept_floor, settled_counts, truncate_scores
+from klgrpo.math.truncation import kept_counts, reference_over_kept_set, settled_counts, truncate_scores
 
 
 @dataclass
@@ -60,19 +60,13 @@ def kept_set_pass(policy, reference, batch: RolloutBatch, slices: list[slice]) -
                                                        filters.min_p_first)), completion, x.shape[-1])
         recorded = None if batch.kept_count is None else batch.kept_count[sl]
         counts = rebuilt if recorded is None else recorded
-        floor, outside = kept_floor(x, targets, counts)
-        kept = x >= floor.unsqueeze(-1)
-        log_mass = torch.logsumexp(x.masked_fill(~kept, float("-inf")), -1) - torch.logsumexp(x, -1)
-        if r is None:  # no reference (a run without KL): nothing to renormalise
+        ref_logp, log_mass, outside = reference_over_kept_set(x, r, targets, counts)
+        if ref_logp is None:  # no reference (a run without KL): nothing to renormalise
             ref_logp = torch.zeros_like(log_mass)
-        else:
-            r_lse = torch.logsumexp(r, -1)
-            ref_log_mass = torch.logsumexp(r.masked_fill(~kept, float("-inf")), -1) - r_lse
-            ref_logp = r.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - r_lse - ref_log_mass
         mismatch = outside if recorded is None else outside | (rebuilt != recorded)
         parts.append(KeptSets(counts.to(torch.int32), ref_logp.masked_fill(~completion, 0.0),
                               log_mass.masked_fill(~completion, 0.0), mismatch & completion))
-        del x, r, kept
+        del x, r
     return KeptSets(*(torch.cat([getattr(p, name) for p in parts]) for name in
                       ("kept_count", "ref_logp", "log_kept_mass", "mismatch")))
 

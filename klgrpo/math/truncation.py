@@ -91,3 +91,18 @@ def settled_counts(counts: Tensor, completion_mask: Tensor, vocabulary: int) -> 
     """Kept-set sizes as a batch stores them, int32: WHOLE_VOCABULARY after a row's completion and where the
     filters cut nothing (a set as large as the vocabulary)."""
     return counts.to(torch.int32).masked_fill(~completion_mask | (counts >= vocabulary), WHOLE_VOCABULARY)
+
+
+def reference_over_kept_set(scores: Tensor, ref_scores: Tensor | None, targets: Tensor,
+                            counts: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+    """(log ref_S(y_t), log pi(S_t), outside) per position: the reference renormalised over the POLICY's kept
+    set S_t (the ``counts`` tokens ``scores`` ranks highest, widened to hold the target), the log of the mass the
+    policy keeps there, and where the target ranked outside (kept_floor). ``scores`` and ``ref_scores`` are
+    logits / temperature [..., V]; ``ref_scores`` None (no reference) gives None in its place."""
+    floor, outside = kept_floor(scores, targets, counts)
+    dropped = scores < floor.unsqueeze(-1)
+    log_mass = torch.logsumexp(scores.masked_fill(dropped, float("-inf")), -1) - torch.logsumexp(scores, -1)
+    if ref_scores is None:
+        return None, log_mass, outside
+    kept_lse = torch.logsumexp(ref_scores.masked_fill(dropped, float("-inf")), -1)
+    return ref_scores.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - kept_lse, log_mass, outside
