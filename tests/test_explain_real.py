@@ -32,7 +32,8 @@ DATA = Path(__file__).resolve().parent / "data" / "explain_real"
 #: Risk lines by their opening words.
 RISKS = {"beta is 0": "beta0", "the KL gradient follows the forward": "forward", "off-policy updates": "offpolicy",
          "KL in the reward with several": "reward_offpolicy", "the KL is clipped": "clip",
-         "loss.aggregation seq_mean_token_mean": "seqmean", "advantage epsilon": "eps"}
+         "loss.aggregation seq_mean_token_mean": "seqmean", "advantage epsilon": "eps",
+         "sampling filter": "truncated", "top_k unset": "top_k50"}
 
 # file: (--version or None, source, token verdict, sequence verdict, beta rule, risks)
 EXPECTED = {
@@ -46,14 +47,15 @@ EXPECTED = {
     # The notebook of tag v1.9.0 pins no TRL: run with the release it ships with.
     "trl_v1.9.0_grpo_trl_lora_qlora.ipynb": ("trl==1.9.0", "trl", "zero", "zero", "fixed at 0", {"beta0"}),
     # open-r1 3f9d75a pins TRL at commit 013d360b (first released in 0.16.0): beta 0.04 default, k3 without the
-    # ratio -> forward; its trainer's loss is sum / token count (token_mean) -> sequence neither.
+    # ratio -> forward; its trainer's loss is sum / token count (token_mean) -> sequence neither. The recipe sets
+    # no top_k: TRL 0.16's GRPOConfig.top_k defaults to 50, which its vLLM SamplingParams receive -> top_k50.
     "openr1_3f9d75a_qwen2.5-1.5b_config_demo.yaml": ("trl==0.16", "trl", "forward", "neither", "fixed at 0.04",
-                                                     {"forward"}),
+                                                     {"forward", "top_k50"}),
     # open-r1 bf08f56 pins trl==0.16.0: the same.
     "openr1_bf08f56_qwen2.5-1.5b_config_demo.yaml": ("trl==0.16.0", "trl", "forward", "neither", "fixed at 0.04",
-                                                     {"forward"}),
+                                                     {"forward", "top_k50"}),
     "openr1_bf08f56_r1-distill-1.5b_config_demo.yaml": ("trl==0.16.0", "trl", "forward", "neither",
-                                                        "fixed at 0.04", {"forward"}),
+                                                        "fixed at 0.04", {"forward", "top_k50"}),
     # open-r1 b806e10 pins trl==0.18.0: beta 0.04, loss_type bnpo (token mean), no ratio -> forward.
     "openr1_b806e10_qwen2.5-1.5b_config_demo.yaml": ("trl==0.18.0", "trl", "forward", "neither", "fixed at 0.04",
                                                      {"forward"}),
@@ -66,7 +68,9 @@ EXPECTED = {
     # ratio in unsloth_zoo's loss -> forward; bnpo / dapo are token means -> sequence neither.
     "unsloth_Gemma3_1B-GRPO.py": (None, "unsloth", "forward", "neither", "fixed at 0.001", {"forward"}),
     "unsloth_Llama3.1_8B-GRPO.py": (None, "unsloth", "forward", "neither", "fixed at 0.001", {"forward"}),
-    "unsloth_Qwen3_4B-GRPO.py": (None, "unsloth", "forward", "neither", "fixed at 0.001", {"forward"}),
+    # its vllm_sampling_params = SamplingParams(min_p = 0.1, top_p = 1.0, top_k = -1, ...): min-p sampling, scored
+    # by unsloth_zoo's full softmax -> truncated.
+    "unsloth_Qwen3_4B-GRPO.py": (None, "unsloth", "forward", "neither", "fixed at 0.001", {"forward", "truncated"}),
     "unsloth_Phi_4_14B-GRPO.py": (None, "unsloth", "forward", "neither", "fixed at 0.001", {"forward"}),
     "unsloth_Advanced_Llama3_1_3B_GRPO_LoRA.py": (None, "unsloth", "forward", "neither", "fixed at 0.001",
                                                   {"forward"}),
@@ -98,6 +102,9 @@ EXPECTED = {
     # verl 0.9.0's GDPO: +algorithm.gdpo_reward_keys (a key added by the script, named, not fatal); use_kl_loss
     # False and use_kl_in_reward at 0.9's default false: kl_loss_coef 0.001 is set but no KL term runs: zero.
     "verl_v0.9.0_gdpo_run_qwen3_8b_fsdp.sh": ("verl==0.9.0", "verl", "zero", "zero", "fixed at 0", {"beta0"}),
+    # verl's GMPO DAPO script: no KL (use_kl_loss False, use_kl_in_reward False, both coefficients 0); it trains
+    # with rollout.top_p=1.0 and top_k=-1 (off) and sets val_kwargs.top_p=0.7, validation only: no sampling risk.
+    "verl_gmpo_test_dapo_7b_math.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0", "eps"}),
     # gae without any KL (use_kl_loss False, use_kl_in_reward False): zero.
     "verl_ppo_run_gemma.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0"}),
     # The Hydra trainer config (defaults: list): verl's defaults, no KL anywhere.

@@ -8,6 +8,8 @@ config that reproduces it; with ``--run``, what a run's KL actually did.
     trl_config.py     what ``trl grpo --config`` reads, from trl_fields.py (TRL's fields as data, no TRL import)
     python_script.py  a training script's GRPOConfig(...) call, read with ``ast`` (never run)
     shell_script.py   a verl or OpenRLHF launch script's command, read as text (never run)
+    truncation.py     sampling filters (top_p, top_k, min_p): the risk line and the rollout keys, per release
+                      (truncation.json)
     report.py         the verdicts (verify-kl's exact oracles), the risks and the printed lines
     run_logs.py       --run: a run's KL trajectory, its bands, beta, reward, and the plot
 """

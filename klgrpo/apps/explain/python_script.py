@@ -27,6 +27,8 @@ class ConfigCall:
     keywords: dict[str, Any] = field(default_factory=dict)
     computed: dict[str, str] = field(default_factory=dict)  # keyword -> why it is not read
     imported_from: str = ""
+    sampling: dict[str, Any] | None = None  # Unsloth's vllm_sampling_params: its SamplingParams(...) literals
+    sampling_line: int | None = None
 
 
 def parse(text: str, origin: str) -> ast.Module:
@@ -76,7 +78,30 @@ def config_calls(tree: ast.Module, origin: str) -> list[ConfigCall]:
             module = _callee(node, imported)
             if module is not None:
                 calls.append(_read_call(node, module, origin))
+                _read_sampling_params(tree, node, calls[-1], origin)
     return sorted(calls, key=lambda call: call.line)
+
+
+SAMPLING_KEYWORD = "vllm_sampling_params"
+
+
+def _is_sampling_params(node: ast.Call) -> bool:
+    return (isinstance(node.func, ast.Name) and node.func.id == "SamplingParams"
+            or isinstance(node.func, ast.Attribute) and node.func.attr == "SamplingParams")
+
+
+def _read_sampling_params(tree: ast.Module, node: ast.Call, call: ConfigCall, origin: str) -> None:
+    """Unsloth's ``vllm_sampling_params=``: a ``SamplingParams(...)`` call written there, or a name assigned one
+    at the top level before the GRPOConfig call (the last such assignment): its literal keywords."""
+    value = next((k.value for k in node.keywords if k.arg == SAMPLING_KEYWORD), None)
+    if isinstance(value, ast.Name):
+        assigned = [stmt.value for stmt in tree.body if isinstance(stmt, ast.Assign) and stmt.lineno < node.lineno
+                    and any(isinstance(t, ast.Name) and t.id == value.id for t in stmt.targets)]
+        value = assigned[-1] if assigned else None
+    if not isinstance(value, ast.Call) or not _is_sampling_params(value):
+        return
+    sampling = _read_call(value, "", origin)
+    call.sampling, call.sampling_line = sampling.keywords, value.lineno
 
 
 def _read_call(node: ast.Call, module: str, origin: str) -> ConfigCall:

@@ -68,7 +68,7 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
     }
     if mapped.rewards:
         report["rewards"] = list(mapped.rewards)
-    report["risks"] = risks(cfg, parts, report, mapped.off_policy)
+    report["risks"] = risks(cfg, parts, report, mapped.off_policy) + list(getattr(mapped, "sampling_risks", ()))
     return report
 
 

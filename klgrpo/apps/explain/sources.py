@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from klgrpo.apps.explain import python_script, shell_script
+from klgrpo.apps.explain import python_script, shell_script, truncation
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import map_trl_config
@@ -185,12 +185,14 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
         if shape != "flags":
             raise ConfigError(f"{origin} holds no --flags; an OpenRLHF config is its command line")
         flags = parse_flags(data, origin)
-        return source, rl_variants("openrlhf", origin, versions, lambda p: map_openrlhf(flags, origin, p))
+        return source, rl_variants("openrlhf", origin, versions, lambda p: truncation.apply(
+            "openrlhf", map_openrlhf(flags, origin, p), flags, p))
     if shape == "flags":
         raise ConfigError(f"{origin} is a command line; only --from openrlhf reads one")
     if source == "verl":
         values = data if shape == "overrides" else _flatten(data)
-        return source, rl_variants("verl", origin, versions, lambda p: map_verl(values, origin, p))
+        return source, rl_variants("verl", origin, versions, lambda p: truncation.apply(
+            "verl", map_verl(values, origin, p), values, p))
     if shape == "overrides":
         raise ConfigError(f"{origin} holds key=value lines; only --from verl reads them")
     if source == "klgrpo":
@@ -199,9 +201,11 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
 
 
 def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Constraint]] | None,
-                 computed: dict[str, str] | None = None) -> list[Variant]:
+                 computed: dict[str, str] | None = None,
+                 call: python_script.ConfigCall | None = None) -> list[Variant]:
     """The file's fields mapped under each release range that ``versions`` allows and that has them all; the
-    adaptive-KL fields exist in klgrpo.trl only (TRL 1.16's rules)."""
+    adaptive-KL fields exist in klgrpo.trl only (TRL 1.16's rules). ``call``: the script's GRPOConfig call, whose
+    vllm_sampling_params (Unsloth's) may hold a SamplingParams(...) read from the script."""
     adaptive = kind == "adaptive_kl"
     if versions is None or adaptive:
         candidates: list[Profile | None] = [None]
@@ -222,7 +226,15 @@ def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Co
             if own is not None and own[1] is None:
                 mapped.ignored.append(keyword)  # whatever it holds: speed and memory only
                 continue
+            if call is not None and call.sampling is not None and keyword == python_script.SAMPLING_KEYWORD:
+                mapped.unmapped.setdefault(keyword, (
+                    f"Unsloth's GRPOConfig field: the SamplingParams(...) of line {call.sampling_line}, read: its "
+                    "top_p, top_k and min_p replace the config's (the sampling risk and rollout keys below); its "
+                    "other settings (temperature, stop, seed) are not mapped"))
             mapped.unmapped.setdefault(keyword, f"Unsloth's GRPOConfig field, {why}: {own[1]}" if own else why)
+        framework = "unsloth" if kind == "unsloth" else "trl"
+        mapped = truncation.apply(framework, mapped, data, profile, call.sampling if call else None,
+                                  call.sampling_line if call else None)
         out.append((profile, mapped))
     if not out:
         raise missing[-1]
@@ -328,7 +340,7 @@ def _from_python(text: str, origin: str, source: str | None, line: int | None,
     unsloth = not adaptive and (source == "unsloth" or source is None and (bool(_UNSLOTH_IMPORT.search(text))
                                                                            or bool(own)))
     kind = "adaptive_kl" if adaptive else "unsloth" if unsloth else "trl"
-    return kind, trl_variants(call.keywords, where, kind, versions, call.computed)
+    return kind, trl_variants(call.keywords, where, kind, versions, call.computed, call)
 
 
 def _from_script(text: str, origin: str, source: str | None, line: int | None,
@@ -373,7 +385,7 @@ def _verl_from_script(command: shell_script.LaunchCommand, where: str, profile: 
                                           "verl")
             continue
         values[key] = value if argument in command.unresolved else _override_value(value, where)
-    mapped = map_verl(values, where, profile)
+    mapped = truncation.apply("verl", map_verl(values, where, profile), values, profile)
     for key, why in notes.items():
         mapped.unmapped.setdefault(key, why)
     return mapped
@@ -392,7 +404,7 @@ def _openrlhf_from_script(command: shell_script.LaunchCommand, where: str, profi
                 default = next((e["default"] for e in profile.defaults.values() if e["flag"] == f"--{name}"), default)
             notes[name] = _unresolved_note(held[0], default, "OpenRLHF")
             del flags[name]
-    mapped = map_openrlhf(flags, where, profile)
+    mapped = truncation.apply("openrlhf", map_openrlhf(flags, where, profile), flags, profile)
     for name, why in notes.items():
         mapped.unmapped.setdefault(name, why)
     if len(arguments) < len(command.arguments):
