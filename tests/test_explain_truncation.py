@@ -127,7 +127,8 @@ def test_trl_0_14_generate_keeps_transformers_top_k_50_unless_vllm(tmp_path):
     assert _sampling(report)[0].startswith(
         "top_k unset: on TRL >= 0.14.0, < 0.16.0 the sampler keeps only the 50 most likely tokens at each position "
         "(GRPOConfig has no top_k there and builds transformers' GenerationConfig without one, so generate keeps "
-        "transformers' default top_k 50; the vLLM path's SamplingParams sets none)")
+        "the default top_k 50 of transformers 4 (the releases those TRL run on; transformers 5 has None); the vLLM "
+        "path's SamplingParams sets none)")
     assert "set use_vllm true (its SamplingParams sets no top_k) or run TRL 0.18.0 or later" in _sampling(report)[0]
     status, report = _run(tmp_path, "beta: 0.04\nuse_vllm: true\n", extra=["--version", "trl==0.15.0"])
     assert _sampling(report) == [] and report["config"]["rollout"]["top_k"] == 0
