@@ -28,7 +28,7 @@ from klgrpo.errors import ConfigError, KLGRPOError
 STRICT_EXIT = 3
 #: The frameworks whose releases --version may name, per format.
 RELEASES_OF = {"trl": ("trl",), "adaptive_kl": ("trl",), "unsloth": ("unsloth", "trl"), "verl": ("verl",),
-               "openrlhf": ("openrlhf",)}
+               "openrlhf": ("openrlhf",), "nemo_rl": ("nemo_rl",)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", choices=FORMATS, help="the format (default: detected)")
     p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
                                                      "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'), "
-                                                     "verl==0.3, openrlhf==0.5.9.post1, or a file that pins it "
+                                                     "verl==0.3, openrlhf==0.5.9.post1, nemo_rl==0.7.0, or a file "
+                                                     "that pins it "
                                                      "(setup.py, requirements.txt); default: what the file "
                                                      "states, else every release range")
     p.add_argument("--call", type=int, metavar="LINE", help="the GRPOConfig call or launcher command that starts "
@@ -121,7 +122,7 @@ def _version_note(source: str) -> list[str]:
 def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """The report of FILE; for TRL, Unsloth, verl and OpenRLHF, under each release range the file may run on: one
     report when their verdicts agree, else one per distinct verdict in ``report["versions"]``."""
-    from klgrpo.integrations.versions import spans, stated_in
+    from klgrpo.integrations.versions import stated_in
 
     text, origin = read_text(path)
     versions = _stated_by(args.version) if args.version else stated_in(text)
@@ -136,11 +137,19 @@ def explain_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
         report["notes"] = _version_note(source) if profile is None else []
         reports.append((profile, report))
     groups = [([p for p in found if p is not None], one) for found, one in group_by_verdict(reports)]
-    report = {**groups[0][1], "origin": origin, "releases": spans(groups[0][0]),
+    report = {**groups[0][1], "origin": origin, "releases": _spans(groups[0][0]),
               "default_changes": default_changes(variants)}
     if len(groups) > 1:
-        report["versions"] = [{**one, "releases": spans(found)} for found, one in groups]
+        report["versions"] = [{**one, "releases": _spans(found)} for found, one in groups]
     return report
+
+
+def _spans(found: list) -> list[str]:
+    """The ranges' labels: klgrpo.integrations.versions' frameworks, or explain's own tables (frameworks.py)."""
+    from klgrpo.apps.explain import frameworks
+    from klgrpo.integrations.versions import spans
+
+    return frameworks.spans(found) if found and isinstance(found[0], frameworks.Release) else spans(found)
 
 
 def default_changes(variants: list) -> list[str]:
@@ -169,7 +178,10 @@ def _stated_by(option: str) -> dict[str, Any]:
     from klgrpo.integrations.versions import parse_option, stated_in
 
     if not Path(option).is_file():
-        return parse_option(option)
+        from klgrpo.apps.explain.frameworks import split_option
+
+        rest, own = split_option(option)
+        return {**(parse_option(rest) if rest else {}), **own}
     found = stated_in(read_text(option)[0])
     if not found:
         raise ConfigError(f"--version {option}: the file pins no TRL, Unsloth, verl or OpenRLHF release (trl==X, "
@@ -235,7 +247,8 @@ def _print_report(report: dict[str, Any]) -> None:
         print(f"{report['origin']}: defaults it leaves unset that changed between releases (the verdicts above "
               f"take each range's): {'; '.join(report['default_changes'])}")
     said = "; ".join(f"on {' and '.join(e['releases'])}: {_answer(e, versions)}" for e in versions)
-    example = {"verl": "verl==0.3", "openrlhf": "openrlhf==0.8.5"}.get(report["source"], "trl==0.18")
+    example = {"verl": "verl==0.3", "openrlhf": "openrlhf==0.8.5", "nemo_rl": "nemo_rl==0.7.0"}.get(
+        report["source"], "trl==0.18")
     print(f"{report['origin']}: the answer depends on the release ({said}): which do you run? Pass --version "
           f"(e.g. --version {example}), or pin it in the file")
 

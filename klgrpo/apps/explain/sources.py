@@ -11,6 +11,8 @@
                (klgrpo.integrations.versions)
     openrlhf   an OpenRLHF command line (``--algo.kl.init_coef 0.01 --algo.kl.use_loss ...``) in a text file or
                a launch script; per OpenRLHF release
+    nemo_rl    a NeMo-RL GRPO config (grpo:, loss_fn:, policy:, ...; a recipe with defaults:), per NeMo-RL release
+               (nemo_rl.py, nemo_rl.json)
     klgrpo     a klgrpo config (model:, kl:, loss:, ...)
 """
 
@@ -21,7 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from klgrpo.apps.explain import python_script, shell_script, truncation
+from klgrpo.apps.explain import frameworks, nemo_rl, python_script, shell_script, truncation
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import map_trl_config
@@ -42,7 +44,7 @@ from klgrpo.integrations.versions import (
     unsloth_config_fields,
 )
 
-FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "klgrpo")
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
 TRL_KINDS = ("trl", "unsloth", "adaptive_kl")
 _UNSLOTH_IMPORT = re.compile(r"^\s*(from\s+unsloth(_zoo)?\b|import\s+unsloth\b)|\b(PatchFastRL|UnslothGRPO\w*)\b", re.M)
@@ -143,7 +145,9 @@ def _candidates(shape: str, data: Any) -> list[str]:
         found.append("klgrpo")
     if top & set(VERL_ROOTS) and {str(key).split(".")[0] for key in top} <= set(VERL_ROOTS):
         found.append("verl")
-    if not nested and "verl" not in found:  # a Hydra config's defaults: list is no TRL field
+    if nemo_rl.is_nemo_rl(data):
+        found.append("nemo_rl")
+    if not nested and not {"verl", "nemo_rl"} & set(found):  # a Hydra config's defaults: list is no TRL field
         found.append("adaptive_kl" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
     return found
 
@@ -195,6 +199,11 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
             "verl", map_verl(values, origin, p), values, p))
     if shape == "overrides":
         raise ConfigError(f"{origin} holds key=value lines; only --from verl reads them")
+    if source == "nemo_rl":
+        if shape != "mapping":
+            raise ConfigError(f"{origin}: a NeMo-RL config is a YAML mapping (grpo:, loss_fn:, policy:, ...)")
+        values = nemo_rl.flatten(data)
+        return source, table_variants("nemo_rl", origin, versions, lambda r: nemo_rl.map_nemo_rl(values, origin, r))
     if source == "klgrpo":
         return source, [(None, _klgrpo(data, origin))]
     return source, trl_variants(data, origin, source, versions)
@@ -258,6 +267,27 @@ def rl_variants(framework: str, origin: str, versions: dict[str, list[Constraint
         except NotInRange as err:
             missing.append(err)
     if not out:  # the newest range's reason: the release a user most likely runs
+        raise missing[0]
+    return out
+
+
+def table_variants(framework: str, origin: str, versions: dict[str, list[Constraint]] | None,
+                   mapper: Callable[[frameworks.Release | None], Mapped]) -> list[Variant]:
+    """A framework of explain's own tables (frameworks.py) mapped under each release range ``versions`` allows
+    (the newest first) that has every KL key it sets; a version no range holds is one line."""
+    if versions is None:
+        return [(None, mapper(None))]
+    allowed = frameworks.allowed(framework, versions)
+    if not allowed:
+        raise ConfigError(f"{origin}: {frameworks.outside(framework, versions.get(framework, []))}")
+    out: list[Variant] = []
+    missing: list[NotInRange] = []
+    for release in reversed(allowed):
+        try:
+            out.append((release, mapper(release)))
+        except NotInRange as err:
+            missing.append(err)
+    if not out:
         raise missing[0]
     return out
 
