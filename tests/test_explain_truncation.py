@@ -107,7 +107,7 @@ def test_trl_0_16_and_0_17_sample_top_k_50_when_unset(tmp_path):
     status, report = _run(tmp_path, "beta: 0.04\n", extra=["--version", "trl==0.17.0"])
     assert status == 0
     assert _sampling(report) == [
-        "top_k unset: on TRL >= 0.16.0, < 0.18.0 the sampler keeps only the 50 most likely tokens at each position "
+        "top_k unset: on TRL >= 0.16.0, < 0.18.0 the sampler truncates each position's distribution at top_k 50 "
         "(GRPOConfig.top_k defaults to 50 there, passed to generate and to vLLM alike; None from 0.18.0, off) "
         "while TRL's trainer scores each token by the full softmax of logits / temperature, so the old-policy/"
         "sampler ratios carry the kept mass and the KL it logs and trains estimates neither KL(pi||ref) nor the KL "
@@ -125,7 +125,7 @@ def test_trl_0_16_and_0_17_sample_top_k_50_when_unset(tmp_path):
 def test_trl_0_14_generate_keeps_transformers_top_k_50_unless_vllm(tmp_path):
     status, report = _run(tmp_path, "beta: 0.04\n", extra=["--version", "trl==0.15.0"])
     assert _sampling(report)[0].startswith(
-        "top_k unset: on TRL >= 0.14.0, < 0.16.0 the sampler keeps only the 50 most likely tokens at each position "
+        "top_k unset: on TRL >= 0.14.0, < 0.16.0 the sampler truncates each position's distribution at top_k 50 "
         "(GRPOConfig has no top_k there and builds transformers' GenerationConfig without one, so generate keeps "
         "the default top_k 50 of transformers 4 (the releases those TRL run on; transformers 5 has None); the vLLM "
         "path's SamplingParams sets none)")

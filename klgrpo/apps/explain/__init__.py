@@ -1,5 +1,5 @@
-"""``klgrpo explain``: which KL a TRL, verl, OpenRLHF, Unsloth, NeMo-RL or klgrpo config optimises, proven, and the
-klgrpo config that reproduces it; with ``--run``, what a run's KL actually did.
+"""``klgrpo explain``: which KL a TRL, verl, OpenRLHF, Unsloth, NeMo-RL, ROLL or klgrpo config optimises, proven, and
+the klgrpo config that reproduces it; with ``--run``, what a run's KL actually did.
 
     command.py        the command: arguments, outputs (never over an input or, for --write, an existing file)
     reading.py        bounded reading: size, text, plain data, nesting
@@ -10,6 +10,7 @@ klgrpo config that reproduces it; with ``--run``, what a run's KL actually did.
     shell_script.py   a verl or OpenRLHF launch script's command, read as text (never run)
     frameworks.py     the frameworks of this folder's release tables (nemo_rl.json): ranges, --version, labels
     nemo_rl.py        a NeMo-RL GRPO config, per release (nemo_rl.json)
+    roll.py           a ROLL RLVR pipeline config, per release (roll.json)
     truncation.py     sampling filters (top_p, top_k, min_p): the risk line and the rollout keys, per release
                       (truncation.json)
     report.py         the verdicts (verify-kl's exact oracles), the risks and the printed lines

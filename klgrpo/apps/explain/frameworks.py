@@ -1,4 +1,4 @@
-"""The frameworks whose release tables live beside explain (``nemo_rl.json``, ...): their release ranges as
+"""The frameworks whose release tables live beside explain (``nemo_rl.json``, ``roll.json``): their release ranges as
 :class:`Release` profiles, the ``--version`` clauses that name them, and their labels.
 
 Each table holds ``name`` (as printed), ``groups`` (its config's top-level keys) and ``ranges``: rows with
@@ -20,7 +20,7 @@ from klgrpo.integrations.versions import Constraint, Profile, constraints, parse
 
 HERE = Path(__file__).resolve().parent
 #: --version names -> framework (its table: HERE / f"{framework}.json").
-VERSION_NAMES = {"nemo_rl": "nemo_rl", "nemo-rl": "nemo_rl"}
+VERSION_NAMES = {"nemo_rl": "nemo_rl", "nemo-rl": "nemo_rl", "roll": "roll"}
 FRAMEWORKS = tuple(dict.fromkeys(VERSION_NAMES.values()))
 
 

@@ -18,7 +18,8 @@ from klgrpo.math.objective import KLTerm
 FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOConfig, Unsloth's defaults and loss)",
                 "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line",
-                "nemo_rl": "NeMo-RL GRPO config", "klgrpo": "klgrpo config"}
+                "nemo_rl": "NeMo-RL GRPO config", "roll": "ROLL RLVR pipeline config",
+                "klgrpo": "klgrpo config"}
 AGGREGATION_WEIGHTING = {
     "token_mean": "every token weighs the same (a long completion's KL counts in proportion to its length)",
     "seq_mean_token_mean": "each completion weighs the same: a token's KL is divided by its completion's length",

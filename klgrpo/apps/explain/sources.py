@@ -11,6 +11,8 @@
                (klgrpo.integrations.versions)
     openrlhf   an OpenRLHF command line (``--algo.kl.init_coef 0.01 --algo.kl.use_loss ...``) in a text file or
                a launch script; per OpenRLHF release
+    roll       a ROLL RLVR pipeline config (flat keys beside actor_train:, actor_infer:, ...), per ROLL release
+               (roll.py, roll.json)
     nemo_rl    a NeMo-RL GRPO config (grpo:, loss_fn:, policy:, ...; a recipe with defaults:), per NeMo-RL release
                (nemo_rl.py, nemo_rl.json)
     klgrpo     a klgrpo config (model:, kl:, loss:, ...)
@@ -23,7 +25,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from klgrpo.apps.explain import frameworks, nemo_rl, python_script, shell_script, truncation
+from klgrpo.apps.explain import frameworks, nemo_rl, python_script, roll, shell_script, truncation
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import map_trl_config
@@ -44,7 +46,7 @@ from klgrpo.integrations.versions import (
     unsloth_config_fields,
 )
 
-FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "klgrpo")
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
 TRL_KINDS = ("trl", "unsloth", "adaptive_kl")
 _UNSLOTH_IMPORT = re.compile(r"^\s*(from\s+unsloth(_zoo)?\b|import\s+unsloth\b)|\b(PatchFastRL|UnslothGRPO\w*)\b", re.M)
@@ -147,7 +149,9 @@ def _candidates(shape: str, data: Any) -> list[str]:
         found.append("verl")
     if nemo_rl.is_nemo_rl(data):
         found.append("nemo_rl")
-    if not nested and not {"verl", "nemo_rl"} & set(found):  # a Hydra config's defaults: list is no TRL field
+    if roll.is_roll(data):
+        found.append("roll")
+    if not nested and not {"verl", "nemo_rl", "roll"} & set(found):  # a Hydra config's defaults: list is no TRL field
         found.append("adaptive_kl" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
     return found
 
@@ -204,6 +208,12 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
             raise ConfigError(f"{origin}: a NeMo-RL config is a YAML mapping (grpo:, loss_fn:, policy:, ...)")
         values = nemo_rl.flatten(data)
         return source, table_variants("nemo_rl", origin, versions, lambda r: nemo_rl.map_nemo_rl(values, origin, r))
+    if source == "roll":
+        if shape != "mapping":
+            raise ConfigError(f"{origin}: a ROLL config is a YAML mapping (actor_train:, actor_infer:, ...)")
+        flat = roll.flatten(data)
+        return source, table_variants("roll", origin, versions, lambda r: truncation.apply(
+            "roll", roll.map_roll(flat, origin, r), flat, r or roll.newest()))
     if source == "klgrpo":
         return source, [(None, _klgrpo(data, origin))]
     return source, trl_variants(data, origin, source, versions)

@@ -139,26 +139,41 @@ def _unignore(read: Read, name: str) -> None:
 
 
 def _unset_filter(read: Read, rules: dict, settings: dict, profile: Profile | None, values: dict) -> str | None:
-    """The risk line of a filter the release applies where the file leaves its field unset (TRL 0.14 - 0.17's
-    top_k 50); when every release of ``profile`` applies it, klgrpo's key takes its value."""
+    """The risk line of the filters the release applies where the file leaves their fields unset (TRL 0.14 -
+    0.17's top_k 50; ROLL's generating_args block: top_p 0.7, top_k 50); where every release of ``profile``
+    applies one, klgrpo's key takes its value."""
+    rows = []
     for row in rules.get("unset", ()):
         key = rules["fields"][row["field"]]
         if key in values or not _overlaps(profile, row["from"], row["to"]):
             continue
         if row["unless"] and settings.get(row["unless"]) is True:
             continue
-        written = ""
+        if row.get("requires") and not any(str(name).startswith(row["requires"]) for name in settings):
+            continue
+        rows.append(row)
+    if not rows:
+        return None
+    written = []
+    for row in rows:
+        key = rules["fields"][row["field"]]
         if _within(profile, row["from"], row["to"]):
             read.config[key] = row["value"]
             read.config["rollout.truncation"] = "policy"
-            written = f" ({key} {row['value']} below)"
-        releases = f"{rules['name']} >= {row['from']}, < {row['to']}"
-        return (f"{row['field']} unset: on {releases} the sampler keeps only the {row['value']} most likely tokens "
-                f"at each position ({row['why']}) while {_trainer(rules)}, so the old-policy/sampler ratios carry "
-                "the kept mass and the KL it logs and trains estimates neither KL(pi||ref) nor the KL of the "
-                f"distribution sampled; {row['fix']}, or train the truncated distribution exactly with klgrpo's "
-                f"rollout.truncation policy{written}")
-    return None
+            written.append(f"{key} {row['value']}")
+    first = rows[0]
+    releases = (f"{rules['name']} {first['from']} or later" if first["to"] is None
+                else f"{rules['name']} >= {first['from']}, < {first['to']}")
+    names = " and ".join(row["field"] for row in rows)
+    kept = " and ".join(f"{row['field'].rsplit('.', 1)[-1]} {row['value']}" for row in rows)
+    fixes = "; ".join(dict.fromkeys(row["fix"] for row in rows))
+    whys = "; ".join(dict.fromkeys(row["why"] for row in rows))
+    return (f"{names} unset: on {releases} the sampler truncates each position's distribution at {kept} ({whys}) "
+            "while "
+            f"{_trainer(rules)}, so the old-policy/sampler ratios carry the kept mass and the KL it logs and trains "
+            f"estimates neither KL(pi||ref) nor the KL of the distribution sampled; {fixes}, or train the truncated "
+            "distribution exactly with klgrpo's rollout.truncation policy"
+            + (f" ({', '.join(written)} below)" if written else ""))
 
 
 def _risk(rules: dict, on: list[Filter], settings: dict, profile: Profile | None, line: int | None) -> str:
