@@ -7,10 +7,11 @@ the klgrpo config that reproduces it; with ``--run``, what a run's KL actually d
                       openrlhf_mapping)
     trl_config.py     what ``trl grpo --config`` reads, from trl_fields.py (TRL's fields as data, no TRL import)
     python_script.py  a training script's GRPOConfig(...) call, read with ``ast`` (never run)
-    shell_script.py   a verl or OpenRLHF launch script's command, read as text (never run)
+    shell_script.py   a verl, OpenRLHF or SkyRL launch script's command, read as text (never run)
     frameworks.py     the frameworks of this folder's release tables (nemo_rl.json): ranges, --version, labels
     nemo_rl.py        a NeMo-RL GRPO config, per release (nemo_rl.json)
     roll.py           a ROLL RLVR pipeline config, per release (roll.json)
+    skyrl_train.py    a SkyRL trainer config or launch script, per skyrl-train release (skyrl_train.json)
     truncation.py     sampling filters (top_p, top_k, min_p): the risk line and the rollout keys, per release
                       (truncation.json)
     report.py         the verdicts (verify-kl's exact oracles), the risks and the printed lines

@@ -1,6 +1,6 @@
-"""A verl or OpenRLHF launch script, read as text (never run): the arguments of its ``python3 -m
-verl.trainer.main_ppo`` (or another trainer module of a verl release: 0.8's ``main_ppo_sync``) or
-``openrlhf.cli.train_ppo_ray`` command.
+"""A verl, OpenRLHF or SkyRL launch script, read as text (never run): the arguments of its ``python3 -m
+verl.trainer.main_ppo`` (or another trainer module of a verl release: 0.8's ``main_ppo_sync``),
+``openrlhf.cli.train_ppo_ray`` or ``skyrl_train.entrypoints.main_base`` command.
 
 What the reader follows: line continuations, comments, ``NAME=value`` and ``export NAME=value`` assignments with
 literal values (substituted where the command uses ``$NAME`` / ``${NAME}``), bash arrays (``ARGS=( ... )`` used
@@ -27,8 +27,12 @@ def _spellings(module: str) -> tuple[str, ...]:
 
 #: verl's trainer modules of every release (verl.json's entry_points: main_ppo, 0.8's main_ppo_sync); OpenRLHF's.
 VERL_ENTRY_POINTS = tuple(dict.fromkeys(m for p in rl_profiles("verl") for m in p.release["entry_points"]))
+#: SkyRL's trainers (skyrl_train.json's entry_points: skyrl-train's and the renamed skyrl package's main_base).
+SKYRL_ENTRY_POINTS = ("skyrl_train.entrypoints.main_base", "skyrl.train.entrypoints.main_base")
 LAUNCHERS = {"verl": tuple(s for module in VERL_ENTRY_POINTS for s in _spellings(module)),
-             "openrlhf": ("openrlhf.cli.train_ppo_ray", "openrlhf/cli/train_ppo_ray.py")}
+             "openrlhf": ("openrlhf.cli.train_ppo_ray", "openrlhf/cli/train_ppo_ray.py"),
+             "skyrl_train": tuple(s for module in SKYRL_ENTRY_POINTS for s in _spellings(module))}
+_NAMES = {"verl": "verl", "openrlhf": "OpenRLHF", "skyrl_train": "SkyRL"}
 _ASSIGNMENT = re.compile(r"^(?:export\s+|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$")
 _ARRAY = re.compile(r"^([A-Za-z_]\w*)=\($")
 _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
@@ -156,10 +160,11 @@ def launch_command(text: str, origin: str, line: int | None = None) -> LaunchCom
     if line is not None:
         return on_line(found, line, origin, "launcher command starts at line", "the commands start at lines")
     if not found:
-        raise refuse(origin, f"runs none of verl's trainers ({', '.join(VERL_ENTRY_POINTS)}) nor "
-                             "openrlhf.cli.train_ppo_ray")
+        raise refuse(origin, f"runs none of verl's trainers ({', '.join(VERL_ENTRY_POINTS)}), "
+                             f"openrlhf.cli.train_ppo_ray nor SkyRL's ({', '.join(SKYRL_ENTRY_POINTS)})")
     if len({c.framework for c in found}) > 1:
-        raise ConfigError(f"{origin} launches both verl and OpenRLHF (lines "
+        named = [_NAMES[name] for name in LAUNCHERS if name in {c.framework for c in found}]
+        raise ConfigError(f"{origin} launches {'both ' if len(named) == 2 else ''}{' and '.join(named)} (lines "
                           f"{', '.join(str(c.line) for c in found)}); pass --call LINE to pick one")
     if len(found) > 1:
         raise ConfigError(f"{origin} launches {len(found)} runs (lines {', '.join(str(c.line) for c in found)}); "

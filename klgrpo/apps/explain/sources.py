@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from klgrpo.apps.explain import frameworks, nemo_rl, python_script, roll, shell_script, truncation
+from klgrpo.apps.explain import frameworks, nemo_rl, python_script, roll, shell_script, skyrl_train, truncation
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import map_trl_config
@@ -46,7 +46,7 @@ from klgrpo.integrations.versions import (
     unsloth_config_fields,
 )
 
-FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "klgrpo")
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "skyrl_train", "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
 TRL_KINDS = ("trl", "unsloth", "adaptive_kl")
 _UNSLOTH_IMPORT = re.compile(r"^\s*(from\s+unsloth(_zoo)?\b|import\s+unsloth\b)|\b(PatchFastRL|UnslothGRPO\w*)\b", re.M)
@@ -139,7 +139,7 @@ def _candidates(shape: str, data: Any) -> list[str]:
     if shape == "flags":
         return ["openrlhf"]
     if shape == "overrides":
-        return ["verl"]
+        return ["skyrl_train"] if skyrl_train.is_skyrl_overrides(data) else ["verl"]
     top = set(data)
     nested = all(isinstance(value, dict) for value in data.values())
     found = []
@@ -151,7 +151,10 @@ def _candidates(shape: str, data: Any) -> list[str]:
         found.append("nemo_rl")
     if roll.is_roll(data):
         found.append("roll")
-    if not nested and not {"verl", "nemo_rl", "roll"} & set(found):  # a Hydra config's defaults: list is no TRL field
+    if skyrl_train.is_skyrl(data):
+        found.append("skyrl_train")
+    # a Hydra config's defaults: list is no TRL field
+    if not nested and not {"verl", "nemo_rl", "roll", "skyrl_train"} & set(found):
         found.append("adaptive_kl" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
     return found
 
@@ -197,12 +200,15 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
             "openrlhf", map_openrlhf(flags, origin, p), flags, p))
     if shape == "flags":
         raise ConfigError(f"{origin} is a command line; only --from openrlhf reads one")
+    if source == "skyrl_train":
+        values = data if shape == "overrides" else _flatten(data)
+        return source, table_variants("skyrl_train", origin, versions, lambda r: _skyrl(values, origin, r))
     if source == "verl":
         values = data if shape == "overrides" else _flatten(data)
         return source, rl_variants("verl", origin, versions, lambda p: truncation.apply(
             "verl", map_verl(values, origin, p), values, p))
     if shape == "overrides":
-        raise ConfigError(f"{origin} holds key=value lines; only --from verl reads them")
+        raise ConfigError(f"{origin} holds key=value lines; only --from verl or skyrl_train reads them")
     if source == "nemo_rl":
         if shape != "mapping":
             raise ConfigError(f"{origin}: a NeMo-RL config is a YAML mapping (grpo:, loss_fn:, policy:, ...)")
@@ -389,9 +395,42 @@ def _from_script(text: str, origin: str, source: str | None, line: int | None,
     if source not in (None, command.framework):
         raise ConfigError(f"{origin}: line {command.line} launches {command.framework}, not {source}")
     where = f"{origin}: line {command.line}"
+    if command.framework == "skyrl_train":
+        return command.framework, table_variants("skyrl_train", where, versions,
+                                                 lambda release: _skyrl_from_script(command, where, release))
     mapper = _verl_from_script if command.framework == "verl" else _openrlhf_from_script
     return command.framework, rl_variants(command.framework, where, versions,
                                           lambda profile: mapper(command, where, profile))
+
+
+def _skyrl(values: dict[str, Any], origin: str, release: frameworks.Release | None) -> Mapped:
+    return truncation.apply("skyrl_train", skyrl_train.map_skyrl(values, origin, release), values,
+                            release or skyrl_train.newest())
+
+
+def _skyrl_from_script(command: shell_script.LaunchCommand, where: str,
+                       release: frameworks.Release | None) -> Mapped:
+    """A SkyRL launch script's key=value arguments (Hydra overrides, as verl's); a setting the script takes from
+    its own arguments or environment is named with the default the verdict used."""
+    row = (release or skyrl_train.newest()).release or {}
+    values: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for argument in command.arguments:
+        if argument in _SCRIPT_ARGUMENTS:
+            notes[argument] = "arguments given to the script when it runs: not seen here"
+            continue
+        if argument.startswith("-") or "=" not in argument:
+            continue
+        key, value = argument.lstrip("+~").split("=", 1)
+        if argument in command.unresolved:
+            if key in skyrl_train.READ:
+                notes[key] = _unresolved_note(command.unresolved[argument], row["defaults"].get(key), "SkyRL")
+            continue
+        values[key] = _override_value(value, where)
+    mapped = _skyrl(values, where, release)
+    for key, why in notes.items():
+        mapped.unmapped.setdefault(key, why)
+    return mapped
 
 
 def _unresolved_note(variable: str, default: Any, framework: str) -> str:
