@@ -2,7 +2,7 @@
 the klgrpo config that reproduces it; with ``--run``, what a run's KL actually did.
 
     command.py        the command: arguments, outputs (never over an input or, for --write, an existing file)
-    reading.py        bounded reading: size, text, plain data, nesting
+    reading.py        bounded reading: size, text, plain data (YAML, JSON, TOML), nesting
     sources.py        the format, detected, and its mapping (klgrpo.integrations.trl_mapping, verl_mapping,
                       openrlhf_mapping)
     trl_config.py     what ``trl grpo --config`` reads, from trl_fields.py (TRL's fields as data, no TRL import)
@@ -12,6 +12,7 @@ the klgrpo config that reproduces it; with ``--run``, what a run's KL actually d
     nemo_rl.py        a NeMo-RL GRPO config, per release (nemo_rl.json)
     roll.py           a ROLL RLVR pipeline config, per release (roll.json)
     skyrl_train.py    a SkyRL trainer config or launch script, per skyrl-train release (skyrl_train.json)
+    prime_rl.py       a prime-rl RL config (TOML), per release (prime_rl.json)
     truncation.py     sampling filters (top_p, top_k, min_p): the risk line and the rollout keys, per release
                       (truncation.json)
     report.py         the verdicts (verify-kl's exact oracles), the risks and the printed lines

@@ -1,5 +1,5 @@
 """The frameworks whose release tables live beside explain (``nemo_rl.json``, ``roll.json``,
-``skyrl_train.json``): their release ranges as
+``skyrl_train.json``, ``prime_rl.json``): their release ranges as
 :class:`Release` profiles, the ``--version`` clauses that name them, and their labels.
 
 Each table holds ``name`` (as printed), ``groups`` (its config's top-level keys) and ``ranges``: rows with
@@ -22,7 +22,7 @@ from klgrpo.integrations.versions import Constraint, Profile, constraints, parse
 HERE = Path(__file__).resolve().parent
 #: --version names -> framework (its table: HERE / f"{framework}.json").
 VERSION_NAMES = {"nemo_rl": "nemo_rl", "nemo-rl": "nemo_rl", "roll": "roll", "skyrl_train": "skyrl_train",
-                 "skyrl-train": "skyrl_train"}
+                 "skyrl-train": "skyrl_train", "prime_rl": "prime_rl", "prime-rl": "prime_rl"}
 FRAMEWORKS = tuple(dict.fromkeys(VERSION_NAMES.values()))
 
 
@@ -49,7 +49,7 @@ class Release(Profile):
 @lru_cache(maxsize=None)
 def releases(framework: str) -> tuple[Release, ...]:
     return tuple(Release(framework, parse_version(row["from"]), parse_version(row["to"]) if row["to"] else None,
-                         dict(row["defaults"]), release=row) for row in table(framework)["ranges"])
+                         dict(row.get("defaults", {})), release=row) for row in table(framework)["ranges"])
 
 
 def allowed(framework: str, clauses: dict[str, list[Constraint]]) -> list[Release]:

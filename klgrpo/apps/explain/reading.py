@@ -23,7 +23,8 @@ MAX_BYTES = 256 * 1024
 MAX_DEPTH = 24
 #: Values in one file (a config has hundreds); also bounds a YAML alias bomb.
 MAX_VALUES = 50_000
-WHAT_EXPLAIN_READS = ("a YAML or JSON config of TRL, Unsloth, verl, NeMo-RL, ROLL, SkyRL or klgrpo, verl or SkyRL "
+WHAT_EXPLAIN_READS = ("a YAML or JSON config of TRL, Unsloth, verl, NeMo-RL, ROLL, SkyRL or klgrpo, a prime-rl TOML, "
+                      "verl or SkyRL "
                       "key=value lines, an OpenRLHF command line, a verl, OpenRLHF or SkyRL launch script, a Python "
                       "script or notebook with a GRPOConfig(...) call")
 READS = f"klgrpo explain reads {WHAT_EXPLAIN_READS} (and a run folder with --run)"
@@ -113,6 +114,21 @@ def load_yaml(text: str, origin: str) -> Any:
         where = f" (line {mark.line + 1})" if mark is not None else ""
         problem = getattr(err, "problem", None) or "not valid YAML"
         raise refuse(origin, f"is not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise refuse(origin, f"nests deeper than {MAX_DEPTH} levels") from None
+    check_plain(data, origin)
+    return data
+
+
+def load_toml(text: str, origin: str) -> Any:
+    """A TOML document (prime-rl's configs) as plain data, or a ConfigError: a syntax error, a date or time value,
+    more than MAX_DEPTH levels or MAX_VALUES values."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise refuse(origin, f"is not valid TOML: {err}") from None
     except RecursionError:
         raise refuse(origin, f"nests deeper than {MAX_DEPTH} levels") from None
     check_plain(data, origin)

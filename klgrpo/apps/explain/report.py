@@ -19,7 +19,7 @@ FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOC
                 "adaptive_kl": "TRL GRPOConfig with the adaptive-KL fields (klgrpo.trl, the Unsloth fork's)",
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line",
                 "nemo_rl": "NeMo-RL GRPO config", "roll": "ROLL RLVR pipeline config",
-                "skyrl_train": "SkyRL trainer config",
+                "skyrl_train": "SkyRL trainer config", "prime_rl": "prime-rl RL config",
                 "klgrpo": "klgrpo config"}
 AGGREGATION_WEIGHTING = {
     "token_mean": "every token weighs the same (a long completion's KL counts in proportion to its length)",
@@ -71,7 +71,7 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
     }
     if mapped.rewards:
         report["rewards"] = list(mapped.rewards)
-    report["risks"] = risks(cfg, parts, report, mapped.off_policy) + list(getattr(mapped, "sampling_risks", ()))
+    report["risks"] = risks(cfg, parts, report, mapped.off_policy) + list(getattr(mapped, "source_risks", ()))
     return report
 
 

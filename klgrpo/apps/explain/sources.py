@@ -13,6 +13,8 @@
                a launch script; per OpenRLHF release
     roll       a ROLL RLVR pipeline config (flat keys beside actor_train:, actor_infer:, ...), per ROLL release
                (roll.py, roll.json)
+    prime_rl   a prime-rl RL config (TOML: [trainer], [orchestrator], ...), per prime-rl release (prime_rl.py,
+               prime_rl.json)
     nemo_rl    a NeMo-RL GRPO config (grpo:, loss_fn:, policy:, ...; a recipe with defaults:), per NeMo-RL release
                (nemo_rl.py, nemo_rl.json)
     klgrpo     a klgrpo config (model:, kl:, loss:, ...)
@@ -25,8 +27,17 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from klgrpo.apps.explain import frameworks, nemo_rl, python_script, roll, shell_script, skyrl_train, truncation
-from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_yaml, suffix
+from klgrpo.apps.explain import (
+    frameworks,
+    nemo_rl,
+    prime_rl,
+    python_script,
+    roll,
+    shell_script,
+    skyrl_train,
+    truncation,
+)
+from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_toml, load_yaml, suffix
 from klgrpo.apps.explain.rewards import reward_entries
 from klgrpo.apps.explain.trl_config import map_trl_config
 from klgrpo.config.schema import GRPOConfig, all_field_paths
@@ -46,7 +57,8 @@ from klgrpo.integrations.versions import (
     unsloth_config_fields,
 )
 
-FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "skyrl_train", "klgrpo")
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "skyrl_train", "prime_rl",
+           "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
 TRL_KINDS = ("trl", "unsloth", "adaptive_kl")
 _UNSLOTH_IMPORT = re.compile(r"^\s*(from\s+unsloth(_zoo)?\b|import\s+unsloth\b)|\b(PatchFastRL|UnslothGRPO\w*)\b", re.M)
@@ -97,6 +109,8 @@ def _overrides(text: str, origin: str) -> dict[str, Any] | None:
 def _shape(text: str, origin: str) -> str:
     """"python", "script" (a verl or OpenRLHF launch script), "overrides", "flags" or "mapping"."""
     first = text.lstrip().split("\n", 1)[0]
+    if suffix(origin) == ".toml":
+        return "mapping"
     if suffix(origin) == ".py" or first.startswith("#!") and "python" in first:
         return "python"
     if suffix(origin) in (".sh", ".bash") or _SHELL.match(first) or shell_script.launchers_in(text):
@@ -129,7 +143,7 @@ def _parse(text: str, origin: str) -> tuple[str, Any]:
         return shape, shell_script.flag_tokens(text, origin)
     if shape in ("python", "script"):
         return shape, text
-    data = load_yaml(text, origin)
+    data = load_toml(text, origin) if suffix(origin) == ".toml" else load_yaml(text, origin)
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{origin} is none of the formats klgrpo explain reads ({WHAT_EXPLAIN_READS})")
     return "mapping", data
@@ -153,8 +167,10 @@ def _candidates(shape: str, data: Any) -> list[str]:
         found.append("roll")
     if skyrl_train.is_skyrl(data):
         found.append("skyrl_train")
+    if prime_rl.is_prime_rl(data):
+        found = [name for name in found if name != "klgrpo"] + ["prime_rl"]  # its [model] is no klgrpo group
     # a Hydra config's defaults: list is no TRL field
-    if not nested and not {"verl", "nemo_rl", "roll", "skyrl_train"} & set(found):
+    if not nested and not {"verl", "nemo_rl", "roll", "skyrl_train", "prime_rl"} & set(found):
         found.append("adaptive_kl" if top & set(ADAPTIVE_KL_DEFAULTS) else "trl")
     return found
 
@@ -214,6 +230,11 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
             raise ConfigError(f"{origin}: a NeMo-RL config is a YAML mapping (grpo:, loss_fn:, policy:, ...)")
         values = nemo_rl.flatten(data)
         return source, table_variants("nemo_rl", origin, versions, lambda r: nemo_rl.map_nemo_rl(values, origin, r))
+    if source == "prime_rl":
+        if shape != "mapping":
+            raise ConfigError(f"{origin}: a prime-rl config is a TOML mapping ([trainer], [orchestrator], ...)")
+        flat = _flatten(data)
+        return source, table_variants("prime_rl", origin, versions, lambda r: prime_rl.map_prime_rl(flat, origin, r))
     if source == "roll":
         if shape != "mapping":
             raise ConfigError(f"{origin}: a ROLL config is a YAML mapping (actor_train:, actor_infer:, ...)")

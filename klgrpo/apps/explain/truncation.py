@@ -29,9 +29,10 @@ def table() -> dict[str, Any]:
 
 @dataclass
 class Read(Mapped):
-    """A mapped source config with the risk lines of its sampling filters (report.explain appends them)."""
+    """A mapped source config with risk lines of the source's own (its sampling filters; a framework's term that
+    klgrpo's risks do not see, such as prime-rl's kl_tau): report.explain appends them."""
 
-    sampling_risks: list[str] = field(default_factory=list)
+    source_risks: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,9 @@ def apply(framework: str, mapped: Mapped, settings: dict[str, Any], profile: Pro
     unset = _unset_filter(read, rules, settings, profile, values)
     if on:
         read.config["rollout.truncation"] = "policy"
-        read.sampling_risks.append(_risk(rules, on, settings, profile, sampling_line))
+        read.source_risks.append(_risk(rules, on, settings, profile, sampling_line))
     if unset is not None:
-        read.sampling_risks.append(unset)
+        read.source_risks.append(unset)
     return read
 
 
