@@ -10,7 +10,10 @@ A demo-sized Llama with head_dim 64 (vLLM's CPU attention refuses the demo's 16)
 Without vllm (the main suite) the tests that need no vLLM server run: a server never up ends the run in one line
 after the bounded retry; an empty rollout.vllm.server_url is refused; the completions request carries the fields
 TRL 1.16's client sends (captured from TRL's code) and an answer reads alike; a server without the development
-endpoints (an HTTP stub) is named in one line; docs/vllm.md's settings table is the declarations.
+endpoints (an HTTP stub) is named in one line; docs/vllm.md's settings table is the declarations; a malformed
+rollout.vllm.server_url is refused when the config is validated; an answer that would be the same again (4xx, not
+JSON) is not tried again, a 5xx or a refused connection is, after the capped pauses; server_timeout cuts off a
+server that trickles its answer a byte a second (HTTP stubs on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -456,3 +459,209 @@ def test_a_models_answer_without_a_model_or_not_json_is_refused_in_one_line(mode
         ours.model_name
     message = str(error.value)
     assert "\n" not in message and "http://h:1 answered /v1/models" in message and said in message, message
+
+
+# ------------------------------------------------------------------ bad addresses, answers and timings of a server
+BAD_URLS = [
+    ("http://[::1", "is not a valid URL (Invalid IPv6 URL)"),
+    ("127.0.0.1:8000", "has no scheme (http:// or https://) in front"),
+    ("localhost:8000", "has no scheme (http:// or https://) in front"),
+    ("ftp://x", "has the scheme ftp://, not http:// or https://"),
+    ("http://", "names no host"),
+    ("http://:8000", "names no host"),
+    ("http://h:abc", "is not a valid URL (Port could not be cast to integer value as 'abc')"),
+    ("http://h:70000", "is not a valid URL (Port out of range 0-65535)"),
+    ("http://h:0", "has the port 0, which no server listens on"),
+    ("http://h:8000/?x=1", "has a query or a fragment"),
+    ("http://local host:8000", "has a space or a control character in it"),
+]
+
+
+@pytest.mark.parametrize("url,said", BAD_URLS)
+def test_a_malformed_server_url_is_refused_when_the_config_is_validated(url, said, monkeypatch):
+    """Before any model loads: the config's validation refuses it in one line naming the field and the fix."""
+    from klgrpo.config.schema import GRPOConfig
+
+    cfg = GRPOConfig.from_dict({"rollout": {"sampler": "vllm_server", "vllm": {"server_url": url}}})
+    with pytest.raises(ConfigError) as error:
+        cfg.validate()
+    assert str(error.value) == (f"rollout.vllm.server_url {url!r} {said}" + str(error.value).split(said, 1)[1])
+    assert str(error.value).endswith(": " + vllm_server.URL_FORM) and "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="rollout.vllm.server_url"):  # and the client, made from Python
+        vllm_server.ServerClient(url, 1, 0, weights_dir="unused")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://gen.example:443/vllm", "http://[::1]:8000",
+                                 "http://gen"])
+def test_a_well_formed_server_url_passes(url):
+    assert vllm_server.server_url_problem(url) is None
+
+
+def test_klgrpo_train_refuses_a_malformed_server_url_in_one_line_exit_2(tmp_path, tiny_model_dir, addition_file,
+                                                                       capsys):
+    from klgrpo.apps.cli import main
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / "run", rollout=_rollout("http://[::1"))
+    config = tmp_path / "run.yaml"
+    config.write_text(cfg.to_yaml())
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["klgrpo train: error: rollout.vllm.server_url 'http://[::1' is not a valid URL (Invalid IPv6 URL): "
+                   + vllm_server.URL_FORM]
+    assert not (tmp_path / "run").exists()
+
+
+class _Stub:
+    """A local HTTP server whose every answer is ``answer(handler)``; ``hits`` counts the requests it got."""
+
+    def __init__(self, answer):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stub = self
+        self.hits = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                stub.hits += 1
+                answer(self)
+
+            do_POST = do_GET
+
+            def log_message(self, *_):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _send(code: int, body: bytes, headers=()):
+    def answer(handler):
+        handler.send_response(code)
+        for key, value in headers:
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+    return answer
+
+
+@pytest.mark.parametrize("answer,said", [
+    (_send(404, b'{"detail": "Not Found"}'), "refused /v1/models (HTTP 404: {\"detail\": \"Not Found\"})"),
+    (_send(400, b"bad request"), "refused /v1/models (HTTP 400: bad request)"),
+    (_send(200, b"<html>busy</html>"), "answered /v1/models with something klgrpo cannot use: its answer is not "
+                                       "JSON (b'<html>busy</html>')"),
+    (_send(302, b"", [("Location", "file:///etc/passwd")]), "refused /v1/models (HTTP 302: )"),
+])
+def test_an_answer_that_would_be_the_same_again_is_not_tried_again(answer, said):
+    stub, pauses = _Stub(answer), []
+    try:
+        client = vllm_server.ServerClient(stub.url, 5, 3, weights_dir="unused", sleep=pauses.append)
+        with pytest.raises(KLGRPOError) as error:
+            client.request("/v1/models")
+    finally:
+        stub.close()
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"the vLLM server at {stub.url} ") and said in message, message
+    assert stub.hits == 1 and pauses == []
+
+
+def test_a_url_urllib_cannot_open_is_not_tried_again(monkeypatch):
+    """urllib's refusal of the address itself (a reason that is no OSError: "unknown url type", "no host given")
+    comes the same on every try; server_url_problem refuses such addresses first, this is the client's own guard."""
+    import urllib.error
+    import urllib.request
+
+    calls, pauses = [], []
+
+    def refuse(self, req, *args, **kwargs):
+        calls.append(req.full_url)
+        raise urllib.error.URLError("no host given")
+
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", refuse)
+    client = vllm_server.ServerClient("http://h:1", 5, 3, weights_dir="unused", sleep=pauses.append)
+    with pytest.raises(KLGRPOError) as error:
+        client.request("/health")
+    assert str(error.value) == f"the vLLM server at http://h:1 cannot be reached at /health (no host given): " \
+                               f"{vllm_server.URL_FORM}"
+    assert calls == ["http://h:1/health"] and pauses == []
+
+
+def test_a_5xx_is_tried_again_after_the_capped_pauses():
+    stub, pauses = _Stub(_send(503, b"overloaded")), []
+    try:
+        client = vllm_server.ServerClient(stub.url, 5, 6, weights_dir="unused", sleep=pauses.append)
+        with pytest.raises(KLGRPOError) as error:
+            client.request("/health")
+    finally:
+        stub.close()
+    assert stub.hits == 7 and pauses == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert str(error.value) == (f"the vLLM server at {stub.url} gave no answer to /health after 7 tries (HTTP 503): "
+                                f"{vllm_server.START_HINT}")
+
+
+def test_a_refused_connection_is_tried_again_after_the_capped_pauses():
+    url, pauses = f"http://127.0.0.1:{_free_port()}", []
+    client = vllm_server.ServerClient(url, 5, 20, weights_dir="unused", sleep=pauses.append)
+    with pytest.raises(KLGRPOError, match="after 21 tries .*Connection refused"):
+        client.request("/health")
+    assert pauses == vllm_server.retry_pauses(20) == [0.5, 1.0, 2.0] + [4.0] * 17
+    assert sum(pauses) == 71.5  # server_retries at its highest gives up after 71.5 s of pauses
+
+
+def test_the_worst_case_wait_in_the_help_and_the_docs_is_the_schedule():
+    from pathlib import Path
+
+    from klgrpo.config.schema import VLLMConfig
+
+    help_ = {f.name: f.metadata["help"] for f in __import__("dataclasses").fields(VLLMConfig)}["server_retries"]
+    total = {n: f"{sum(vllm_server.retry_pauses(n)):g} s" for n in (3, 20)}
+    assert total == {3: "3.5 s", 20: "71.5 s"}
+    assert f"({total[3]} in all at 3, {total[20]} at 20)" in help_
+    assert "(server_retries + 1) x server_timeout + the pauses" in help_
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    assert f"({total[3]} in all at 3, {total[20]} at the most, 20)" in doc
+    wait = vllm_server.longest_wait_s(VLLMConfig().server_retries, VLLMConfig().server_timeout)
+    assert wait == 4 * 300 + 3.5 and f"{int(wait // 60)} m {wait % 60:g} s with the defaults" in doc
+
+
+def _trickle(head_first: bool):
+    """An answer one byte a second: the head at once and the body trickled, or the head itself trickled."""
+    def answer(handler):
+        body = b'{"data": [{"id": "m"}]}' + b" " * 60
+        head = b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+        try:
+            if head_first:
+                handler.wfile.write(head)
+                handler.wfile.flush()
+            for byte in (body if head_first else head + body):
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(1.0)
+        except OSError:  # the client hung up
+            pass
+    return answer
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_server_timeout_bounds_the_whole_request_of_a_trickling_server(head_first):
+    """Each byte comes within any socket timeout; the request as a whole is cut off at server_timeout."""
+    stub = _Stub(_trickle(head_first))
+    try:
+        client = vllm_server.ServerClient(stub.url, 1, 0, weights_dir="unused")
+        started = time.monotonic()
+        with pytest.raises(KLGRPOError) as error:
+            client.request("/v1/models")
+        took = time.monotonic() - started
+    finally:
+        stub.close()
+    assert 1.0 <= took < 1.8, took
+    assert str(error.value) == (f"the vLLM server at {stub.url} gave no answer to /v1/models after 1 tries (no whole "
+                                "answer within rollout.vllm.server_timeout 1 s; raise it if the server is only "
+                                f"slow): {vllm_server.START_HINT}")

@@ -22,21 +22,29 @@ The server must log-prob the sampled tokens after temperature and the filters (`
 processed_logprobs``, as both servers above do), so ``sampler_logp`` is the distribution drawn from, as the
 colocated ``vllm`` sampler reports it.
 
-A server that is down or stops answering: ``retries`` more tries with a growing pause, then one KLGRPOError
-naming the URL and the fix. The rollout runs before the step's optimizer step, so a failed step changes nothing
-and the last checkpoint stays as it was.
+A server that is down, stops answering or answers 5xx: ``retries`` more tries with a growing pause (capped at
+RETRY_PAUSE_MAX_S), then one KLGRPOError naming the URL and the fix. An answer that is the same on every try (an
+address that is no URL, a 4xx, an answer that is not JSON) is not tried again. ``timeout_s`` bounds the whole of
+one request (connecting, the answer's head and body), so a server trickling its answer is cut off at it. The
+rollout runs before the step's optimizer step, so a failed step changes nothing and the last checkpoint stays as
+it was.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import http.client
 import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import torch
@@ -45,18 +53,148 @@ from torch import Tensor
 from klgrpo.backends.sampling import SampledRollout, Sampler
 from klgrpo.backends.vllm_sampler import vllm_filters, weights_state
 from klgrpo.backends.weights import named_whole_weights, whole_weight_specs
-from klgrpo.errors import ConfigError, KLGRPOError
+from klgrpo.errors import ConfigError, KLGRPOError, first_line
 
 #: rollout.vllm.server_timeout / server_retries defaults: seconds one request may take, tries after the first
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_RETRIES = 3
 #: rollout.vllm.group_port's default: TRL's vllm_group_port
 DEFAULT_GROUP_PORT = 51216
-#: the pause before retry i (0-based) is RETRY_PAUSE_S * 2**i
+#: the pause before retry i (0-based) is RETRY_PAUSE_S * 2**i, at most RETRY_PAUSE_MAX_S (retry_pauses)
 RETRY_PAUSE_S = 0.5
+RETRY_PAUSE_MAX_S = 4.0
 #: how to start a server, said in every "no answer" error
 START_HINT = ("start one (python -m klgrpo.backends.vllm_server_main --model DIR --port PORT, or trl vllm-serve) "
               "or fix rollout.vllm.server_url")
+
+
+#: what a server_url refusal says to give instead
+URL_FORM = "give the server's address as http://HOST:PORT (e.g. http://127.0.0.1:8000; an IPv6 host in brackets, " \
+           "http://[::1]:8000)"
+
+
+def server_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as rollout.vllm.server_url (urllib.parse's reading of it), None where nothing
+    is: an http or https URL with a host, a port (if any) in 1-65535, no query or fragment (the request's path
+    is appended to it), no space or control character."""
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        return "has a space or a control character in it"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # "Invalid IPv6 URL", "Port could not be cast to integer value as 'x'", out of range
+        return f"is not a valid URL ({e})"
+    if "://" not in url:
+        return "has no scheme (http:// or https://) in front"
+    if parts.scheme not in ("http", "https"):
+        return f"has the scheme {parts.scheme}://, not http:// or https://"
+    if not parts.hostname:
+        return "names no host"
+    if port == 0:
+        return "has the port 0, which no server listens on"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "has a query or a fragment (?... or #...), which the request paths cannot follow"
+    return None
+
+
+def check_server_url(url: str) -> None:
+    """Refuse (ConfigError, one line naming rollout.vllm.server_url and the fix) an empty or malformed address."""
+    if not url:
+        raise ConfigError("rollout.sampler vllm_server needs rollout.vllm.server_url (e.g. "
+                          "http://127.0.0.1:8000): the address of a running vLLM server")
+    problem = server_url_problem(url)
+    if problem is not None:
+        raise ConfigError(f"rollout.vllm.server_url {url!r} {problem}: {URL_FORM}")
+
+
+def retry_pauses(retries: int) -> list[float]:
+    """The pauses (seconds) before each of ``retries`` tries after the first: 0.5, 1, 2, 4, 4, ..."""
+    return [min(RETRY_PAUSE_S * 2 ** i, RETRY_PAUSE_MAX_S) for i in range(retries)]
+
+
+def longest_wait_s(retries: int, timeout_s: float) -> float:
+    """The longest a request can take before its failure is said: every try running into ``timeout_s``, and the
+    pauses between them."""
+    return (retries + 1) * timeout_s + sum(retry_pauses(retries))
+
+
+class _Deadline:
+    """One request's time limit over all of it (connecting, sending, the answer's head and body): when it passes
+    a timer thread shuts the connection's socket, which ends a read blocked on it or fed a byte at a time (a
+    socket timeout alone bounds each read, not their sum)."""
+
+    def __init__(self, seconds: float):
+        self.passed, self._sock, self._lock = False, None, threading.Lock()
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._timer.cancel()
+
+    def attach(self, sock) -> None:
+        """The connection's socket, once connected (shut at once where the deadline already passed)."""
+        with self._lock:
+            self._sock = sock
+            if self.passed:
+                _shut(sock)
+
+    def _cut(self) -> None:
+        with self._lock:
+            self.passed = True
+            if self._sock is not None:
+                _shut(self._sock)
+
+
+def _shut(sock) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
+class _Attached:
+    """An http.client connection that hands its socket to a _Deadline when it connects."""
+
+    def __init__(self, *args, deadline: _Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()
+        self.deadline.attach(self.sock)
+
+
+class _Connection(_Attached, http.client.HTTPConnection):
+    pass
+
+
+class _SecureConnection(_Attached, http.client.HTTPSConnection):
+    pass
+
+
+class _Handler(urllib.request.HTTPHandler):
+    """urllib's handler of http:// (proxies and redirects as urlopen's), its connections under a deadline."""
+
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(_Connection, deadline=self.deadline), req)
+
+
+class _SecureHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(functools.partial(_SecureConnection, deadline=self.deadline), req,
+                            context=self._context)
 
 
 class VLLMServerSampler(Sampler):
@@ -76,10 +214,9 @@ class VLLMServerSampler(Sampler):
     @classmethod
     def open(cls, settings=None) -> "VLLMServerSampler":
         """The run's sampler from rollout.vllm (server_url, server_timeout, server_retries, weights_dir,
-        weight_transfer, group_port); refused without a server_url."""
-        if settings is None or not settings.server_url:
-            raise ConfigError("rollout.sampler vllm_server needs rollout.vllm.server_url (e.g. "
-                              "http://127.0.0.1:8000): the address of a running vLLM server")
+        weight_transfer, group_port); refused without a server_url or with a malformed one (``check_server_url``,
+        which the config's validation runs too)."""
+        check_server_url("" if settings is None else settings.server_url)
         return cls(settings.server_url, settings.server_timeout, settings.server_retries, settings.weights_dir,
                    settings.weight_transfer, settings.group_port)
 
@@ -101,12 +238,13 @@ class VLLMServerSampler(Sampler):
 
 
 class ServerClient:
-    """HTTP to one vLLM server, and the weights last sent to it."""
+    """HTTP to one vLLM server, and the weights last sent to it. ``sleep`` waits out the pauses between tries."""
 
     def __init__(self, url: str, timeout_s: float, retries: int, weights_dir: str = "",
-                 weight_transfer: str = "folder", group_port: int = DEFAULT_GROUP_PORT):
+                 weight_transfer: str = "folder", group_port: int = DEFAULT_GROUP_PORT, sleep=time.sleep):
+        check_server_url(url)
         self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
-        self.weight_transfer, self.group_port = weight_transfer, group_port
+        self.weight_transfer, self.group_port, self.sleep = weight_transfer, group_port, sleep
         if not weights_dir and weight_transfer == "folder":  # a policy-sized file: removed when the process ends
             weights_dir = tempfile.mkdtemp(prefix="klgrpo-vllm-weights-")
             atexit.register(shutil.rmtree, weights_dir, ignore_errors=True)
@@ -117,27 +255,49 @@ class ServerClient:
         self._nccl = None  # TRL's VLLMClient, its communicator open (weight_transfer nccl)
 
     def request(self, path: str, body: dict | None = None):
-        """The JSON answer of GET (``body`` None) or POST ``path``; a refused or failed connection, a timeout or
-        a 5xx answer is tried again up to ``retries`` times, then a KLGRPOError says so."""
+        """The JSON answer of GET (``body`` None) or POST ``path``. A refused or failed connection, a try that ran
+        out of ``timeout_s`` or a 5xx answer is tried again up to ``retries`` times after ``retry_pauses``, then a
+        KLGRPOError says so; an answer that would be the same again (``_try``) is a KLGRPOError at once."""
         data = None if body is None else json.dumps(body).encode()
         headers = {} if body is None else {"Content-Type": "application/json"}
         reason = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
-            try:
-                req = urllib.request.Request(self.url + path, data=data, headers=headers)
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as answer:
-                    text = answer.read()
-                return self._parsed(path, text)
-            except urllib.error.HTTPError as e:
-                if e.code < 500:
-                    raise KLGRPOError(self._refused(path, e)) from None
-                reason = f"HTTP {e.code}"
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-                reason = str(getattr(e, "reason", e))
+        for pause in [0.0, *retry_pauses(self.retries)]:
+            if pause:
+                self.sleep(pause)
+            answered, value = self._try(path, data, headers)
+            if answered:
+                return value
+            reason = value
         raise KLGRPOError(f"the vLLM server at {self.url} gave no answer to {path} after {self.retries + 1} "
                           f"tries ({reason}): {START_HINT}")
+
+    def _try(self, path: str, data: bytes | None, headers: dict) -> tuple[bool, object]:
+        """One try: (True, the answer's JSON), or (False, why another try may get one: refused, reset, a name
+        that did not resolve, no whole answer within ``timeout_s``, a 5xx). A 4xx (a redirect urllib does not
+        follow included), an address urllib cannot open, an answer that is not JSON would be the same again: a
+        KLGRPOError now."""
+        req = urllib.request.Request(self.url + path, data=data, headers=headers)
+        timed_out = (f"no whole answer within rollout.vllm.server_timeout {self.timeout_s:g} s; raise it if the "
+                     f"server is only slow")
+        with _Deadline(self.timeout_s) as deadline:
+            opener = urllib.request.build_opener(_Handler(deadline), _SecureHandler(deadline))
+            try:
+                with opener.open(req, timeout=self.timeout_s) as answer:
+                    text = answer.read()
+            except urllib.error.HTTPError as e:
+                if e.code < 500 and not deadline.passed:
+                    raise KLGRPOError(self._refused(path, e)) from None
+                return False, timed_out if deadline.passed else f"HTTP {e.code}"
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, OSError) and not deadline.passed:  # urllib refused the address itself
+                    raise KLGRPOError(f"the vLLM server at {self.url} cannot be reached at {path} ({e.reason}): "
+                                      f"{URL_FORM}") from None
+                return False, timed_out if deadline.passed else str(e.reason)
+            except (OSError, http.client.HTTPException) as e:  # reset, timed out, an answer cut short
+                return False, timed_out if deadline.passed else first_line(e)
+        if deadline.passed:  # the socket was shut at the deadline: what was read may be a part
+            return False, timed_out
+        return True, self._parsed(path, text)
 
     def _parsed(self, path: str, text: bytes):
         """The JSON of an answer (None for an empty one); an answer that is not JSON is refused in one line."""

@@ -94,10 +94,14 @@ class VLLMConfig(Settings):
     server_url: str = _f("", "rollout.sampler vllm_server: the vLLM server's address, e.g. http://127.0.0.1:8000 "
                              "(python -m klgrpo.backends.vllm_server_main or trl vllm-serve; docs/vllm.md)",
                          resume_safe=True)
-    server_timeout: float = _f(300.0, "rollout.sampler vllm_server: seconds one request to the server may take",
+    server_timeout: float = _f(300.0, "rollout.sampler vllm_server: seconds one request to the server may take in "
+                                      "all (connecting and the whole answer; a long generation is one request), "
+                                      "then it is tried again (server_retries)",
                                low=0, above=True, high=86400, resume_safe=True)
     server_retries: int = _f(3, "rollout.sampler vllm_server: tries after the first when the server does not "
-                                "answer (pauses 0.5, 1, 2, ... s), then the run stops with one line",
+                                "answer, runs out of server_timeout or answers 5xx, with pauses of 0.5, 1, 2, then 4 s "
+                                "each (3.5 s in all at 3, 71.5 s at 20), then the run stops with one line; the "
+                                "longest wait is (server_retries + 1) x server_timeout + the pauses",
                              low=0, high=20, resume_safe=True)
     weights_dir: str = _f("", "rollout.sampler vllm_server: a folder the trainer and the server both see, where the "
                               "trainer writes the policy's safetensors for the server to reload after each "

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
+from klgrpo.backends.vllm_server import VLLMServerSampler, check_server_url
 from klgrpo.config.entries import eval_set_specs, reward_specs
 from klgrpo.config.fields import bound_problem, leaves
 from klgrpo.config.trackers import active_trackers as trackers_of
@@ -134,6 +135,13 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
 
     _check_sampler_correction(r, loss, cfg.kl)
+    if r.sampler == VLLMServerSampler.name:
+        check_vllm_server(r.vllm)
+
+
+def check_vllm_server(v) -> None:
+    """rollout.sampler vllm_server's settings (rollout.vllm): the server's address, before any model loads."""
+    check_server_url(v.server_url)
 
 
 def _check_sampler_correction(r, loss, kl) -> None:
