@@ -665,3 +665,115 @@ def test_server_timeout_bounds_the_whole_request_of_a_trickling_server(head_firs
     assert str(error.value) == (f"the vLLM server at {stub.url} gave no answer to /v1/models after 1 tries (no whole "
                                 "answer within rollout.vllm.server_timeout 1 s; raise it if the server is only "
                                 f"slow): {vllm_server.START_HINT}")
+
+
+# ------------------------------------------------------------------------------------ rollout.vllm.weights_dir
+def _weights_dir_refusal(folder, tmp_path) -> str:
+    """The one line the config's validation refuses ``folder`` as rollout.vllm.weights_dir with."""
+    from klgrpo.config.schema import GRPOConfig
+
+    cfg = GRPOConfig.from_dict({"rollout": {"sampler": "vllm_server", "vllm": {
+        "server_url": "http://127.0.0.1:8000", "weights_dir": str(folder)}}})
+    with pytest.raises(ConfigError) as error:
+        cfg.validate()
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_a_weights_dir_that_is_a_file_or_a_device_is_refused_up_front(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    a_file = tmp_path / "weights"
+    a_file.write_text("mine")
+    for folder, where in ((a_file, a_file), ("/dev/null", "/dev/null"), (a_file / "sub", a_file)):
+        assert _weights_dir_refusal(folder, tmp_path) == (
+            f"rollout.vllm.weights_dir {folder} is not a folder ({where} is a file or a device): "
+            + vllm_server.WEIGHTS_DIR_FIX)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ConfigError, match="rollout.vllm.weights_dir .* is not a folder"):
+        vllm_server.write_weights(model, str(a_file))  # and at the write, where no check ran first
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
+
+
+def test_a_read_only_weights_dir_is_refused_up_front(tmp_path):
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    elif subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)],
+                        capture_output=True).returncode != 0:
+        pytest.skip("root here, and no read-only bind mount: every folder is writable")
+    try:
+        said = _weights_dir_refusal(folder, tmp_path)
+        assert said.startswith(f"rollout.vllm.weights_dir {folder} cannot be written (") and said.endswith(
+            "): " + vllm_server.WEIGHTS_DIR_FIX), said
+        assert list(folder.iterdir()) == []  # the probe left nothing
+    finally:
+        if os.geteuid() != 0:
+            folder.chmod(0o755)
+        else:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("content", [b"garbage" * 10, b""])
+def test_an_unreadable_model_safetensors_in_the_weights_dir_is_refused_and_kept(tmp_path, tiny_model_dir, content):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "w"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(content)
+    said = _weights_dir_refusal(folder, tmp_path)
+    assert said.startswith(f"rollout.vllm.weights_dir {folder} holds a model.safetensors that cannot be read (")
+    assert said.endswith("): remove it, or give an empty folder for the weights sent to the vLLM server"), said
+    with pytest.raises(ConfigError, match="holds a model.safetensors that cannot be read"):
+        vllm_server.write_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(folder))
+    assert (folder / "model.safetensors").read_bytes() == content
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+
+
+def test_a_full_disk_while_writing_the_weights_is_one_line_and_leaves_no_partial_file(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError ("... (os error 28)"), after writing a part."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    folder = tmp_path / "w"
+    vllm_server.write_weights(model, str(folder))  # a first, whole write: klgrpo's own file, kept on the failure
+    before = (folder / "model.safetensors").read_bytes()
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(ConfigError) as error:
+        vllm_server.write_weights(model, str(folder))
+    assert str(error.value) == (f"rollout.vllm.weights_dir {folder}: no space left on the device for the policy's "
+                                "weights: free space there, or point rollout.vllm.weights_dir at a folder on another "
+                                "disk")
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+    assert (folder / "model.safetensors").read_bytes() == before
+
+    def denied(tensors, filename, metadata=None):
+        raise PermissionError(13, "Permission denied", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", denied)
+    with pytest.raises(ConfigError, match=r"weights_dir .*: cannot write the policy's weights \(Permission denied\): "
+                                          r"give a writable folder"):
+        vllm_server.write_weights(model, str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]
+
+
+def test_a_weights_dir_still_to_be_made_passes_and_is_made_at_the_first_write(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "a" / "b"
+    vllm_server.check_weights_dir(str(folder))
+    assert not (tmp_path / "a").exists()  # the check writes nothing
+    vllm_server.write_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors"]

@@ -33,11 +33,13 @@ it was.
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import http.client
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -217,6 +219,8 @@ class VLLMServerSampler(Sampler):
         weight_transfer, group_port); refused without a server_url or with a malformed one (``check_server_url``,
         which the config's validation runs too)."""
         check_server_url("" if settings is None else settings.server_url)
+        if settings.weights_dir and settings.weight_transfer == "folder":
+            check_weights_dir(settings.weights_dir)
         return cls(settings.server_url, settings.server_timeout, settings.server_retries, settings.weights_dir,
                    settings.weight_transfer, settings.group_port)
 
@@ -442,27 +446,93 @@ def completions_to_tensors(choices: list[dict], pad_id: int, device) -> tuple[Te
 WRITER = ("written_by", "klgrpo vllm_server")
 
 
+#: what a weights_dir refusal says to give instead
+WEIGHTS_DIR_FIX = ("give a writable folder that the trainer and the server both see (made if missing), or leave "
+                   "rollout.vllm.weights_dir empty for a temporary one")
+
+
+def check_weights_dir(folder: str) -> None:
+    """rollout.vllm.weights_dir before anything is written into it (the config's validation, the sampler's open):
+    a folder, or a path one can be made at; writable (a probe file made and removed); a model.safetensors there
+    readable and klgrpo's. One ConfigError line naming the field and the fix otherwise."""
+    where = os.path.abspath(folder)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)  # the nearest part that exists: the rest is made at the first write
+    if not os.path.isdir(where):
+        raise ConfigError(f"rollout.vllm.weights_dir {folder} is not a folder ({where} is a file or a device): "
+                          f"{WEIGHTS_DIR_FIX}")
+    if where != os.path.abspath(folder):
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise ConfigError(f"rollout.vllm.weights_dir {folder} cannot be made ({where} is not writable): "
+                              f"{WEIGHTS_DIR_FIX}")
+        return
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".klgrpo-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"rollout.vllm.weights_dir {folder} cannot be written ({e.strerror or first_line(e)}): "
+                          f"{WEIGHTS_DIR_FIX}") from None
+    _check_existing_weights(folder)
+
+
+def _check_existing_weights(folder: str) -> None:
+    """A model.safetensors in ``folder`` is klgrpo's own (replaced), else refused: another's, or unreadable."""
+    from safetensors import SafetensorError, safe_open
+
+    target = os.path.join(folder, "model.safetensors")
+    if not os.path.lexists(target):
+        return
+    try:
+        with safe_open(target, "pt") as existing:
+            writer = (existing.metadata() or {}).get(WRITER[0])
+    except (OSError, SafetensorError) as e:
+        raise ConfigError(f"rollout.vllm.weights_dir {folder} holds a model.safetensors that cannot be read "
+                          f"({first_line(e)}): remove it, or give an empty folder for the weights sent to the vLLM "
+                          f"server") from None
+    if writer != WRITER[1]:
+        raise ConfigError(f"rollout.vllm.weights_dir {folder} holds a model.safetensors klgrpo did not "
+                          "write: give an empty folder for the weights sent to the vLLM server")
+
+
+def _os_error_code(exc: BaseException) -> int | None:
+    """The errno of an OSError, or the "(os error N)" that safetensors' own SafetensorError says."""
+    code = getattr(exc, "errno", None)
+    if code is None and (m := re.search(r"\(os error (\d+)\)", str(exc))):
+        code = int(m.group(1))
+    return code
+
+
 def write_weights(model, folder: str) -> None:
     """The policy's weights (a LoRA policy merged) as ``folder``/model.safetensors, written to a temporary name
     and renamed, so the server never reads half a file. Tensors sharing storage (tied embeddings) are copied:
     safetensors stores each once. A model.safetensors there that klgrpo did not write (a model folder given as
-    rollout.vllm.weights_dir) is refused, never overwritten."""
-    from safetensors import safe_open
+    rollout.vllm.weights_dir) or cannot read is refused, never overwritten. A write that fails (a full disk, a
+    read-only folder) leaves no partial file and is one ConfigError line naming rollout.vllm.weights_dir."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    target = os.path.join(folder, "model.safetensors")
-    if os.path.exists(target):
-        with safe_open(target, "pt") as existing:
-            if (existing.metadata() or {}).get(WRITER[0]) != WRITER[1]:
-                raise ConfigError(f"rollout.vllm.weights_dir {folder} holds a model.safetensors klgrpo did not "
-                                  "write: give an empty folder for the weights sent to the vLLM server")
-
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        check_weights_dir(folder)  # refuses it, in the words of the up-front check
+    if os.path.isdir(folder):
+        _check_existing_weights(folder)
     tensors, seen = {}, set()
     for name, value in named_whole_weights(model):
         value = value.detach().cpu().contiguous()
         tensors[name] = value.clone() if value.data_ptr() in seen else value
         seen.add(value.data_ptr())
-    os.makedirs(folder, exist_ok=True)
     partial = os.path.join(folder, "model.safetensors.partial")
-    save_file(tensors, partial, metadata={"format": "pt", WRITER[0]: WRITER[1]})
-    os.replace(partial, target)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        save_file(tensors, partial, metadata={"format": "pt", WRITER[0]: WRITER[1]})
+        os.replace(partial, os.path.join(folder, "model.safetensors"))
+    except (OSError, SafetensorError) as e:
+        if os.path.lexists(partial):
+            os.remove(partial)
+        if _os_error_code(e) in (errno.ENOSPC, errno.EDQUOT):
+            raise ConfigError(f"rollout.vllm.weights_dir {folder}: no space left on the device for the policy's "
+                              f"weights: free space there, or point rollout.vllm.weights_dir at a folder on another "
+                              f"disk") from None
+        reason = getattr(e, "strerror", None) or first_line(e)
+        raise ConfigError(f"rollout.vllm.weights_dir {folder}: cannot write the policy's weights ({reason}): "
+                          f"{WEIGHTS_DIR_FIX}") from None

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
-from klgrpo.backends.vllm_server import VLLMServerSampler, check_server_url
+from klgrpo.backends.vllm_server import VLLMServerSampler, check_server_url, check_weights_dir
 from klgrpo.config.entries import eval_set_specs, reward_specs
 from klgrpo.config.fields import bound_problem, leaves
 from klgrpo.config.trackers import active_trackers as trackers_of
@@ -140,8 +140,11 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
 
 
 def check_vllm_server(v) -> None:
-    """rollout.sampler vllm_server's settings (rollout.vllm): the server's address, before any model loads."""
+    """rollout.sampler vllm_server's settings (rollout.vllm): the server's address and the folder the weights are
+    written to for it, before any model loads."""
     check_server_url(v.server_url)
+    if v.weights_dir and v.weight_transfer == "folder":
+        check_weights_dir(v.weights_dir)
 
 
 def _check_sampler_correction(r, loss, kl) -> None:
