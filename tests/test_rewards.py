@@ -478,7 +478,71 @@ def test_the_computer_reports_a_functions_timed_out_rows(tmp_path):
         "from klgrpo.core.rewards.builtins import TimedScores\n"
         "def bounded(prompts, completions, **kw):\n"
         "    return TimedScores([1.0, 0.0, 0.0], [False, True, True])\n")
-    result = RewardComputer([RewardSpec(f"{tmp_path / 'bounded.py'}:bounded")])(["p"] * 3, ["a", "b", "c"])
+    from klgrpo.errors import KLGRPOWarning
+
+    with pytest.warns(KLGRPOWarning, match="reward bounded: 2 of 3 completions could not be checked in time"):
+        result = RewardComputer([RewardSpec(f"{tmp_path / 'bounded.py'}:bounded")])(["p"] * 3, ["a", "b", "c"])
     assert result.per_function["bounded"].tolist() == [1.0, 0.0, 0.0]
     assert result.per_function["bounded" + TIMED_OUT_SUFFIX].tolist() == [0.0, 1.0, 1.0]
     assert result.total.tolist() == [1.0, 0.0, 0.0]
+
+
+# --------------------------------------------------- math_verify on an answer it cannot compare within its time
+TOWER = "\\boxed{" + "^".join(["2"] * 50) + "}"  # 2^2^...^2, 50 deep: sympy's comparison never ends
+HUGE = "\\boxed{" + "1+" * 500_000 + "1}"  # a million characters: the parse alone runs out of time
+
+
+def test_math_verify_scores_an_uncomparable_answer_0_in_bounded_time_without_the_librarys_log(caplog, capfd):
+    """Each bad row: scored 0.0, counted as timed out, within timeout_s + 1 s; none of math-verify's own
+    "Timeout during parsing: <the whole text>" / "Timeout during comparison" lines, on a logger or stderr."""
+    import logging
+    import time
+
+    pytest.importorskip("math_verify")
+    fn = load_reward_function("math_verify")
+    caplog.set_level(logging.DEBUG)
+    started = time.monotonic()
+    scores = fn(["p"] * 3, [TOWER, HUGE, "\\boxed{4}"], answer=["4"] * 3, timeout_s=1)
+    took = time.monotonic() - started
+    assert list(scores) == [0.0, 0.0, 1.0] and scores.timed_out == [True, True, False]
+    assert took < 2 * (1 + 1), took  # two bad rows, each under timeout_s + 1 s
+    assert [r for r in caplog.records if r.name.startswith(("math_verify", "latex2sympy2_extended"))] == []
+    out, err = capfd.readouterr()
+    assert "Timeout" not in out + err and "1+1+1" not in out + err
+    assert not logging.getLogger("math_verify.parser").disabled  # silenced only around its calls
+
+
+def test_a_rows_parse_and_comparisons_share_one_limit():
+    """math-verify times the parse and each gold x answer comparison on its own; klgrpo gives them one limit."""
+    from klgrpo.core.rewards.builtins import verify_within
+
+    clock, asked = _FakeClock(), []
+
+    def parse(text, parsing_timeout):
+        clock.now += 0.4
+        return ["a", "b", "c"]
+
+    def verify(gold, target, timeout_seconds):
+        asked.append(timeout_seconds)
+        clock.now += timeout_seconds  # every comparison runs into its alarm
+        return False
+
+    assert verify_within(["g"], "x", 2, parse, verify, clock=clock) == 0.0
+    assert asked == [2] and clock.now == pytest.approx(2.4)  # 1.6 s left, rounded up; nothing after it
+
+
+def test_the_computer_says_a_functions_timeouts_once_in_one_line():
+    from klgrpo.core.rewards import RewardComputer, RewardSpec
+    from klgrpo.errors import KLGRPOWarning
+
+    pytest.importorskip("math_verify")
+    computer = RewardComputer([RewardSpec("math_verify", kwargs={"timeout_s": 1})])
+    with pytest.warns(KLGRPOWarning) as said:
+        first = computer(["p"] * 2, [TOWER, "\\boxed{4}"], {"answer": ["4", "4"]})
+        computer(["p"] * 2, [TOWER, TOWER], {"answer": ["4", "4"]})  # a later batch: counted, not said
+    assert first.per_function["math_verify"].tolist() == [0.0, 1.0]
+    assert first.per_function["math_verify#timed_out"].tolist() == [1.0, 0.0]
+    assert [str(w.message) for w in said] == [
+        "reward math_verify: 1 of 2 completions could not be checked in time and scored 0.0 (math_verify: its "
+        "timeout_s per completion and step_budget_s per step, reward kwargs); from now on they are counted in "
+        "reward_timeouts/math_verify, not said again"]

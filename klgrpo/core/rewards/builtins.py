@@ -13,6 +13,9 @@ Built-ins take ``**_`` so that they ignore the columns they do not use.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
 import math
 import re
 import time
@@ -172,6 +175,45 @@ def score_within_budget(n: int, score_one, step_budget_s: float, per_item_s: int
     return TimedScores(values, timed_out)
 
 
+#: The loggers of math-verify and the LaTeX parser under it: silenced around its calls, whose timeouts it logs
+#: with the whole text (a million-character completion is a million-character line, once per parse and pair).
+MATH_VERIFY_LOGGERS = ("math_verify", "latex2sympy2_extended")
+
+
+@contextlib.contextmanager
+def quiet_math_verify():
+    """math-verify's own log lines (its "Timeout during parsing: <text>", "Timeout during comparison") held back
+    while the block runs: a row it cannot check is klgrpo's one line (RewardComputer) and reward_timeouts, not
+    the library's repeated output."""
+    names = [name for name in list(logging.root.manager.loggerDict)
+             if name.split(".")[0] in MATH_VERIFY_LOGGERS] + list(MATH_VERIFY_LOGGERS)
+    loggers = [logging.getLogger(name) for name in dict.fromkeys(names)]
+    before = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, was in zip(loggers, before):
+            logger.disabled = was
+
+
+def verify_within(gold: list, completion: str, limit: int, parse, verify, clock=time.monotonic) -> float:
+    """1.0 where math-verify finds ``completion``'s answer equal to one of ``gold``'s, all of it (the parse and
+    every gold x answer comparison, each of which math-verify would time on its own) within ``limit`` seconds,
+    rounded up to math-verify's whole-second alarm: under ``limit`` + 1 s in all. A row that ran out of it took
+    ``limit`` seconds or more (what score_within_budget counts as timed out)."""
+    deadline = clock() + limit
+    target = parse(completion, parsing_timeout=limit)
+    for g, t in itertools.product(gold, target):
+        left = deadline - clock()
+        if left <= 0:  # no time left for another comparison
+            return 0.0
+        if verify(g, t, timeout_seconds=math.ceil(left)):
+            return 1.0
+    return 0.0
+
+
 @BUILTIN_REWARDS.register("math_verify")
 def math_verify_match(prompts: list, completions: list[str], answer: list, step_budget_s: float = 60.0,
                       timeout_s: int = 5, **_: Any) -> list[float]:
@@ -183,29 +225,31 @@ def math_verify_match(prompts: list, completions: list[str], answer: list, step_
     reference answer may be plain LaTeX without $ ("x^2+2x+1") or GSM8K's "... #### 42" (the text after the
     last "####"). A completion with no parseable answer scores 0.0; a reference without one is an error.
 
-    Time is bounded: each completion's parse and comparison get ``timeout_s`` seconds (math-verify's own
-    alarm), the whole batch ``step_budget_s`` (the reward's kwargs); a completion not checked in time scores
-    0.0 and is counted in reward_timeouts/math_verify."""
+    Time is bounded: each completion's parse and comparisons together get ``timeout_s`` seconds (math-verify's
+    own alarm), the whole batch ``step_budget_s`` (the reward's kwargs); a completion not checked in time (a
+    50-deep power tower, a million-character answer) scores 0.0 and is counted in reward_timeouts/math_verify,
+    said once per run in one warning line; math-verify's own log lines are silenced."""
     from math_verify import parse, verify
 
     _check_column("answer", answer, completions)
     start = time.monotonic()
     golds, parsed = [], {}
-    for i, gold in enumerate(answer):  # each distinct answer parsed once (a group repeats it G times), timed
-        text = str(gold).rsplit("####", 1)[-1].strip() if gold is not None else ""
-        if text not in parsed:
-            parsed[text] = parse(text, parsing_timeout=timeout_s) or parse(f"${text}$", parsing_timeout=timeout_s)
-        if not parsed[text]:
-            raise ValueError(f"the answer at index {i} ({str(gold)[:60]!r}) holds no expression math-verify can "
-                             f"read within timeout_s={timeout_s} s")
-        golds.append(parsed[text])
+    with quiet_math_verify():
+        for i, gold in enumerate(answer):  # each distinct answer parsed once (a group repeats it G times), timed
+            text = str(gold).rsplit("####", 1)[-1].strip() if gold is not None else ""
+            if text not in parsed:
+                parsed[text] = (parse(text, parsing_timeout=timeout_s)
+                                or parse(f"${text}$", parsing_timeout=timeout_s))
+            if not parsed[text]:
+                raise ValueError(f"the answer at index {i} ({str(gold)[:60]!r}) holds no expression math-verify can "
+                                 f"read within timeout_s={timeout_s} s")
+            golds.append(parsed[text])
 
-    def score(i: int, limit: int) -> float:
-        target = parse(completions[i], parsing_timeout=limit)
-        return 1.0 if verify(golds[i], target, timeout_seconds=limit) else 0.0
+        def score(i: int, limit: int) -> float:
+            return verify_within(golds[i], completions[i], limit, parse, verify)
 
-    left = step_budget_s - (time.monotonic() - start)  # the answers' parsing counts against the step's budget
-    return score_within_budget(len(completions), score, left, timeout_s)
+        left = step_budget_s - (time.monotonic() - start)  # the answers' parsing counts against the step's budget
+        return score_within_budget(len(completions), score, left, timeout_s)
 
 
 #: The package a built-in needs beyond klgrpo's own dependencies (checked when the reward is loaded).

@@ -24,7 +24,7 @@ from torch import Tensor
 from klgrpo.core.rewards.loading import _describe, display_name, load_reward_function
 from klgrpo.core.rewards.model import RewardModel, RewardModelContext
 from klgrpo.core.rewards.specs import RESERVED_ARGUMENTS, RewardModelSpec, RewardSpec
-from klgrpo.errors import ConfigError, RewardError
+from klgrpo.errors import ConfigError, RewardError, warn
 
 #: Largest |reward| accepted: the group variance of float32 rewards of this size stays far from overflow
 #: (float32 squares overflow above ~1.8e19) and keeps 7 significant digits of the centred rewards.
@@ -80,6 +80,7 @@ class RewardComputer:
                 display, k = f"{base}_{k}", k + 1
             taken.add(display)
             self._bound.append(_bind(spec, fn, display))
+        self._timeouts_said: set[str] = set()  # the functions whose timed-out rows were said (once each)
 
     @property
     def names(self) -> list[str]:
@@ -124,6 +125,7 @@ class RewardComputer:
             per_function[bound.display] = torch.tensor(values, dtype=torch.float32)
             if timed_out is not None:  # a function that bounds its time: which rows ran out of it
                 per_function[bound.display + TIMED_OUT_SUFFIX] = torch.tensor(timed_out, dtype=torch.float32)
+                self._say_timeouts(bound.display, timed_out)
             total += bound.spec.weight * torch.tensor(values, dtype=torch.float64)
         if n and float(total.abs().max()) > REWARD_LIMIT:
             i = int(total.abs().argmax())
@@ -132,6 +134,17 @@ class RewardComputer:
         weights = {b.display: b.spec.weight for b in self._bound}
         return RewardResult(total=total.to(torch.float32), per_function=per_function, weights=weights,
                             model_seconds=model_seconds)
+
+
+    def _say_timeouts(self, display: str, timed_out: list[bool]) -> None:
+        """The first batch in which ``display`` could not check a row in time: one KLGRPOWarning line (once per
+        computer, i.e. per run); the later ones are counted in reward_timeouts/<function> only."""
+        if not any(timed_out) or display in self._timeouts_said:
+            return
+        self._timeouts_said.add(display)
+        warn(f"reward {display}: {sum(timed_out)} of {len(timed_out)} completions could not be checked in time "
+             f"and scored 0.0 (math_verify: its timeout_s per completion and step_budget_s per step, reward "
+             f"kwargs); from now on they are counted in reward_timeouts/{display}, not said again")
 
 
 def _bind(spec: RewardSpec | RewardModelSpec, fn: Callable, display: str) -> _Bound:
