@@ -100,15 +100,23 @@ def test_klgrpo_train_exits_3_when_it_stopped_on_a_runaway_and_0_when_it_rolled_
                                                                                    tmp_path, capsys):
     """A script tells "stopped on a runaway" from "finished": `klgrpo train && klgrpo eval` goes on only after the
     latter. A rollback that trained to the end is a finished run."""
-    from klgrpo.apps.train import RUNAWAY_STOP_EXIT, main
+    from klgrpo.apps.cli import main
+    from klgrpo.apps.train import RUNAWAY_STOP_EXIT
+    from klgrpo.store.checkpoint import load_trainer_state
 
-    codes = {}
+    codes, said = {}, {}
     for action in ("stop", "rollback"):
         config = tmp_path / f"{action}.yaml"
         config.write_text(_config(tiny_model_dir, addition_file, tmp_path / action, on_runaway=action).to_yaml())
-        codes[action] = main(["--config", str(config)])
+        codes[action] = main(["train", "--config", str(config)])  # the `klgrpo` entry point
+        said[action] = capsys.readouterr()
     assert codes == {"stop": RUNAWAY_STOP_EXIT, "rollback": 0} and RUNAWAY_STOP_EXIT == 3
-    assert "kl.on_runaway stop" in capsys.readouterr().out
+    named = tmp_path / "stop" / "checkpoints" / "step_0"
+    stopped = [line.strip() for line in said["stop"].out.splitlines() if line.strip().startswith("stopped early:")]
+    assert len(stopped) == 1 and "kl.on_runaway stop" in stopped[0], said["stop"].out
+    assert f"checkpoint {named} (step 0): train on from its weights (model.name_or_path {named}" in stopped[0]
+    assert said["stop"].err.count("error") == 0 and load_trainer_state(named)["step"] == 0  # loadable
+    assert not any("stopped early" in line for line in said["rollback"].out.splitlines())
 
 
 def test_the_reach_line_on_a_known_kl_trace():
