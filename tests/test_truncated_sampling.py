@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.math.truncation import kept_counts, kept_floor, truncate_scores
+from klgrpo.math.truncation import kept_counts, kept_set, truncate_scores
 from klgrpo.run.metrics import read_metrics
 from klgrpo.run.trainer import GRPOTrainer
 from klgrpo.train import metric_names as m
@@ -70,10 +70,41 @@ def test_kept_set_log_probs_and_gradient_are_the_renormalised_softmax():
     (g_want,) = torch.autograd.grad((want * weights).sum(), logits)
     assert torch.allclose(g_got, g_want, atol=1e-14, rtol=0)
     assert (g_got.abs() * (~torch.isfinite(scores))).max() == 0  # no gradient outside the kept set
-    # a count of 1 at a position whose sampled token is not the top one: the set grows to hold it, flagged
+    # a count of 1 at a position whose sampled token is not the top one: the set is that token alone, flagged
     x = torch.tensor([[3.0, 2.0, 1.0]], dtype=torch.float64)
-    floor, outside = kept_floor(x, torch.tensor([1]), torch.tensor([1]))
-    assert floor.item() == 2.0 and outside.item()
+    kept, outside = kept_set(x, torch.tensor([1]), torch.tensor([1]))
+    assert kept.tolist() == [[False, True, False]] and outside.item()
+    assert token_logprobs(x.unsqueeze(0), torch.tensor([[1]]), kept_BT=torch.tensor([[1]])).item() == 0.0
+
+
+def test_a_near_tie_at_the_boundary_keeps_the_sampler_s_set():
+    """The sampler kept its top 2, (0, 2); the trainer's logits rank token 1 a hair above token 2, so the sampled
+    token 2 is third for it. The trainer's set is then its top 1 and the sampled token, (0, 2), the sampler's own:
+    log pi_S equal to the sampler's to rounding, where widening the set to (0, 1, 2) would miss it by ~0.11."""
+    sampler = torch.tensor([3.0, 1.0, 1.0 + 1e-6, -2.0], dtype=torch.float64)
+    trainer = torch.tensor([3.0, 1.0 + 1e-6, 1.0, -2.0], dtype=torch.float64)
+    want = torch.log_softmax(sampler[[0, 2]], -1)[1]
+    got = token_logprobs(trainer.view(1, 1, 4), torch.tensor([[2]]), kept_BT=torch.tensor([[2]]))
+    assert abs(got.item() - want.item()) < 1e-5
+    kept, outside = kept_set(trainer.view(1, 4), torch.tensor([2]), torch.tensor([2]))
+    assert outside.item() and kept.tolist() == [[True, False, True, False]]
+    widened = torch.log_softmax(trainer[:3], -1)[2]
+    assert abs(widened.item() - want.item()) > 0.1  # the check is not vacuous
+
+
+def test_tokens_tied_at_the_boundary_count_once():
+    """A quantized model's tied rows give exactly equal logits (SmolLM2's GGUF has such pairs): the sampler kept
+    its top 2 where its own kernels ordered the pair; the trainer sees them tied and must keep 2 tokens, not 3."""
+    trainer = torch.tensor([[[3.0, 1.0, 1.0, -2.0]]], dtype=torch.float64)
+    sampler = torch.tensor([3.0, 1.0 + 1e-7, 1.0, -2.0], dtype=torch.float64)
+    want = torch.log_softmax(sampler[:2], -1)[0]
+    got = token_logprobs(trainer, torch.tensor([[0]]), kept_BT=torch.tensor([[2]]))
+    assert abs(got.item() - want.item()) < 1e-6
+    kept, outside = kept_set(trainer[0], torch.tensor([0]), torch.tensor([2]))
+    assert int(kept.sum()) == 2 and not outside.item()
+    # the sampled token is one of the tied pair: it is in the set, and the set still holds 2
+    kept, _ = kept_set(trainer[0], torch.tensor([2]), torch.tensor([2]))
+    assert kept[0, 2] and int(kept.sum()) == 2
 
 
 def test_full_kl_over_kept_sets_is_the_kl_between_both_renormalised_distributions():

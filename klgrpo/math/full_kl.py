@@ -32,7 +32,6 @@ from klgrpo.math.logprobs import (
     _logsumexp_and_entropy_,
     _scaled_copy,
 )
-from klgrpo.math.truncation import kept_floor, mask_below_
 
 #: ``kl.estimator`` names served here rather than by the per-token ESTIMATORS registry (whose functions
 #: take a sampled log-ratio; this needs both models' whole distributions).
@@ -74,17 +73,14 @@ class _FullKL(torch.autograd.Function):
         acc = _accumulation_dtype(logits_BTV)
         out = {name: torch.empty(b, t, dtype=acc, device=logits_BTV.device)
                for name in ("logp", "lse", "kl", "ref_logp")}
-        floor_BT = None if kept_BT is None else torch.empty(b, t, dtype=acc, device=logits_BTV.device)
         entropy_BT = torch.empty(b, t, dtype=torch.float32, device=logits_BTV.device)
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, chunk, _BUFFERS * v * torch.finfo(acc).bits // 8, budget):
-            x = _scaled_copy(logits_BTV[rows, cols], acc, temperature)
+            # both sides over the policy's kept set (docs/algorithm.md, Truncated sampling)
+            x = _kept_copy(logits_BTV[rows, cols], acc, temperature, targets_BT[rows, cols],
+                           None if kept_BT is None else kept_BT[rows, cols])
             target = targets_BT[rows, cols, None]
-            kept = None
-            if kept_BT is not None:  # both sides over the policy's kept set (docs/algorithm.md, Truncated sampling)
-                floor_BT[rows, cols] = kept_floor(x, targets_BT[rows, cols], kept_BT[rows, cols])[0]
-                kept = x >= floor_BT[rows, cols, None]
-                mask_below_(x, floor_BT[rows, cols])
+            kept = None if kept_BT is None else torch.isfinite(x)
             target_x = x.gather(-1, target).squeeze(-1)
             r = _ref_log_softmax(ref_head, ref_hidden_BTH[rows, cols], acc, temperature, kept)
             a = x.clone()
@@ -95,14 +91,14 @@ class _FullKL(torch.autograd.Function):
             out["lse"][rows, cols] = lse
             out["logp"][rows, cols] = target_x - lse
             del x, a, r, kept
-        ctx.save_for_backward(logits_BTV, targets_BT, ref_hidden_BTH, out["lse"], out["kl"], floor_BT)
+        ctx.save_for_backward(logits_BTV, targets_BT, ref_hidden_BTH, out["lse"], out["kl"], kept_BT)
         ctx.ref_head, ctx.temperature, ctx.chunk = ref_head, temperature, chunk
         ctx.mark_non_differentiable(entropy_BT, out["ref_logp"])
         return out["logp"], out["kl"], entropy_BT, out["ref_logp"]
 
     @staticmethod
     def backward(ctx, grad_logp_BT: Tensor, grad_kl_BT: Tensor, *_non_differentiable):
-        logits_BTV, targets_BT, ref_hidden_BTH, lse_BT, kl_BT, floor_BT = ctx.saved_tensors
+        logits_BTV, targets_BT, ref_hidden_BTH, lse_BT, kl_BT, kept_BT = ctx.saved_tensors
         temperature = ctx.temperature
         acc = lse_BT.dtype
         zeros = torch.zeros_like(lse_BT)
@@ -112,9 +108,9 @@ class _FullKL(torch.autograd.Function):
         v = logits_BTV.shape[-1]
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, _BUFFERS * v * torch.finfo(acc).bits // 8, budget):
-            floor = None if floor_BT is None else floor_BT[rows, cols]
-            a = _kept_copy(logits_BTV[rows, cols], acc, temperature, floor)
-            kept = None if floor is None else torch.isfinite(a)
+            counts = None if kept_BT is None else kept_BT[rows, cols]
+            a = _kept_copy(logits_BTV[rows, cols], acc, temperature, targets_BT[rows, cols], counts)
+            kept = None if counts is None else torch.isfinite(a)
             a.sub_(lse_BT[rows, cols, None])
             r = _ref_log_softmax(ctx.ref_head, ref_hidden_BTH[rows, cols], acc, temperature, kept)
             g_logp = (grad_logp_BT[rows, cols] / temperature).unsqueeze(-1)

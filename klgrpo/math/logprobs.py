@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from klgrpo.math.truncation import kept_floor, mask_below_
+from klgrpo.math.truncation import mask_outside_
 
 #: Positions per block at most. Small vocabularies get few, large blocks; large ones are capped below.
 DEFAULT_CHUNK_TOKENS = 8192
@@ -71,10 +71,12 @@ def _logsumexp_(x: Tensor) -> Tensor:
     return x.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
-def _kept_copy(block: Tensor, acc: torch.dtype, temperature: float, floor: Tensor | None) -> Tensor:
-    """``_scaled_copy`` with -inf below each position's kept-set floor (truncated sampling), when given."""
+def _kept_copy(block: Tensor, acc: torch.dtype, temperature: float, targets: Tensor,
+               counts: Tensor | None) -> Tensor:
+    """``_scaled_copy`` with -inf outside each position's kept set (truncated sampling, math.truncation.kept_set)
+    when kept-set sizes are given; the forward and the backward rebuild the same set from the same scores."""
     x = _scaled_copy(block, acc, temperature)
-    return x if floor is None else mask_below_(x, floor)
+    return x if counts is None else mask_outside_(x, targets, counts)
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -85,15 +87,13 @@ class _TokenLogProbs(torch.autograd.Function):
         acc = _accumulation_dtype(logits_BTV)
         logp_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device)
         lse_BT = torch.empty_like(logp_BT)
-        floor_BT = None if kept_BT is None else torch.empty_like(logp_BT)
         entropy_BT = torch.empty(b, t, dtype=acc, device=logits_BTV.device) if with_entropy else None
         buffers = 2 if with_entropy else 1  # the entropy needs exp(z) beside z
         budget = _block_budget(logits_BTV)
         for rows, cols in _blocks(logits_BTV.shape, chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
-            x = _scaled_copy(logits_BTV[rows, cols], acc, temperature)
-            if kept_BT is not None:  # the kept set: the sampler's count of top tokens, the sampled one always in
-                floor_BT[rows, cols] = kept_floor(x, targets_BT[rows, cols], kept_BT[rows, cols])[0]
-                mask_below_(x, floor_BT[rows, cols])
+            # the kept set: the sampler's count of top tokens, the sampled one always in
+            x = _kept_copy(logits_BTV[rows, cols], acc, temperature, targets_BT[rows, cols],
+                           None if kept_BT is None else kept_BT[rows, cols])
             target_x = x.gather(-1, targets_BT[rows, cols, None]).squeeze(-1)
             if with_entropy:
                 lse, entropy_BT[rows, cols] = _logsumexp_and_entropy_(x)
@@ -102,7 +102,7 @@ class _TokenLogProbs(torch.autograd.Function):
             lse_BT[rows, cols] = lse
             logp_BT[rows, cols] = target_x - lse
             del x  # before the next block's buffer exists: one block of scratch at a time
-        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT, floor_BT, *((entropy_BT,) if with_entropy else ()))
+        ctx.save_for_backward(logits_BTV, targets_BT, lse_BT, kept_BT, *((entropy_BT,) if with_entropy else ()))
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)  # an output nobody differentiates (the entropy metric) costs nothing
         if with_entropy:
@@ -111,7 +111,7 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BT: Tensor | None, grad_entropy_BT: Tensor | None = None):
-        logits_BTV, targets_BT, lse_BT, floor_BT, *entropy = ctx.saved_tensors
+        logits_BTV, targets_BT, lse_BT, kept_BT, *entropy = ctx.saved_tensors
         temperature = ctx.temperature
         acc = lse_BT.dtype
         grad_logits = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
@@ -119,8 +119,9 @@ class _TokenLogProbs(torch.autograd.Function):
         budget = _block_budget(logits_BTV)
         buffers = 1 if grad_entropy_BT is None else 2
         for rows, cols in _blocks(logits_BTV.shape, ctx.chunk, buffers * v * torch.finfo(acc).bits // 8, budget):
-            floor = None if floor_BT is None else floor_BT[rows, cols]
-            log_p = _kept_copy(logits_BTV[rows, cols], acc, temperature, floor).sub_(lse_BT[rows, cols, None])
+            counts = None if kept_BT is None else kept_BT[rows, cols]
+            log_p = _kept_copy(logits_BTV[rows, cols], acc, temperature, targets_BT[rows, cols], counts)
+            log_p.sub_(lse_BT[rows, cols, None])
             p = log_p.exp() if grad_entropy_BT is not None else log_p.exp_()
             if grad_entropy_BT is not None:  # p (log p + H) per unit of entropy gradient (p = 0 adds 0)
                 g_h = (grad_entropy_BT[rows, cols].to(acc) / temperature).unsqueeze(-1)

@@ -9,8 +9,9 @@ Every filter keeps the highest-scoring tokens (top-k: the k largest; top-p: the 
 top_p; min-p: those with probability >= min_p * the largest), so a kept set is the top n_t tokens by score and
 one integer per position describes it: the sampler records n_t (``kept_count``; 0: no filter there, the whole
 vocabulary). The trainer rebuilds S_t from its own logits as the n_t tokens it ranks highest, always with the
-sampled token in it (a near tie can order the two models' boundary tokens differently: that position is counted
-in sampler/kept_set_mismatch, never scored as impossible).
+sampled token in it: a near tie can order the two models' boundary tokens differently, and where the sampled
+token ranks just outside the trainer's top n_t, the set is the top n_t - 1 and that token, the sampler's own set
+when the two swapped (counted in sampler/kept_set_mismatch, never scored as impossible).
 """
 
 from __future__ import annotations
@@ -57,34 +58,31 @@ def kept_counts(filtered_scores: Tensor) -> Tensor:
     return torch.isfinite(filtered_scores).sum(dim=-1, dtype=torch.int32)
 
 
-def kept_floor(scores: Tensor, targets: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-    """(floor, outside) per position: a score is kept where it is >= ``floor``. The floor is the ``counts``-th
-    largest of ``scores`` [..., V], lowered to the target's score where the target ranks below (``outside``: True
-    there); -inf where the count is WHOLE_VOCABULARY. ``targets`` and ``counts`` [...]."""
+def kept_set(scores: Tensor, targets: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """(kept, outside): each position's kept set as a bool mask [..., V], and where the target ranked outside it.
+
+    The set is the ``counts`` tokens ``scores`` [..., V] ranks highest (exactly that many: of tokens tied at the
+    boundary, torch.topk's choice; the tied ones hold the same mass, so which one does not change a log-prob).
+    Where the target is not among them (``outside``: a near tie the two models ordered differently), the set is
+    the top counts - 1 and the target, so it keeps its size: the sampler's own set when the two boundary tokens
+    swapped. The whole vocabulary where the count is WHOLE_VOCABULARY. ``targets`` and ``counts`` [...]."""
     whole = counts <= WHOLE_VOCABULARY
-    k = int(counts.max()) if counts.numel() else 0
-    floor = torch.full(counts.shape, float("-inf"), dtype=scores.dtype, device=scores.device)
+    k = min(int(counts.max()) if counts.numel() else 0, scores.shape[-1])
     if k <= 0:
-        return floor, torch.zeros_like(whole)
-    k = min(k, scores.shape[-1])
-    top = torch.topk(scores, k, dim=-1).values
-    nth = top.gather(-1, (counts.long().clamp(1, k) - 1).unsqueeze(-1)).squeeze(-1)
-    target = scores.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    outside = (target < nth) & ~whole
-    floor = torch.where(whole, floor, torch.minimum(nth, target))
-    return floor, outside
+        return torch.ones(scores.shape, dtype=torch.bool, device=scores.device), torch.zeros_like(whole)
+    top = torch.topk(scores, k, dim=-1).indices
+    n = counts.long().clamp(1, k).unsqueeze(-1)
+    rank = torch.arange(k, device=scores.device)
+    index = targets.long().unsqueeze(-1)
+    outside = ~((top == index) & (rank < n)).any(-1) & ~whole
+    kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    kept.scatter_(-1, top, rank < n - outside.long().unsqueeze(-1)).scatter_(-1, index, True)
+    return kept | whole.unsqueeze(-1), outside
 
 
-def mask_below_(scores: Tensor, floor: Tensor) -> Tensor:
-    """``scores`` with -inf below each position's floor, in place."""
-    return scores.masked_fill_(scores < floor.unsqueeze(-1), float("-inf"))
-
-
-def log_kept_mass(scores: Tensor, floor: Tensor) -> Tensor:
-    """log sum_{v in S_t} softmax(scores)[v] per position: the log of the mass the kept set holds (0 for the
-    whole vocabulary)."""
-    kept = scores.masked_fill(scores < floor.unsqueeze(-1), float("-inf"))
-    return torch.logsumexp(kept, dim=-1) - torch.logsumexp(scores, dim=-1)
+def mask_outside_(scores: Tensor, targets: Tensor, counts: Tensor) -> Tensor:
+    """``scores`` with -inf outside each position's kept set (kept_set), in place."""
+    return scores.masked_fill_(~kept_set(scores, targets, counts)[0], float("-inf"))
 
 
 def settled_counts(counts: Tensor, completion_mask: Tensor, vocabulary: int) -> Tensor:
@@ -96,11 +94,11 @@ def settled_counts(counts: Tensor, completion_mask: Tensor, vocabulary: int) -> 
 def reference_over_kept_set(scores: Tensor, ref_scores: Tensor | None, targets: Tensor,
                             counts: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
     """(log ref_S(y_t), log pi(S_t), outside) per position: the reference renormalised over the POLICY's kept
-    set S_t (the ``counts`` tokens ``scores`` ranks highest, widened to hold the target), the log of the mass the
-    policy keeps there, and where the target ranked outside (kept_floor). ``scores`` and ``ref_scores`` are
-    logits / temperature [..., V]; ``ref_scores`` None (no reference) gives None in its place."""
-    floor, outside = kept_floor(scores, targets, counts)
-    dropped = scores < floor.unsqueeze(-1)
+    set S_t (kept_set), the log of the mass the policy keeps there, and where the target ranked outside it.
+    ``scores`` and ``ref_scores`` are logits / temperature [..., V]; ``ref_scores`` None (no reference) gives None
+    in its place."""
+    kept, outside = kept_set(scores, targets, counts)
+    dropped = ~kept
     log_mass = torch.logsumexp(scores.masked_fill(dropped, float("-inf")), -1) - torch.logsumexp(scores, -1)
     if ref_scores is None:
         return None, log_mass, outside
