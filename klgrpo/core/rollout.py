@@ -15,7 +15,7 @@ from torch import Tensor
 
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
 from klgrpo.backends.sampling import SamplingFilters
-from klgrpo.errors import ConfigError
+from klgrpo.errors import ConfigError, KLGRPOError
 from klgrpo.math.truncation import settled_counts
 
 __all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "compiling_sampler",
@@ -137,6 +137,28 @@ def completion_mask_from_ids(completion_ids: Tensor, eos_ids: list[int]) -> tupl
     return mask, truncated
 
 
+#: A log-probability above this is impossible (a probability above 1), not rounding: log of a float32
+#: probability rounded up from 1 is at most ~1e-7.
+MAX_LOGPROB = 1e-5
+
+
+def check_sampler_logprobs(logp: Tensor, completion_ids: Tensor, completion_mask: Tensor, sampler: str) -> None:
+    """Refuse, in one line naming the sampler, log-probs that cannot be a distribution's: of another shape than the
+    sampled ids, NaN or infinite, or above 0, at any completion token. Never averaged into a metric or a weight."""
+    if logp.shape != completion_ids.shape:
+        raise KLGRPOError(f"rollout.sampler {sampler} returned log-probs of shape {tuple(logp.shape)} for "
+                          f"completions of shape {tuple(completion_ids.shape)}: one log-prob per sampled token is "
+                          f"needed; report this sampler, or set rollout.sampler kv_loop")
+    values = logp.detach().float()[completion_mask.to(logp.device)]
+    bad = ~torch.isfinite(values)
+    what = "NaN or infinite" if bool(bad.any()) else "above 0" if bool((values > MAX_LOGPROB).any()) else ""
+    if what:
+        count = int(bad.sum()) if what.startswith("NaN") else int((values > MAX_LOGPROB).sum())
+        raise KLGRPOError(f"rollout.sampler {sampler} returned {count} log-prob(s) {what} of {values.numel()} "
+                          f"sampled tokens: a log-probability is finite and <= 0; the step was not taken (check the "
+                          f"sampler's model and dtype, or set rollout.sampler kv_loop)")
+
+
 @torch.no_grad()
 def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
     """Sample ``params.group_size`` completions for each prompt with ``params.sampler``; returns the padded batch
@@ -168,6 +190,7 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         sampler_logp = None if sampler_logp is None else torch.zeros(completion_ids.shape, device=device)
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
     if sampler_logp is not None:
+        check_sampler_logprobs(sampler_logp, completion_ids, completion_mask, sampler.name or str(p.sampler))
         sampler_logp = sampler_logp.to(device, torch.float32).masked_fill(~completion_mask, 0.0)
     kept_count = sampled.kept_count if sampled.filters.truncates else None
     if kept_count is not None:  # a set as large as the vocabulary is no truncation: 0 says so, cheaply

@@ -60,6 +60,18 @@ SAMPLER_KEPT_MASS = "sampler/kept_mass"
 SAMPLER_KEPT_MASS_P10 = "sampler/kept_mass_p10"
 SAMPLER_KEPT_MASS_MIN = "sampler/kept_mass_min"
 SAMPLER_KEPT_SET_MISMATCH = "sampler/kept_set_mismatch"
+SAMPLER_KL_K1 = "sampler/kl_k1"
+SAMPLER_KL_K3 = "sampler/kl_k3"
+SAMPLER_CHI2_TOKEN = "sampler/chi2_token"
+SAMPLER_CHI2_SEQ = "sampler/chi2_seq"
+SAMPLER_ESS = "sampler/ess"
+SAMPLER_PPL_RATIO = "sampler/ppl_ratio"
+SAMPLER_RATIO_P01 = "sampler/ratio_p01"
+SAMPLER_RATIO_P50 = "sampler/ratio_p50"
+SAMPLER_RATIO_P99 = "sampler/ratio_p99"
+SAMPLER_RATIO_MAX = "sampler/ratio_max"
+SAMPLER_MASKED_TOKEN_FRAC = "sampler/masked_token_frac"
+SAMPLER_MASKED_SEQ_FRAC = "sampler/masked_seq_frac"
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
@@ -222,6 +234,27 @@ GLOSSARY: dict[str, str] = {
     SAMPLER_KEPT_SET_MISMATCH: "fraction of the step's completion tokens whose kept set the trainer rebuilt "
                                "differently from the sampler's (another size under the filters on the trainer's "
                                "logits, or the sampled token ranked outside it: near ties, another kernel)",
+    SAMPLER_KL_K1: "mean per completion token of log mu(y_t) - log pi_old(y_t): the k1 estimate of KL(mu || "
+                   "pi_old) from the sampler's samples (unbiased, either sign per token)",
+    SAMPLER_KL_K3: "mean per completion token of r - 1 - log r, r = pi_old(y_t) / mu(y_t): the k3 estimate of "
+                   "KL(mu || pi_old), the same value as sampler/kl",
+    SAMPLER_CHI2_TOKEN: "mean per completion token of (r - 1)^2: the chi-square divergence chi2(pi_old || mu) "
+                        "per position, the variance of a token importance weight (0 with a matched sampler)",
+    SAMPLER_CHI2_SEQ: "mean over completions of (R - 1)^2, R = prod_t r_t (log R bounded at 20): the variance of "
+                      "a sequence importance weight",
+    SAMPLER_ESS: "(sum R)^2 / (N sum R^2) over the step's N completions: the normalised effective sample size of "
+                 "the sequence weights, 1 with a matched sampler, near 1/N when one sequence holds all the weight",
+    SAMPLER_PPL_RATIO: "mean over completions of exp(mean_t (log mu(y_t) - log pi_old(y_t))): the trainer's "
+                       "perplexity over the sampler's per completion (1 when matched, above 1 when the trainer "
+                       "finds the samples less likely)",
+    SAMPLER_RATIO_P01: "1st percentile of the raw token ratio r over the completion tokens, before any correction",
+    SAMPLER_RATIO_P50: "median of the raw token ratio r over the completion tokens",
+    SAMPLER_RATIO_P99: "99th percentile of the raw token ratio r over the completion tokens",
+    SAMPLER_RATIO_MAX: "largest raw token ratio r over the completion tokens (log r bounded at 20)",
+    SAMPLER_MASKED_TOKEN_FRAC: "fraction of the completion tokens whose weight rollout.sampler_correction "
+                               "truncated or masked (0 with the correction off)",
+    SAMPLER_MASKED_SEQ_FRAC: "fraction of the completions with a token (token modes) or a weight (sequence modes) "
+                             "that rollout.sampler_correction truncated or masked",
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "

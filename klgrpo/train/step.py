@@ -297,7 +297,7 @@ class GRPOStep:
         metrics.update(replay_metrics)
         if batch.rollout.sampler_logp is not None:
             metrics.update(sampler_metrics(old_logp, batch.rollout.sampler_logp, batch.rollout.completion_mask,
-                                           int(batch.normalizer.max_len), self.dist))
+                                           int(batch.normalizer.max_len), self.dist, self.plan.sampler_correction))
         if batch.kept_sets is not None:
             metrics.update(kept_set_metrics(batch.kept_sets.log_kept_mass, batch.kept_sets.mismatch,
                                             batch.rollout.completion_mask, int(batch.normalizer.max_len), self.dist))

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from klgrpo.core.batch import StepBatch
+from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP
 from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import ObjectiveSums
-from klgrpo.math.sampler_correction import mismatch_per_token
+from klgrpo.math.sampler_correction import SamplerCorrection, mismatch_per_token, sampler_weight
 from klgrpo.train import metric_names as m
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.metric_names import (
@@ -198,21 +199,48 @@ def token_percentiles(values_KBT: Tensor, mask_BT: Tensor, max_len: int, dist: D
 
 
 def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tensor, max_len: int,
-                    dist: Distributed) -> dict[str, float]:
-    """The sampler's mismatch over every process's completion tokens: |log pi_old - log mu| (mean, p99, max) and
-    the mean per-token k3 estimate of KL(mu || pi_old) (math/sampler_correction.py)."""
+                    dist: Distributed, correction: SamplerCorrection | None = None) -> dict[str, float]:
+    """The sampler-to-trainer panel over every process's completion tokens (docs/metrics.md, "sampler/"), with
+    r_t = pi_old(y_t) / mu(y_t) per token of the sampler mu and R = prod_t r_t per sequence: |log r| (mean, p99,
+    max) and its signed mean; KL(mu || pi_old) by k1 and k3; chi-square per token and per sequence; the normalised
+    effective sample size of the sequence weights R; the perplexity ratio; r's quantiles before any correction; and
+    with ``correction`` on, the tokens and sequences it truncated or masked."""
     diff_BT, kl_BT = mismatch_per_token(old_logp_BT.detach(), sampler_logp_BT)
-    signed_BT = torch.nan_to_num(old_logp_BT.detach().to(diff_BT.dtype) - sampler_logp_BT.to(diff_BT.dtype), nan=0.0)
-    mask = mask_BT[:, :diff_BT.shape[-1]].to(diff_BT.dtype)
-    total = dist.sum(torch.stack([(diff_BT * mask).sum(), (kl_BT * mask).sum(), (signed_BT * mask).sum(),
-                                  mask.sum()]).float())
-    peak = dist.max(torch.where(mask > 0, diff_BT, torch.zeros_like(diff_BT)).max().float().reshape(1))
-    p99 = token_percentiles(diff_BT[None], mask, max_len, dist, (0.99,))
-    diff_sum, kl_sum, signed_sum, tokens, peak_f, p99_f = torch.cat([total, peak, p99.to(total.device)]).tolist()
-    tokens = max(tokens, 1.0)
+    dtype = diff_BT.dtype
+    mask = mask_BT[:, :diff_BT.shape[-1]].to(dtype)
+    log_r = torch.nan_to_num(old_logp_BT.detach().to(dtype) - sampler_logp_BT.to(dtype), nan=0.0) * mask
+    r = log_r.clamp(max=DEFAULT_LOG_RATIO_CLAMP).exp()
+    rows = (mask.sum(-1) > 0).to(dtype)  # the sequences with a completion token
+    seq_log_r = log_r.sum(-1).clamp(max=DEFAULT_LOG_RATIO_CLAMP)  # R's log, bounded so exp stays finite
+    big_r = seq_log_r.exp() * rows
+    ppl = (-log_r.sum(-1) / mask.sum(-1).clamp(min=1)).exp() * rows  # PPL_trainer / PPL_sampler per sequence
+    changed = torch.zeros_like(mask)
+    if correction is not None and correction.on:  # the raw weight against the one the correction applied
+        raw = (log_r.sum(-1, keepdim=True) if correction.sequence_level else log_r).exp()
+        applied = sampler_weight(old_logp_BT.detach(), sampler_logp_BT, mask_BT[:, :mask.shape[-1]], correction)
+        changed = (applied != raw).expand_as(mask).to(dtype) * mask
+    total = dist.sum(torch.stack([
+        (diff_BT * mask).sum(), (kl_BT * mask).sum(), log_r.sum(), mask.sum(), (((r - 1) ** 2) * mask).sum(),
+        ((big_r - 1) ** 2 * rows).sum(), big_r.sum(), (big_r ** 2).sum(), rows.sum(), ppl.sum(), changed.sum(),
+        ((changed.sum(-1) > 0).to(dtype) * rows).sum()]).float())
+    peaks = dist.max(torch.stack([torch.where(mask > 0, diff_BT, torch.zeros_like(diff_BT)).max(),
+                                  torch.where(mask > 0, r, torch.zeros_like(r)).max()]).float())
+    quantiles = torch.cat([token_percentiles(diff_BT[None], mask, max_len, dist, (0.99,)),
+                           token_percentiles(r[None], mask, max_len, dist, (0.01, 0.50, 0.99))])
+    (diff_sum, kl_sum, signed_sum, tokens, chi2_sum, chi2_seq_sum, r_sum, r2_sum, seqs, ppl_sum, changed_tokens,
+     changed_seqs) = total.tolist()
+    peak_f, r_max = peaks.tolist()
+    p99_f, r01, r50, r99 = quantiles.tolist()
+    tokens, seqs = max(tokens, 1.0), max(seqs, 1.0)
     return {m.SAMPLER_LOGP_DIFF_MEAN: diff_sum / tokens, m.SAMPLER_LOGP_DIFF_P99: p99_f,
             m.SAMPLER_LOGP_DIFF_MAX: peak_f, m.SAMPLER_KL: kl_sum / tokens,
-            m.SAMPLER_LOGP_DIFF_SIGNED: signed_sum / tokens}
+            m.SAMPLER_LOGP_DIFF_SIGNED: signed_sum / tokens,
+            m.SAMPLER_KL_K1: -signed_sum / tokens, m.SAMPLER_KL_K3: kl_sum / tokens,
+            m.SAMPLER_CHI2_TOKEN: chi2_sum / tokens, m.SAMPLER_CHI2_SEQ: chi2_seq_sum / seqs,
+            m.SAMPLER_ESS: r_sum ** 2 / (seqs * r2_sum) if r2_sum > 0 else 1.0,
+            m.SAMPLER_PPL_RATIO: ppl_sum / seqs, m.SAMPLER_RATIO_P01: r01, m.SAMPLER_RATIO_P50: r50,
+            m.SAMPLER_RATIO_P99: r99, m.SAMPLER_RATIO_MAX: r_max,
+            m.SAMPLER_MASKED_TOKEN_FRAC: changed_tokens / tokens, m.SAMPLER_MASKED_SEQ_FRAC: changed_seqs / seqs}
 
 
 def kept_set_metrics(log_kept_mass_BT: Tensor, mismatch_BT: Tensor, mask_BT: Tensor, max_len: int,

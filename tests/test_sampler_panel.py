@@ -1,0 +1,117 @@
+"""The sampler-to-trainer panel by hand on small batches, and impossible sampler log-probs refused before a step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klgrpo.core.rollout import check_sampler_logprobs
+from klgrpo.errors import KLGRPOError
+from klgrpo.math.sampler_correction import SamplerCorrection
+from klgrpo.train import metric_names as m
+from klgrpo.train.distributed import Distributed
+from klgrpo.train.step_metrics import sampler_metrics
+
+MASK = torch.tensor([[True, True, False], [True, True, True]])
+
+
+def _panel(old, mu, correction=None):
+    return sampler_metrics(torch.tensor(old, dtype=torch.float64), torch.tensor(mu, dtype=torch.float64), MASK, 3,
+                           Distributed(), correction)
+
+
+def test_a_matched_sampler_reads_zero_divergence_and_full_ess():
+    logp = [[-0.5, -1.2, 0.0], [-0.1, -2.0, -0.7]]
+    row = _panel(logp, logp)
+    for name in (m.SAMPLER_KL_K1, m.SAMPLER_KL_K3, m.SAMPLER_CHI2_TOKEN, m.SAMPLER_CHI2_SEQ,
+                 m.SAMPLER_MASKED_TOKEN_FRAC, m.SAMPLER_MASKED_SEQ_FRAC):
+        assert row[name] == 0.0, name
+    for name in (m.SAMPLER_ESS, m.SAMPLER_PPL_RATIO, m.SAMPLER_RATIO_P01, m.SAMPLER_RATIO_P50, m.SAMPLER_RATIO_MAX):
+        assert row[name] == pytest.approx(1.0, abs=1e-7), name
+
+
+def test_the_panel_by_hand():
+    """log r per token (masked padding ignored): row 0 (0.2, -0.1), row 1 (0.0, 0.3, -0.4); the sums are reduced
+    in float32 (across processes), hence 1e-7."""
+    old = [[-0.3, -1.1, 5.0], [-1.0, -0.2, -0.9]]
+    mu = [[-0.5, -1.0, 0.0], [-1.0, -0.5, -0.5]]
+    log_r = [0.2, -0.1, 0.0, 0.3, -0.4]
+    r = [math.exp(x) for x in log_r]
+    big_r = [math.exp(0.2 - 0.1), math.exp(0.0 + 0.3 - 0.4)]
+    row = _panel(old, mu)
+    assert row[m.SAMPLER_KL_K1] == pytest.approx(-sum(log_r) / 5, abs=1e-7)
+    assert row[m.SAMPLER_KL_K3] == pytest.approx(sum(x - 1 - math.log(x) for x in r) / 5, abs=1e-7)
+    assert row[m.SAMPLER_KL_K3] == row[m.SAMPLER_KL]
+    assert row[m.SAMPLER_CHI2_TOKEN] == pytest.approx(sum((x - 1) ** 2 for x in r) / 5, abs=1e-7)
+    assert row[m.SAMPLER_CHI2_SEQ] == pytest.approx(sum((x - 1) ** 2 for x in big_r) / 2, abs=1e-7)
+    assert row[m.SAMPLER_ESS] == pytest.approx(sum(big_r) ** 2 / (2 * sum(x * x for x in big_r)), abs=1e-7)
+    ppl = [math.exp(-(0.2 - 0.1) / 2), math.exp(-(0.0 + 0.3 - 0.4) / 3)]
+    assert row[m.SAMPLER_PPL_RATIO] == pytest.approx(sum(ppl) / 2, abs=1e-7)
+    assert row[m.SAMPLER_RATIO_MAX] == pytest.approx(math.exp(0.3), abs=1e-6)
+    assert row[m.SAMPLER_RATIO_P50] == pytest.approx(1.0, abs=1e-6)  # the middle of the five sorted ratios
+    assert row[m.SAMPLER_RATIO_P01] == pytest.approx(math.exp(-0.4) + 0.04 * (math.exp(-0.1) - math.exp(-0.4)),
+                                                      abs=1e-6)  # linear interpolation, as torch.quantile
+
+
+def test_masked_fractions_follow_the_correction():
+    old = [[-0.3, -1.1, 5.0], [-1.0, -0.2, -0.9]]
+    mu = [[-0.5, -1.0, 0.0], [-1.0, -0.5, -0.5]]
+    # token ratios above 1.2: exp(0.2) and exp(0.3), one in each row
+    row = _panel(old, mu, SamplerCorrection("token_mask", None, 1.2))
+    assert row[m.SAMPLER_MASKED_TOKEN_FRAC] == pytest.approx(2 / 5)
+    assert row[m.SAMPLER_MASKED_SEQ_FRAC] == pytest.approx(1.0)
+    # sequence weights exp(0.1) and exp(-0.1): truncating at 1.05 changes row 0 only (its 2 tokens)
+    row = _panel(old, mu, SamplerCorrection("sequence_truncate", None, 1.05))
+    assert row[m.SAMPLER_MASKED_TOKEN_FRAC] == pytest.approx(2 / 5)
+    assert row[m.SAMPLER_MASKED_SEQ_FRAC] == pytest.approx(1 / 2)
+    assert _panel(old, mu, SamplerCorrection("none"))[m.SAMPLER_MASKED_TOKEN_FRAC] == 0.0
+
+
+@pytest.mark.parametrize("logp, fragment", [
+    ([[-0.1, float("nan"), 0.0]], "1 log-prob(s) NaN or infinite"),
+    ([[-0.1, 0.5, 0.0]], "1 log-prob(s) above 0"),
+    ([[-0.1, -0.2]], "returned log-probs of shape (1, 2) for completions of shape (1, 3)"),
+])
+def test_impossible_sampler_log_probs_are_refused(logp, fragment):
+    ids = torch.tensor([[5, 6, 0]])
+    mask = torch.tensor([[True, True, False]])
+    with pytest.raises(KLGRPOError, match="rollout.sampler kv_loop") as exc:
+        check_sampler_logprobs(torch.tensor(logp), ids, mask, "kv_loop")
+    assert fragment in str(exc.value)
+
+
+def test_padding_after_eos_is_not_checked_and_rounding_above_zero_passes():
+    ids = torch.tensor([[5, 6, 0]])
+    mask = torch.tensor([[True, True, False]])
+    check_sampler_logprobs(torch.tensor([[-0.1, 1e-7, float("nan")]]), ids, mask, "kv_loop")
+
+
+def _run(tmp_path, tiny_model_dir, addition_file, name):
+    from klgrpo.run.metrics import read_metrics
+    from klgrpo.run.trainer import GRPOTrainer
+    from tests.helpers.configs import make_config, quiet
+
+    cfg = make_config(tiny_model_dir, addition_file, tmp_path / name, train={"steps": 1},
+                      rollout={"sampler": "kv_loop", "sampler_correction": "token_mask"})
+    trainer = GRPOTrainer(cfg, log=quiet)
+    trainer.train()
+    return read_metrics(trainer.run_dir)[-1]
+
+
+def test_a_planted_mismatch_moves_the_panel(tmp_path, tiny_model_dir, addition_file, monkeypatch):
+    """The KV loop matched reads chi-square 0 and ESS 1 to rounding; a sampler drawing at temperature 1.1 while
+    the trainer scores 1.0 raises both chi-squares and lowers the ESS."""
+    matched = _run(tmp_path, tiny_model_dir, addition_file, "matched")
+    assert matched[m.SAMPLER_CHI2_TOKEN] < 1e-9 and matched[m.SAMPLER_CHI2_SEQ] < 1e-9
+    assert matched[m.SAMPLER_ESS] == pytest.approx(1.0, abs=1e-6)
+    from klgrpo.backends import kv_decoder
+
+    real = kv_decoder.filter_logits
+    monkeypatch.setattr(kv_decoder, "filter_logits",
+                        lambda logits, temperature=1.0, *a, **k: real(logits, temperature * 1.1, *a, **k))
+    planted = _run(tmp_path, tiny_model_dir, addition_file, "planted")
+    assert planted[m.SAMPLER_CHI2_TOKEN] > 1e-4 and planted[m.SAMPLER_CHI2_SEQ] > planted[m.SAMPLER_CHI2_TOKEN]
+    assert planted[m.SAMPLER_ESS] < 0.99
+    assert planted[m.SAMPLER_RATIO_MAX] > 1.0 > planted[m.SAMPLER_RATIO_P01]
