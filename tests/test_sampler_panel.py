@@ -113,5 +113,5 @@ def test_a_planted_mismatch_moves_the_panel(tmp_path, tiny_model_dir, addition_f
                         lambda logits, temperature=1.0, *a, **k: real(logits, temperature * 1.1, *a, **k))
     planted = _run(tmp_path, tiny_model_dir, addition_file, "planted")
     assert planted[m.SAMPLER_CHI2_TOKEN] > 1e-4 and planted[m.SAMPLER_CHI2_SEQ] > planted[m.SAMPLER_CHI2_TOKEN]
-    assert planted[m.SAMPLER_ESS] < 0.99
+    assert planted[m.SAMPLER_ESS] < 1.0 - 1e-3  # 0.998 here, against 1 to 1e-6 matched
     assert planted[m.SAMPLER_RATIO_MAX] > 1.0 > planted[m.SAMPLER_RATIO_P01]
