@@ -13,6 +13,7 @@ the klgrpo config that reproduces it; with ``--run``, what a run's KL actually d
     roll.py           a ROLL RLVR pipeline config, per release (roll.json)
     skyrl_train.py    a SkyRL trainer config or launch script, per skyrl-train release (skyrl_train.json)
     prime_rl.py       a prime-rl RL config (TOML), per release (prime_rl.json)
+    slime.py          a slime train.py command line, per release (slime.json)
     truncation.py     sampling filters (top_p, top_k, min_p): the risk line and the rollout keys, per release
                       (truncation.json)
     report.py         the verdicts (verify-kl's exact oracles), the risks and the printed lines

@@ -29,7 +29,8 @@ STRICT_EXIT = 3
 #: The frameworks whose releases --version may name, per format.
 RELEASES_OF = {"trl": ("trl",), "adaptive_kl": ("trl",), "unsloth": ("unsloth", "trl"), "verl": ("verl",),
                "openrlhf": ("openrlhf",), "nemo_rl": ("nemo_rl",),
-               "roll": ("roll",), "skyrl_train": ("skyrl_train",), "prime_rl": ("prime_rl",)}
+               "roll": ("roll",), "skyrl_train": ("skyrl_train",), "prime_rl": ("prime_rl",),
+               "slime": ("slime",)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", metavar="SPEC", help="the release the file runs on, e.g. trl==0.18, trl>=0.19, "
                                                      "unsloth==2025.3.1 (several: 'unsloth==2025.9.1;trl==0.22'), "
                                                      "verl==0.3, openrlhf==0.5.9.post1, nemo_rl==0.7.0, roll==0.3.0, "
-                                                     "skyrl_train==0.3.0, prime_rl==0.8.0, "
+                                                     "skyrl_train==0.3.0, prime_rl==0.8.0, slime==0.3.1, "
                                                      "or a file "
                                                      "that pins it "
                                                      "(setup.py, requirements.txt); default: what the file "
@@ -251,7 +252,8 @@ def _print_report(report: dict[str, Any]) -> None:
               f"take each range's): {'; '.join(report['default_changes'])}")
     said = "; ".join(f"on {' and '.join(e['releases'])}: {_answer(e, versions)}" for e in versions)
     example = {"verl": "verl==0.3", "openrlhf": "openrlhf==0.8.5", "nemo_rl": "nemo_rl==0.7.0",
-               "roll": "roll==0.3.0", "skyrl_train": "skyrl_train==0.3.0", "prime_rl": "prime_rl==0.8.0"}.get(
+               "roll": "roll==0.3.0", "skyrl_train": "skyrl_train==0.3.0", "prime_rl": "prime_rl==0.8.0",
+               "slime": "slime==0.3.1"}.get(
         report["source"], "trl==0.18")
     print(f"{report['origin']}: the answer depends on the release ({said}): which do you run? Pass --version "
           f"(e.g. --version {example}), or pin it in the file")

@@ -1,5 +1,5 @@
 """The frameworks whose release tables live beside explain (``nemo_rl.json``, ``roll.json``,
-``skyrl_train.json``, ``prime_rl.json``): their release ranges as
+``skyrl_train.json``, ``prime_rl.json``, ``slime.json``): their release ranges as
 :class:`Release` profiles, the ``--version`` clauses that name them, and their labels.
 
 Each table holds ``name`` (as printed), ``groups`` (its config's top-level keys) and ``ranges``: rows with
@@ -22,7 +22,8 @@ from klgrpo.integrations.versions import Constraint, Profile, constraints, parse
 HERE = Path(__file__).resolve().parent
 #: --version names -> framework (its table: HERE / f"{framework}.json").
 VERSION_NAMES = {"nemo_rl": "nemo_rl", "nemo-rl": "nemo_rl", "roll": "roll", "skyrl_train": "skyrl_train",
-                 "skyrl-train": "skyrl_train", "prime_rl": "prime_rl", "prime-rl": "prime_rl"}
+                 "skyrl-train": "skyrl_train", "prime_rl": "prime_rl", "prime-rl": "prime_rl",
+                 "slime": "slime"}
 FRAMEWORKS = tuple(dict.fromkeys(VERSION_NAMES.values()))
 
 

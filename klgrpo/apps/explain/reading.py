@@ -24,9 +24,8 @@ MAX_DEPTH = 24
 #: Values in one file (a config has hundreds); also bounds a YAML alias bomb.
 MAX_VALUES = 50_000
 WHAT_EXPLAIN_READS = ("a YAML or JSON config of TRL, Unsloth, verl, NeMo-RL, ROLL, SkyRL or klgrpo, a prime-rl TOML, "
-                      "verl or SkyRL "
-                      "key=value lines, an OpenRLHF command line, a verl, OpenRLHF or SkyRL launch script, a Python "
-                      "script or notebook with a GRPOConfig(...) call")
+                      "verl or SkyRL key=value lines, an OpenRLHF command line, a verl, OpenRLHF, SkyRL or slime "
+                      "launch script, a Python script or notebook with a GRPOConfig(...) call")
 READS = f"klgrpo explain reads {WHAT_EXPLAIN_READS} (and a run folder with --run)"
 
 

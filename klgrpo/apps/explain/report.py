@@ -20,6 +20,7 @@ FORMAT_NAMES = {"trl": "TRL GRPOConfig", "unsloth": "Unsloth's GRPO (TRL's GRPOC
                 "verl": "verl PPO trainer config", "openrlhf": "OpenRLHF command line",
                 "nemo_rl": "NeMo-RL GRPO config", "roll": "ROLL RLVR pipeline config",
                 "skyrl_train": "SkyRL trainer config", "prime_rl": "prime-rl RL config",
+                "slime": "slime train.py command line",
                 "klgrpo": "klgrpo config"}
 AGGREGATION_WEIGHTING = {
     "token_mean": "every token weighs the same (a long completion's KL counts in proportion to its length)",

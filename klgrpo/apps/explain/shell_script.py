@@ -1,6 +1,6 @@
-"""A verl, OpenRLHF or SkyRL launch script, read as text (never run): the arguments of its ``python3 -m
+"""A verl, OpenRLHF, SkyRL or slime launch script, read as text (never run): the arguments of its ``python3 -m
 verl.trainer.main_ppo`` (or another trainer module of a verl release: 0.8's ``main_ppo_sync``),
-``openrlhf.cli.train_ppo_ray`` or ``skyrl_train.entrypoints.main_base`` command.
+``openrlhf.cli.train_ppo_ray``, ``skyrl_train.entrypoints.main_base`` or slime's ``train.py`` command.
 
 What the reader follows: line continuations, comments, ``NAME=value`` and ``export NAME=value`` assignments with
 literal values (substituted where the command uses ``$NAME`` / ``${NAME}``), bash arrays (``ARGS=( ... )`` used
@@ -31,8 +31,12 @@ VERL_ENTRY_POINTS = tuple(dict.fromkeys(m for p in rl_profiles("verl") for m in 
 SKYRL_ENTRY_POINTS = ("skyrl_train.entrypoints.main_base", "skyrl.train.entrypoints.main_base")
 LAUNCHERS = {"verl": tuple(s for module in VERL_ENTRY_POINTS for s in _spellings(module)),
              "openrlhf": ("openrlhf.cli.train_ppo_ray", "openrlhf/cli/train_ppo_ray.py"),
-             "skyrl_train": tuple(s for module in SKYRL_ENTRY_POINTS for s in _spellings(module))}
-_NAMES = {"verl": "verl", "openrlhf": "OpenRLHF", "skyrl_train": "SkyRL"}
+             "skyrl_train": tuple(s for module in SKYRL_ENTRY_POINTS for s in _spellings(module)),
+             "slime": ("train.py", "train_async.py")}
+#: A script runs slime's train.py when it also holds one of slime's own flags (train.py alone is anyone's).
+SLIME_MARKERS = ("--advantage-estimator", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type", "--kl-coef",
+                 "--rollout-batch-size", "--n-samples-per-prompt", "--rm-type", "--rollout-function-path")
+_NAMES = {"verl": "verl", "openrlhf": "OpenRLHF", "skyrl_train": "SkyRL", "slime": "slime"}
 _ASSIGNMENT = re.compile(r"^(?:export\s+|local\s+|readonly\s+)?([A-Za-z_]\w*)=(.*)$")
 _ARRAY = re.compile(r"^([A-Za-z_]\w*)=\($")
 _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")
@@ -52,13 +56,20 @@ class LaunchCommand:
     module: str = ""  # the trainer module it runs (verl.trainer.main_ppo_sync)
 
 
-def launchers_in(text: str) -> set[str]:
-    """The frameworks whose launcher module the text names (cheap: no tokenising)."""
-    return {name for name, modules in LAUNCHERS.items() if any(module in text for module in modules)}
+def launchers_in(text: str, slime_flags: bool | None = None) -> set[str]:
+    """The frameworks whose launcher module the text names (cheap: no tokenising); slime's train.py counts where
+    ``slime_flags`` (default: the text itself holds one of slime's flags)."""
+    found = {name for name, modules in LAUNCHERS.items() if any(module in text for module in modules)}
+    if slime_flags is None:
+        slime_flags = any(marker in text for marker in SLIME_MARKERS)
+    if not slime_flags:
+        found.discard("slime")
+    return found
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, line) with backslash continuations joined and whole-line comments dropped."""
+    """(first line number, line) with backslash continuations and quotes spanning lines (a JSON string) joined,
+    and whole-line comments dropped."""
     out, pending, start = [], "", 0
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.rstrip()
@@ -69,11 +80,23 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
+        if _open_quote(pending + line):
+            pending += line + "\n"
+            continue
         out.append((start, pending + line))
         pending = ""
     if pending:
         out.append((start, pending))
     return out
+
+
+def _open_quote(line: str) -> bool:
+    """Whether the line leaves a quote open (its string goes on on the next line)."""
+    try:
+        shlex.split(line, comments=True)
+    except ValueError as err:
+        return "No closing quotation" in str(err)
+    return False
 
 
 def _tokens(line: str, origin: str, number: int) -> list[str]:
@@ -108,6 +131,7 @@ def commands(text: str, origin: str) -> list[LaunchCommand]:
     arrays: dict[str, list[str]] = {}
     found: list[LaunchCommand] = []
     lines = _logical_lines(text)
+    slime_flags = any(marker in text for marker in SLIME_MARKERS)
     index = 0
     while index < len(lines):
         number, line = lines[index]
@@ -118,14 +142,14 @@ def commands(text: str, origin: str) -> list[LaunchCommand]:
             continue
         index += 1
         assignment = _ASSIGNMENT.match(stripped)
-        if assignment and not launchers_in(stripped):
+        if assignment and not launchers_in(stripped, slime_flags):
             tokens = _tokens(assignment.group(2), origin, number) or [""]
             if assignment.group(2).startswith("(") and stripped.endswith(")"):
                 arrays[assignment.group(1)] = _tokens(assignment.group(2)[1:-1], origin, number)
             elif len(tokens) == 1:
                 variables[assignment.group(1)] = _substitute(tokens[0], variables)
             continue
-        framework = next((name for name in LAUNCHERS if launchers_in(stripped) == {name}), None)
+        framework = next((name for name in LAUNCHERS if launchers_in(stripped, slime_flags) == {name}), None)
         command = None if framework is None else _command(framework, number, _tokens(line, origin, number),
                                                           variables, arrays)
         if command is not None:
@@ -161,7 +185,8 @@ def launch_command(text: str, origin: str, line: int | None = None) -> LaunchCom
         return on_line(found, line, origin, "launcher command starts at line", "the commands start at lines")
     if not found:
         raise refuse(origin, f"runs none of verl's trainers ({', '.join(VERL_ENTRY_POINTS)}), "
-                             f"openrlhf.cli.train_ppo_ray nor SkyRL's ({', '.join(SKYRL_ENTRY_POINTS)})")
+                             f"openrlhf.cli.train_ppo_ray, SkyRL's ({', '.join(SKYRL_ENTRY_POINTS)}) nor slime's "
+                             "train.py")
     if len({c.framework for c in found}) > 1:
         named = [_NAMES[name] for name in LAUNCHERS if name in {c.framework for c in found}]
         raise ConfigError(f"{origin} launches {'both ' if len(named) == 2 else ''}{' and '.join(named)} (lines "

@@ -35,6 +35,7 @@ from klgrpo.apps.explain import (
     roll,
     shell_script,
     skyrl_train,
+    slime,
     truncation,
 )
 from klgrpo.apps.explain.reading import WHAT_EXPLAIN_READS, load_toml, load_yaml, suffix
@@ -57,7 +58,7 @@ from klgrpo.integrations.versions import (
     unsloth_config_fields,
 )
 
-FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "skyrl_train", "prime_rl",
+FORMATS = ("trl", "verl", "openrlhf", "unsloth", "adaptive_kl", "nemo_rl", "roll", "skyrl_train", "prime_rl", "slime",
            "klgrpo")
 #: The formats read through TRL's fields, per release range (klgrpo.integrations.versions).
 TRL_KINDS = ("trl", "unsloth", "adaptive_kl")
@@ -419,9 +420,39 @@ def _from_script(text: str, origin: str, source: str | None, line: int | None,
     if command.framework == "skyrl_train":
         return command.framework, table_variants("skyrl_train", where, versions,
                                                  lambda release: _skyrl_from_script(command, where, release))
+    if command.framework == "slime":
+        return command.framework, table_variants("slime", where, versions,
+                                                 lambda release: _slime_from_script(command, where, release))
     mapper = _verl_from_script if command.framework == "verl" else _openrlhf_from_script
     return command.framework, rl_variants(command.framework, where, versions,
                                           lambda profile: mapper(command, where, profile))
+
+
+def _slime_from_script(command: shell_script.LaunchCommand, where: str,
+                       release: frameworks.Release | None) -> Mapped:
+    """A slime launch script's train.py flags; a setting the script takes from its own arguments or environment
+    is named with the default the verdict used."""
+    row = (release or slime.newest()).release or {}
+    arguments = [a for a in command.arguments if a not in _SCRIPT_ARGUMENTS]
+    flags = slime.flags_of(arguments, where)
+    notes = {}
+    for name, value in list(flags.items()):
+        words = value if isinstance(value, list) else [value]
+        held = [command.unresolved[w] for w in words if isinstance(w, str) and w in command.unresolved]
+        if held:
+            if name in slime.READ:
+                notes[name] = _unresolved_note(held[0], row["defaults"].get(name), "slime")
+            del flags[name]
+    mapped = truncation.apply("slime", slime.map_slime(flags, where, release), flags, release or slime.newest())
+    for name, why in notes.items():
+        mapped.unmapped.setdefault(name, why)
+    unread = [a for a in command.arguments if a in command.unresolved and a.startswith("${") and a.endswith("[@]}")]
+    for array in unread:
+        mapped.unmapped.setdefault(array, "an array the script does not define (sourced from another file): its "
+                                          "flags are not seen here")
+    if len(arguments) < len(command.arguments):
+        mapped.unmapped["$@"] = "arguments given to the script when it runs: not seen here"
+    return mapped
 
 
 def _skyrl(values: dict[str, Any], origin: str, release: frameworks.Release | None) -> Mapped:

@@ -85,7 +85,8 @@ def apply(framework: str, mapped: Mapped, settings: dict[str, Any], profile: Pro
     Unsloth's ``vllm_sampling_params``, which replace them) written into klgrpo's rollout keys, taken out of
     ``ignored``, and named in one risk line; a filter the release applies unset gets its own line."""
     rules = table()[framework]
-    read = Read(**{f.name: getattr(mapped, f.name) for f in fields(Mapped)})
+    read = Read(**{f.name: getattr(mapped, f.name) for f in fields(Mapped)},
+                source_risks=list(getattr(mapped, "source_risks", ())))
     values: dict[str, tuple[str, Any]] = {}  # klgrpo key -> (the source's name, value), the last setting wins
     prefix = rules.get("flag_prefix", "")
     for name, key in rules["fields"].items():
@@ -111,7 +112,10 @@ def apply(framework: str, mapped: Mapped, settings: dict[str, Any], profile: Pro
                                                "score; the verdict takes it off")
             read.config[key] = _klgrpo_value(key, 1.0 if key == "rollout.top_p" else 0)
             continue
-        if filter_on(key, value):
+        replayed = rules.get("replayed", {}).get(name)
+        if filter_on(key, value) and replayed and _within(profile, replayed["from"], None):
+            read.unmapped.setdefault(prefix + name, f"{value:g}: {replayed['what']}")
+        elif filter_on(key, value):
             on.append(Filter(prefix + name, value, key))
         read.config[key] = _klgrpo_value(key, value)
     unset = _unset_filter(read, rules, settings, profile, values)
