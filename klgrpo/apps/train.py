@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
         if not cfg.model.name_or_path:
             return _run_demo(command, cfg, opts)
         if opts["print_config"]:
+            _check_sampler_installed(cfg)  # a config this environment cannot run is not printed as if it could
             print(cfg.to_yaml())
             return 0
         if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun
@@ -142,8 +143,15 @@ def _early_checks_of_demo(cfg, opts) -> None:
     from klgrpo.store.run_folder import check_run_folder
 
     check_finite_and_ranges(cfg)
+    _check_sampler_installed(cfg)
     if cfg.train.output_dir and not opts["resume"]:
         check_run_folder(cfg.train.output_dir, cfg, None, opts["overwrite"])
+
+
+def _check_sampler_installed(cfg) -> None:
+    from klgrpo.config.validation import check_sampler_installed
+
+    check_sampler_installed(cfg.rollout)
 
 
 def _check_rewards(cfg) -> None:

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
+from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message
 from klgrpo.backends.vllm_server import VLLMServerSampler, check_server_url, check_weights_dir
 from klgrpo.config.entries import eval_set_specs, reward_specs
 from klgrpo.config.fields import bound_problem, leaves
@@ -117,7 +118,16 @@ def validate_config(cfg: GRPOConfig, dataset_given: bool = False) -> list[str]:
     if k.replay.coef > 0:
         validate_replay(cfg)
     eval_set_specs(cfg.eval.sets)
+    check_sampler_installed(cfg.rollout)
     return _warnings(cfg)
+
+
+def check_sampler_installed(rollout) -> None:
+    """rollout.sampler vllm needs the vllm package in this environment: refused before any model loads (and by
+    ``klgrpo train --print-config``), not at the first rollout. Checked after the config's own rules, so a config
+    that breaks one of them is told that first. ``auto`` never needs it (it takes vLLM only where installed)."""
+    if rollout.sampler == VLLMSampler.name and (missing := missing_vllm_message()):
+        raise ConfigError(missing)
 
 
 def _check_rollout_and_update(cfg: GRPOConfig) -> None:
