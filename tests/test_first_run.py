@@ -28,7 +28,14 @@ SUMMARY = {
 }
 
 
-def test_summary_prints_the_eval_table_figures_and_paths():
+def test_summary_prints_the_eval_table_figures_and_paths(tmp_path, monkeypatch):
+    """A run folder that holds every output the summary names (it names only those the run wrote)."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "x"
+    for folder in ("checkpoints", "plots", "tb"):
+        (run / folder).mkdir(parents=True)
+    for name in ("summary.json", "metrics.jsonl", "config.yaml", "plots/kl.png"):
+        (run / name).touch()
     lines = []
     print_run_summary(SUMMARY, "runs/x", out=lines.append)
     assert lines == [
@@ -78,7 +85,9 @@ def test_a_run_on_the_users_config_ends_with_the_summary(run_yaml, tmp_path, cap
     text = capsys.readouterr().out
     assert re.search(r"^  addition +\d+\.\d% +\d+\.\d% +[+-]\d+\.\d$", text, re.M), text
     assert "  steps 1, " in text and "final beta" in text and "final reward" in text
-    assert f"  run folder   {out}  " in text and f"tensorboard --logdir {out / 'tb'}" in text
+    assert f"  run folder   {out}  " in text
+    # logging.tensorboard and logging.plots false: neither is named
+    assert "tensorboard --logdir" not in text and "  plots  " not in text and not (out / "tb").exists()
     assert text.count("run folder") == 1
 
 

@@ -124,7 +124,8 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
     summary = trainer.train(resume=resume, overwrite=overwrite, summary_extras=demo_fields)
     if not trainer.dist.is_main:  # under a launcher the summary is written and printed once, by rank 0
         return 0
-    print("  3/3 greedy evaluation on held-out prompts, before and after")
+    if summary["eval_before"] or summary["eval_after"]:  # eval.sets [] evaluates nothing: no step 3 to name
+        print("  3/3 greedy evaluation on held-out prompts, before and after")
     _print_summary(summary, trainer.run_dir)
     return 0
 
@@ -156,14 +157,15 @@ def _print_summary(s: dict, run_dir) -> None:
     before, after = s["eval_before"], s["eval_after"]
     gain = eval_change(before.get(TRAINED), after.get(TRAINED))
     ret = eval_change(before.get(HELD_OUT), after.get(HELD_OUT))
+    # points only of sets that were evaluated (eval.sets [] gives none)
+    points = "" if gain is None and ret is None else f": {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points"
     if s.get("replay_coef"):
         rkl = s.get("final_replay_kl")
         middle = [f"  with the replay anchor (coef {s['replay_coef']:g}, final replay KL "
-                  f"{rkl if rkl is None else round(rkl, 4)}): {TRAINED} {_signed(gain)}, "
-                  f"{HELD_OUT} {_signed(ret)} points",
+                  f"{rkl if rkl is None else round(rkl, 4)}){points}",
                   f"  the same run without it (the KL on {TRAINED} prompts only):  klgrpo train --kl.replay.coef 0"]
     else:
-        middle = [f"  replay anchor off: {TRAINED} {_signed(gain)}, {HELD_OUT} {_signed(ret)} points; "
+        middle = [f"  replay anchor off{points}; "
                   f"the anchor keeps {HELD_OUT} near the reference: klgrpo train --kl.replay.coef 1"]
     print_run_summary(s, run_dir, labels={TRAINED: f"{TRAINED} (trained)", HELD_OUT: f"{HELD_OUT} (retention)"},
                       middle=middle,

@@ -13,7 +13,7 @@ import os
 import sys
 
 from klgrpo.apps.args import USAGE, read_argv
-from klgrpo.apps.summary import print_run_summary
+from klgrpo.apps.summary import lora_line, print_run_summary
 from klgrpo.config.schema import config_help
 from klgrpo.errors import KLGRPOError
 
@@ -36,13 +36,16 @@ def main(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun
             print("klgrpo train: loading torch and transformers", flush=True)
         run_dir = _early_checks(cfg, opts)
+        lora = lora_line(cfg)
+        if lora and os.environ.get("RANK", "0") == "0":
+            print(lora, flush=True)
         from klgrpo.run.trainer import GRPOTrainer
 
         trainer = GRPOTrainer(cfg)
         run_dir = trainer.run_dir
         summary = trainer.train(resume=opts["resume"], overwrite=opts["overwrite"])
         if trainer.dist.is_main:  # once, not once per process
-            print_run_summary(summary, trainer.run_dir)
+            print_run_summary(summary, trainer.run_dir, lora=lora)
         return _finish(RUNAWAY_STOP_EXIT if stopped_on_runaway(summary) else 0)
     except KLGRPOError as exc:
         print(f"klgrpo train: error: {exc}", file=sys.stderr)
