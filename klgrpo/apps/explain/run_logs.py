@@ -20,7 +20,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from klgrpo.apps.explain import tracker_logs
 from klgrpo.apps.explain.reading import MAX_BYTES
@@ -60,6 +60,14 @@ class RunLog:
     rows: list[dict]
     config_file: Path | None = None
     notes: list[str] = field(default_factory=list)
+    #: Where a log file stops being whole (tracker_logs' damage entries): the rows are those read before it.
+    damage: list[dict] = field(default_factory=list)
+
+
+class Series(NamedTuple):
+    metric: str
+    points: list[tuple[int, float]]  # (step, value), the finite values
+    non_finite: list[tuple[int, float]]  # (step, value), NaN or +-inf: never in the numbers, always named
 
 
 def read_run(folder: str) -> RunLog:
@@ -69,8 +77,10 @@ def read_run(folder: str) -> RunLog:
         raise ConfigError(f"{folder} is not a folder; --run reads a klgrpo run folder (metrics.jsonl), a TRL "
                           f"output_dir / checkpoint-N folder ({TRL_STATE}), or a verl or OpenRLHF run's TensorBoard "
                           "folder or W&B offline run folder")
-    if (path / "metrics.jsonl").is_file():
-        log = RunLog(folder, "klgrpo", path / "metrics.jsonl", _klgrpo_rows(path / "metrics.jsonl", folder))
+    if _present(path / "metrics.jsonl"):
+        metrics = path / "metrics.jsonl"
+        rows = _klgrpo_rows(metrics, folder)
+        log = RunLog(folder, "klgrpo", metrics, rows, damage=_cut_last_line(metrics, rows))
         if (path / "config.yaml").is_file():
             log.config_file = path / "config.yaml"
         return log
@@ -86,13 +96,14 @@ def read_run(folder: str) -> RunLog:
 
 
 def _tracker_log(folder: str, source: str, files: list[Path]) -> RunLog:
+    damage: list[dict] = []
     if source == "tensorboard":
-        rows = tracker_logs.tensorboard_rows(files)
+        rows, damage = tracker_logs.tensorboard_rows(files)
     else:
         rows = tracker_logs.wandb_rows(files[0], tuple(dict.fromkeys(n for k in ("verl", "openrlhf")
                                                                      for n in SERIES[k]["kl"])))
-    kind = tracker_logs.framework(rows, files[0].parent)
-    log = RunLog(folder, kind, files[0] if source == "wandb" else files[0].parent, rows)
+    kind = tracker_logs.framework(rows, files[0].parent, _damage_clause(damage))
+    log = RunLog(folder, kind, files[0] if source == "wandb" else files[0].parent, rows, damage=damage)
     if kind == "verl" and any(NEEDS["actor/kl_loss"] in row for row in rows):
         log.notes.append("verl's FSDP actor from 0.7 sums actor/kl_loss over the step's PPO epochs and "
                          "mini-batches: with several, the logged value is that many times their mean KL")
@@ -100,6 +111,14 @@ def _tracker_log(folder: str, source: str, files: list[Path]) -> RunLog:
         log.notes.append("beta is not logged: OpenRLHF's beta is --algo.kl.init_coef (adaptive with "
                          "--algo.kl.target)")
     return log
+
+
+def _present(file: Path) -> bool:
+    """Whether the log file is there; one that is there but no regular file (a FIFO) is refused unopened."""
+    if not file.exists():
+        return False
+    tracker_logs.check_regular(file)
+    return True
 
 
 def _check_size(file: Path) -> None:
@@ -120,11 +139,26 @@ def _klgrpo_rows(file: Path, folder: str) -> list[dict]:
                           "remove it") from None
 
 
+def _cut_last_line(file: Path, rows: list[dict]) -> list[dict]:
+    """A metrics.jsonl whose last line has no newline and is no JSON (a crash mid-write): read_metrics skips that
+    line; it is said as the log's damage, with the last step read."""
+    data = file.read_bytes()
+    start = data.rfind(b"\n") + 1
+    if not data[start:].strip():
+        return []
+    try:
+        json.loads(data[start:])
+        return []
+    except ValueError:  # a JSON error, or bytes that are no UTF-8
+        return [{"file": str(file), "what": tracker_logs.CUT_SHORT, "at_byte": start, "file_bytes": len(data),
+                 "last_step": rows[-1]["step"] if rows else None}]
+
+
 def _trl_state_file(path: Path) -> Path | None:
-    if (path / TRL_STATE).is_file():
+    if _present(path / TRL_STATE):
         return path / TRL_STATE
     checkpoints = sorted((int(m.group(1)), child) for child in path.iterdir()
-                         if (m := _CHECKPOINT.match(child.name)) and (child / TRL_STATE).is_file())
+                         if (m := _CHECKPOINT.match(child.name)) and _present(child / TRL_STATE))
     return checkpoints[-1][1] / TRL_STATE if checkpoints else None
 
 
@@ -140,17 +174,50 @@ def _trl_rows(file: Path) -> list[dict]:
     return [row for row in history if isinstance(row, dict) and isinstance(row.get("step"), int)]
 
 
-def series(log: RunLog, what: str) -> tuple[str, list[tuple[int, float]]] | None:
-    """(metric name, [(step, value)]) of the first name that the log holds, finite values only."""
+#: How JSON writers spell the values JSON has no literal for (klgrpo's metrics.jsonl, W&B's history).
+_NON_FINITE_SPELLINGS = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "inf": math.inf,
+                         "-Infinity": -math.inf, "-inf": -math.inf}
+
+
+def _logged_number(value: Any) -> float | None:
+    if isinstance(value, str):
+        return _NON_FINITE_SPELLINGS.get(value)
+    return None if isinstance(value, bool) or not isinstance(value, (int, float)) else value
+
+
+def series(log: RunLog, what: str) -> Series | None:
+    """The first of ``what``'s names that the log holds a number of: its finite values, and apart from them its
+    NaN and infinite ones (a run that diverges logs them; they are named, never averaged nor dropped unsaid)."""
     for name in SERIES[log.kind][what]:
         if name in NEEDS and not any(NEEDS[name] in row for row in log.rows):
             continue
-        points = [(row["step"], row[name]) for row in log.rows
-                  if isinstance(row.get(name), (int, float)) and not isinstance(row.get(name), bool)
-                  and math.isfinite(row[name])]
-        if points:
-            return name, points
+        logged = [(row["step"], number) for row in log.rows if (number := _logged_number(row.get(name))) is not None]
+        if logged:
+            return Series(name, [p for p in logged if math.isfinite(p[1])],
+                          [p for p in logged if not math.isfinite(p[1])])
     return None
+
+
+def _spell(value: float) -> str:
+    return "NaN" if math.isnan(value) else "inf" if value > 0 else "-inf"
+
+
+def _step_ranges(steps: list[int]) -> list[str]:
+    """[1, 2, 3, 7] -> ["1-3", "7"]: runs of consecutive logged steps."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return [f"{a}-{b}" if a != b else f"{a}" for a, b in runs]
+
+
+def non_finite_entry(what: str, found: Series) -> dict[str, Any]:
+    steps = [step for step, _ in found.non_finite]
+    return {"what": what, "metric": found.metric, "values": sorted({_spell(v) for _, v in found.non_finite}),
+            "first_step": steps[0], "steps": len(steps), "of_steps": len(steps) + len(found.points),
+            "step_ranges": _step_ranges(steps)}
 
 
 def trajectory(points: list[tuple[int, float]]) -> dict[str, Any]:
@@ -186,17 +253,25 @@ def summarise(log: RunLog, kl_settings: KLConfig, overrides: dict[str, float | N
              "window": kl_settings.warn_window}
     bands.update({k: v for k, v in overrides.items() if v is not None})
     out: dict[str, Any] = {"folder": log.folder, "kind": log.kind, "log": str(log.log_file), "notes": list(log.notes)}
+    out["damaged"] = [dict(entry) for entry in log.damage]
+    out["non_finite"] = []
     for what in SERIES[log.kind]:
         found = series(log, what)
-        out[what] = None if found is None else {"metric": found[0], **trajectory(found[1])}
-        if what == "beta" and found is not None:
-            out[what]["changes"] = sum(1 for a, b in zip(found[1], found[1][1:]) if a[1] != b[1])
+        out[what] = None if found is None or not found.points else {"metric": found.metric,
+                                                                     **trajectory(found.points)}
+        if what == "beta" and out[what] is not None:
+            out[what]["changes"] = sum(1 for a, b in zip(found.points, found.points[1:]) if a[1] != b[1])
+        if found is not None and found.non_finite:
+            out["non_finite"].append(non_finite_entry(what, found))
     kl = series(log, "kl")
     if kl is None:
         looked = " or ".join(f"{n} (with {NEEDS[n]})" if n in NEEDS else n for n in SERIES[log.kind]["kl"])
         raise ConfigError(f"{log.log_file} logs no KL ({looked}): the run had no reference model, or logged "
-                          "nothing yet")
-    out["bands"] = {**bands, "windows": band_windows(kl[1], bands["warn_above"], bands["warn_below"],
+                          f"nothing yet{_damage_clause(log.damage)}")
+    if not kl.points:
+        raise ConfigError(f"{log.log_file}: {_non_finite_text(non_finite_entry('kl', kl))}: no finite KL to "
+                          f"judge (the run diverged from its first logged step){_damage_clause(log.damage)}")
+    out["bands"] = {**bands, "windows": band_windows(kl.points, bands["warn_above"], bands["warn_below"],
                                                      int(bands["window"]))}
     if out["beta"] is None and log.kind != "openrlhf":
         out["notes"].append("beta is not logged: TRL's beta is fixed at GRPOConfig.beta" if log.kind == "trl"
@@ -208,10 +283,35 @@ def _number(value: float) -> str:
     return f"{value:.4g}"
 
 
+_DAMAGE_TEXT = {tracker_logs.CUT_SHORT: "is cut short (its last record is incomplete)",
+                tracker_logs.BAD_CHECKSUM: "holds bytes that fail their record's checksum",
+                tracker_logs.NOT_AN_EVENT: "holds a record that is no TensorBoard event"}
+
+
+def damage_text(entry: dict[str, Any]) -> str:
+    read = f"read to step {entry['last_step']}" if entry["last_step"] is not None else "no step read before it"
+    return (f"{entry['file']} {_DAMAGE_TEXT[entry['what']]} at byte {entry['at_byte']} of {entry['file_bytes']}: "
+            f"{read}, the rest ({entry['file_bytes'] - entry['at_byte']} bytes) not read")
+
+
+def _damage_clause(damage: list[dict]) -> str:
+    return "".join(f"; {damage_text(entry)}" for entry in damage)
+
+
+def _non_finite_text(entry: dict[str, Any]) -> str:
+    ranges = entry["step_ranges"]
+    shown = ", ".join(ranges[:4]) + (f" and {len(ranges) - 4} more runs of steps" if len(ranges) > 4 else "")
+    return (f"{entry['metric']} is {' / '.join(entry['values'])} from step {entry['first_step']}, "
+            f"{entry['steps']} of {entry['of_steps']} logged steps (steps {shown})")
+
+
 def format_run(summary: dict[str, Any]) -> str:
     kind = KIND_NAMES[summary["kind"]]
     kl = summary["kl"]
     lines = [f"{summary['folder']}: {kind} ({summary['log']}, {kl['points']} steps with a KL)",
+             *(f"  damaged: {damage_text(entry)}" for entry in summary["damaged"]),
+             *(f"  not finite: {_non_finite_text(entry)}; left out of the numbers below"
+               for entry in summary["non_finite"]),
              f"  KL ({kl['metric']}): first {_number(kl['first']['value'])} at step {kl['first']['step']}, median "
              f"{_number(kl['median'])}, last {_number(kl['last']['value'])} at step {kl['last']['step']}, max "
              f"{_number(kl['max']['value'])} at step {kl['max']['step']}"]
@@ -247,9 +347,9 @@ def plot(log: RunLog, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     found = [(what, series(log, what)) for what in ("kl", "beta", "reward")]
-    found = [(what, s) for what, s in found if s is not None]
+    found = [(what, s) for what, s in found if s is not None and s.points]
     figure, axes = plt.subplots(len(found), 1, figsize=(7, 2.4 * len(found)), sharex=True, squeeze=False)
-    for axis, (what, (name, points)) in zip(axes[:, 0], found):
+    for axis, (what, (name, points, _)) in zip(axes[:, 0], found):
         axis.plot([s for s, _ in points], [v for _, v in points], lw=1.2)
         axis.set_ylabel(what)
         axis.set_title(name, fontsize=9)

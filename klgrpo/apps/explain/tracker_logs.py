@@ -2,7 +2,9 @@
 
 TensorBoard event files (verl's ``Tracking`` with the tensorboard backend writes them under
 ``$TENSORBOARD_DIR``, default ``tensorboard_log/<project>/<experiment>``; OpenRLHF's ``--logger.tensorboard_dir``
-under ``<dir>/<run_name>``) are read with TensorBoard's own ``EventAccumulator``. W&B offline runs
+under ``<dir>/<run_name>``) are read record by record, each record's CRC-32C checked, with TensorBoard's own
+Event protobuf and scalar conversion (data_compat), so a file cut short or holding bad bytes is said with where it
+stops. W&B offline runs
 (``wandb/offline-run-*/run-*.wandb``) are read with the wandb package's own reader (``wandb leet inspect
 --json``); without wandb an offline run is refused in one line that says what to install.
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +40,11 @@ FRAMEWORK_TAGS = {
 #: step_metric="train/global_step")); verl passes its global step to wandb.log(step=...), W&B's _step.
 WANDB_STEPS = ("train/global_step", "_step")
 WANDB_TIMEOUT_S = 300
+#: Why an event file's records stop being whole (the "what" of its damage entry).
+CUT_SHORT = "cut_short"  # the file ends inside a record: a crash or a copy mid-write
+BAD_CHECKSUM = "bad_checksum"  # a record's bytes do not match its CRC-32C: flipped bits or bytes not TensorBoard's
+NOT_AN_EVENT = "not_an_event"  # a whole record that is no Event protobuf
+_RECORD_HEADER, _RECORD_FOOTER = 12, 4
 #: A run's last values fit in this; a larger wandb-summary.json is not quoted.
 SUMMARY_BYTES = 1 << 20
 
@@ -58,9 +67,25 @@ def find_logs(path: Path, limit_bytes: int) -> tuple[str, list[Path]] | None:
                               "pass the folder of one")
         if found:
             files = event_dirs[found[0]] if kind == "tensorboard" else found
+            for file in files:
+                check_regular(file)
             _check_size(files, limit_bytes)
             return kind, files
     return None
+
+
+def check_regular(file: Path) -> None:
+    """Refuse, from its stat alone, a log that is no regular file: opening a FIFO for reading waits for a writer,
+    and a device or socket is no log."""
+    try:
+        mode = os.stat(file).st_mode
+    except OSError as err:
+        raise ConfigError(f"{file} cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(mode):
+        what = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or
+                stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise ConfigError(f"{file} is {what}, not a regular file: explain --run reads a run's log files as they "
+                          "lie on disk; copy the log to a file and pass its folder")
 
 
 def _check_size(files: list[Path], limit_bytes: int) -> None:
@@ -70,18 +95,69 @@ def _check_size(files: list[Path], limit_bytes: int) -> None:
                           "reads")
 
 
-def tensorboard_rows(files: list[Path]) -> list[dict]:
-    """One row per step: {"step": step, tag: value, ...}, every scalar tag of the folder's event files."""
-    from tensorboard.backend.event_processing import event_accumulator
-
-    accumulator = event_accumulator.EventAccumulator(str(files[0].parent),
-                                                     size_guidance={event_accumulator.SCALARS: 0})
-    accumulator.Reload()
+def tensorboard_rows(files: list[Path]) -> tuple[list[dict], list[dict]]:
+    """(rows, damage): one row per step, {"step": step, tag: value, ...} for every scalar of the folder's event
+    files (a step logged twice keeps its later value), and one entry per file whose records stop being whole
+    (see _read_event_file): its rows up to there are kept, the rest of that file is not read."""
     by_step: dict[int, dict] = {}
-    for tag in accumulator.Tags()["scalars"]:
-        for event in accumulator.Scalars(tag):
-            by_step.setdefault(event.step, {"step": event.step})[tag] = event.value
-    return [by_step[step] for step in sorted(by_step)]
+    damage = []
+    for file in files:
+        damaged = _read_event_file(file, by_step)
+        if damaged is not None:
+            damage.append(damaged)
+    return [by_step[step] for step in sorted(by_step)], damage
+
+
+def _read_event_file(file: Path, by_step: dict[int, dict]) -> dict | None:
+    """Every scalar of one event file into ``by_step``; None, or where and why its records stop being whole.
+
+    An event file is a sequence of TFRecords: an 8-byte length and its masked CRC-32C, the serialised Event and
+    its masked CRC-32C. TensorBoard's own loader stops at the first record cut short or failing its checksum
+    and says so only in a debug log; here the records are framed and checked one by one, so where a file ends
+    (a crash mid-write) or holds bad bytes (a flipped bit, bytes appended) is said, with the last step read."""
+    from google.protobuf.message import DecodeError
+    from tensorboard import data_compat
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.util import tensor_util
+
+    size = file.stat().st_size
+    plugin_of: dict[str, str] = {}  # a tag's plugin: a writer puts the metadata on a tag's first value only
+    offset, last_step = 0, None
+
+    def stop(what: str) -> dict:
+        return {"file": str(file), "what": what, "at_byte": offset, "file_bytes": size, "last_step": last_step}
+
+    with open(file, "rb") as handle:
+        while header := handle.read(_RECORD_HEADER):
+            if len(header) < _RECORD_HEADER:
+                return stop(CUT_SHORT)
+            (length,), (header_crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+            if masked_crc32c(header[:8]) != header_crc:
+                return stop(BAD_CHECKSUM)
+            if length > size - offset - _RECORD_HEADER - _RECORD_FOOTER:
+                return stop(CUT_SHORT)
+            data, footer = handle.read(length), handle.read(_RECORD_FOOTER)
+            if len(data) < length or len(footer) < _RECORD_FOOTER:
+                return stop(CUT_SHORT)
+            if masked_crc32c(data) != struct.unpack("<I", footer)[0]:
+                return stop(BAD_CHECKSUM)
+            try:
+                event = event_pb2.Event.FromString(data)
+            except DecodeError:
+                return stop(NOT_AN_EVENT)
+            for value in event.summary.value:
+                value = data_compat.migrate_value(value)
+                if value.HasField("metadata") and value.tag not in plugin_of:
+                    plugin_of[value.tag] = value.metadata.plugin_data.plugin_name
+                if plugin_of.get(value.tag) != "scalars" or not value.HasField("tensor"):
+                    continue
+                scalar = tensor_util.make_ndarray(value.tensor)
+                if scalar.size == 1:
+                    by_step.setdefault(event.step, {"step": event.step})[value.tag] = float(scalar.item())
+                    last_step = event.step
+            offset += _RECORD_HEADER + length + _RECORD_FOOTER
+    return None
 
 
 def wandb_rows(run_file: Path, kl_names: tuple[str, ...]) -> list[dict]:
@@ -118,7 +194,8 @@ def _summary_hint(run_file: Path, kl_names: tuple[str, ...]) -> str:
     """What the run's files/wandb-summary.json (the last values, where wandb wrote one) says of the KL."""
     summary_file = run_file.parent / "files" / "wandb-summary.json"
     try:
-        if summary_file.stat().st_size > SUMMARY_BYTES:
+        info = os.stat(summary_file)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > SUMMARY_BYTES:  # a FIFO would wait for a writer
             return ""
         summary = json.loads(summary_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -128,12 +205,13 @@ def _summary_hint(run_file: Path, kl_names: tuple[str, ...]) -> str:
         else ""
 
 
-def framework(rows: list[dict], where: Path) -> str:
-    """"verl" or "openrlhf", from the metric names the log holds; one ConfigError naming what was looked for."""
+def framework(rows: list[dict], where: Path, damage_said: str = "") -> str:
+    """"verl" or "openrlhf", from the metric names the log holds; one ConfigError naming what was looked for
+    (and ``damage_said``: where the log stopped being read, if it did)."""
     tags = set().union(*rows) if rows else set()
     for name, marks in FRAMEWORK_TAGS.items():
         if tags & set(marks):
             return name
     looked = "; ".join(f"{name}: {', '.join(marks)}" for name, marks in FRAMEWORK_TAGS.items())
     raise ConfigError(f"{where} logs none of the metric names explain reads ({looked}): is it a verl or OpenRLHF "
-                      "run's log?")
+                      f"run's log?{damage_said}")
