@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.configs import make_config, quiet
 
-from klgrpo.math.kl_control import AdaptiveKLController, horizon_to_reach
+from klgrpo.math.kl_control import horizon_to_reach
 from klgrpo.run.runaway import KLReach
 from klgrpo.run.trainer import GRPOTrainer
 
@@ -124,9 +124,7 @@ def test_the_reach_line_on_a_known_kl_trace():
     reach = KLReach(target=0.08, window=2)
     for step, kl in enumerate([0.0, 0.05, 0.3, 0.5, 0.4, 0.6], start=1):
         reach.observe(step, kl)
-    controller = AdaptiveKLController(0.01, target=0.08, horizon=32)
-    controller.value, controller.num_updates = 0.02, 6
-    r = reach.summary(controller, beta_start=0.01, horizon=32.0, batch=16)
+    r = reach.summary(beta_start=0.01, beta_now=0.02, updates=6, horizon=32.0, batch=16)
     assert (r["reached"], r["first_step_in_band"], r["last_window_kl"]) == (False, None, pytest.approx(0.5))
     # beta had to move by 0.02 / 0.01 x 0.5 / 0.08 = 12.5 in 6 updates: 12.5^(1/6) = 1.52342, so
     # H = 0.2 x 16 / 0.52342 = 6.1136
@@ -141,7 +139,7 @@ def test_the_reach_line_on_a_known_kl_trace():
     settled = KLReach(target=0.08, window=2)
     for step, kl in enumerate([0.02, 0.06, 0.1, 0.08], start=1):
         settled.observe(step, kl)
-    r = settled.summary(controller, beta_start=0.01, horizon=32.0, batch=16)
+    r = settled.summary(beta_start=0.01, beta_now=0.02, updates=6, horizon=32.0, batch=16)
     assert (r["reached"], r["first_step_in_band"], r["horizon_to_reach"]) == (True, 2, None)
     assert math.isclose(horizon_to_reach(0.01, 0.01, 4, 0.08, 0.08, 16) or 0.0, 0.0)  # nothing to move: None
 

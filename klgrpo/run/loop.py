@@ -232,8 +232,9 @@ class TrainingRun:
         """kl_reach (the adaptive controller) and runaway (kl.on_runaway stop or rollback), where they apply."""
         out, cfg = {}, self.cfg
         if self.kl_reach is not None:
-            out["kl_reach"] = self.kl_reach.summary(self.grpo_step.controller, cfg.kl.coef, run_horizon(cfg),
-                                                    cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+            controller, batch = self.grpo_step.controller, cfg.rollout.prompts_per_step * cfg.rollout.group_size
+            out["kl_reach"] = self.kl_reach.summary(cfg.kl.coef, controller.value, controller.num_updates,
+                                                    run_horizon(cfg), batch)
         if self.runaway.enabled:
             out["runaway"] = self.runaway.summary()
         return out
@@ -266,8 +267,14 @@ class TrainingRun:
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
         skipped for an older one)."""
-        ckpt, _ = load_resumable_checkpoint(self.run_dir, resume, load=self._load)
+        ckpt = self.load_checkpoint(resume)
         self.log(f"resumed from {ckpt} at step {self.grpo_step.completed}")
+
+    def load_checkpoint(self, checkpoint: str | Path) -> Path:
+        """The step's state and the run's own from ``checkpoint`` ("latest", or one folder of this run's, whose
+        checksums must hold: store/resume.py); returns the folder loaded."""
+        ckpt, _ = load_resumable_checkpoint(self.run_dir, str(checkpoint), load=self._load)
+        return ckpt
 
     def _load(self, folder: Path) -> dict[str, Any]:
         state = self.grpo_step.load(folder)

@@ -1,4 +1,4 @@
-"""What a KL runaway does (``kl.on_runaway``), and how far the adaptive controller reached (the summary's kl_reach).
+"""What a KL runaway does (``kl.on_runaway``), and how far adaptive beta reached (the summary's kl_reach).
 
 A runaway is judged on the KL warning signs' windows (``kl.warn_window`` consecutive steps, run/kl_watch.py):
 
@@ -15,7 +15,9 @@ kl.runaway_max_rollbacks times (a runaway after them is only warned).
 
 Both kept states (the window's start and the target) are checkpoints on disk, never pruned while kept (a state at
 a step no checkpoint was saved at is written once); when the run's memory allows, the target is also held in
-memory (CPU copies of what the step owns), which a rollback restores without reading the disk.
+memory (the step's ``snapshot()`` and a copy of the run's own state), which a rollback restores without reading the
+disk. The guard changes the step only through its methods (``snapshot`` / ``restore``, ``rescale``) and the run
+only through its public ones (``state_dict`` / ``load_state_dict``, ``load_checkpoint``, ``save``).
 
 A rollback restores, then writes the restored state (its rollback count and factors included) as the checkpoint
 of its target step, one lineage higher (store/checkpoint.py), and only then deletes the undone steps' checkpoints:
@@ -26,32 +28,23 @@ killed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl_control import horizon_to_reach
-from klgrpo.store.checkpoint import (
-    checkpoints_after,
-    is_complete,
-    remove_checkpoints_after,
-    rng_state,
-    set_rng_state,
-    step_folder,
-)
-from klgrpo.store.resume import load_resumable_checkpoint
-from klgrpo.train.step_state import load_step_state, step_state
+from klgrpo.store.checkpoint import checkpoints_after, is_complete, remove_checkpoints_after, step_folder
+from klgrpo.train.step_state import StepSnapshot
 
 HEALTHY, WINDOW_END, RUNAWAY = "healthy", "window_end", "runaway"
 #: the verdicts that act, and each record's "action" in the summary (WARNED: a runaway past kl.runaway_max_rollbacks)
 ROLLED_BACK, STOPPED, WARNED = "rolled_back", "stopped", "warned"
 #: The share of the available memory an in-memory rollback target may take; above it the target is on disk.
 MEMORY_SHARE = 0.25
-#: The adaptive controller's target band, in units of kl.target (the step controller's default band).
+#: Adaptive beta's target band for the KL, in units of kl.target (the step rule's default band).
 REACH_BAND = (0.5, 1.5)
 
 
@@ -82,64 +75,6 @@ class WindowMeans:
 
 
 # ---------------------------------------------------------------------------------------- the in-memory target
-def _cpu_copy(tree: Any) -> Any:
-    """``tree`` with every tensor copied to the CPU (never shared with the live one: AdamW updates in place)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _cpu_copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu_copy(v) for v in tree)
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(tree, **{f.name: _cpu_copy(getattr(tree, f.name))
-                                            for f in dataclasses.fields(tree) if f.init})
-    return tree
-
-
-def _trainable(model) -> dict[str, torch.Tensor]:
-    return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _synced_reference(step):
-    reference = step.reference
-    return reference.model if getattr(reference, "synced", False) else None
-
-
-def capture(run) -> dict[str, Any]:
-    """Everything a rollback restores, as CPU copies: the trainable weights, a synced reference's weights, the
-    step's state (optimizer, scheduler, controllers, data position, pending batch, guard), the run's (windows)
-    and the RNG."""
-    step = run.grpo_step
-    reference = _synced_reference(step)
-    state = {**run.state_dict(), **step_state(step), "rng": rng_state()}
-    return {"weights": _cpu_copy(_trainable(step.model)),
-            "reference": _cpu_copy(reference.state_dict()) if reference is not None else None,
-            "state": _cpu_copy(state)}
-
-
-def restore(run, snapshot: dict[str, Any]) -> None:
-    """Put ``capture``'s copies back (the snapshot stays intact for another restore)."""
-    step = run.grpo_step
-    with torch.no_grad():
-        for name, param in _trainable(step.model).items():
-            param.copy_(snapshot["weights"][name])
-        reference = _synced_reference(step)
-        if snapshot["reference"] is not None and reference is not None:
-            reference.load_state_dict(snapshot["reference"])
-    state = _cpu_copy(snapshot["state"])
-    load_step_state(step, state)
-    set_rng_state(state["rng"])
-    run.load_state_dict(state)
-
-
-def snapshot_bytes(step) -> int:
-    """What ``capture`` holds: the trainable weights and their two AdamW moments, and a synced reference."""
-    trainable = sum(p.numel() * p.element_size() for p in _trainable(step.model).values())
-    reference = _synced_reference(step)
-    ref = sum(t.numel() * t.element_size() for t in reference.state_dict().values()) if reference is not None else 0
-    return 3 * trainable + ref
-
-
 def available_memory() -> int:
     """Bytes of memory available to a new allocation (MemAvailable; the free pages where /proc is absent)."""
     try:
@@ -156,11 +91,19 @@ def available_memory() -> int:
 # ---------------------------------------------------------------------------------------------- the guard
 @dataclasses.dataclass
 class Kept:
-    """A state the run can go back to: the step it ended, and a capture() in memory or a checkpoint folder."""
+    """A state the run can go back to: the step it ended, its checkpoint folder, and with the memory store the
+    step's snapshot and a copy of the run's own state."""
 
     step: int
-    snapshot: dict[str, Any] | None = None
+    snapshot: StepSnapshot | None = None
     folder: Path | None = None
+    run_state: dict[str, Any] | None = None
+
+    @classmethod
+    def in_memory(cls, run, folder: Path) -> Kept:
+        step = run.grpo_step
+        return cls(step.completed, snapshot=step.snapshot(), folder=folder,
+                   run_state=copy.deepcopy(run.state_dict()))
 
 
 class RunawayGuard:
@@ -206,7 +149,7 @@ class RunawayGuard:
         if run.dist.enabled:
             raise ConfigError(f"kl.on_runaway {self.action} runs in one process; with several use kl.on_runaway "
                               f"warn")
-        need, free = snapshot_bytes(run.grpo_step), available_memory()
+        need, free = run.grpo_step.snapshot_bytes(), available_memory()
         self.store = "memory" if self.action == "rollback" and 2 * need <= MEMORY_SHARE * free else "disk"
         where = (f"in memory (CPU copies, 2 x {need / 2**30:.2f} GiB of {free / 2**30:.1f} GiB available) and on "
                  f"disk" if self.store == "memory" else "on disk")
@@ -237,14 +180,11 @@ class RunawayGuard:
         its CPU copies too. On disk in both stores, so that a kill before a rollback resumes to the same run."""
         step = run.grpo_step.completed
         folder = step_folder(run.run_dir, step)
-        kept = Kept(step, folder=folder)
         if not is_complete(folder):
-            self._saving = kept  # protected from the save's own pruning
+            self._saving = Kept(step, folder=folder)  # protected from the save's own pruning
             run.save()
             self._saving = None
-        if self.store == "memory":
-            kept.snapshot = capture(run)
-        return kept
+        return Kept.in_memory(run, folder) if self.store == "memory" else Kept(step, folder=folder)
 
     def keep(self, run, verdict: str | None) -> None:
         """After a window's end (and its checkpoint): a healthy window's start becomes the target, and this step
@@ -295,10 +235,7 @@ class RunawayGuard:
         try:
             undone = checkpoints_after(run.run_dir, target.step)
             progress = self._progress()
-            if target.snapshot is not None:
-                restore(run, target.snapshot)
-            else:
-                load_resumable_checkpoint(run.run_dir, str(target.folder), load=run._load)
+            self._restore(run, target)
             self._load_progress(progress)
             logger.rewind(target.step)
             beta, lr = self._apply_factors(grpo)
@@ -313,7 +250,7 @@ class RunawayGuard:
             run.save()
             remove_checkpoints_after(run.run_dir, target.step)
             if self.store == "memory":
-                self.target.snapshot = capture(run)
+                self.target = self.window_start = Kept.in_memory(run, self.target.folder)
         finally:
             grpo.stop_gate.release()
         self._announce(logger, step, f"{seen}: rolled back to step {target.step} (the start of the last healthy "
@@ -321,20 +258,24 @@ class RunawayGuard:
                                      f"(rollback {self.rollbacks} of {self.cfg.runaway_max_rollbacks})")
         return ROLLED_BACK
 
+    @staticmethod
+    def _restore(run, target: Kept) -> None:
+        """The run back at ``target``: from memory (the step's snapshot and the run's state), else from its
+        checkpoint folder."""
+        if target.snapshot is None:
+            run.load_checkpoint(target.folder)
+            return
+        run.grpo_step.restore(target.snapshot)
+        run.load_state_dict(copy.deepcopy(target.run_state))  # the kept copy stays intact for another rollback
+
     def _apply_factors(self, grpo) -> tuple[float, float]:
-        """beta x kl.runaway_beta_factor, the learning rate and its schedule x kl.runaway_lr_factor; returns the new
-        beta and the schedule's base learning rate (the lr of this step may be a warm-up's 0)."""
+        """beta x kl.runaway_beta_factor, the learning rate and its schedule x kl.runaway_lr_factor (the step's
+        ``rescale``); returns the new beta and the schedule's base learning rate."""
         beta_factor, lr_factor = self.cfg.runaway_beta_factor, self.cfg.runaway_lr_factor
-        grpo.controller.value *= beta_factor
-        optimizer = getattr(grpo.optimizer, "optimizer", grpo.optimizer)
-        for group in optimizer.param_groups:
-            group["lr"] *= lr_factor
-            if "initial_lr" in group:
-                group["initial_lr"] *= lr_factor
-        grpo.scheduler.base_lrs = [lr * lr_factor for lr in grpo.scheduler.base_lrs]
+        beta, lr = grpo.rescale(beta_factor, lr_factor)
         self.beta_scale *= beta_factor
         self.lr_scale *= lr_factor
-        return grpo.controller.value, grpo.scheduler.base_lrs[0]
+        return beta, lr
 
     def _announce(self, logger, step: int, line: str) -> None:
         logger.message(line)
@@ -369,10 +310,10 @@ class RunawayGuard:
                 "lr_scale": self.lr_scale, "target_store": self.store, "actions": [dict(r) for r in self.records]}
 
 
-# ------------------------------------------------------------------------------------- the controller's reach
+# ------------------------------------------------------------------------------------------- adaptive beta's reach
 class KLReach:
-    """Whether the adaptive controller's KL reached its target band (REACH_BAND x kl.target), judged on the warning
-    signs' windows: the first window whose mean is in the band, and the last window's mean."""
+    """Whether the KL that adaptive beta steers reached its target band (REACH_BAND x kl.target), judged on the
+    warning signs' windows: the first window whose mean is in the band, and the last window's mean."""
 
     def __init__(self, target: float, window: int):
         self.target = float(target)
@@ -398,17 +339,18 @@ class KLReach:
         if self.first_in_band is None and self.in_band(mean):
             self.first_in_band = step
 
-    def summary(self, controller, beta_start: float, horizon: float, batch: int) -> dict[str, Any]:
+    def summary(self, beta_start: float, beta_now: float, updates: int, horizon: float, batch: int) -> dict[str, Any]:
         """The summary's kl_reach: the band, the step the KL first reached it, whether the last window was in
-        it, and, when not, the horizon that would have brought it there (horizon_to_reach) as a line."""
+        it, and, when not, the horizon that would have brought it there (horizon_to_reach: beta went from
+        ``beta_start`` to ``beta_now`` in ``updates`` updates) as a line."""
         low, high = self.band
         last, window = self.last_mean, self.windows.window
         reached = last is not None and self.in_band(last)
         needed = None if reached or last is None else horizon_to_reach(
-            beta_start, controller.value, controller.num_updates, last, self.target, batch)
+            beta_start, beta_now, updates, last, self.target, batch)
         out = {"target": self.target, "band": [low, high], "window": window, "first_step_in_band": self.first_in_band,
                "last_window_kl": last, "reached": reached, "horizon": horizon, "horizon_to_reach": needed}
-        out["line"] = self._line(out, controller.num_updates)
+        out["line"] = self._line(out, updates)
         return out
 
     def _line(self, r: dict[str, Any], updates: int) -> str:

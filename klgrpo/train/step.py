@@ -9,8 +9,10 @@ is generated every ``num_iterations`` steps and reused, off-policy, by the steps
 ``GRPOStep`` holds what a step needs (policy, reference, optimizer, scheduler, KL controller, non-finite guard,
 the batch being reused) and knows nothing of run folders, locks or logs: ``make_batch()``, ``update(batch)``,
 ``advance()`` (both, as a run calls them), and ``save(folder)`` / ``load(folder)``, which write and read everything
-it owns in a checkpoint folder the run names (train/step_state.py). It is built by ``train/step_build.py``; the run
-around the steps is ``run/loop.py``'s ``TrainingRun``.
+it owns in a checkpoint folder the run names, or ``snapshot()`` / ``restore(snapshot)`` in memory (a rollback), and
+``rescale(beta_factor, lr_factor)``. Its state has no other owner: nothing outside it sets its optimizer, scheduler
+or controllers (train/step_state.py holds the plain helpers, over its parts, that these compose). It is built by
+``train/step_build.py``; the run around the steps is ``run/loop.py``'s ``TrainingRun``.
 """
 
 from __future__ import annotations
@@ -40,13 +42,24 @@ from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl_control import EntropyController, KLController, KLObservation
 from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
-from klgrpo.store.checkpoint import rng_state, set_rng_state
+from klgrpo.store.checkpoint import SHARDS_DIR, load_trainer_state, rng_state, set_rng_state, write_checkpoint_files
+from klgrpo.store.state_io import to_device
 from klgrpo.train import metric_names as names
+from klgrpo.train.building import seed_everything
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
 from klgrpo.train.step_metrics import StepSums, kept_set_metrics, sampler_metrics, step_metrics
-from klgrpo.train.step_state import load_step, save_step
+from klgrpo.train.step_state import (
+    StepSnapshot,
+    cpu_copy,
+    load_weights,
+    state_named,
+    synced_reference_model,
+    synced_reference_state,
+    tensor_bytes,
+    trainable,
+)
 from klgrpo.train.stop_signals import StopGate
 from klgrpo.train.timing import phase_timer as _timed
 
@@ -369,18 +382,115 @@ class GRPOStep:
             batch.iterations_done = iterations_done
         self._started = None
 
+    # ---------------------------------------------------------------------------------------------- state
+    def state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """Everything a resume needs from the step but the weights and the RNG; every rank calls it (the engine
+        gathers sharded AdamW moments). ``with_optimizer=False``: the moments travel with a sharded checkpoint's
+        shards."""
+        optimizer = self.engine.optimizer_state_dict(self.optimizer) if with_optimizer else None
+        return {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+                "controller": self.controller.state_dict(), "sampler": self.prompt_order.state_dict(),
+                "entropy_controller": self.entropy_controller.state_dict(),
+                "pending_batch": self.batch, "replay": self.replay.state_dict() if self.replay else None,
+                "guard": self.guard.state_dict(), "step": self.completed}
+
+    def load_state_dict(self, state: dict[str, Any], same_layout: bool = True) -> None:
+        """Restore ``state_dict()``'s output; ``same_layout=False`` (another world size) drops a half-used batch,
+        which belongs to the old process layout."""
+        if state["optimizer"] is not None:  # None: a sharded checkpoint's moments, loaded with its weights
+            self.engine.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.controller.load_state_dict(state["controller"])
+        if state.get("entropy_controller") is not None:  # absent in checkpoints written before the entropy bonus
+            self.entropy_controller.load_state_dict(state["entropy_controller"])
+        self.prompt_order.load_state_dict(state["sampler"])
+        batch = state.get("pending_batch")
+        self.batch = to_device(batch, self.device) if batch is not None and same_layout else None
+        self.guard.load_state_dict(state.get("guard"))
+        if self.replay is not None and state.get("replay") is not None:
+            self.replay.load_state_dict(state["replay"])
+        self.completed = int(state["step"])
+
+    def rescale(self, beta_factor: float, lr_factor: float) -> tuple[float, float]:
+        """beta x ``beta_factor``; the learning rate, and the schedule it follows from here on, x ``lr_factor``.
+        Returns the new beta and the schedule's base learning rate (this step's lr may be a warm-up's 0)."""
+        self.controller.value *= beta_factor
+        for group in getattr(self.optimizer, "optimizer", self.optimizer).param_groups:  # an engine's wrapper
+            group["lr"] *= lr_factor
+            if "initial_lr" in group:  # the schedule's start, which a scheduler built later reads
+                group["initial_lr"] *= lr_factor
+        self.scheduler.base_lrs = [lr * lr_factor for lr in self.scheduler.base_lrs]
+        return self.controller.value, self.scheduler.base_lrs[0]
+
+    # ------------------------------------------------------------------------------------------- in memory
+    def snapshot(self) -> StepSnapshot:
+        """CPU copies of the trainable weights, a synced reference's weights, the state and the RNG, which
+        ``restore`` puts back without a checkpoint folder (one process: the weights are this process's)."""
+        reference = synced_reference_model(self.reference)
+        return StepSnapshot(weights=cpu_copy(trainable(self.model)),
+                            reference=cpu_copy(reference.state_dict()) if reference is not None else None,
+                            state=cpu_copy(self.state_dict()), rng=cpu_copy(rng_state()))
+
+    def restore(self, snapshot: StepSnapshot) -> None:
+        """Put ``snapshot()``'s copies back; the snapshot stays intact for another restore (the live state gets
+        copies of it, which AdamW then updates in place)."""
+        with torch.no_grad():
+            for name, param in trainable(self.model).items():
+                param.copy_(snapshot.weights[name])
+            reference = synced_reference_model(self.reference)
+            if snapshot.reference is not None and reference is not None:
+                reference.load_state_dict(snapshot.reference)
+        self.weights_version += 1  # as a load: a sampler with its own copy pushes them again
+        self.load_state_dict(cpu_copy(snapshot.state))
+        set_rng_state(cpu_copy(snapshot.rng))
+
+    def snapshot_bytes(self) -> int:
+        """What ``snapshot()`` holds: the trainable weights and their two AdamW moments, and a synced reference."""
+        reference = synced_reference_model(self.reference)
+        weights = tensor_bytes(trainable(self.model).values())
+        return 3 * weights + (tensor_bytes(reference.state_dict().values()) if reference is not None else 0)
+
     # ----------------------------------------------------------------------------------------- checkpoint
     def save(self, folder: Path, *, sharded: bool = False, run_state: dict | None = None) -> None:
-        """Write everything the step owns into ``folder`` (train/step_state.py); every rank calls it. A step
-        interrupted before its optimizer step is undone first: a checkpoint holds the last completed step.
-        ``run_state``: the run's own part of the state, stored beside the step's and returned by ``load``."""
+        """Write everything the step owns into ``folder`` (train/step_state.py's helpers); every rank calls it. A
+        step interrupted before its optimizer step is undone first: a checkpoint holds the last completed step.
+        ``sharded``: every rank writes its shards of the weights and AdamW moments into folder/sharded, rank 0 the
+        rest. ``run_state``: the run's own part of the state, stored beside the step's and returned by ``load``."""
         self._undo_unfinished()
-        save_step(self, folder, sharded=sharded, run_state=run_state)
+        engine, dist = self.engine, self.dist
+        rng_by_rank = dist.gather_objects(rng_state())
+        model_state = None
+        if sharded:
+            engine.save_sharded(Path(folder) / SHARDS_DIR, self.model, self.optimizer)
+            state = self.state_dict(with_optimizer=False)
+        else:
+            state = self.state_dict()
+            model_state = engine.full_state_dict(self.model)  # collectives
+        reference_state = synced_reference_state(engine, self.reference)  # kl.sync_every's weights
+        if dist.is_main:
+            write_checkpoint_files(folder, model=self.model, tokenizer=self.tokenizer, reference=self.reference,
+                                   trainer_state={**(run_state or {}), **state, "rng_by_rank": rng_by_rank},
+                                   model_state=model_state, reference_state=reference_state, sharded=sharded)
 
     def load(self, folder: Path) -> dict[str, Any]:
-        """Read everything the step owns from the checkpoint ``folder``; returns the whole trainer state."""
+        """Read everything the step owns from the checkpoint ``folder``; returns the whole trainer state (the run's
+        part included). Raises CheckpointLoadError naming the file that cannot be read or used. The trainer state
+        is read before anything is applied; the weights are applied first (a failure afterwards leaves them
+        changed, and the next candidate checkpoint overwrites them)."""
         self.weights_version += 1  # the weights change (a sampler with its own copy pushes them again)
-        return load_step(self, folder)
+        state = load_trainer_state(Path(folder))
+        load_weights(folder, engine=self.engine, model=self.model, optimizer=self.optimizer,
+                     reference=self.reference, device=self.device)
+        with state_named(folder):
+            # Checkpoints before every rank's RNG was kept hold one state, "rng" (rank 0's).
+            rng_by_rank = state.get("rng_by_rank") or [state["rng"]]
+            same_layout = len(rng_by_rank) == self.dist.world_size
+            self.load_state_dict(state, same_layout=same_layout)
+            if same_layout:
+                set_rng_state(rng_by_rank[self.dist.rank])
+            else:  # another world size: resumes correctly but not bit-identically
+                seed_everything(self.plan.seed + self.dist.rank + 7919 * int(state["step"]))
+        return state
 
     @contextmanager
     def full_weights(self) -> Iterator[Any]:

@@ -58,8 +58,7 @@ def kill_at_nth(owner, name: str, n: int, counts) -> None:
 def arm(point: str, target_step: int = 0) -> None:
     target = f"step_{target_step}"
     if point == "before_restore":  # from memory or from the target's checkpoint
-        kill_before(runaway, "restore")
-        kill_before(runaway, "load_resumable_checkpoint")
+        kill_before(runaway.RunawayGuard, "_restore")
     elif point == "after_restore":
         kill_after(runaway.RunawayGuard, "_apply_factors")
     elif point == "inside_save":  # the second rename of a temporary folder into the target's: the rollback's
