@@ -185,6 +185,32 @@ def test_finished_runs_are_skipped(fake_trainer, tmp_path, monkeypatch):
     assert second[0].summary["eval_after"]["addition"] == pytest.approx(0.4)
 
 
+def test_each_run_says_when_it_starts_and_a_bar_counts_the_runs_done(fake_trainer, tmp_path, capsys):
+    """A line when a run starts (run i/N, its settings and seed, its log file) before its end line, and with
+    progress a bar of runs done on stderr that starts at the runs already finished."""
+    cells = cells_of(parse_grid(["kl.coef=0,0.5,0.2"]))
+    lines = []
+    runs = run_sweep(cells, [0], tmp_path / "s", None, [], log=lines.append, progress=True)
+    assert [r.status for r in runs] == ["finished", "failed", "finished"]
+    starts = [line for line in lines if line.startswith("  run ")]
+    assert starts == [f"  run {i}/3: kl.coef={c} seed=0 (output: {tmp_path / 's' / f'kl.coef={c}' / 'seed=0'}"
+                      f"/sweep.log)" for i, c in enumerate(["0", "0.5", "0.2"], start=1)]
+    ends = [line.split(":")[0] for line in lines if line.startswith("  [")]
+    assert ends == ["  [1/3] kl.coef=0 seed=0", "  [2/3] kl.coef=0.5 seed=0", "  [3/3] kl.coef=0.2 seed=0"]
+    for start, end in zip(starts, [line for line in lines if line.startswith("  [")]):
+        assert lines.index(start) < lines.index(end)  # each run's start before its end
+    bar = capsys.readouterr().err
+    assert "3/3" in bar and "run" in bar  # the bar reached the last run
+    lines.clear()
+    run_sweep(cells, [0], tmp_path / "s", None, [], log=lines.append, progress=True)  # only the failed one again
+    assert [line for line in lines if line.startswith("  run ")] == [
+        f"  run 3/3: kl.coef=0.5 seed=0 (output: {tmp_path / 's' / 'kl.coef=0.5' / 'seed=0'}/sweep.log)"]
+    bar = capsys.readouterr().err
+    assert "2/3" in bar and "3/3" in bar  # from the two finished before
+    run_sweep(cells, [0], tmp_path / "t", None, [], log=quiet, progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def _files(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

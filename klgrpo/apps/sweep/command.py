@@ -293,10 +293,17 @@ def finished_runs(cells: list[Cell], seeds: list[int], out: Path, config: str | 
 
 
 def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None, extra: list[str], jobs: int = 1,
-              log: Callable[[str], None] = print, keep_checkpoints: bool = True) -> list[Run]:
+              log: Callable[[str], None] = print, keep_checkpoints: bool = True,
+              progress: bool | None = False) -> list[Run]:
     """Train the planned runs that have no result yet. A folder that holds a summary.json is never trained over
     nor changed: reused when its config is the same, else named ("changed") and left as it is.
-    ``keep_checkpoints`` False deletes the checkpoints of each run this call finishes."""
+    ``keep_checkpoints`` False deletes the checkpoints of each run this call finishes. Each run is one ``log``
+    line when it starts (run i/N, its settings and seed, where its output goes) and one when it ends;
+    ``progress`` adds a bar of the runs done on stderr (None: where stderr is a terminal, tqdm's rule)."""
+    import threading
+
+    from tqdm.auto import tqdm
+
     runs = plan_runs(cells, seeds, out)
     identities = {id(run): run_identity(run, config, extra) for run in runs}
     todo, found = sort_runs(runs, identities)
@@ -310,30 +317,43 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
     for run in runs:
         if run.status == "changed":
             log(f"  {run.cell.name} seed={run.seed}: {run.error}")
-    counter = itertools.count(done + 1)
+    started, ended = itertools.count(done + 1), itertools.count(done + 1)
+    bar = tqdm(total=len(runs), initial=done, desc="sweep", unit="run", dynamic_ncols=True,
+               disable=None if progress is None else not progress)
+    said = threading.Lock()  # --jobs N: one line at a time, the bar redrawn under it
+
+    def say(line: str, finished: bool = False) -> None:
+        with said, tqdm.external_write_mode():
+            log(line)
+        if finished:
+            bar.update(1)
 
     def one(run: Run) -> Run:
         from klgrpo.store.run_folder import holds_run
 
+        say(f"  run {next(started)}/{len(runs)}: {run.cell.name} seed={run.seed} (output: {run.run_dir / LOG_FILE})")
         earlier = run.run_dir.is_dir() and holds_run(run.run_dir)
         execute(run, run_argv(run, config, extra, overwrite=earlier), identities[id(run)])
         if run.status == "finished" and not keep_checkpoints:
             shutil.rmtree(run.run_dir / CHECKPOINTS_DIR, ignore_errors=True)
         verdict = f"{run.seconds:.0f} s" if run.status == "finished" else f"FAILED ({run.error})"
-        log(f"  [{next(counter)}/{len(runs)}] {run.cell.name} seed={run.seed}: {verdict}")
+        say(f"  [{next(ended)}/{len(runs)}] {run.cell.name} seed={run.seed}: {verdict}", finished=True)
         return run
 
-    if jobs <= 1:
-        for run in todo:
-            one(run)
-    else:
-        pool = ThreadPoolExecutor(max_workers=jobs)
-        try:
-            list(pool.map(one, todo))
-        except BaseException:  # Ctrl-C: start no queued run (the caller stops the live ones)
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
+    try:
+        if jobs <= 1:
+            for run in todo:
+                one(run)
+        else:
+            pool = ThreadPoolExecutor(max_workers=jobs)
+            try:
+                list(pool.map(one, todo))
+            except BaseException:  # Ctrl-C: start no queued run (the caller stops the live ones)
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
+    finally:
+        bar.close()
     return runs
 
 
@@ -473,7 +493,7 @@ def _sweep(cells, grid, extra_cells, seeds, args, extra, out: Path) -> int:
                 runs = finished_runs(cells, seeds, out, args.config, extra)
             else:
                 runs = run_sweep(cells, seeds, out, args.config, extra, args.jobs,
-                                 keep_checkpoints=not args.no_checkpoints)
+                                 keep_checkpoints=not args.no_checkpoints, progress=None)
     except KeyboardInterrupt:
         _stop_live_runs()
         print(f"klgrpo sweep: interrupted; run the same command with --output-dir {out} to continue "
