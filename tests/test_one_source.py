@@ -23,6 +23,7 @@ from klgrpo.math.full_kl import FULL_KL_ESTIMATORS
 from klgrpo.math.kl import ESTIMATORS, PLACEMENTS, Estimator, k2
 from klgrpo.math.kl_control import CONTROLLERS, ENTROPY_CONTROLLERS, KL_MEASURES
 from klgrpo.math.kl_shaping import SHAPINGS
+from klgrpo.math.objective import KL_MASKED_TOKENS
 from klgrpo.math.policy_loss import IS_CORRECTIONS, POLICY_LOSSES
 from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS
 from klgrpo.math.truncation import TRUNCATIONS
@@ -37,6 +38,7 @@ SOURCES = {
     "kl.estimator": (*ESTIMATORS, *FULL_KL_ESTIMATORS),
     "kl.placement": PLACEMENTS,
     "kl.reward_mode": KL_REWARD_MODES,
+    "kl.masked_tokens": KL_MASKED_TOKENS,
     "kl.is_correction": IS_CORRECTIONS,
     "kl.controller": CONTROLLERS,
     "kl.kl_measure": KL_MEASURES,

@@ -354,10 +354,11 @@ def test_the_mismatch_rows_catch_an_ignored_or_per_token_correction(monkeypatch)
     """Planted bugs: the weight computed and then ignored (1) fails every corrected row; a sequence mode whose
     weight is taken per token fails the sequence-level rows only."""
     import klgrpo.math.objective as objective
-    from klgrpo.math.sampler_correction import SamplerCorrection
+    from klgrpo.math.sampler_correction import SamplerCorrection, SamplerFactors
 
     with monkeypatch.context() as patch:
-        patch.setattr(objective, "sampler_weight", lambda old, *a: torch.ones_like(old))
+        patch.setattr(objective, "sampler_factors",
+                      lambda old, *a: SamplerFactors(torch.ones_like(old), torch.ones_like(old)))
         failed = {(r.level, r.correction) for r in _mismatch_rows() if not r.passed}
     assert ("token", "token_mask (no bounds)") in failed and ("sequence", "sequence_mask (no bounds)") in failed
     with monkeypatch.context() as patch:

@@ -157,6 +157,15 @@ class RolloutConfig(Settings):
     sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
                                             "vllm_importance_sampling_clip_max; 0: none)", low=0,
                                        at_low="0: no upper bound")
+    divergence_mask: str = _f("", "reject tokens or whole completions whose sampler-trainer divergence is too "
+                                  "large, beside or instead of rollout.sampler_correction: comma-separated verl "
+                                  "rollout_rs names, token_k1 (the two-sided token mask), token_k2, token_k3, "
+                                  "seq_sum_k1/k2/k3, seq_mean_k1 (the geometric-mean sequence mask), "
+                                  "seq_mean_k2/k3, seq_max_k2/k3; what any of them rejects is rejected "
+                                  "(docs/algorithm.md, Divergence masks); empty: off")
+    divergence_threshold: str = _f("", "rollout.divergence_mask's bounds, comma-separated, one per mask (one entry: "
+                                       "every mask's): LOW_HIGH ratio bounds for the k1 masks (e.g. 0.5_2.0; "
+                                       "either side may be empty), the upper bound for k2 and k3 (e.g. 0.01)")
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
@@ -195,6 +204,11 @@ class KLConfig(Settings):
                         Names("klgrpo.math.kl:ESTIMATORS", "klgrpo.math.full_kl:FULL_KL_ESTIMATORS"))
     placement: str = _f("loss", "where the KL enters: the loss, the reward (k1 reward-to-go), or both",
                         Names("klgrpo.math.kl:PLACEMENTS"))
+    masked_tokens: str = _f("auto", "whether the KL loss term of a token a mask rejects still counts: auto (the "
+                                    "sampler's masks drop it, the off-policy and top-entropy masks keep it), drop "
+                                    "(every mask drops it), keep (every completion token's KL counts); "
+                                    "docs/algorithm.md, Masked tokens",
+                            Names("klgrpo.math.objective:KL_MASKED_TOKENS"))
     reward_mode: str = _f("reward_to_go", "KL in the reward: reward_to_go (per token, after the group "
                                           "normalisation) or sequence_score (beta * sum of the sequence's KL "
                                           "subtracted from its score before it: verl, OpenRLHF)",

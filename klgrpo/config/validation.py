@@ -158,6 +158,11 @@ def check_vllm_server(v) -> None:
 
 
 def _check_sampler_correction(r, loss, kl) -> None:
+    from klgrpo.config.terms import divergence_masks  # terms builds on this module
+
+    if divergence_masks(r):
+        need(not loss.function, "rollout.divergence_mask masks the built-in objective; with loss.function apply "
+                                 "the mask in your own loss, or leave rollout.divergence_mask empty")
     filtered = r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0
     need(not (filtered and r.truncation == "ignore" and r.sampler_correction != "none"),
          f"rollout.sampler_correction {r.sampler_correction} with rollout.truncation ignore: no importance weight "

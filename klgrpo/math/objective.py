@@ -12,9 +12,11 @@
                                                            at prefix t, math/full_kl.py; no clamp needed)
     pg_it  = m_i * e_it * pg_it                          (m: the off-policy sequence mask, 1 off; e: the
                                                            top-entropy token mask, 1 off; policy_loss.py)
-    loss   = aggregate(v * (pg + beta * kl), mask, mode, global normaliser)
-                                                          (v: the sampler-mismatch weight, 1 unless
-                                                           rollout.sampler_correction; math/sampler_correction.py)
+    loss   = aggregate(v * pg + beta * u * kl, mask, mode, global normaliser)
+                                                          (v: the sampler correction's factor, its weight times
+                                                           its keep, 1 unless rollout.sampler_correction or
+                                                           rollout.divergence_mask; math/sampler_correction.py;
+                                                           u: the KL term's factor, kl.masked_tokens below)
            - c * (B_mb / G) * sum_it e_it H_it / sum_it e_it  (the entropy bonus, c = loss.entropy_coef at this step:
                                                            the micro-batch's mean per-token entropy over the tokens
                                                            the policy term acts on, weighted by its share of the
@@ -23,6 +25,18 @@
 :func:`kl_penalty_terms` (the loss term) and :func:`reward_kl` (the reward value) are the ONLY implementation
 of the KL term: the trainer reaches them through :func:`grpo_objective`, and ``klgrpo verify-kl`` calls
 :func:`grpo_objective` itself (klgrpo.verify.penalty), so what verify-kl proves is what training runs.
+
+kl.masked_tokens, the KL term of a token that a mask rejects (v's keep 0: a mask mode or a divergence mask; m or
+e 0: the off-policy sequence mask or the top-entropy mask):
+
+    auto   u = v                 rejected samples drop their KL (the sampler's masks), the policy masks keep it
+    drop   u = v * m * e         every mask drops the token's KL with its policy term
+    keep   u = v + (1 - keep)    every loss-mask token's KL counts; a token a sampler mask rejected at weight 1
+
+auto is the default: a sample the sampler's mismatch rejects estimates no KL either (k3 at a ratio of 1e4 is
+noise), while the off-policy and top-entropy masks only choose where the policy gradient acts (DeepSeek-V3.2 and
+the top-entropy paper regularise every token). With the KL in the reward, the KL rides in the policy term's
+advantage and goes where the policy term goes, whatever kl.masked_tokens says.
 
 Returns the scalar loss plus per-micro-batch SUMS of the quantities to log, so the caller adds them over
 micro-batches and divides once per step by global counts; nothing here syncs with the host.
@@ -42,7 +56,10 @@ from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl import ESTIMATORS, kl_estimate, log_ratio
 from klgrpo.math.kl_shaping import clip_fraction, shape_kl
 from klgrpo.math.policy_loss import POLICY_LOSSES, importance_weight, off_policy_mask
-from klgrpo.math.sampler_correction import SamplerCorrection, sampler_weight
+from klgrpo.math.sampler_correction import SamplerCorrection, SamplerFactors, sampler_factors
+
+#: kl.masked_tokens's values (module docstring); auto first (the default).
+KL_MASKED_TOKENS = ("auto", "drop", "keep")
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,7 @@ class KLTerm:
     shaping_target: float = 0.1
     clamp: float | None = 20.0
     reward_mode: str = "reward_to_go"  # reward_to_go (here) | sequence_score (in the advantages, before)
+    masked_tokens: str = "auto"        # KL_MASKED_TOKENS: whether a masked token's KL loss term counts
 
     @property
     def in_loss(self) -> bool:
@@ -237,14 +255,16 @@ class ObjectiveOut:
     token_kl: Tensor | None = None    # detached [2, B, T]: the log-ratio l and k3(l) per token, 0 off the mask
 
 
-def _weighted(per_token_BT: Tensor, old_logp_BT: Tensor, sampler_logp_BT: Tensor | None, mask_BT: Tensor,
-              sampler_correction: SamplerCorrection, row_weights_B: Tensor | None) -> Tensor:
-    """The per-token loss times the sampler correction's weight v (when on and mu is known) and each row's weight."""
-    if sampler_logp_BT is not None and sampler_correction.on:
-        per_token_BT = per_token_BT * sampler_weight(old_logp_BT, sampler_logp_BT, mask_BT, sampler_correction)
-    if row_weights_B is not None:
-        per_token_BT = per_token_BT * row_weights_B.detach().unsqueeze(-1)
-    return per_token_BT
+def kl_factor(masked_tokens: str, factors: SamplerFactors | None, policy_keep_BT: Tensor | None) -> Tensor | None:
+    """u, the KL loss term's factor per kl.masked_tokens (module docstring); None: 1."""
+    if masked_tokens not in KL_MASKED_TOKENS:
+        raise KeyError(f"unknown kl.masked_tokens {masked_tokens!r}; choose one of: {', '.join(KL_MASKED_TOKENS)}")
+    if masked_tokens == "keep":
+        return None if factors is None else factors.product + (1.0 - factors.keep)
+    sampler = None if factors is None else factors.product
+    if masked_tokens == "auto" or policy_keep_BT is None:
+        return sampler
+    return policy_keep_BT if sampler is None else sampler * policy_keep_BT
 
 
 def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None, advantages_B: Tensor,
@@ -264,8 +284,8 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
     entropy, in the graph (when ``entropy`` needs it); ``entropy_cut``: the top-entropy threshold when the caller
     pools more tokens (None: :func:`entropy_threshold` of these); ``sampling_logp_BT``: the sampling policy's
     log-probs for the off-policy mask (None: ``old_logp_BT``); ``sampler_logp_BT``: the sampler's own log-probs
-    mu of the tokens, which ``sampler_correction`` (when on) turns into the weight v on the policy and KL terms
-    (None: no sampler log-probs, no weight)."""
+    mu of the tokens, which ``sampler_correction`` (when on) turns into the factor v on the policy term and u on
+    the KL term (None: no sampler log-probs, no factor)."""
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
     mask = mask_BT.to(torch.float32)
@@ -274,13 +294,18 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
     masks = _policy_masks(logp_BT, old_logp_BT if sampling_logp_BT is None else sampling_logp_BT, advantages_B,
                           mask, policy, entropy_BT, entropy, entropy_cut)
     policy_BT = pg.loss_BT * masks.keep_BT if masks.keep_BT is not None else pg.loss_BT
-    per_token, loss_kl_penalty, kl_sums, token_kl = policy_BT, None, None, None
+    factors = (sampler_factors(old_logp_BT, sampler_logp_BT, mask, sampler_correction)
+               if sampler_logp_BT is not None and sampler_correction.on else None)
+    per_token = policy_BT if factors is None else policy_BT * factors.product
+    loss_kl_penalty, kl_sums, token_kl = None, None, None
     if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
         penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
                                    full_kl_BT=full_kl_BT)
-        per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, mask, kl, aggregation, normalizer, metrics)
+        u = kl_factor(kl.masked_tokens, factors, masks.keep_BT)
+        per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, u, mask, kl, aggregation, normalizer, metrics)
         kl_sums, token_kl = _kl_monitors(penalty, mask, kl) if metrics else (None, None)
-    per_token = _weighted(per_token, old_logp_BT, sampler_logp_BT, mask, sampler_correction, row_weights_B)
+    if row_weights_B is not None:
+        per_token = per_token * row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
     bonus = None
     if entropy.coef != 0.0:
@@ -297,14 +322,15 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
     return ObjectiveOut(loss=loss, sums=sums, token_kl=token_kl)
 
 
-def _kl_in_loss(per_token: Tensor, penalty, mask: Tensor, kl: KLTerm, aggregation: str, normalizer: Normalizer,
-                metrics: bool) -> tuple[Tensor, Tensor | None]:
-    """(the per-token loss with beta times the KL's loss term added when the KL enters the loss, that term
+def _kl_in_loss(per_token: Tensor, penalty, u_BT: Tensor | None, mask: Tensor, kl: KLTerm, aggregation: str,
+                normalizer: Normalizer, metrics: bool) -> tuple[Tensor, Tensor | None]:
+    """(the per-token loss with beta times u times the KL's loss term added when the KL enters the loss, that term
     aggregated for the metrics or None)."""
     if not (kl.in_loss and kl.coef > 0):
         return per_token, None
     logged = kl.coef * aggregate(penalty.loss_term_BT.detach(), mask, aggregation, normalizer) if metrics else None
-    return per_token + kl.coef * penalty.loss_term_BT, logged
+    term_BT = penalty.loss_term_BT if u_BT is None else penalty.loss_term_BT * u_BT
+    return per_token + kl.coef * term_BT, logged
 
 
 def _kl_in_reward(old_logp_BT: Tensor, ref_logp_BT: Tensor | None, advantages_B: Tensor, mask: Tensor,

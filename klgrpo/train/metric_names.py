@@ -252,9 +252,10 @@ GLOSSARY: dict[str, str] = {
     SAMPLER_RATIO_P99: "99th percentile of the raw token ratio r over the completion tokens",
     SAMPLER_RATIO_MAX: "largest raw token ratio r over the completion tokens (log r bounded at 20)",
     SAMPLER_MASKED_TOKEN_FRAC: "fraction of the completion tokens whose weight rollout.sampler_correction "
-                               "truncated or masked (0 with the correction off)",
+                               "truncated or masked, or that a rollout.divergence_mask rejected (0 with both off)",
     SAMPLER_MASKED_SEQ_FRAC: "fraction of the completions with a token (token modes) or a weight (sequence modes) "
-                             "that rollout.sampler_correction truncated or masked",
+                             "that rollout.sampler_correction truncated or masked, or a rollout.divergence_mask "
+                             "rejected",
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "

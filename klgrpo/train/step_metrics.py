@@ -12,7 +12,7 @@ from klgrpo.core.batch import StepBatch
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP
 from klgrpo.math.kl_control import KLObservation
 from klgrpo.math.objective import ObjectiveSums
-from klgrpo.math.sampler_correction import SamplerCorrection, mismatch_per_token, sampler_weight
+from klgrpo.math.sampler_correction import SamplerCorrection, mismatch_per_token, sampler_factors
 from klgrpo.train import metric_names as m
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.metric_names import (
@@ -215,10 +215,11 @@ def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tenso
     big_r = seq_log_r.exp() * rows
     ppl = (-log_r.sum(-1) / mask.sum(-1).clamp(min=1)).exp() * rows  # PPL_trainer / PPL_sampler per sequence
     changed = torch.zeros_like(mask)
-    if correction is not None and correction.on:  # the raw weight against the one the correction applied
+    if correction is not None and correction.on:  # truncated (the weight is not the raw ratio) or rejected
+        factors = sampler_factors(old_logp_BT.detach(), sampler_logp_BT, mask_BT[:, :mask.shape[-1]], correction)
         raw = (log_r.sum(-1, keepdim=True) if correction.sequence_level else log_r).exp()
-        applied = sampler_weight(old_logp_BT.detach(), sampler_logp_BT, mask_BT[:, :mask.shape[-1]], correction)
-        changed = (applied != raw).expand_as(mask).to(dtype) * mask
+        truncated = (factors.weight != raw) if correction.mode != "none" else torch.zeros_like(raw, dtype=torch.bool)
+        changed = (truncated | (factors.keep == 0)).expand_as(mask).to(dtype) * mask
     total = dist.sum(torch.stack([
         (diff_BT * mask).sum(), (kl_BT * mask).sum(), log_r.sum(), mask.sum(), (((r - 1) ** 2) * mask).sum(),
         ((big_r - 1) ** 2 * rows).sum(), big_r.sum(), (big_r ** 2).sum(), rows.sum(), ppl.sum(), changed.sum(),
