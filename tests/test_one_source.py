@@ -13,6 +13,7 @@ import klgrpo.run.evaluation as evaluation
 from klgrpo.apps.args import parse_args
 from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.backends.samplers import AUTO, LEGACY_GENERATE_CACHES, SAMPLERS
+from klgrpo.backends.sampling import OLD_LOGPROBS
 from klgrpo.config.schema import LR_SCHEDULES, RUNAWAY_ACTIONS, WEIGHT_TRANSFERS, GRPOConfig, all_field_paths
 from klgrpo.core.forward import FORWARDS
 from klgrpo.core.rewards import BUILTIN_REWARDS, exact_match
@@ -51,6 +52,7 @@ SOURCES = {
     "rollout.sampler": (AUTO, *SAMPLERS),
     "rollout.generate_cache": ("", *LEGACY_GENERATE_CACHES),
     "rollout.sampler_correction": SAMPLER_CORRECTIONS,
+    "rollout.old_logprobs": OLD_LOGPROBS,
     "optim.schedule": LR_SCHEDULES,
     "kl.on_runaway": RUNAWAY_ACTIONS,
     "rollout.vllm.weight_transfer": WEIGHT_TRANSFERS,

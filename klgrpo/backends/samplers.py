@@ -48,6 +48,7 @@ class KVLoopSampler(Sampler):
     the log-probs it drew each token with (read off the probabilities it sampled from: no extra work)."""
 
     name = "kv_loop"
+    scores_as_trainer = True
 
     def supports(self, model, total_len: int, params: SamplingParams) -> bool:
         return params.temperature > 0 and decoder_parts(model, total_len) is not None
@@ -75,6 +76,7 @@ class GenerateSampler(Sampler):
     off the scores it was drawn from: the same draw as ``generate``'s own warpers, and log mu for the trainer."""
 
     name = "generate"
+    scores_as_trainer = True
     cache: str | None = None  # generate's cache_implementation (None: its dynamic cache)
     bucket = 0  # left-pad the prompts to a multiple of this many positions (0: no padding)
 

@@ -24,6 +24,8 @@ from torch import Tensor
 
 #: rollout.sampler's value that picks the sampler for the device and model (``samplers.auto_sampler``).
 AUTO = "auto"
+#: rollout.old_logprobs's values: where pi_old comes from (trainer first, the default).
+OLD_LOGPROBS = ("trainer", "sampler")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,9 @@ class Sampler:
 
     name: str = ""
     holds_weights: bool = False
+    #: its log-probs are the trainer's own forward's to float rounding (the same weights, the same math; the
+    #: trainer's checks measure it in sampler/logp_diff_max): rollout.old_logprobs sampler may take them as pi_old.
+    scores_as_trainer: bool = False
 
     def __init__(self):
         self.weights_version = 0

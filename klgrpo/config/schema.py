@@ -157,6 +157,12 @@ class RolloutConfig(Settings):
     sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
                                             "vllm_importance_sampling_clip_max; 0: none)", low=0,
                                        at_low="0: no upper bound")
+    old_logprobs: str = _f("trainer", "where pi_old, the rollout policy's log-probs, comes from: trainer (its own "
+                                      "forward at the sampling weights: a no-grad forward before the update with "
+                                      "kl.reward_mode sequence_score, else the first update's); sampler (the "
+                                      "sampler's own log-probs, exact to float rounding for kv_loop and generate in "
+                                      "float32: no forward, and the policy ratio and the KL's weight become pi/mu; "
+                                      "verl's bypass mode)", Names("klgrpo.backends.sampling:OLD_LOGPROBS"))
     divergence_mask: str = _f("", "reject tokens or whole completions whose sampler-trainer divergence is too "
                                   "large, beside or instead of rollout.sampler_correction: comma-separated verl "
                                   "rollout_rs names, token_k1 (the two-sided token mask), token_k2, token_k3, "

@@ -191,6 +191,7 @@ class StepPlan:
     seed: int                     # train.seed: a resume on another process count reseeds from it
     sampler_correction: SamplerCorrection = SamplerCorrection()  # the sampler-mismatch weight (rollout.*)
     trains_kept_sets: bool = False  # rollout.truncation policy with a filter on: pi_S, pi_old_S and ref_S
+    old_from_sampler: bool = False  # rollout.old_logprobs sampler: pi_old is the sampler's log-probs mu
 
     @property
     def with_entropy(self) -> bool:
@@ -219,4 +220,5 @@ def step_plan(cfg: GRPOConfig) -> StepPlan:
                     max_grad_norm=cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"),
                     sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed,
                     sampler_correction=sampler_correction(r),
-                    trains_kept_sets=r.truncation == "policy" and sampling.filters.truncates)
+                    trains_kept_sets=r.truncation == "policy" and sampling.filters.truncates,
+                    old_from_sampler=r.old_logprobs == "sampler")

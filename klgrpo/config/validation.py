@@ -145,6 +145,7 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
          f"loss.policy_loss={loss.policy_loss}, or use loss.policy_loss ppo_clip")
 
     _check_sampler_correction(r, loss, cfg.kl)
+    _check_old_logprobs(r, cfg.model.dtype)
     if r.sampler == VLLMServerSampler.name:
         check_vllm_server(r.vllm)
 
@@ -155,6 +156,32 @@ def check_vllm_server(v) -> None:
     check_server_url(v.server_url)
     if v.weights_dir and v.weight_transfer == "folder":
         check_weights_dir(v.weights_dir)
+
+
+def _check_old_logprobs(r, dtype: str) -> None:
+    """rollout.old_logprobs sampler needs a sampler whose log-probs are the trainer's to float rounding, in
+    float32, over the distribution the trainer scores; what the sampler correction would correct is then nothing."""
+    if r.old_logprobs != "sampler":
+        return
+    from klgrpo.backends.samplers import SAMPLERS
+    from klgrpo.config.terms import divergence_masks  # terms builds on this module
+
+    exact = [name for name in SAMPLERS if SAMPLERS[name].scores_as_trainer]
+    need(r.sampler == "auto" or r.sampler not in SAMPLERS or SAMPLERS[r.sampler].scores_as_trainer,
+         f"rollout.old_logprobs sampler takes the sampler's log-probs as pi_old, which only {', '.join(exact)} give "
+         f"to float rounding; rollout.sampler {r.sampler} computes them with other kernels: set rollout.old_logprobs "
+         f"trainer (rollout.sampler_correction weighs the mismatch)")
+    need(dtype in ("auto", "float32"),
+         f"rollout.old_logprobs sampler needs model.dtype float32 (the sampler's {dtype} log-probs are not the "
+         f"trainer's forward's to float rounding): set model.dtype float32 or rollout.old_logprobs trainer")
+    need(r.sampler_correction == "none" and not divergence_masks(r),
+         "rollout.old_logprobs sampler makes the sampler's log-probs pi_old, so rollout.sampler_correction and "
+         "rollout.divergence_mask would compare them with themselves: turn those off, or set rollout.old_logprobs "
+         "trainer")
+    filtered = r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0
+    need(not (filtered and r.truncation == "ignore"),
+         "rollout.old_logprobs sampler with rollout.truncation ignore: the sampler's log-probs are the truncated "
+         "distribution's while the trainer scores the whole softmax; set rollout.truncation policy")
 
 
 def _check_sampler_correction(r, loss, kl) -> None:

@@ -29,6 +29,9 @@ class StepBatch:
     normalizer: Normalizer
     ref_logp: torch.Tensor | None    # [B, T]
     old_logp: torch.Tensor | None    # [B, T]; None until the batch's first update (then old = logp.detach())
+    # [B, T] the trainer's own log-probs at the sampling weights (its first update's), kept for the sampler panel of
+    # later updates; None until then, or with one update per batch
+    trainer_old_logp: torch.Tensor | None = None
     kept_sets: KeptSets | None = None  # truncated sampling: the kept-set pass (core/kept_sets.py)
     timings: dict[str, float] = field(default_factory=dict)
     iterations_done: int = 0
@@ -49,6 +52,7 @@ class StepBatch:
                          reward_columns={k: v[sl] for k, v in self.reward_columns.items()},
                          advantages=self.advantages[sl], loss_mask=self.loss_mask[sl], normalizer=self.normalizer,
                          ref_logp=pick(self.ref_logp), old_logp=pick(self.old_logp),
+                         trainer_old_logp=pick(self.trainer_old_logp),
                          kept_sets=None if self.kept_sets is None else self.kept_sets.rows(sl),
                          timings=dict(self.timings),
                          iterations_done=self.iterations_done)

@@ -178,8 +178,11 @@ class GRPOStep:
                 if self.reference is not None:
                     ref_logp = self.reference.logprobs(rollout, plan.sampling.temperature, plan.micro_batch_size)
         scores, kl = rewards, self.kl_term()
+        if plan.old_from_sampler:  # the sampler's log-probs are pi_old (rollout.old_logprobs sampler): no forward
+            old_logp = self._sampler_logprobs(rollout)
         if ref_logp is not None and kl.in_reward and kl.reward_mode == "sequence_score" and kl.coef > 0:
-            old_logp = self._rollout_logprobs(rollout)  # pi_old: the KL must be in the score before normalising
+            if old_logp is None:  # pi_old: the KL must be in the score before normalising
+                old_logp = self._rollout_logprobs(rollout)
             scores = kl_penalized_scores(rewards, reward_kl(old_logp, ref_logp, kl), loss_mask, kl.coef)
         all_scores = self.dist.gather(scores)  # groups never straddle ranks; "batch" scale needs them all
         advantages = group_advantages(all_scores, plan.sampling.group_size, plan.advantage_scale,
@@ -203,6 +206,13 @@ class GRPOStep:
 
     def _micro_slices(self, n: int) -> list[slice]:
         return micro_slices(n, self.plan.micro_batch_size)
+
+    def _sampler_logprobs(self, rollout) -> torch.Tensor:
+        """The sampler's log-probs as pi_old, padded with 0 to the completions' width."""
+        if rollout.sampler_logp is None:
+            raise ConfigError(f"rollout.old_logprobs sampler: rollout.sampler {self.sampler.name} gave no log-probs "
+                              f"for this batch (greedy decoding gives none); set rollout.old_logprobs trainer")
+        return rollout.sampler_logp.to(self.device, torch.float32) * rollout.completion_mask
 
     def _rollout_logprobs(self, rollout) -> torch.Tensor:
         """log pi_old of the sampled tokens (no gradient), micro-batched like the update's forward."""
@@ -283,11 +293,17 @@ class GRPOStep:
         # The first update of a batch runs at the sampling policy, so its log-probs ARE pi_old: later updates of
         # the same batch reuse them instead of paying a separate no-grad forward.
         keep_old = batch.old_logp is None and self.plan.num_iterations > 1
-        scores_sampler = batch.rollout.sampler_logp is not None and batch.old_logp is None  # pi_old is this logp
+        # The sampler panel compares mu with the trainer's pi_old: this update's log-probs on a batch's first update
+        # (taken at the sampling weights), the kept ones after it.
+        first = batch.iterations_done == 0
+        scores_sampler = batch.rollout.sampler_logp is not None and first
         self.optimizer.zero_grad(set_to_none=True)
         with _timed(timings, names.TIME_UPDATE):
             sums, logp = self.accumulate_gradients(batch, keep_logp=dump_kl is not None or keep_old or scores_sampler)
-            old_logp = batch.old_logp if batch.old_logp is not None else logp
+            if first and self.plan.old_from_sampler and self.plan.num_iterations > 1:
+                batch.trainer_old_logp = logp  # old_logp holds mu
+            trainer_old = logp if first else (batch.trainer_old_logp if self.plan.old_from_sampler
+                                              else batch.old_logp)
             if keep_old:
                 batch.old_logp = logp
             replay_metrics = (self._replay_gradients(sums.loss) if self.replay is not None else {})
@@ -308,8 +324,8 @@ class GRPOStep:
         if self.plan.entropy_in_loss:
             metrics[names.ENTROPY_COEF] = self.entropy_controller.applied
         metrics.update(replay_metrics)
-        if batch.rollout.sampler_logp is not None:
-            metrics.update(sampler_metrics(old_logp, batch.rollout.sampler_logp, batch.rollout.completion_mask,
+        if batch.rollout.sampler_logp is not None and trainer_old is not None:
+            metrics.update(sampler_metrics(trainer_old, batch.rollout.sampler_logp, batch.rollout.completion_mask,
                                            int(batch.normalizer.max_len), self.dist, self.plan.sampler_correction))
         if batch.kept_sets is not None:
             metrics.update(kept_set_metrics(batch.kept_sets.log_kept_mass, batch.kept_sets.mismatch,

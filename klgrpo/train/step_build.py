@@ -20,7 +20,7 @@ from klgrpo.core.loss_api import resolve_loss_function
 from klgrpo.core.reference import FrozenCopyReference, build_reference
 from klgrpo.core.rewards import RewardComputer, RewardModelContext
 from klgrpo.core.rollout import longest_prompt_tokens
-from klgrpo.errors import warn
+from klgrpo.errors import ConfigError, warn
 from klgrpo.store.checkpoint import check_checkpoint
 from klgrpo.train.building import build_optimizer, make_scheduler
 from klgrpo.train.distributed import Distributed
@@ -62,6 +62,7 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
                                 processes=dist.world_size)
     if main_log:
         main_log(f"sampler: {sampler.name} ({why})")
+    check_old_logprobs_source(cfg.rollout.old_logprobs, sampler, next(model.parameters()).dtype)
     reference = _reference(cfg, model, device, main_log)
     # A step beyond the free memory is refused here, not after minutes of swapping (rank 0 checks, every rank gets
     # its verdict: no rank is left waiting in a collective for one that refused).
@@ -76,6 +77,21 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     return _trainable_step(cfg, dist, engine, run_dir, log, device=device, dataset=dataset,
                            prompt_order=prompt_order, rewards=rewards, loss_fn=loss_fn, tokenizer=tokenizer,
                            model=model, sampler=sampler, reference=reference)
+
+
+def check_old_logprobs_source(old_logprobs: str, sampler, dtype: torch.dtype) -> None:
+    """rollout.old_logprobs sampler with the sampler and dtype the run resolved (auto may pick vLLM, model.dtype
+    auto bfloat16): refused in one line where the sampler's log-probs are not the trainer's to float rounding."""
+    if old_logprobs != "sampler":
+        return
+    if not sampler.scores_as_trainer:
+        raise ConfigError(f"rollout.old_logprobs sampler: this run samples with {sampler.name}, whose log-probs are "
+                          f"not the trainer's to float rounding; set rollout.sampler kv_loop or generate, or "
+                          f"rollout.old_logprobs trainer")
+    if dtype != torch.float32:
+        raise ConfigError(f"rollout.old_logprobs sampler: the policy loaded in {str(dtype).removeprefix('torch.')}, "
+                          f"whose sampled log-probs differ from the trainer's forward by more than float rounding; "
+                          f"set model.dtype float32 or rollout.old_logprobs trainer")
 
 
 def _partitioned_by_zero3(model) -> bool:

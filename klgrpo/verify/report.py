@@ -169,13 +169,15 @@ def format_migration(rows: list[MigrationCheck]) -> str:
 
 
 def format_sampler_mismatch(rows: list[SamplerMismatchCheck]) -> str:
-    head = (f"{'level':<8} {'estimator':<9} {'placement':<9} {'kl.is_correction':<20} {'sampler correction':<26} "
+    head = (f"{'level':<8} {'estimator':<9} {'placement':<9} {'kl.is_correction':<20} {'sampler correction':<29} "
             f"{'found':<8} {'declared':<8} {'ok':<4} {'|g|/|rev|':>9}")
     title = ("A sampler mu perturbed away from the policy (first update, pi_old == pi; expectations over mu's "
              "samples): which KL the gradient follows without and with rollout.sampler_correction (the weight "
-             "pi_old/mu on the policy and KL terms; exact per sequence, per token only at one position)")
+             "pi_old/mu on the policy and KL terms; exact per sequence, per token only at one position); and "
+             "with rollout.old_logprobs sampler (mu's log-probs as pi_old, the ratio pi/mu: no trainer forward) every "
+             "setting against what it declares for off-policy samples")
     return _table(title, head, [f"{r.level:<8} {r.estimator:<9} {r.placement:<9} {r.sampling:<20} "
-                                f"{r.correction:<26} {r.gradient_target:<8} {r.declared:<8} {_mark(r.passed):<4} "
+                                f"{r.correction:<29} {r.gradient_target:<8} {r.declared:<8} {_mark(r.passed):<4} "
                                 f"{r.norm_ratio:9.4f}" for r in rows])
 
 

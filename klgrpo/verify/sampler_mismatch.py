@@ -18,6 +18,11 @@ expectation is an exact sum over the outcomes weighted by the SAMPLER's probabil
 
 E_mu[v(y) g(y)] = E_pi_old[g(y)] for any g when v is the sequence's ratio: that is the exact weight; at one
 position the token's ratio is the sequence's. See docs/kl_guide.md, "A sampler that is not the policy".
+
+``rollout.old_logprobs sampler`` takes mu's log-probs as pi_old instead (no trainer forward): the policy ratio and
+the KL's weight become pi / mu, and the samples ARE the rollout policy's, so each setting must follow what it
+declares for off-policy samples (kl.is_correction in_graph, detached, none), checked for every estimator x
+placement x correction at both levels.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from klgrpo.math.kl import ESTIMATORS, PLACEMENTS
 from klgrpo.math.sampler_correction import SamplerCorrection
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.first_epoch import declared_first_epoch
@@ -84,6 +90,45 @@ def sequence_gradient(problem: sequence_toy.ToyProblem, estimator: str, placemen
     return flat_grad(objective, theta)
 
 
+#: The label of the rows where mu's log-probs are pi_old (rollout.old_logprobs sampler).
+OLD_FROM_SAMPLER = "old_logprobs sampler (pi/mu)"
+IS_CORRECTIONS = ("in_graph", "detached", "none")
+
+
+def old_from_sampler_gradient(level: str, problem, estimator: str, placement: str, is_correction: str) -> Tensor:
+    """E_mu[grad L] with pi_old = mu, the trainer's batch under rollout.old_logprobs sampler."""
+    if level == "token":
+        theta = problem.theta()
+        b = categorical.batch(problem, theta)
+        logp_BT, mu_BT, weights, mask, ref = b["logp_BT"], b["mu_logp_BT"], b["mu_B"], b["mask_BT"], b["ref_logp_BT"]
+    else:
+        toy = sequence_toy.TOY
+        theta = problem.params()
+        logp_BT, mu_BT, mask = toy.logp_BT(theta), toy.logp_BT(problem.mu_theta), toy.mask_BT
+        weights, ref = mu_BT.sum(-1).exp(), toy.logp_BT(problem.ref_theta)
+    objective = penalty_objective(logp_BT, ref, mask, weights, estimator, placement, f"off_policy_{is_correction}",
+                                  mu_logp_BT=mu_BT, sampler_logp_BT=mu_BT)
+    return flat_grad(objective, theta)
+
+
+def old_from_sampler_rows(cat: categorical.CategoricalProblem, toy: sequence_toy.ToyProblem,
+                          rtol: float = GRADIENT_RTOL) -> list[SamplerMismatchCheck]:
+    rows = []
+    for level, problem, kl in (("token", cat, categorical.kl_values_and_gradients(cat)),
+                               ("sequence", toy, sequence_toy.kl_values_and_gradients(toy))):
+        for estimator in ESTIMATORS:
+            for placement in PLACEMENTS:
+                for is_correction in IS_CORRECTIONS:
+                    sampling = f"off_policy_{is_correction}"
+                    g = old_from_sampler_gradient(level, problem, estimator, placement, is_correction)
+                    rows.append(gradient_check(g, kl, ESTIMATORS[estimator].gradient_target(placement, sampling,
+                                                                                            level),
+                                               rtol, check=SamplerMismatchCheck, correction=OLD_FROM_SAMPLER,
+                                               estimator=estimator, placement=placement, sampling=sampling,
+                                               level=level))
+    return rows
+
+
 def sampler_mismatch_rows(cat: categorical.CategoricalProblem, toy: sequence_toy.ToyProblem,
                           rtol: float = GRADIENT_RTOL) -> list[SamplerMismatchCheck]:
     levels = (("token", categorical_gradient, cat, categorical.kl_values_and_gradients(cat)),
@@ -99,7 +144,7 @@ def sampler_mismatch_rows(cat: categorical.CategoricalProblem, toy: sequence_toy
                                            check=SamplerMismatchCheck, correction=label, estimator=estimator,
                                            placement=placement, sampling=f"first_epoch_{is_correction}",
                                            level=level))
-    return rows
+    return rows + old_from_sampler_rows(cat, toy, rtol)
 
 
 def sequence_ratios_bind(toy: sequence_toy.ToyProblem, clip_max: float) -> bool:
