@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
     p.add_argument("--run", metavar="FOLDER", help="what a run's KL did, from its logs: a klgrpo run folder, a "
-                                                   "TRL output_dir / checkpoint-N folder, or a verl or OpenRLHF "
-                                                   "run's TensorBoard folder or W&B offline run")
+                                                   "TRL output_dir / checkpoint-N folder, or a verl, OpenRLHF, "
+                                                   "NeMo-RL or prime-rl run's TensorBoard folder or W&B offline run")
     p.add_argument("--config", metavar="FILE", help="with --run: the run's config, explained beside the logs "
                                                     "(default: a klgrpo run's config.yaml)")
     p.add_argument("--warn-above", type=float, help="with --run: the drifting band (default: kl.warn_above)")
@@ -258,7 +258,7 @@ def _config_file(path: str) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from klgrpo.apps.explain.run_logs import format_run, plot, read_run, summarise
+    from klgrpo.apps.explain.run_logs import TRACKER_KINDS, format_run, plot, read_run, summarise
     from klgrpo.config.schema import GRPOConfig
 
     log = read_run(args.run)
@@ -273,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         if log.kind == "trl":
             log.notes.append("training_args.bin is a pickle and is not read: pass --config FILE for the run's "
                              "settings")
-        elif log.kind in ("verl", "openrlhf"):
+        elif log.kind in TRACKER_KINDS:
             log.notes.append("the run's config is not in its logs: pass --config FILE (its launch script or "
                              "YAML) for the config's verdict")
     summary = summarise(log, settings, {"warn_above": args.warn_above, "warn_below": args.warn_below})
