@@ -346,3 +346,96 @@ def test_every_example_explains_and_the_docs_show_them_verbatim(tmp_path):
         if path.name != "unsloth_train.py":  # the docs name it; its verdict is unsloth_dynamic.yaml's (tested above)
             assert path.read_text().rstrip() in docs, path.name
     assert (ROOT / "docs" / "explain_run.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+# ------------------------------------------------------------------------------ refused settings and --version
+def _one_line_refusal(capsys, argv) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    return captured.err
+
+
+VERL_REWARD_KL = "algorithm:\n  adv_estimator: grpo\n  use_kl_in_reward: true\n  kl_ctrl:\n    kl_coef: {}\n"
+VERL_LOSS_KL = "actor_rollout_ref:\n  actor:\n    use_kl_loss: true\n    kl_loss_coef: 0.001\n    kl_loss_type: {}\n"
+
+
+@pytest.mark.parametrize("value, shown", [(".nan", "nan"), (".NaN", "nan"), (".inf", "inf"), ("-.inf", "-inf")])
+def test_a_verl_reward_kl_coefficient_that_is_no_finite_number_is_refused(tmp_path, capsys, value, shown):
+    (tmp_path / "cfg.yaml").write_text(VERL_REWARD_KL.format(value))
+    err = _one_line_refusal(capsys, [str(tmp_path / "cfg.yaml")])
+    assert f"algorithm.kl_ctrl.kl_coef must be a finite number, got {shown}" in err, err
+
+
+@pytest.mark.parametrize("value", ["nan", ".inf"])
+def test_a_verl_launch_script_coefficient_that_is_no_finite_number_is_refused(tmp_path, capsys, value):
+    (tmp_path / "run.sh").write_text("python3 -m verl.trainer.main_ppo \\\n  algorithm.adv_estimator=grpo \\\n"
+                                     f"  actor_rollout_ref.actor.use_kl_loss=True \\\n"
+                                     f"  actor_rollout_ref.actor.kl_loss_coef={value}\n")
+    err = _one_line_refusal(capsys, [str(tmp_path / "run.sh")])
+    assert "line 1: actor_rollout_ref.actor.kl_loss_coef must be a" in err, err
+
+
+@pytest.mark.parametrize("key, text", [
+    ("actor_rollout_ref.actor.kl_loss_type", VERL_LOSS_KL.format("bogus")),
+    ("algorithm.kl_penalty", "algorithm:\n  adv_estimator: grpo\n  use_kl_in_reward: true\n  kl_penalty: bogus\n"),
+])
+def test_an_unknown_verl_kl_type_names_the_value_and_the_accepted_ones(tmp_path, capsys, key, text):
+    (tmp_path / "cfg.yaml").write_text(text)
+    err = _one_line_refusal(capsys, [str(tmp_path / "cfg.yaml")])
+    assert f"{key} 'bogus' is no KL type of any verl release" in err, err
+    assert all(name in err for name in ("kl, abs, mse", "low_var_kl", "k3+")), err
+
+
+def test_a_verl_kl_type_of_another_release_names_that_releases_types(tmp_path, capsys):
+    (tmp_path / "cfg.yaml").write_text(VERL_LOSS_KL.format("k3+"))
+    err = _one_line_refusal(capsys, [str(tmp_path / "cfg.yaml"), "--version", "verl==0.3"])
+    assert "kl_loss_type 'k3+' is not a KL type of verl >= 0.2, < 0.4.0 (it has: kl, abs, mse, low_var_kl, full)" in err
+
+
+TRL_SCRIPT = "from trl import GRPOConfig\nconfig = GRPOConfig(beta=0.04)\n"
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("trl==0.18;trl==0.19", "trl==0.18,==0.19"),
+    ("trl>=0.20,<0.19", "trl>=0.20,<0.19"),
+    ("trl==0.18,!=0.18", "trl==0.18,!=0.18"),
+    ("trl==0.18.1 trl!=0.18", "trl==0.18.1,!=0.18"),
+    ("nemo_rl==0.5.0;nemo_rl==0.6.0", "nemo_rl==0.5.0,==0.6.0"),
+])
+def test_a_version_spec_no_release_satisfies_is_refused(tmp_path, capsys, spec, said):
+    (tmp_path / "train.py").write_text(TRL_SCRIPT)
+    err = _one_line_refusal(capsys, [str(tmp_path / "train.py"), "--version", spec])
+    assert f"--version {spec}: no {said.split('=')[0].rstrip('<>!~')} release satisfies {said}" in err, err
+
+
+@pytest.mark.parametrize("spec", ["trl>=0.18,<0.20", "trl==0.18;trl>=0.18", "trl>=0.19,<=0.19", "trl==0.18,!=0.18.0"])
+def test_a_version_spec_some_release_satisfies_is_read(tmp_path, spec):
+    (tmp_path / "train.py").write_text(TRL_SCRIPT)
+    assert _report(tmp_path, tmp_path / "train.py", "--version", spec)["source"] == "trl"
+
+
+@pytest.mark.parametrize("spec", ["trl==" + "1" * 5000, "trl==0.18;" + "x" * 300])
+def test_a_version_spec_no_file_can_be_named_by_is_one_line(tmp_path, capsys, spec):
+    (tmp_path / "train.py").write_text(TRL_SCRIPT)
+    err = _one_line_refusal(capsys, [str(tmp_path / "train.py"), "--version", spec])
+    assert len(err) < 400 and "--version trl==" in err, err
+
+
+def _notebook(path, *cells):
+    path.write_text(json.dumps({"cells": list(cells), "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    return str(path)
+
+
+@pytest.mark.parametrize("source, shown", [
+    (42, "int 42"), ({"code": "x = 1"}, "dict {'code': 'x = 1'}"), (["x = 1\n", 5], "list ['x = 1\\n', 5]"),
+    (None, "NoneType None"), ([["nested"]], "list [['nested']]"), (list(range(100)), "list [0, 1, 2,"),
+])
+def test_a_notebook_cell_whose_source_is_not_text_is_one_line_naming_the_cell(tmp_path, capsys, source, shown):
+    # cells: a markdown cell, a good code cell, then the bad one: the second code cell
+    path = _notebook(tmp_path / "nb.ipynb", {"cell_type": "markdown", "metadata": {}, "source": ["# title"]},
+                     {"cell_type": "code", "metadata": {}, "outputs": [], "source": ["from trl import GRPOConfig\n"]},
+                     {"cell_type": "code", "metadata": {}, "outputs": [], "source": source})
+    err = _one_line_refusal(capsys, [path])
+    assert f"nb.ipynb: code cell 2: its source is {shown}" in err and "not text" in err, err
+    assert len(err) < 300, err  # a long source is shown cut

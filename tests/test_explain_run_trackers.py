@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -239,3 +240,119 @@ def test_bad_tracker_folders_are_one_line(tmp_path, capsys, setup, message):
 def _touch(path):
     path.write_bytes(b"")
     return path
+
+
+# ----------------------------------------------------------------------------------------------- NeMo-RL, prime-rl
+def _nemo_rl_rows(kl_values, gen_kl=0.0009765625):
+    """What NeMo-RL's grpo_train logs through Logger.log_metrics(metrics, total_steps + 1, prefix="train"): the
+    loss function's kl_penalty, approx_entropy, gen_kl_error, token_mult_prob_error, probs_ratio_clamped
+    (ClippedPGLossFn), grpo.py's reward and loss; validation/ and timing/ beside them."""
+    return [(step, {"train/kl_penalty": kl, "train/reward": step / 64, "train/loss": -0.25,
+                    "train/approx_entropy": 1.5, "train/gen_kl_error": gen_kl, "train/token_mult_prob_error": 1.0,
+                    "train/probs_ratio_clamped": 1.0, "timing/train/total_step_time": 12.0})
+            for step, kl in enumerate(kl_values, 1)]
+
+
+def test_a_nemo_rl_tensorboard_folder(tmp_path, capsys):
+    # NeMo-RL's layout: <logger.log_dir>/exp_NNN/tensorboard/events.out.tfevents.* (logger.tensorboard_enabled)
+    kl = [0.125] * 20 + [0.5] * 20
+    _tensorboard(tmp_path / "logs" / "exp_001" / "tensorboard", [(0, {"validation/accuracy": 0.25})]
+                 + _nemo_rl_rows(kl))
+    out = tmp_path / "run.json"
+    assert main(["--run", str(tmp_path / "logs"), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["kind"] == "nemo_rl" and summary["kl"]["metric"] == "train/kl_penalty"
+    assert summary["kl"]["to"] == "reference" and summary["bands"]["judged"] is True
+    assert summary["bands"]["windows"] == [{"band": "drifting", "first_step": 21, "last_step": 40, "mean": 0.5}]
+    assert summary["reward"]["metric"] == "train/reward" and summary["reward"]["last"] == {"step": 40,
+                                                                                          "value": 40 / 64}
+    assert summary["entropy"]["metric"] == "train/approx_entropy" and summary["beta"] is None
+    assert summary["clip_ratio"] is None  # NeMo-RL logs no clip fraction
+    printed = capsys.readouterr().out
+    assert ": NeMo-RL run (" in printed and "steps 21-40 drifting (mean 0.5)" in printed
+    assert "NeMo-RL's is loss_fn.reference_policy_kl_penalty" in printed
+    assert "train/gen_kl_error, train/policy_kl_error and train/js_divergence_error compare the sampler's" in printed
+
+
+def test_a_nemo_rl_run_without_a_kl_term_logs_no_kl(tmp_path, capsys):
+    # reference_policy_kl_penalty 0: ClippedPGLossFn logs kl_penalty 0 at every step, which is no measured KL
+    _tensorboard(tmp_path / "tb", _nemo_rl_rows([0.0] * 5))
+    assert main(["--run", str(tmp_path / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "logs no KL (train/kl_penalty (not 0 throughout))" in err, err
+    # one step with a KL is a KL: the zeros around it are read as the log's numbers
+    _tensorboard(tmp_path / "tb2", _nemo_rl_rows([0.0, 0.0, 0.25]))
+    out = tmp_path / "run.json"
+    assert main(["--run", str(tmp_path / "tb2"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kl"]["points"] == 3
+
+
+def _prime_rl_file_rows(mismatch_kl_values):
+    """prime-rl's trainer (src/prime_rl/trainer/rl/train.py) calls monitor.log five times a step: perf/, optim/,
+    the tensor stats (loss/mean, entropy/all/mean, mismatch_kl/all/mean and /max, is_masked/mean, ...), time/ and
+    disk metrics; its FileMonitor writes each as {"step": step, "time": wall, **metrics} (the metrics hold "step"
+    too), leaving NaN out."""
+    rows = []
+    for step, kl in enumerate(mismatch_kl_values, 1):
+        stats = {"loss/mean": 0.01, "entropy/all/mean": 0.75, "entropy/all/std": 0.5, "is_masked/mean": 0.0625,
+                 "is_masked/max": 1.0, "step": step}
+        if kl is not None:
+            stats.update({"mismatch_kl/all/mean": kl, "mismatch_kl/all/max": 4 * kl})
+        for metrics in ({"perf/throughput": 1e4, "perf/mfu": 30.0, "step": step},
+                        {"optim/lr": 1e-6, "optim/zero_grad_ratio": 0.0, "optim/grad_norm": 0.5, "step": step},
+                        stats, {"time/step": 20.0, "step": step}):
+            rows.append({"step": step, "time": 1.7e9 + step, **metrics})
+    return rows
+
+
+def test_a_prime_rl_metrics_jsonl_is_read_as_a_kl_to_the_sampler(tmp_path, capsys):
+    run = tmp_path / "outputs"
+    run.mkdir()
+    values = [0.0009765625] * 39 + [None]  # 2^-10, below warn_below: a reference KL this small would be judged
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _prime_rl_file_rows(values)))
+    out = tmp_path / "run.json"
+    assert main(["--run", str(run), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["kind"] == "prime_rl" and summary["kl"]["metric"] == "mismatch_kl/all/mean"
+    assert summary["kl"]["to"] == "sampler" and summary["kl"]["points"] == 39
+    # a KL to the sampler is not the KL the bands are for: no window judged (not "not learning" from step 21)
+    assert summary["bands"]["judged"] is False and summary["bands"]["windows"] == []
+    assert summary["entropy"]["metric"] == "entropy/all/mean" and summary["clip_ratio"]["metric"] == "is_masked/mean"
+    assert summary["reward"] is None and summary["beta"] is None
+    printed = capsys.readouterr().out
+    assert ": prime-rl trainer run (" in printed and "KL to the sampler, not to a reference (mismatch_kl/all/mean)" in (
+        printed)
+    assert "none judged: the bands judge a KL to the reference model, this log's is to the sampler" in printed
+    assert "leaves NaN and infinite values out of metrics.jsonl" in printed
+    assert "the reward is in the orchestrator's log" in printed
+
+
+def test_the_frameworks_are_told_by_their_own_names():
+    from klgrpo.apps.explain.tracker_logs import framework
+
+    where = Path("log")
+    assert framework([{"step": 1, "train/kl_penalty": 0.1, "train/reward": 0.5}], where) == "nemo_rl"
+    assert framework([{"step": 1, "train/kl": 0.1, "train/policy_loss": 0.5, "train/reward": 0.5}], where) == (
+        "openrlhf")
+    assert framework([{"step": 1, "mismatch_kl/mean": 0.1}], where) == "prime_rl"  # prime-rl 0.2 - 0.5
+    assert framework([{"step": 1, "mismatch_kl/all/mean": 0.1}], where) == "prime_rl"  # 0.6 on
+
+
+def test_a_prime_rl_wandb_row_takes_prime_rls_own_step():
+    # prime-rl: define_metric("*", step_metric="step") and five wandb.log calls a step: W&B's _step counts calls
+    line = '{"num":40,"type":"history","history":{"item":{"_step":9,"step":2,"mismatch_kl/all/mean":0.001}}}'
+    assert _history_row(line)["step"] == 2
+
+
+def test_a_nemo_rl_wandb_run_is_found_four_folders_down(tmp_path, capsys, monkeypatch):
+    # NeMo-RL's WandbLogger: wandb.init(dir=<log_dir>/exp_NNN/wandb), which writes its own wandb/offline-run-*/
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    run = tmp_path / "logs" / "exp_001" / "wandb" / "wandb" / "offline-run-20260101_000000-abc"
+    (run / "files").mkdir(parents=True)
+    (run / "run-abc.wandb").write_bytes(b"not read without wandb")
+    (run / "files" / "wandb-summary.json").write_text(json.dumps({"train/kl_penalty": 0.125, "_step": 9}))
+    assert main(["--run", str(tmp_path / "logs")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run / 'run-abc.wandb'} is a W&B offline run" in err, err
+    assert "holds only the last values (train/kl_penalty 0.125)" in err

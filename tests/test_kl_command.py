@@ -118,3 +118,39 @@ def test_a_model_against_itself_is_zero_and_the_cli_prints_and_writes(model_pair
     assert "mean entropy per token at these prefixes (nats): policy " in text
     assert cli(["kl", policy, policy, "--prompts", prompts, "--samples", "0"]) == 2
     assert "--samples must be >= 1" in capsys.readouterr().err
+
+
+def test_the_default_length_is_what_the_context_leaves_after_the_longest_prompt(model_pair, tmp_path, capsys):
+    """The tiny model's context is 32 positions: the default completion length is 32 minus the longest prompt's
+    tokens (64 would not fit); a length given is kept; a prompt that fills the context is one line, exit 2."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    policy, reference, prompts = model_pair
+    context = AutoConfig.from_pretrained(policy).max_position_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    longest = max(len(tokenizer(json.loads(line)["prompt"])["input_ids"]) for line in open(prompts))
+    assert context == 32 and 0 < context - longest < kl_app.DEFAULT_MAX_NEW_TOKENS
+    out = tmp_path / "kl.json"
+    assert cli(["kl", policy, reference, "--prompts", prompts, "--samples", "1", "--device", "cpu",
+                "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["max_new_tokens"], report["max_new_tokens_from"]) == (context - longest, "context")
+    assert f"up to {context - longest} tokens (what the model's context leaves" in capsys.readouterr().out
+    assert cli(["kl", policy, reference, "--prompts", prompts, "--samples", "1", "--device", "cpu",
+                "--max-new-tokens", "3", "--json", str(out), "--overwrite"]) == 0
+    report = json.loads(out.read_text())
+    assert (report["max_new_tokens"], report["max_new_tokens_from"]) == (3, "--max-new-tokens")
+    capsys.readouterr()
+    too_long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "1+2="}, {"prompt": "1" * 40}])
+    assert cli(["kl", policy, reference, "--prompts", str(too_long), "--device", "cpu"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"klgrpo kl: error: prompt 1 of {too_long} has ")
+    assert "max_position_embeddings" in err[0]
+
+
+def test_the_help_states_how_the_default_length_is_derived(capsys):
+    with pytest.raises(SystemExit):
+        cli(["kl", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default {kl_app.DEFAULT_MAX_NEW_TOKENS}, or what POLICY's context leaves after the longest prompt" in text
+    assert "max_position_embeddings" in text

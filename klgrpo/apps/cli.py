@@ -12,6 +12,7 @@ import warnings
 from importlib import import_module
 
 from klgrpo.apps.commands import COMMANDS
+from klgrpo.apps.library_noise import silence_known_library_noise
 from klgrpo.errors import KLGRPOError, KLGRPOWarning
 
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = import_module(COMMANDS[name][0])
     _print_klgrpo_warnings_as_lines()
+    silence_known_library_noise()  # a few named lines of transformers and DeepSpeed; every other warning prints
     try:
         return int(module.main(rest) or 0)
     except KLGRPOError as exc:  # bad input: one line naming the fix, no traceback

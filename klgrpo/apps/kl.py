@@ -28,6 +28,8 @@ from klgrpo.backends.hf import DTYPE_NAMES
 from klgrpo.errors import ConfigError
 
 ESTIMATES = ("full", "k1", "k2", "k3")
+#: --max-new-tokens when the policy's context has room for it after the longest prompt (else that room)
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-column", default="prompt", help="column holding the prompt (default prompt)")
     p.add_argument("--limit", type=whole_number, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--samples", type=whole_number, default=4, help="completions sampled per prompt (default 4)")
-    p.add_argument("--max-new-tokens", type=whole_number, default=64, help="completion length limit (default 64)")
+    p.add_argument("--max-new-tokens", type=whole_number, default=None,
+                   help=f"completion length limit (default {DEFAULT_MAX_NEW_TOKENS}, or what POLICY's context leaves "
+                        f"after the longest prompt when that is less: max_position_embeddings minus its tokens)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature; both models' distributions are taken at it (default 1)")
     p.add_argument("--as-chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
@@ -72,7 +76,7 @@ def main(argv: list[str]) -> int:
 def _check_numbers(args) -> None:
     for name, value, low in (("--samples", args.samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--limit", args.limit, 0)):
-        if value < low:
+        if value is not None and value < low:  # --max-new-tokens None: derived from the context (later)
             raise ConfigError(f"{name} must be >= {low}, got {value}")
     if not args.temperature > 0:
         raise ConfigError(f"--temperature must be > 0, got {args.temperature}")
@@ -99,6 +103,7 @@ def measure(args) -> dict:
                           f"vs {ref_model.get_output_embeddings().weight.shape[0]} outputs): the KL needs one "
                           f"tokenizer")
     data = load_prompts(args.prompts, prompt_column=args.prompt_column, limit=args.limit or None, field="--prompts")
+    given = args.max_new_tokens is not None
     _check_prompts_fit(policy, tokenizer, ref_tokenizer, data.prompts, args)
     reference = FrozenCopyReference(ref_model)
     torch.manual_seed(args.seed)
@@ -117,6 +122,8 @@ def measure(args) -> dict:
     report = {
         "policy": args.policy, "reference": args.reference, "prompts_file": args.prompts,
         "prompts": len(data.prompts), "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens_from": "--max-new-tokens" if given else (
+            "default" if args.max_new_tokens == DEFAULT_MAX_NEW_TOKENS else "context"),
         "temperature": args.temperature, "seed": args.seed, "sequences": len(data.prompts) * args.samples,
         "tokens": tokens,
         "per_token": {n: _spread(torch.cat(per_token[n])) for n in ESTIMATES},
@@ -132,6 +139,8 @@ def _check_prompts_fit(policy, tokenizer, ref_tokenizer, prompts: list, args) ->
     from klgrpo.core.rollout import context_overflow, encode_prompts
 
     texts = encode_prompts(tokenizer, prompts, args.system_prompt, args.as_chat)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = _default_max_new_tokens(policy, tokenizer, texts, args.prompts)
     for text in texts:
         ids, ref_ids = tokenizer(text)["input_ids"], ref_tokenizer(text)["input_ids"]
         if ids != ref_ids:
@@ -143,6 +152,22 @@ def _check_prompts_fit(policy, tokenizer, ref_tokenizer, prompts: list, args) ->
                           f"tokens, and with the completion it needs more positions than the model's context of "
                           f"{over[2]} (max_position_embeddings); lower --max-new-tokens to at most "
                           f"{over[2] - over[1]}")
+
+
+def _default_max_new_tokens(policy, tokenizer, texts: list[str], prompts_file: str) -> int:
+    """DEFAULT_MAX_NEW_TOKENS, or the positions the policy's context (max_position_embeddings) leaves after the
+    longest prompt when that is less (the demo model's context is 32); a prompt that fills the context is
+    refused in one line."""
+    from klgrpo.core.rollout import context_overflow
+
+    if (over := context_overflow(policy, tokenizer, texts, DEFAULT_MAX_NEW_TOKENS)) is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    index, tokens, context = over
+    if tokens >= context:
+        raise ConfigError(f"prompt {index} of {prompts_file} has {tokens} tokens, and the model's context is "
+                          f"{context} (max_position_embeddings): no position is left for a completion; shorten "
+                          f"that prompt or leave it out")
+    return context - tokens
 
 
 @torch.no_grad()
@@ -179,10 +204,16 @@ def _mean_std_sem(values: torch.Tensor) -> dict[str, float]:
     return {"mean": float(values.mean()), "std": std, "sem": std / math.sqrt(n) if n > 1 else math.nan}
 
 
+def _length_note(r: dict) -> str:
+    return " (what the model's context leaves after the longest prompt)" \
+        if r.get("max_new_tokens_from") == "context" else ""
+
+
 def format_report(r: dict) -> str:
     head = (f"KL(policy || reference): {r['policy']} vs {r['reference']}\n"
             f"{r['prompts']} prompts x {r['samples_per_prompt']} completions sampled from the policy (temperature "
-            f"{r['temperature']:g}, up to {r['max_new_tokens']} tokens, seed {r['seed']}): {r['tokens']} tokens\n"
+            f"{r['temperature']:g}, up to {r['max_new_tokens']} tokens{_length_note(r)}, seed {r['seed']}): "
+            f"{r['tokens']} tokens\n"
             f"full = exact over the vocabulary at each sampled prefix; k1/k2/k3 = one-sample estimates of the "
             f"sampled token\n")
     cols = f"{'':<5} {'per token':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'min':>10} {'max':>10}   " \

@@ -96,19 +96,21 @@ def run_lines(summary: Mapping, lora: str | None = None) -> list[str]:
     return lines
 
 
-#: What the run folder line lists, each where the run wrote it (checkpoints/: none before the first save).
-RUN_RECORDS = ("summary.json", "metrics.jsonl", "config.yaml", "checkpoints/")
 #: model.lora.save_merged's folder in the run folder (klgrpo/run/loop.py exports it there).
 MERGED_DIR = "merged"
 
 
 def where_lines(run_dir) -> list[str]:
-    """The run folder and, only where the run wrote them, its plots, TensorBoard logs and merged LoRA model."""
+    """The run folder with the records it holds (no checkpoints/ before the first save) and, only where the run
+    wrote them, its plots, TensorBoard logs and merged LoRA model."""
     from klgrpo.run.report import PLOT_FILES, PLOTS_DIR
     from klgrpo.run.trackers import TB_DIR
+    from klgrpo.store.checkpoint import CHECKPOINTS_DIR
+    from klgrpo.store.run_folder import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
 
     run_dir = Path(run_dir)
-    held = [name for name in RUN_RECORDS if (run_dir / name.rstrip("/")).exists()]
+    records = (SUMMARY_FILE, METRICS_FILE, CONFIG_FILE, f"{CHECKPOINTS_DIR}/")
+    held = [name for name in records if (run_dir / name.rstrip("/")).exists()]
     lines = [f"  run folder   {run_dir}" + (f"  ({', '.join(held)})" if held else "")]
     if any((run_dir / PLOTS_DIR / name).is_file() for name in PLOT_FILES):
         lines.append(f"  plots        {run_dir / PLOTS_DIR}  (redraw: klgrpo report {run_dir})")

@@ -26,6 +26,9 @@ from klgrpo.apps.explain.trl_fields import TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError, KLGRPOError
 
 STRICT_EXIT = 3
+#: A --version SPEC is a few clauses (``unsloth==2025.9.1;trl==0.22``); one longer than the longest file name most
+#: systems allow (NAME_MAX) that names no file is neither.
+MAX_VERSION_SPEC = 255
 #: The frameworks whose releases --version may name, per format.
 RELEASES_OF = {"trl": ("trl",), "adaptive_kl": ("trl",), "unsloth": ("unsloth", "trl"), "verl": ("verl",),
                "openrlhf": ("openrlhf",), "nemo_rl": ("nemo_rl",),
@@ -54,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help=f"exit {STRICT_EXIT} when the token-level on-policy gradient does not follow the reverse KL")
     p.add_argument("--run", metavar="FOLDER", help="what a run's KL did, from its logs: a klgrpo run folder, a "
-                                                   "TRL output_dir / checkpoint-N folder, or a verl or OpenRLHF "
-                                                   "run's TensorBoard folder or W&B offline run")
+                                                   "TRL output_dir / checkpoint-N folder, or a verl, OpenRLHF, "
+                                                   "NeMo-RL or prime-rl run's TensorBoard folder or W&B offline run")
     p.add_argument("--config", metavar="FILE", help="with --run: the run's config, explained beside the logs "
                                                     "(default: a klgrpo run's config.yaml)")
     p.add_argument("--warn-above", type=float, help="with --run: the drifting band (default: kl.warn_above)")
@@ -181,16 +184,60 @@ def _stated_by(option: str) -> dict[str, Any]:
     pyproject.toml, requirements.txt)."""
     from klgrpo.integrations.versions import parse_option, stated_in
 
-    if not Path(option).is_file():
+    if not _names_a_file(option):
         from klgrpo.apps.explain.frameworks import split_option
 
+        if len(option) > MAX_VERSION_SPEC:
+            raise ConfigError(f"--version {option[:40]}... is {len(option)} characters and names no file: pass a "
+                              "release spec of a few clauses (e.g. --version trl==0.18 or 'unsloth==2025.9.1;"
+                              "trl==0.22') or a file that pins it (setup.py, requirements.txt)")
         rest, own = split_option(option)
-        return {**(parse_option(rest) if rest else {}), **own}
+        clauses = {**(parse_option(rest) if rest else {}), **own}
+        for framework, said in clauses.items():
+            _check_satisfiable(option, framework, said)
+        return clauses
     found = stated_in(read_text(option)[0])
     if not found:
         raise ConfigError(f"--version {option}: the file pins no TRL, Unsloth, verl or OpenRLHF release (trl==X, "
                           "verl==X, trl @ git+...@TAG or a commit explain knows); pass --version trl==X")
     return found
+
+
+def _names_a_file(option: str) -> bool:
+    """Whether --version's text is a file's path; a text no file can be named by (too long, a NUL) is none."""
+    try:
+        return Path(option).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _comparable(version: tuple[int, ...]) -> tuple[int, ...]:
+    return version + (0,) * (4 - len(version))  # a post release's fourth part after its release
+
+
+def _check_satisfiable(option: str, framework: str, clauses: list) -> None:
+    """Refuse --version clauses for one framework that no release satisfies together (``trl==0.18;trl==0.19``,
+    ``trl>=0.20,<0.19``, ``trl==0.18,!=0.18``): each range would allow one clause or another, and the verdict
+    would be of a release the user did not name."""
+    from klgrpo.integrations.versions import Constraint, release_label
+
+    low, high, excluded = (0,), None, []
+    for clause in clauses:
+        if clause.op == "!=":  # the releases ==X names, taken out
+            excluded.append(Constraint("==", clause.version).interval())
+            continue
+        bounds = clause.interval()
+        low = max(low, bounds[0], key=_comparable)
+        high = bounds[1] if high is None else high if bounds[1] is None else min(high, bounds[1], key=_comparable)
+    empty = high is not None and _comparable(low) >= _comparable(high)
+    for out_low, out_high in excluded:
+        empty = empty or (high is not None and _comparable(out_low) <= _comparable(low)
+                          and _comparable(high) <= _comparable(out_high))
+    if empty:
+        said = ",".join(map(str, clauses))
+        raise ConfigError(f"--version {option}: no {framework} release satisfies {framework}{said} (its clauses "
+                          f"exclude each other); name one release, e.g. --version "
+                          f"{framework}=={release_label(clauses[0].version)}")
 
 
 def group_by_verdict(reports: list[tuple[Any, dict[str, Any]]]) -> list[tuple[list[Any], dict[str, Any]]]:
@@ -211,7 +258,7 @@ def _config_file(path: str) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from klgrpo.apps.explain.run_logs import format_run, plot, read_run, summarise
+    from klgrpo.apps.explain.run_logs import TRACKER_KINDS, format_run, plot, read_run, summarise
     from klgrpo.config.schema import GRPOConfig
 
     log = read_run(args.run)
@@ -226,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         if log.kind == "trl":
             log.notes.append("training_args.bin is a pickle and is not read: pass --config FILE for the run's "
                              "settings")
-        elif log.kind in ("verl", "openrlhf"):
+        elif log.kind in TRACKER_KINDS:
             log.notes.append("the run's config is not in its logs: pass --config FILE (its launch script or "
                              "YAML) for the config's verdict")
     summary = summarise(log, settings, {"warn_above": args.warn_above, "warn_below": args.warn_below})

@@ -1,15 +1,17 @@
 """``klgrpo explain --run FOLDER``: what a run's KL actually did, from its logs.
 
-Four kinds of folder: a klgrpo run (``metrics.jsonl``, and the ``config.yaml`` it ran with), a TRL
-``output_dir`` or ``checkpoint-N`` folder (``trainer_state.json``'s ``log_history``; of an ``output_dir`` without
-one, the newest checkpoint's), and a verl or OpenRLHF run's TensorBoard event files or W&B offline run
+Four kinds of folder: a klgrpo run (``metrics.jsonl``, and the ``config.yaml`` it ran with; a prime-rl file
+monitor's ``metrics.jsonl`` is told by its names), a TRL ``output_dir`` or ``checkpoint-N`` folder
+(``trainer_state.json``'s ``log_history``; of an ``output_dir`` without one, the newest checkpoint's), and a
+verl, OpenRLHF, NeMo-RL or prime-rl run's TensorBoard event files or W&B offline run
 (klgrpo.apps.explain.tracker_logs), told apart by the metric names they log. TRL's ``training_args.bin`` is a
 pickle: it is never read, so a TRL run's config comes only from ``--config``.
 
 The KL's windows are judged as the trainer's KL watch judges them (klgrpo.run.kl_watch): consecutive windows of
 ``kl.warn_window`` logged steps; "drifting" when a window's mean is above ``kl.warn_above`` and above the previous
-window's, "not learning" when it is below ``kl.warn_below`` from the second window on. Every value printed or
-written is the log's own number.
+window's, "not learning" when it is below ``kl.warn_below`` from the second window on; only a KL to the reference
+model is judged (prime-rl logs a KL to the sampler). Every value printed or written is the log's own number;
+where a log is damaged or holds NaN / inf, the report says where and which.
 """
 
 from __future__ import annotations
@@ -43,11 +45,25 @@ SERIES = {
              "entropy": ("actor/entropy", "actor/entropy_loss")},
     "openrlhf": {"kl": ("train/kl",), "beta": (), "reward": ("train/reward",), "clip_ratio": ("train/ppo_clip_ratio",),
                  "entropy": ("train/entropy_loss",)},
+    # NeMo-RL logs no clip fraction (train/probs_ratio_clamped is the mean clamped ratio) and no beta
+    "nemo_rl": {"kl": ("train/kl_penalty",), "beta": (), "reward": ("train/reward",), "clip_ratio": (),
+                "entropy": ("train/approx_entropy",)},
+    # prime-rl's trainer: its only KL is to the sampler; the reward is in the orchestrator's log
+    "prime_rl": {"kl": ("mismatch_kl/all/mean", "mismatch_kl/mean"), "beta": (), "reward": (),
+                 "clip_ratio": ("is_masked/mean",), "entropy": ("entropy/all/mean", "entropy/mean")},
 }
+#: What each kind's KL metric is a KL to: the KL watch's bands judge a KL to the reference model only.
+KL_TO = {"prime_rl": "sampler"}
 #: A metric that holds the KL only where its companion is logged beside it: verl's actor logs actor/kl_loss as 0.0
 #: when use_kl_loss is off (from 0.7) and actor/kl_coef only when it is on.
 NEEDS = {"actor/kl_loss": "actor/kl_coef"}
-KIND_NAMES = {"klgrpo": "klgrpo run", "trl": "TRL run", "verl": "verl run", "openrlhf": "OpenRLHF run"}
+#: A metric that holds the KL only where some logged value is not 0: NeMo-RL's loss logs kl_penalty as 0 when
+#: loss_fn.reference_policy_kl_penalty is 0 (no KL term; from 0.7.0 also with use_kl_in_reward).
+ZERO_IS_NONE = ("train/kl_penalty",)
+KIND_NAMES = {"klgrpo": "klgrpo run", "trl": "TRL run", "verl": "verl run", "openrlhf": "OpenRLHF run",
+              "nemo_rl": "NeMo-RL run", "prime_rl": "prime-rl trainer run"}
+#: The tracker-logged kinds, whose config is not in their logs.
+TRACKER_KINDS = ("verl", "openrlhf", "nemo_rl", "prime_rl")
 TRL_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -75,11 +91,16 @@ def read_run(folder: str) -> RunLog:
     path = Path(folder)
     if not path.is_dir():
         raise ConfigError(f"{folder} is not a folder; --run reads a klgrpo run folder (metrics.jsonl), a TRL "
-                          f"output_dir / checkpoint-N folder ({TRL_STATE}), or a verl or OpenRLHF run's TensorBoard "
-                          "folder or W&B offline run folder")
+                          f"output_dir / checkpoint-N folder ({TRL_STATE}), or a verl, OpenRLHF, NeMo-RL or prime-rl "
+                          "run's TensorBoard folder or W&B offline run folder")
     if _present(path / "metrics.jsonl"):
         metrics = path / "metrics.jsonl"
         rows = _klgrpo_rows(metrics, folder)
+        if _is_prime_rl_file(rows):
+            log = RunLog(folder, "prime_rl", metrics, rows, damage=_cut_last_line(metrics, rows))
+            log.notes.append("prime-rl's file monitor leaves NaN and infinite values out of metrics.jsonl: a step "
+                             "without a value may have logged one")
+            return _prime_rl_notes(log)
         log = RunLog(folder, "klgrpo", metrics, rows, damage=_cut_last_line(metrics, rows))
         if (path / "config.yaml").is_file():
             log.config_file = path / "config.yaml"
@@ -91,7 +112,7 @@ def read_run(folder: str) -> RunLog:
     if found is None:
         raise ConfigError(f"{folder} holds neither metrics.jsonl (a klgrpo run), {TRL_STATE} (a TRL output_dir or "
                           f"checkpoint-N folder), TensorBoard event files ({tracker_logs.EVENT_PREFIX}*) nor a W&B "
-                          "run (run-*.wandb) of verl or OpenRLHF; pass the run's folder")
+                          "run (run-*.wandb) of verl, OpenRLHF, NeMo-RL or prime-rl; pass the run's folder")
     return _tracker_log(folder, *found)
 
 
@@ -100,7 +121,7 @@ def _tracker_log(folder: str, source: str, files: list[Path]) -> RunLog:
     if source == "tensorboard":
         rows, damage = tracker_logs.tensorboard_rows(files)
     else:
-        rows = tracker_logs.wandb_rows(files[0], tuple(dict.fromkeys(n for k in ("verl", "openrlhf")
+        rows = tracker_logs.wandb_rows(files[0], tuple(dict.fromkeys(n for k in TRACKER_KINDS
                                                                      for n in SERIES[k]["kl"])))
     kind = tracker_logs.framework(rows, files[0].parent, _damage_clause(damage))
     log = RunLog(folder, kind, files[0] if source == "wandb" else files[0].parent, rows, damage=damage)
@@ -110,6 +131,33 @@ def _tracker_log(folder: str, source: str, files: list[Path]) -> RunLog:
     if kind == "openrlhf":
         log.notes.append("beta is not logged: OpenRLHF's beta is --algo.kl.init_coef (adaptive with "
                          "--algo.kl.target)")
+    if kind == "nemo_rl":
+        log.notes.append("beta is not logged: NeMo-RL's is loss_fn.reference_policy_kl_penalty; train/kl_penalty "
+                         "is the loss's KL term divided by it (reference_policy_kl_type's estimate, to the "
+                         "reference), summed over the step's global batches (train_global_batch_size): with "
+                         "several, the logged value is that many times their mean KL")
+        if any("train/gen_kl_error" in row for row in rows):
+            log.notes.append("train/gen_kl_error, train/policy_kl_error and train/js_divergence_error compare the "
+                             "sampler's log-probs with the trainer's (the generation mismatch), not the policy "
+                             "with the reference")
+    if kind == "prime_rl":
+        _prime_rl_notes(log)
+    return log
+
+
+def _is_prime_rl_file(rows: list[dict]) -> bool:
+    """A metrics.jsonl of prime-rl's file monitor ({"step", "time", **metrics}), told by prime-rl's names, holding
+    none of klgrpo's KL names."""
+    names = set().union(*rows) if rows else set()
+    return not names & set(SERIES["klgrpo"]["kl"]) and bool(names & set(tracker_logs.FRAMEWORK_TAGS["prime_rl"]))
+
+
+def _prime_rl_notes(log: RunLog) -> RunLog:
+    log.notes += ["prime-rl's loss has no KL to a reference model: mismatch_kl is the KL between the inference "
+                  "policy that sampled the batch and the trainer's (k3 of log(pi_trainer / pi_inference) per "
+                  "token), a measure of the sampler's mismatch; no band is judged on it",
+                  "beta is not logged: trainer.loss.kl_tau weighs prime-rl's log-ratio term to the sampler",
+                  "the reward is in the orchestrator's log (its own run), not the trainer's"]
     return log
 
 
@@ -192,6 +240,8 @@ def series(log: RunLog, what: str) -> Series | None:
         if name in NEEDS and not any(NEEDS[name] in row for row in log.rows):
             continue
         logged = [(row["step"], number) for row in log.rows if (number := _logged_number(row.get(name))) is not None]
+        if name in ZERO_IS_NONE and all(value == 0 for _, value in logged):
+            continue
         if logged:
             return Series(name, [p for p in logged if math.isfinite(p[1])],
                           [p for p in logged if not math.isfinite(p[1])])
@@ -265,15 +315,18 @@ def summarise(log: RunLog, kl_settings: KLConfig, overrides: dict[str, float | N
             out["non_finite"].append(non_finite_entry(what, found))
     kl = series(log, "kl")
     if kl is None:
-        looked = " or ".join(f"{n} (with {NEEDS[n]})" if n in NEEDS else n for n in SERIES[log.kind]["kl"])
+        looked = " or ".join(f"{n} (with {NEEDS[n]})" if n in NEEDS else f"{n} (not 0 throughout)"
+                             if n in ZERO_IS_NONE else n for n in SERIES[log.kind]["kl"])
         raise ConfigError(f"{log.log_file} logs no KL ({looked}): the run had no reference model, or logged "
                           f"nothing yet{_damage_clause(log.damage)}")
     if not kl.points:
         raise ConfigError(f"{log.log_file}: {_non_finite_text(non_finite_entry('kl', kl))}: no finite KL to "
                           f"judge (the run diverged from its first logged step){_damage_clause(log.damage)}")
-    out["bands"] = {**bands, "windows": band_windows(kl.points, bands["warn_above"], bands["warn_below"],
-                                                     int(bands["window"]))}
-    if out["beta"] is None and log.kind != "openrlhf":
+    out["kl"]["to"] = KL_TO.get(log.kind, "reference")
+    judged = out["kl"]["to"] == "reference"
+    out["bands"] = {**bands, "judged": judged, "windows": band_windows(
+        kl.points, bands["warn_above"], bands["warn_below"], int(bands["window"])) if judged else []}
+    if out["beta"] is None and log.kind in ("klgrpo", "trl", "verl"):
         out["notes"].append("beta is not logged: TRL's beta is fixed at GRPOConfig.beta" if log.kind == "trl"
                             else "beta is not logged")
     return out
@@ -312,7 +365,8 @@ def format_run(summary: dict[str, Any]) -> str:
              *(f"  damaged: {damage_text(entry)}" for entry in summary["damaged"]),
              *(f"  not finite: {_non_finite_text(entry)}; left out of the numbers below"
                for entry in summary["non_finite"]),
-             f"  KL ({kl['metric']}): first {_number(kl['first']['value'])} at step {kl['first']['step']}, median "
+             f"  {'KL' if kl['to'] == 'reference' else 'KL to the ' + kl['to'] + ', not to a reference'} "
+             f"({kl['metric']}): first {_number(kl['first']['value'])} at step {kl['first']['step']}, median "
              f"{_number(kl['median'])}, last {_number(kl['last']['value'])} at step {kl['last']['step']}, max "
              f"{_number(kl['max']['value'])} at step {kl['max']['step']}"]
     bands = summary["bands"]
@@ -321,6 +375,8 @@ def format_run(summary: dict[str, Any]) -> str:
                         f"{_number(w['mean'])})" for w in bands["windows"]) or (
         f"the run is shorter than one warning window ({kl['points']} logged KL values, a window is "
         f"{bands['window']}): no band judged" if short else "no window in either band")
+    if not bands["judged"]:
+        crossed = f"none judged: the bands judge a KL to the reference model, this log's is to the {kl['to']}"
     lines.append(f"  bands (warn_above {bands['warn_above']:g}, warn_below {bands['warn_below']:g}, windows of "
                  f"{bands['window']} steps): {crossed}")
     beta = summary["beta"]

@@ -1,8 +1,9 @@
-"""The logs verl and OpenRLHF write through their trackers, read for ``klgrpo explain --run``.
+"""The logs verl, OpenRLHF, NeMo-RL and prime-rl write through their trackers, read for ``klgrpo explain --run``.
 
 TensorBoard event files (verl's ``Tracking`` with the tensorboard backend writes them under
 ``$TENSORBOARD_DIR``, default ``tensorboard_log/<project>/<experiment>``; OpenRLHF's ``--logger.tensorboard_dir``
-under ``<dir>/<run_name>``) are read record by record, each record's CRC-32C checked, with TensorBoard's own
+under ``<dir>/<run_name>``; NeMo-RL's ``logger.tensorboard_enabled`` under ``<logger.log_dir>/exp_NNN/tensorboard``)
+are read record by record, each record's CRC-32C checked, with TensorBoard's own
 Event protobuf and scalar conversion (data_compat), so a file cut short or holding bad bytes is said with where it
 stops. W&B offline runs
 (``wandb/offline-run-*/run-*.wandb``) are read with the wandb package's own reader (``wandb leet inspect
@@ -28,17 +29,23 @@ from klgrpo.errors import ConfigError
 EVENT_PREFIX = "events.out.tfevents."
 WANDB_SUFFIX = ".wandb"
 #: How deep under the folder given to --run event files and W&B run files are looked for: verl's
-#: tensorboard_log/<project>/<experiment>/ and wandb/offline-run-*/ both sit within it.
-SEARCH_DEPTH = 3
+#: tensorboard_log/<project>/<experiment>/, wandb/offline-run-*/ and NeMo-RL's
+#: <logger.log_dir>/exp_NNN/wandb/wandb/offline-run-*/ (wandb.init(dir=...) adds its own wandb/) sit within it.
+SEARCH_DEPTH = 4
 #: Names only one framework logs: the first framework with one of them in a log wrote it.
 FRAMEWORK_TAGS = {
     "verl": ("actor/kl_loss", "actor/kl_coef", "actor/reward_kl_penalty", "critic/kl", "actor/pg_clipfrac",
              "actor/pg_loss", "critic/score/mean"),
     "openrlhf": ("train/policy_loss", "train/ppo_clip_ratio", "train/ppo_kl", "train/actor_lr"),
+    "nemo_rl": ("train/kl_penalty", "train/token_mult_prob_error", "train/gen_kl_error", "train/approx_entropy",
+                "train/sampling_importance_ratio", "train/probs_ratio_clamped"),
+    "prime_rl": ("mismatch_kl/all/mean", "mismatch_kl/mean", "masked_mismatch_kl/mean", "unmasked_mismatch_kl/mean",
+                 "entropy/all/mean", "optim/zero_grad_ratio"),
 }
 #: The step of a W&B history row: OpenRLHF logs its own (wandb.define_metric("train/*",
-#: step_metric="train/global_step")); verl passes its global step to wandb.log(step=...), W&B's _step.
-WANDB_STEPS = ("train/global_step", "_step")
+#: step_metric="train/global_step")), prime-rl its own "step" (define_metric("*", step_metric="step"), several
+#: wandb.log calls a step); verl and NeMo-RL pass their global step to wandb.log(step=...), W&B's _step.
+WANDB_STEPS = ("train/global_step", "step", "_step")
 WANDB_TIMEOUT_S = 300
 #: Why an event file's records stop being whole (the "what" of its damage entry).
 CUT_SHORT = "cut_short"  # the file ends inside a record: a crash or a copy mid-write
@@ -206,12 +213,12 @@ def _summary_hint(run_file: Path, kl_names: tuple[str, ...]) -> str:
 
 
 def framework(rows: list[dict], where: Path, damage_said: str = "") -> str:
-    """"verl" or "openrlhf", from the metric names the log holds; one ConfigError naming what was looked for
-    (and ``damage_said``: where the log stopped being read, if it did)."""
+    """"verl", "openrlhf", "nemo_rl" or "prime_rl", from the metric names the log holds; one ConfigError naming
+    what was looked for (and ``damage_said``: where the log stopped being read, if it did)."""
     tags = set().union(*rows) if rows else set()
     for name, marks in FRAMEWORK_TAGS.items():
         if tags & set(marks):
             return name
     looked = "; ".join(f"{name}: {', '.join(marks)}" for name, marks in FRAMEWORK_TAGS.items())
-    raise ConfigError(f"{where} logs none of the metric names explain reads ({looked}): is it a verl or OpenRLHF "
-                      f"run's log?{damage_said}")
+    raise ConfigError(f"{where} logs none of the metric names explain reads ({looked}): is it a verl, OpenRLHF, "
+                      f"NeMo-RL or prime-rl run's log?{damage_said}")

@@ -341,20 +341,25 @@ def run_sweep(cells: list[Cell], seeds: list[int], out: Path, config: str | None
         return run
 
     try:
-        if jobs <= 1:
-            for run in todo:
-                one(run)
-        else:
-            pool = ThreadPoolExecutor(max_workers=jobs)
-            try:
-                list(pool.map(one, todo))
-            except BaseException:  # Ctrl-C: start no queued run (the caller stops the live ones)
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
-            pool.shutdown()
+        _train_each(todo, one, jobs)
     finally:
         bar.close()
     return runs
+
+
+def _train_each(todo: list[Run], one: Callable[[Run], Run], jobs: int) -> None:
+    """``one`` of every run in ``todo``, ``jobs`` at a time."""
+    if jobs <= 1:
+        for run in todo:
+            one(run)
+        return
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        list(pool.map(one, todo))
+    except BaseException:  # Ctrl-C: start no queued run (the caller stops the live ones)
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 # --------------------------------------------------------------------------------------------------- CLI
