@@ -8,13 +8,12 @@ reaches the objective and the controller through one mapping.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from klgrpo.backends.samplers import SamplingParams
 from klgrpo.config.schema import GRPOConfig, KLConfig, LossConfig, RolloutConfig
-from klgrpo.config.validation import need, policy_settings
+from klgrpo.config.validation import divergence_masks, policy_settings
 from klgrpo.math.kl_control import (
     CONTROLLERS,
     ENTROPY_CONTROLLERS,
@@ -26,7 +25,7 @@ from klgrpo.math.kl_control import (
 )
 from klgrpo.math.objective import EntropyTerm, KLTerm, PolicyTerm
 from klgrpo.math.policy_loss import POLICY_LOSSES
-from klgrpo.math.sampler_correction import DIVERGENCE_MASKS, DivergenceMask, SamplerCorrection
+from klgrpo.math.sampler_correction import SamplerCorrection
 
 #: A controller's constructor keyword -> the KLConfig field that sets it, where the two names differ.
 CONTROLLER_FIELDS = {"lr": "dual_lr"}
@@ -54,50 +53,6 @@ def sampler_correction(rollout: RolloutConfig) -> SamplerCorrection:
     """The sampler-mismatch correction; a bound of 0 is "none" on that side (a ratio is never below 0)."""
     return SamplerCorrection(mode=rollout.sampler_correction, clip_min=rollout.sampler_correction_min or None,
                              clip_max=rollout.sampler_correction_max or None, masks=divergence_masks(rollout))
-
-
-def divergence_masks(rollout: RolloutConfig) -> tuple[DivergenceMask, ...]:
-    """rollout.divergence_mask's masks with rollout.divergence_threshold's bounds; a ConfigError naming the field
-    and the entry for anything that is not one."""
-    names = [n.strip() for n in rollout.divergence_mask.split(",") if n.strip()]
-    if not names:
-        need(not rollout.divergence_threshold.strip(),
-             "rollout.divergence_threshold is set but rollout.divergence_mask is empty: name the masks it bounds "
-             "(e.g. --rollout.divergence_mask seq_mean_k3)")
-        return ()
-    entries = [t.strip() for t in rollout.divergence_threshold.split(",")]
-    need(rollout.divergence_threshold.strip() != "" and len(entries) in (1, len(names)),
-         f"rollout.divergence_threshold {rollout.divergence_threshold!r} must give one bound, or one per mask of "
-         f"rollout.divergence_mask ({len(names)}: {', '.join(names)})")
-    bounds = entries * len(names) if len(entries) == 1 else entries
-    return tuple(_divergence_mask(name, entry) for name, entry in zip(names, bounds))
-
-
-def _divergence_mask(name: str, entry: str) -> DivergenceMask:
-    need(name in DIVERGENCE_MASKS, f"rollout.divergence_mask: unknown mask {name!r}; choose from "
-                                   f"{', '.join(DIVERGENCE_MASKS)}")
-    ratio = name.endswith("k1")
-    low_text, sep, high_text = entry.partition("_")
-    need(ratio == bool(sep), f"rollout.divergence_threshold {entry!r} for {name}: "
-                             + ("give the ratio bounds as LOW_HIGH, e.g. 0.5_2.0" if ratio
-                                else "give one upper bound, e.g. 0.01 (LOW_HIGH is for the k1 masks)"))
-    low, high = (_bound(low_text, name), _bound(high_text, name)) if ratio else (None, _bound(entry, name))
-    need(low is not None or high is not None, f"rollout.divergence_threshold for {name} gives no bound")
-    need(not ratio or low is None or high is None or low < high,
-         f"rollout.divergence_threshold {entry!r} for {name}: LOW must be below HIGH")
-    return DivergenceMask(name, low, high)
-
-
-def _bound(text: str, name: str) -> float | None:
-    if not text.strip():
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    need(math.isfinite(value) and value > 0, f"rollout.divergence_threshold: {text!r} for {name} is not a positive "
-                                             f"number")
-    return value
 
 
 def entropy_term(loss: LossConfig, coef: float) -> EntropyTerm:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES
+from klgrpo.backends.samplers import LEGACY_GENERATE_CACHES, SAMPLERS
 from klgrpo.backends.vllm_sampler import VLLMSampler, missing_vllm_message
 from klgrpo.backends.vllm_server import VLLMServerSampler, check_server_url, check_weights_dir
 from klgrpo.config.entries import eval_set_specs, reward_specs
@@ -18,6 +18,7 @@ from klgrpo.math.full_kl import FULL_KL, FULL_KL_GRADIENTS
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.math.kl_control import CONTROLLERS, init_keywords
 from klgrpo.math.policy_loss import POLICY_LOSSES
+from klgrpo.math.sampler_correction import DIVERGENCE_MASKS, DivergenceMask
 
 #: What these checks read: a klgrpo.config.schema.GRPOConfig. Not imported: schema.py imports this module
 #: (GRPOConfig.validate, when it first checks), and the import runs one way.
@@ -158,14 +159,55 @@ def check_vllm_server(v) -> None:
         check_weights_dir(v.weights_dir)
 
 
+def divergence_masks(rollout) -> tuple[DivergenceMask, ...]:
+    """rollout.divergence_mask's masks with rollout.divergence_threshold's bounds; a ConfigError naming the field
+    and the entry for anything that is not one."""
+    names = [n.strip() for n in rollout.divergence_mask.split(",") if n.strip()]
+    if not names:
+        need(not rollout.divergence_threshold.strip(),
+             "rollout.divergence_threshold is set but rollout.divergence_mask is empty: name the masks it bounds "
+             "(e.g. --rollout.divergence_mask seq_mean_k3)")
+        return ()
+    entries = [t.strip() for t in rollout.divergence_threshold.split(",")]
+    need(rollout.divergence_threshold.strip() != "" and len(entries) in (1, len(names)),
+         f"rollout.divergence_threshold {rollout.divergence_threshold!r} must give one bound, or one per mask of "
+         f"rollout.divergence_mask ({len(names)}: {', '.join(names)})")
+    bounds = entries * len(names) if len(entries) == 1 else entries
+    return tuple(_divergence_mask(name, entry) for name, entry in zip(names, bounds))
+
+
+def _divergence_mask(name: str, entry: str) -> DivergenceMask:
+    need(name in DIVERGENCE_MASKS, f"rollout.divergence_mask: unknown mask {name!r}; choose from "
+                                   f"{', '.join(DIVERGENCE_MASKS)}")
+    ratio = name.endswith("k1")
+    low_text, sep, high_text = entry.partition("_")
+    need(ratio == bool(sep), f"rollout.divergence_threshold {entry!r} for {name}: "
+                             + ("give the ratio bounds as LOW_HIGH, e.g. 0.5_2.0" if ratio
+                                else "give one upper bound, e.g. 0.01 (LOW_HIGH is for the k1 masks)"))
+    low, high = (_bound(low_text, name), _bound(high_text, name)) if ratio else (None, _bound(entry, name))
+    need(low is not None or high is not None, f"rollout.divergence_threshold for {name} gives no bound")
+    need(not ratio or low is None or high is None or low < high,
+         f"rollout.divergence_threshold {entry!r} for {name}: LOW must be below HIGH")
+    return DivergenceMask(name, low, high)
+
+
+def _bound(text: str, name: str) -> float | None:
+    if not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    need(math.isfinite(value) and value > 0, f"rollout.divergence_threshold: {text!r} for {name} is not a positive "
+                                             f"number")
+    return value
+
+
 def _check_old_logprobs(r, dtype: str) -> None:
     """rollout.old_logprobs sampler needs a sampler whose log-probs are the trainer's to float rounding, in
     float32, over the distribution the trainer scores; what the sampler correction would correct is then nothing."""
     if r.old_logprobs != "sampler":
         return
-    from klgrpo.backends.samplers import SAMPLERS
-    from klgrpo.config.terms import divergence_masks  # terms builds on this module
-
     exact = [name for name in SAMPLERS if SAMPLERS[name].scores_as_trainer]
     need(r.sampler == "auto" or r.sampler not in SAMPLERS or SAMPLERS[r.sampler].scores_as_trainer,
          f"rollout.old_logprobs sampler takes the sampler's log-probs as pi_old, which only {', '.join(exact)} give "
@@ -185,8 +227,6 @@ def _check_old_logprobs(r, dtype: str) -> None:
 
 
 def _check_sampler_correction(r, loss, kl) -> None:
-    from klgrpo.config.terms import divergence_masks  # terms builds on this module
-
     if divergence_masks(r):
         need(not loss.function, "rollout.divergence_mask masks the built-in objective; with loss.function apply "
                                  "the mask in your own loss, or leave rollout.divergence_mask empty")
