@@ -116,6 +116,9 @@ def test_klgrpo_train_exits_3_when_it_stopped_on_a_runaway_and_0_when_it_rolled_
     assert len(stopped) == 1 and "kl.on_runaway stop" in stopped[0], said["stop"].out
     assert f"checkpoint {named} (step 0): train on from its weights (model.name_or_path {named}" in stopped[0]
     assert said["stop"].err.count("error") == 0 and load_trainer_state(named)["step"] == 0  # loadable
+    # the guard's whole sentence (what it saw and what to do) is printed once; the summary names the checkpoint
+    said_all = said["stop"].out + said["stop"].err
+    assert said_all.count("kl.on_runaway stop: the last healthy window started") == 1, said_all
     assert not any("stopped early" in line for line in said["rollback"].out.splitlines())
 
 

@@ -217,3 +217,12 @@ def test_a_lora_run_says_so_at_the_start_and_in_the_summary(tiny_model_dir, addi
     assert len(said) == 2 and said[0] < loading < said[1]  # the banner before the model loads, then the summary
     assert cli(["train", "--config", str(config), "--model.lora.r", "0", "--overwrite"]) == 0
     assert "LoRA" not in capsys.readouterr().out
+
+
+def test_the_demo_says_lora_is_on(tiny_demo, tmp_path, capsys):
+    """A LoRA demo names the adapter at the start and in the summary, once each."""
+    assert cli(["train", "--output-dir", str(tmp_path / "run"), *TINY, "--eval.sets", "[]", "--model.lora.r", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    said = [line.strip() for line in lines if line.strip().startswith("LoRA rank 4,")]
+    assert len(said) == 2, lines
+    assert said[0].endswith("reference the base model with the adapter off")

@@ -126,7 +126,7 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
         return 0
     if summary["eval_before"] or summary["eval_after"]:  # eval.sets [] evaluates nothing: no step 3 to name
         print("  3/3 greedy evaluation on held-out prompts, before and after")
-    _print_summary(summary, trainer.run_dir)
+    _print_summary(summary, trainer.run_dir, cfg)
     return 0
 
 
@@ -134,6 +134,10 @@ def _announce_grpo(cfg: GRPOConfig, say) -> None:
     say(f"  2/3 GRPO on {TRAINED} with KL to the SFT reference "
         f"({cfg.kl.estimator} in the {cfg.kl.placement}, {cfg.kl.controller} beta from {cfg.kl.coef}); "
         f"{HELD_OUT} is never trained")
+    from klgrpo.apps.summary import lora_line
+
+    if (lora := lora_line(cfg)) is not None:
+        say(f"      {lora}")
     if cfg.kl.replay.coef > 0:
         say(f"      replay anchor: + {cfg.kl.replay.coef:g} x exact KL to the reference on unlabeled "
             f"{HELD_OUT} prompts (off: --kl.replay.coef 0)")
@@ -151,8 +155,8 @@ def _signed(points) -> str:
     return "n/a" if points is None else f"{points:+.1f}"
 
 
-def _print_summary(s: dict, run_dir) -> None:
-    from klgrpo.apps.summary import eval_change, print_run_summary
+def _print_summary(s: dict, run_dir, cfg: GRPOConfig) -> None:
+    from klgrpo.apps.summary import eval_change, lora_line, print_run_summary
 
     before, after = s["eval_before"], s["eval_after"]
     gain = eval_change(before.get(TRAINED), after.get(TRAINED))
@@ -168,5 +172,4 @@ def _print_summary(s: dict, run_dir) -> None:
         middle = [f"  replay anchor off{points}; "
                   f"the anchor keeps {HELD_OUT} near the reference: klgrpo train --kl.replay.coef 1"]
     print_run_summary(s, run_dir, labels={TRAINED: f"{TRAINED} (trained)", HELD_OUT: f"{HELD_OUT} (retention)"},
-                      middle=middle,
-                      footer=REAL_MODEL_HINT)
+                      middle=middle, footer=REAL_MODEL_HINT, lora=lora_line(cfg))

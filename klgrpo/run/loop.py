@@ -112,7 +112,7 @@ class TrainingRun:
             if step.completed < cfg.train.steps:
                 step.start(logger.message if main else None)
             self._steps(logger, history, start, evaluate)
-            if self.stop_reason:
+            if self.stop_reason and self.stop_reason != self.runaway.stop_reason:  # the guard said its own once
                 logger.message(f"stopped at step {step.completed}: {self.stop_reason}")
             eval_after = self.evaluate() if evaluate else {}
             if eval_after:
