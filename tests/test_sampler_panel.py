@@ -88,13 +88,14 @@ def test_padding_after_eos_is_not_checked_and_rounding_above_zero_passes():
     check_sampler_logprobs(torch.tensor([[-0.1, 1e-7, float("nan")]]), ids, mask, "kv_loop")
 
 
-def _run(tmp_path, tiny_model_dir, addition_file, name):
+def _run(tmp_path, tiny_model_dir, addition_file, name, **rollout):
     from klgrpo.run.metrics import read_metrics
     from klgrpo.run.trainer import GRPOTrainer
     from tests.helpers.configs import make_config, quiet
 
     cfg = make_config(tiny_model_dir, addition_file, tmp_path / name, train={"steps": 1},
-                      rollout={"sampler": "kv_loop", "sampler_correction": "token_mask"})
+                      rollout={"sampler": "kv_loop", "sampler_correction": "token_mask", **rollout},
+                      kl={"coef": 0.1, "warn_window": 1})
     trainer = GRPOTrainer(cfg, log=quiet)
     trainer.train()
     return read_metrics(trainer.run_dir)[-1]
@@ -115,3 +116,23 @@ def test_a_planted_mismatch_moves_the_panel(tmp_path, tiny_model_dir, addition_f
     assert planted[m.SAMPLER_CHI2_TOKEN] > 1e-4 and planted[m.SAMPLER_CHI2_SEQ] > planted[m.SAMPLER_CHI2_TOKEN]
     assert planted[m.SAMPLER_ESS] < 1.0 - 1e-3  # 0.998 here, against 1 to 1e-6 matched
     assert planted[m.SAMPLER_RATIO_MAX] > 1.0 > planted[m.SAMPLER_RATIO_P01]
+
+
+def test_the_sampler_warning_fires_on_the_planted_mismatch_only(tmp_path, tiny_model_dir, addition_file, monkeypatch,
+                                                                capsys):
+    """With the ESS band at 1 - 1e-3 (the tiny model's planted drift is small: ESS 0.998) the planted sampler
+    warns once, naming the ESS and what to do; the matched KV loop (ESS 1 to 1e-6) says nothing."""
+    said = {}
+    _run(tmp_path, tiny_model_dir, addition_file, "matched", warn_ess_below=1 - 1e-3)
+    said["matched"] = capsys.readouterr().out.splitlines()
+    from klgrpo.backends import kv_decoder
+
+    real = kv_decoder.filter_logits
+    monkeypatch.setattr(kv_decoder, "filter_logits",
+                        lambda logits, temperature=1.0, *a, **k: real(logits, temperature * 1.1, *a, **k))
+    _run(tmp_path, tiny_model_dir, addition_file, "planted", warn_ess_below=1 - 1e-3)
+    said["planted"] = capsys.readouterr().out.splitlines()
+    warned = {name: [line for line in lines if line.startswith("sampler warning")] for name, lines in said.items()}
+    assert warned["matched"] == []
+    (line,) = warned["planted"]
+    assert "sampler/ess" in line and "rollout.warn_ess_below 0.999" in line and "rollout.sampler_correction" in line

@@ -157,6 +157,13 @@ class RolloutConfig(Settings):
     sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
                                             "vllm_importance_sampling_clip_max; 0: none)", low=0,
                                        at_low="0: no upper bound")
+    warn_ess_below: float = _f(0.5, "warning sign: a console line and a tracker text entry when a window's "
+                                    "(kl.warn_window steps) mean sampler/ess, the normalised effective sample size of "
+                                    "the sequences' sampler-to-trainer weights, is below this: the sampler has "
+                                    "drifted (1: no drift; 0: off)", low=0, high=1, at_low="0: off")
+    warn_chi2_above: float = _f(1.0, "warning sign: the same when a window's mean sampler/chi2_token, the per-token "
+                                     "chi-square E[(r - 1)^2] of r = pi_old / mu, is above this (0: no drift; 0 "
+                                     "turns the sign off)", low=0, at_low="0: off")
     old_logprobs: str = _f("trainer", "where pi_old, the rollout policy's log-probs, comes from: trainer (its own "
                                       "forward at the sampling weights: a no-grad forward before the update with "
                                       "kl.reward_mode sequence_score, else the first update's); sampler (the "

@@ -7,7 +7,9 @@ mean per-token KL (``adaptive_kl/raw_kl``) is compared with the two bands:
     not learning  mean < warn_below, from the second window on (every run starts at the reference, KL = 0)
 
 A sign is announced when a window enters it (once, not at every window it stays in) and again only after a window
-outside it. 0 turns a band off. :class:`EntropyWatch` watches the entropy the same way (a collapse band).
+outside it. 0 turns a band off. :class:`EntropyWatch` watches the entropy the same way (a collapse band), and
+:class:`SamplerWatch` the sampler panel (``sampler/ess`` below ``rollout.warn_ess_below``, ``sampler/chi2_token``
+above ``rollout.warn_chi2_above``).
 """
 
 from __future__ import annotations
@@ -113,4 +115,60 @@ class EntropyWatch:
         if not state:
             return
         self._values = [float(v) for v in state.get("values", [])]
+        self._active = bool(state.get("active", False))
+
+
+DRIFTED = "drifted"
+
+
+class SamplerWatch:
+    """The sampler's warning sign on the KL bands' windows: a window whose mean normalised effective sample size
+    (``sampler/ess``) is below ``ess_below`` or whose mean per-token chi-square (``sampler/chi2_token``) is above
+    ``chi2_above`` announces that the sampler has drifted from the trainer, once on entering and again only after a
+    window outside. A step without the panel (no sampler log-probs) is not counted. 0 turns a band off."""
+
+    def __init__(self, ess_below: float, chi2_above: float, window: int):
+        self.ess_below, self.chi2_above, self.window = ess_below, chi2_above, max(1, int(window))
+        self._ess: list[float] = []
+        self._chi2: list[float] = []
+        self._active = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.ess_below > 0 or self.chi2_above > 0
+
+    def observe(self, step: int, ess: float | None, chi2: float | None) -> list[str]:
+        """Record the step's panel; at a window's end return the line of a drift that begins there."""
+        if not self.enabled or ess is None or chi2 is None or not (math.isfinite(ess) and math.isfinite(chi2)):
+            return []
+        self._ess.append(float(ess))
+        self._chi2.append(float(chi2))
+        if len(self._ess) < self.window:
+            return []
+        ess_mean, chi2_mean = sum(self._ess) / len(self._ess), sum(self._chi2) / len(self._chi2)
+        first = step - len(self._ess) + 1
+        self._ess, self._chi2 = [], []
+        seen = []
+        if self.ess_below > 0 and ess_mean < self.ess_below:
+            seen.append(f"sampler/ess {ess_mean:.4g} below rollout.warn_ess_below {self.ess_below:g}")
+        if self.chi2_above > 0 and chi2_mean > self.chi2_above:
+            seen.append(f"sampler/chi2_token {chi2_mean:.4g} above rollout.warn_chi2_above {self.chi2_above:g}")
+        new = bool(seen) and not self._active
+        self._active = bool(seen)
+        if not new:
+            return []
+        return [f"sampler warning at step {step}: {' and '.join(seen)} (mean of steps {first}-{step}): the sampler's "
+                f"distribution has drifted from the trainer's, so the samples stand for another policy; check the "
+                f"sampler's dtype and kernels against the trainer's (sampler/logp_diff_max, sampler/ratio_p99), or "
+                f"weigh and reject the drifted samples with rollout.sampler_correction sequence_truncate or "
+                f"rollout.divergence_mask seq_mean_k1 (docs/kl_guide.md)"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ess": list(self._ess), "chi2": list(self._chi2), "active": self._active}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self._ess = [float(v) for v in state.get("ess", [])]
+        self._chi2 = [float(v) for v in state.get("chi2", [])]
         self._active = bool(state.get("active", False))

@@ -18,7 +18,7 @@ import torch
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import run_horizon
 from klgrpo.run.evaluation import evaluate_sets
-from klgrpo.run.kl_watch import EntropyWatch, KLWatch
+from klgrpo.run.kl_watch import EntropyWatch, KLWatch, SamplerWatch
 from klgrpo.run.metrics import MetricsLogger
 from klgrpo.run.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
 from klgrpo.run.tally import StepTally
@@ -43,6 +43,8 @@ class TrainingRun:
         kl = self.cfg.kl
         self.kl_watch = KLWatch(kl.warn_above, kl.warn_below, kl.warn_window)
         self.entropy_watch = EntropyWatch(self.cfg.train.entropy_warn_below, self.cfg.train.entropy_warn_window)
+        r = self.cfg.rollout
+        self.sampler_watch = SamplerWatch(r.warn_ess_below, r.warn_chi2_above, kl.warn_window)
         self.runaway = RunawayGuard(kl)  # kl.on_runaway (run/runaway.py)
         self.kl_reach = KLReach(kl.target, kl.warn_window) if kl.controller == "adaptive" else None
         self.lock = None  # rank 0's, while train() runs
@@ -152,6 +154,10 @@ class TrainingRun:
                     for line in watch.observe(done, value):
                         logger.message(line)
                         logger.text(name, line, done)
+                for line in self.sampler_watch.observe(done, metrics.get(names.SAMPLER_ESS),
+                                                       metrics.get(names.SAMPLER_CHI2_TOKEN)):
+                    logger.message(line)
+                    logger.text("warnings/sampler", line, done)
                 verdict = self._runaway_verdict(done, kl, logger)  # a rollback leaves step.completed < done
                 history.append(metrics)
                 step.stop_gate.release()  # the step is complete and logged: a stop that waited for it comes now
@@ -255,7 +261,7 @@ class TrainingRun:
     def state_dict(self) -> dict[str, Any]:
         """The run's own part of a checkpoint (the step writes its own)."""
         state = {"eval_before": self.eval_before, "kl_watch": self.kl_watch.state_dict(),
-                 "entropy_watch": self.entropy_watch.state_dict(),
+                 "entropy_watch": self.entropy_watch.state_dict(), "sampler_watch": self.sampler_watch.state_dict(),
                  "run_config": self.cfg.to_dict()}  # the settings a resume checks config.yaml against
         if self.runaway.enabled:
             state["runaway"] = self.runaway.state_dict()
@@ -285,6 +291,7 @@ class TrainingRun:
         """The run's own part of a trainer state (``state_dict``'s keys; a rollback in memory restores it too)."""
         self.kl_watch.load_state_dict(state.get("kl_watch"))
         self.entropy_watch.load_state_dict(state.get("entropy_watch"))
+        self.sampler_watch.load_state_dict(state.get("sampler_watch"))
         self.runaway.load_state_dict(state.get("runaway"))
         if self.kl_reach is not None:
             self.kl_reach.load_state_dict(state.get("kl_reach"))
