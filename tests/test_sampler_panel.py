@@ -136,3 +136,33 @@ def test_the_sampler_warning_fires_on_the_planted_mismatch_only(tmp_path, tiny_m
     assert warned["matched"] == []
     (line,) = warned["planted"]
     assert "sampler/ess" in line and "rollout.warn_ess_below 0.999" in line and "rollout.sampler_correction" in line
+
+
+def test_the_panel_by_completion_length_quartile():
+    """Eight completions of lengths 1, 8, 2, 7, 3, 6, 4, 5 (one token of log r = 0.1 x the length each, the rest
+    matched): the quartiles are lengths {1, 2}, {3, 4}, {5, 6}, {7, 8}; q1's k3 per token is (k3(0.1) + k3(0.2)) /
+    3 and its ESS is that of R = e^0.1, e^0.2 (the sequences' one non-zero log r each)."""
+    lengths = [1, 8, 2, 7, 3, 6, 4, 5]
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    old = torch.full((8, 8), -1.0, dtype=torch.float64)
+    mu = old.clone()
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+        mu[i, 0] = old[i, 0] - 0.1 * n  # log r = 0.1 n on the first token
+    row = sampler_metrics(old, mu, mask, 8, Distributed())
+
+    def k3(x):
+        return math.exp(x) - 1 - x
+
+    for q, members in enumerate(([1, 2], [3, 4], [5, 6], [7, 8]), start=1):
+        tokens = sum(members)
+        assert row[m.sampler_quartile(q, "kl_k3")] == pytest.approx(sum(k3(0.1 * n) for n in members) / tokens,
+                                                                    rel=1e-6)
+        weights = [math.exp(0.1 * n) for n in members]
+        ess = sum(weights) ** 2 / (len(weights) * sum(w * w for w in weights))
+        assert row[m.sampler_quartile(q, "ess")] == pytest.approx(ess, rel=1e-6)
+        assert row[m.sampler_quartile(q, "masked_token_frac")] == 0.0
+    assert set(m.SAMPLER_QUARTILE_NAMES) <= set(row)
+    # fewer than 4 completions: no split
+    assert not set(m.SAMPLER_QUARTILE_NAMES) & set(_panel([[-0.5, -1.0, 0.0], [-0.1, -2.0, -0.7]],
+                                                           [[-0.5, -1.0, 0.0], [-0.1, -2.0, -0.7]]))

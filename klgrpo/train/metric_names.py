@@ -72,6 +72,16 @@ SAMPLER_RATIO_P99 = "sampler/ratio_p99"
 SAMPLER_RATIO_MAX = "sampler/ratio_max"
 SAMPLER_MASKED_TOKEN_FRAC = "sampler/masked_token_frac"
 SAMPLER_MASKED_SEQ_FRAC = "sampler/masked_seq_frac"
+#: The panel's metrics split by completion-length quartile (q1 the shortest quarter of the step's completions).
+SAMPLER_BY_LENGTH = ("kl_k3", "chi2_token", "ess", "masked_token_frac")
+
+
+def sampler_quartile(quartile: int, name: str) -> str:
+    """``sampler/q<quartile>/<name>``: ``name`` (SAMPLER_BY_LENGTH) over the completions of that length quartile."""
+    return f"sampler/q{quartile}/{name}"
+
+
+SAMPLER_QUARTILE_NAMES = tuple(sampler_quartile(q, n) for q in range(1, 5) for n in SAMPLER_BY_LENGTH)
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
@@ -256,6 +266,10 @@ GLOSSARY: dict[str, str] = {
     SAMPLER_MASKED_SEQ_FRAC: "fraction of the completions with a token (token modes) or a weight (sequence modes) "
                              "that rollout.sampler_correction truncated or masked, or a rollout.divergence_mask "
                              "rejected",
+    **{sampler_quartile(q, n): f"sampler/{n} over the completions of completion-length quartile {q} of 4 (q1 the "
+                               f"shortest quarter of the step's completions, ranked by length over every process; "
+                               f"logged with 4 or more completions)"
+       for q in range(1, 5) for n in SAMPLER_BY_LENGTH},
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "

@@ -233,7 +233,8 @@ def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tenso
     peak_f, r_max = peaks.tolist()
     p99_f, r01, r50, r99 = quantiles.tolist()
     tokens, seqs = max(tokens, 1.0), max(seqs, 1.0)
-    return {m.SAMPLER_LOGP_DIFF_MEAN: diff_sum / tokens, m.SAMPLER_LOGP_DIFF_P99: p99_f,
+    by_length = _sampler_by_length(mask, kl_BT, r, big_r, rows, changed, dist)
+    return {**by_length, m.SAMPLER_LOGP_DIFF_MEAN: diff_sum / tokens, m.SAMPLER_LOGP_DIFF_P99: p99_f,
             m.SAMPLER_LOGP_DIFF_MAX: peak_f, m.SAMPLER_KL: kl_sum / tokens,
             m.SAMPLER_LOGP_DIFF_SIGNED: signed_sum / tokens,
             m.SAMPLER_KL_K1: -signed_sum / tokens, m.SAMPLER_KL_K3: kl_sum / tokens,
@@ -242,6 +243,39 @@ def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tenso
             m.SAMPLER_PPL_RATIO: ppl_sum / seqs, m.SAMPLER_RATIO_P01: r01, m.SAMPLER_RATIO_P50: r50,
             m.SAMPLER_RATIO_P99: r99, m.SAMPLER_RATIO_MAX: r_max,
             m.SAMPLER_MASKED_TOKEN_FRAC: changed_tokens / tokens, m.SAMPLER_MASKED_SEQ_FRAC: changed_seqs / seqs}
+
+
+def length_quartiles(lengths_B: Tensor, dist: Distributed) -> Tensor | None:
+    """Each local completion's completion-length quartile, 0..3, ranked over every process's completions (ties
+    in rank order, so each quartile holds a quarter); None with fewer than 4 completions."""
+    everyone = dist.gather(lengths_B)
+    n = everyone.numel()
+    if n < 4:
+        return None
+    order = torch.argsort(everyone, stable=True)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(n, device=order.device)
+    return (position * 4 // n)[dist.local_slice(n)]
+
+
+def _sampler_by_length(mask: Tensor, kl_BT: Tensor, r: Tensor, big_r: Tensor, rows: Tensor, changed: Tensor,
+                       dist: Distributed) -> dict[str, float]:
+    """sampler/q<1-4>/kl_k3, chi2_token, ess, masked_token_frac: the panel over each completion-length quartile."""
+    quartile = length_quartiles(mask.sum(-1), dist)
+    if quartile is None:
+        return {}
+    per_sequence = torch.stack([(kl_BT * mask).sum(-1), (((r - 1) ** 2) * mask).sum(-1), mask.sum(-1), big_r,
+                                big_r ** 2, rows, changed.sum(-1)], dim=-1)  # [B, 7]
+    one_hot = torch.nn.functional.one_hot(quartile, 4).to(per_sequence.dtype)  # [B, 4]
+    totals = dist.sum((one_hot.T @ per_sequence).float()).tolist()  # [4, 7]
+    out = {}
+    for q, (kl, chi2, tokens, r_sum, r2_sum, seqs, changed_tokens) in enumerate(totals, start=1):
+        tokens = max(tokens, 1.0)
+        out[m.sampler_quartile(q, "kl_k3")] = kl / tokens
+        out[m.sampler_quartile(q, "chi2_token")] = chi2 / tokens
+        out[m.sampler_quartile(q, "ess")] = r_sum ** 2 / (seqs * r2_sum) if r2_sum > 0 and seqs > 0 else 1.0
+        out[m.sampler_quartile(q, "masked_token_frac")] = changed_tokens / tokens
+    return out
 
 
 def kept_set_metrics(log_kept_mass_BT: Tensor, mismatch_BT: Tensor, mask_BT: Tensor, max_len: int,
