@@ -151,11 +151,11 @@ def test_kl_plot_target_line_comes_from_the_run_config(tmp_path):
 def test_kl_plot_keeps_coinciding_curves_visible():
     """raw = adapted (no shaping) and raw = k3 (k3 estimators) coincide: each keeps a style no other curve in
     its panel has, and the monitors sit in a panel of their own."""
-    from klgrpo.run.report import _kl_plot
+    from klgrpo.run.report import PlotContext, _kl_plot
 
     rows = [{"step": s, "adaptive_kl/raw_kl": 0.01 * s, "adaptive_kl/adapted_kl": 0.01 * s, "kl/k1": 0.01 * s,
              "kl/k2": 0.01 * s, "kl/k3": 0.01 * s} for s in range(1, 61)]
-    fig = _kl_plot(rows, set(rows[0]) - {"step"}, kl_target=0.1)
+    fig = _kl_plot(rows, set(rows[0]) - {"step"}, PlotContext(kl_target=0.1))
     top, bottom = fig.axes
     def styles(ax):
         return {line.get_label().split(" ")[0]: (line.get_linestyle(), line.get_linewidth())
@@ -178,3 +178,21 @@ def test_main_on_a_folder_it_cannot_write_prints_the_table_and_one_line(tmp_path
     assert "train/reward" in captured.out
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and str(tmp_path / "plots") in lines[0] and "--no-plots" in lines[0], captured.err
+
+
+def test_the_sampler_panel_is_drawn_with_its_warning_bands(tmp_path):
+    """A run with the sampler panel gets plots/sampler.png; its bands come from the run's config.yaml."""
+    rows = [{"step": s, "wall_time": 0.1 * s, "sampler/kl_k1": 1e-3 * s, "sampler/kl_k3": 1e-3 * s,
+             "sampler/chi2_token": 0.01 * s, "sampler/chi2_seq": 0.05 * s, "sampler/ess": 1 - 0.02 * s,
+             "sampler/masked_token_frac": 0.0, "sampler/masked_seq_frac": 0.0,
+             "sampler/q1/chi2_token": 0.005 * s, "sampler/q4/chi2_token": 0.02 * s} for s in range(1, 21)]
+    write_rows(tmp_path, rows)
+    (tmp_path / "config.yaml").write_text("rollout:\n  warn_ess_below: 0.7\n  warn_chi2_above: 0.15\n")
+    paths = make_plots(tmp_path)
+    assert [p.name for p in paths] == ["sampler.png"]
+    assert_png(paths[0])
+    from klgrpo.run.report import _sampler_bands
+
+    assert _sampler_bands(tmp_path) == {"warn_ess_below": 0.7, "warn_chi2_above": 0.15}
+    (tmp_path / "config.yaml").write_text("rollout: [unclosed\n")  # a damaged config: the plot without bands
+    assert _sampler_bands(tmp_path) == {} and [p.name for p in make_plots(tmp_path)] == ["sampler.png"]

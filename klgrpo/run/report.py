@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from klgrpo.math.kl_control import CONTROLLERS, init_keywords
@@ -99,6 +100,15 @@ def _finish(ax, title: str, ylabel: str) -> None:
         ax.legend(fontsize="small")
 
 
+@dataclass(frozen=True)
+class PlotContext:
+    """What the plots read from the run's config beside its metrics: the controller's per-token KL target (None:
+    no controller steers to one) and the sampler's warning bands (rollout.warn_ess_below, warn_chi2_above)."""
+
+    kl_target: float | None = None
+    sampler_bands: dict = field(default_factory=dict)
+
+
 def _new_figure(nrows: int = 1):
     from matplotlib.figure import Figure  # no pyplot: no display, no global figure state
 
@@ -109,7 +119,7 @@ def _new_figure(nrows: int = 1):
     return fig, axes
 
 
-def _reward_plot(rows, keys, kl_target=None):
+def _reward_plot(rows, keys, run: PlotContext):
     evals = sorted(k for k in keys if m.is_eval_accuracy(k))  # accuracies share a 0..1 axis; entropies do not
     per_function = sorted(k for k in keys if k.startswith(m.REWARD_PREFIX))
     if m.REWARD not in keys and not evals:
@@ -143,7 +153,7 @@ _KL_STYLES = {
 }
 
 
-def _kl_plot(rows, keys, kl_target=None):
+def _kl_plot(rows, keys, run: PlotContext):
     panels = [[k for k in (m.RAW_KL, m.ADAPTED_KL) if k in keys],
               [k for k in (m.KL_K1, m.KL_K2, m.KL_K3) if k in keys]]
     panels = [p for p in panels if p]
@@ -155,15 +165,15 @@ def _kl_plot(rows, keys, kl_target=None):
             _plot_line(ax, _series(rows, k), k, smooth=True, **_KL_STYLES[k])
         ax.axhline(0.0, color="grey", linewidth=0.8)
         monitors = names[0] in (m.KL_K1, m.KL_K2, m.KL_K3)
-        if kl_target is not None and not monitors:  # the controller steers adaptive_kl/raw_kl
-            ax.axhline(kl_target, color="black", linestyle="--", linewidth=1.0,
-                       label=f"controller target {kl_target:g}")
+        if run.kl_target is not None and not monitors:  # the controller steers adaptive_kl/raw_kl
+            ax.axhline(run.kl_target, color="black", linestyle="--", linewidth=1.0,
+                       label=f"controller target {run.kl_target:g}")
         _finish(ax, "KL monitors k1, k2, k3 of the same log-ratio" if monitors else
                 "KL in the objective: configured estimator, raw and after shaping", "KL (nats per token)")
     return fig
 
 
-def _beta_plot(rows, keys, kl_target=None):
+def _beta_plot(rows, keys, run: PlotContext):
     if m.BETA not in keys:
         return None
     fig, (ax,) = _new_figure()
@@ -172,7 +182,7 @@ def _beta_plot(rows, keys, kl_target=None):
     return fig
 
 
-def _length_plot(rows, keys, kl_target=None):
+def _length_plot(rows, keys, run: PlotContext):
     has_len = m.MEAN_LENGTH in keys
     has_clip = m.TRUNCATED_RATIO in keys
     if not (has_len or has_clip):
@@ -190,18 +200,67 @@ def _length_plot(rows, keys, kl_target=None):
     return fig
 
 
-_PLOTS = {"reward.png": _reward_plot, "kl.png": _kl_plot, "beta.png": _beta_plot, "length.png": _length_plot}
+def _sampler_plot(rows, keys, run: PlotContext):
+    """The sampler-to-trainer panel: its KL, the chi-squares (with q1's and q4's by completion length) and the
+    ESS with the masked fractions, each against its warning band (rollout.warn_*) when the run set one."""
+    if m.SAMPLER_KL_K3 not in keys:
+        return None
+    bands = run.sampler_bands
+    fig, axes = _new_figure(3)
+    for k in (m.SAMPLER_KL_K1, m.SAMPLER_KL_K3):
+        if k in keys:
+            _plot_line(axes[0], _series(rows, k), k)
+    axes[0].axhline(0.0, color="grey", linewidth=0.8)
+    _finish(axes[0], "Sampler to trainer: KL(mu || pi_old) per token", "KL (nats per token)")
+    for k, style in ((m.SAMPLER_CHI2_TOKEN, {}), (m.SAMPLER_CHI2_SEQ, {"linestyle": "--"}),
+                     (m.sampler_quartile(1, "chi2_token"), {"linestyle": ":", "linewidth": 1.0}),
+                     (m.sampler_quartile(4, "chi2_token"), {"linestyle": "-.", "linewidth": 1.0})):
+        if k in keys:
+            _plot_line(axes[1], _series(rows, k), k, **style)
+    if bands.get("warn_chi2_above"):
+        axes[1].axhline(bands["warn_chi2_above"], color="black", linestyle="--", linewidth=1.0,
+                        label=f"rollout.warn_chi2_above {bands['warn_chi2_above']:g}")
+    _finish(axes[1], "Chi-square of the importance weights (0: matched)", "chi-square")
+    for k, style in ((m.SAMPLER_ESS, {}), (m.SAMPLER_MASKED_TOKEN_FRAC, {"linestyle": "--"}),
+                     (m.SAMPLER_MASKED_SEQ_FRAC, {"linestyle": ":"})):
+        if k in keys:
+            _plot_line(axes[2], _series(rows, k), k, **style)
+    if bands.get("warn_ess_below"):
+        axes[2].axhline(bands["warn_ess_below"], color="black", linestyle="--", linewidth=1.0,
+                        label=f"rollout.warn_ess_below {bands['warn_ess_below']:g}")
+    axes[2].set_ylim(-0.02, 1.02)
+    _finish(axes[2], "Effective sample size (1: matched) and the share corrected away", "fraction")
+    return fig
+
+
+_PLOTS = {"reward.png": _reward_plot, "kl.png": _kl_plot, "beta.png": _beta_plot, "length.png": _length_plot,
+          "sampler.png": _sampler_plot}
 #: The files make_plots draws in a run's plots/ (`klgrpo report` checks where they land first).
 PLOT_FILES = tuple(_PLOTS)
 
 
-def _controller_target(run_dir: Path) -> float | None:
-    """The per-token KL target of a controller that steers toward one (from the run's config.yaml), else None."""
+def _run_config(run_dir: Path) -> dict:
+    """The run's config.yaml as a dict ({} when it is missing or unreadable: the plots draw without it)."""
     try:
         import yaml
 
-        kl = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("kl", {})
-    except (OSError, ValueError, AttributeError):
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _sampler_bands(run_dir: Path) -> dict:
+    rollout = _run_config(run_dir).get("rollout", {})
+    rollout = rollout if isinstance(rollout, dict) else {}
+    return {k: float(v) for k in ("warn_ess_below", "warn_chi2_above")
+            if isinstance(v := rollout.get(k), (int, float)) and not isinstance(v, bool)}
+
+
+def _controller_target(run_dir: Path) -> float | None:
+    """The per-token KL target of a controller that steers toward one (from the run's config.yaml), else None."""
+    kl = _run_config(run_dir).get("kl", {})
+    if not isinstance(kl, dict):
         return None
     steers = kl.get("controller") in CONTROLLERS and "target" in init_keywords(CONTROLLERS[kl["controller"]])
     if steers and kl.get("kl_measure", "token_mean") == "token_mean":
@@ -210,15 +269,15 @@ def _controller_target(run_dir: Path) -> float | None:
 
 
 def make_plots(run_dir: str | os.PathLike) -> list[Path]:
-    """Draw run_dir/plots/{reward,kl,beta,length}.png from metrics.jsonl; returns the files written."""
+    """Draw run_dir/plots/{reward,kl,beta,length,sampler}.png from metrics.jsonl; returns the files written."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     keys = set(_keys(rows))
     out_dir = run_dir / PLOTS_DIR
     written = []
-    kl_target = _controller_target(run_dir)
+    context = PlotContext(kl_target=_controller_target(run_dir), sampler_bands=_sampler_bands(run_dir))
     for filename, draw in _PLOTS.items():
-        fig = draw(rows, keys, kl_target)
+        fig = draw(rows, keys, context)
         if fig is None:
             continue
         out_dir.mkdir(exist_ok=True)
