@@ -54,6 +54,14 @@ SERIES = {
 }
 #: What each kind's KL metric is a KL to: the KL watch's bands judge a KL to the reference model only.
 KL_TO = {"prime_rl": "sampler"}
+#: The sampler-to-trainer panel of the runs that log one: (what, its metric names) per kind. klgrpo's names are
+#: docs/metrics.md's; verl's are its rollout-correction metrics (algorithm.rollout_correction, off bypass mode).
+SAMPLER_SERIES = {
+    "klgrpo": {"kl": (names.SAMPLER_KL_K3,), "ess": (names.SAMPLER_ESS,), "chi2_token": (names.SAMPLER_CHI2_TOKEN,),
+               "masked": (names.SAMPLER_MASKED_TOKEN_FRAC,)},
+    "verl": {"kl": ("rollout_corr/kl",), "ess": ("rollout_corr/rollout_is_eff_sample_size",),
+             "chi2_token": ("rollout_corr/chi2_token",), "masked": ("rollout_corr/rollout_rs_masked_fraction",)},
+}
 #: A metric that holds the KL only where its companion is logged beside it: verl's actor logs actor/kl_loss as 0.0
 #: when use_kl_loss is off (from 0.7) and actor/kl_coef only when it is on.
 NEEDS = {"actor/kl_loss": "actor/kl_coef"}
@@ -233,10 +241,11 @@ def _logged_number(value: Any) -> float | None:
     return None if isinstance(value, bool) or not isinstance(value, (int, float)) else value
 
 
-def series(log: RunLog, what: str) -> Series | None:
-    """The first of ``what``'s names that the log holds a number of: its finite values, and apart from them its
-    NaN and infinite ones (a run that diverges logs them; they are named, never averaged nor dropped unsaid)."""
-    for name in SERIES[log.kind][what]:
+def series(log: RunLog, what: str, table: dict = SERIES) -> Series | None:
+    """The first of ``what``'s names (in ``table``, SERIES or SAMPLER_SERIES) that the log holds a number of: its
+    finite values, and apart from them its NaN and infinite ones (a run that diverges logs them; they are named,
+    never averaged nor dropped unsaid)."""
+    for name in table.get(log.kind, {}).get(what, ()):
         if name in NEEDS and not any(NEEDS[name] in row for row in log.rows):
             continue
         logged = [(row["step"], number) for row in log.rows if (number := _logged_number(row.get(name))) is not None]
@@ -326,10 +335,65 @@ def summarise(log: RunLog, kl_settings: KLConfig, overrides: dict[str, float | N
     judged = out["kl"]["to"] == "reference"
     out["bands"] = {**bands, "judged": judged, "windows": band_windows(
         kl.points, bands["warn_above"], bands["warn_below"], int(bands["window"])) if judged else []}
+    out["sampler"] = sampler_panel(log, out["non_finite"])
     if out["beta"] is None and log.kind in ("klgrpo", "trl", "verl"):
         out["notes"].append("beta is not logged: TRL's beta is fixed at GRPOConfig.beta" if log.kind == "trl"
                             else "beta is not logged")
     return out
+
+
+def sampler_panel(log: RunLog, non_finite: list[dict]) -> dict[str, Any] | None:
+    """The sampler panel's trajectories and the steps beyond klgrpo's warning bands (rollout.warn_ess_below,
+    rollout.warn_chi2_above at their defaults); None where the log has none."""
+    from klgrpo.config.schema import RolloutConfig
+
+    defaults = RolloutConfig()
+    out: dict[str, Any] = {}
+    for what in SAMPLER_SERIES.get(log.kind, {}):
+        found = series(log, what, SAMPLER_SERIES)
+        if found is None:
+            continue
+        if found.non_finite:
+            non_finite.append(non_finite_entry(f"sampler {what}", found))
+        if found.points:
+            out[what] = {"metric": found.metric, **trajectory(found.points)}
+            if what == "ess":
+                out[what]["below_band"] = [s for s, v in found.points if v < defaults.warn_ess_below]
+            if what == "chi2_token":
+                out[what]["above_band"] = [s for s, v in found.points if v > defaults.warn_chi2_above]
+    if not out:
+        return None
+    out["bands"] = {"warn_ess_below": defaults.warn_ess_below, "warn_chi2_above": defaults.warn_chi2_above}
+    return out
+
+
+def _sampler_lines(panel: dict[str, Any] | None) -> list[str]:
+    if panel is None:
+        return []
+    parts = []
+    if "kl" in panel:
+        kl = panel["kl"]
+        parts.append(f"KL(sampler || trainer) ({kl['metric']}) median {_number(kl['median'])}, max "
+                     f"{_number(kl['max']['value'])} at step {kl['max']['step']}")
+    if "ess" in panel:
+        ess, band = panel["ess"], panel["bands"]["warn_ess_below"]
+        below = ess["below_band"]
+        parts.append(f"ESS ({ess['metric']}) min {_number(ess['min'])}, last {_number(ess['last']['value'])}; "
+                     + (f"below {band:g} at {len(below)} of {ess['points']} steps (from step {below[0]})" if below
+                        else f"never below {band:g}"))
+    if "chi2_token" in panel:
+        chi2, band = panel["chi2_token"], panel["bands"]["warn_chi2_above"]
+        above = chi2["above_band"]
+        parts.append(f"chi-square per token ({chi2['metric']}) max {_number(chi2['max']['value'])}; "
+                     + (f"above {band:g} at {len(above)} steps (from step {above[0]})" if above
+                        else f"never above {band:g}"))
+    if "masked" in panel:
+        masked = panel["masked"]
+        parts.append(f"masked or truncated ({masked['metric']}) max {_number(masked['max']['value'])}")
+    drifted = bool(panel.get("ess", {}).get("below_band")) or bool(panel.get("chi2_token", {}).get("above_band"))
+    verdict = ("the sampler drifted from the trainer: see rollout.sampler_correction and rollout.divergence_mask "
+               "(docs/kl_guide.md)" if drifted else "the sampler stayed with the trainer")
+    return [f"  sampler: {'; '.join(parts)}: {verdict}"]
 
 
 def _number(value: float) -> str:
@@ -391,6 +455,7 @@ def format_run(summary: dict[str, Any]) -> str:
             lines.append(f"  {what.replace('_', ' ')} ({part['metric']}): first {_number(part['first']['value'])}, "
                          f"last {_number(part['last']['value'])}, max {_number(part['max']['value'])} at step "
                          f"{part['max']['step']}")
+    lines += _sampler_lines(summary.get("sampler"))
     lines += [f"  note: {note}" for note in summary["notes"]]
     return "\n".join(lines)
 
