@@ -21,13 +21,13 @@ from typing import Any
 
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
-from klgrpo.integrations.versions import NotInRange, Profile, newest, rl_profiles, table_estimator
+from klgrpo.integrations.versions import NotInRange, RewardKL, RLRange, newest, rl_profiles
 
 OPENRLHF_VERSION = "0.11.0"
 #: klgrpo's clip_threshold where no estimator is capped (the key is dropped then).
 KL_VALUE_CAP = 10.0
 #: What each KL flag holds (openrlhf.json's keys) -> its name in the newest range, the name this module reads.
-_NEWEST = newest("openrlhf")["defaults"]
+_NEWEST = newest("openrlhf").defaults
 KL_NAMES = {what: entry["flag"][2:] for what, entry in _NEWEST.items()}
 #: Every range's KL flags (as written, without --) -> what they hold.
 RANGE_KL_FLAGS = {entry["flag"][2:]: what for p in rl_profiles("openrlhf") for what, entry in p.defaults.items()}
@@ -149,27 +149,27 @@ def canonical(name: str) -> str:
     return KL_NAMES[RANGE_KL_FLAGS[name]] if name in RANGE_KL_FLAGS else name
 
 
-def _value(row: dict, what: str, value: Any, origin: str) -> Any:
+def _value(row: RLRange, what: str, value: Any, origin: str) -> Any:
     """A KL flag's value in the newest terms; a switch for the estimator (--use_kl_estimator_k3) picks the second
     of the range's two estimators."""
-    if what == "estimator" and isinstance(row["defaults"][what]["default"], bool):
-        names = list(row["estimators"])
+    if what == "estimator" and isinstance(row.defaults[what]["default"], bool):
+        names = list(row.estimators)
         return names[1] if _is_true(value) else names[0]
     return value
 
 
-def _newest_with(flag: str) -> dict:
+def _newest_with(flag: str) -> RLRange:
     """The newest range's row that has the KL flag (as written)."""
-    return next(p.release for p in reversed(rl_profiles("openrlhf"))
+    return next(p for p in reversed(rl_profiles("openrlhf"))
                 if any(entry["flag"][2:] == flag for entry in p.defaults.values()))
 
 
-def _in_range(values: dict[str, Any], row: dict, label: str, origin: str,
-              release: Profile | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _in_range(values: dict[str, Any], row: RLRange, label: str, origin: str,
+              release: RLRange | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the flags with the KL flags under their 0.11 names, the range's KL defaults under those names);
     NotInRange for a KL flag of another range only (without a range, each name is read as the newest range that
     has it reads it)."""
-    own = {entry["flag"][2:]: what for what, entry in row["defaults"].items()}
+    own = {entry["flag"][2:]: what for what, entry in row.defaults.items()}
     out = {}
     for name, value in values.items():
         if name in own:
@@ -181,17 +181,17 @@ def _in_range(values: dict[str, Any], row: dict, label: str, origin: str,
                              f"{', '.join(sorted(own))}; klgrpo/integrations/versions/openrlhf.json)")
         else:
             out[name] = value
-    defaults = {KL_NAMES[what]: _value(row, what, entry["default"], origin) for what, entry in row["defaults"].items()}
+    defaults = {KL_NAMES[what]: _value(row, what, entry["default"], origin) for what, entry in row.defaults.items()}
     return out, defaults
 
 
-def map_openrlhf(values: dict[str, Any], origin: str = "command line", release: Profile | None = None) -> Mapped:
+def map_openrlhf(values: dict[str, Any], origin: str = "command line", release: RLRange | None = None) -> Mapped:
     """OpenRLHF flags (as :func:`parse_flags` gives them) -> klgrpo keys under ``release``'s rules (a range of
     openrlhf.json; None: the newest); absent flags take that range's defaults."""
     import difflib
 
-    row = release.release if release is not None and release.release else newest("openrlhf")
-    label = release.label if release is not None else f"OpenRLHF {row['from']} or later"
+    row = release or newest("openrlhf")
+    label = row.label
     values, range_defaults = _in_range(values, row, label, origin, release)
     out = Mapped()
     typed = {}
@@ -263,22 +263,18 @@ def _map_entropy(v: dict, out: Mapped) -> None:
             f"{v['rollout.temperature']:g} (its log-probs' temperature): equal at temperature 1 only")
 
 
-def _reward_rule(row: dict) -> bool:
+def _reward_rule(row: RLRange) -> bool:
     """Whether --use_kl_loss (the range's name) can take the KL out of the reward: openrlhf.json's reward_kl."""
-    rule = row["reward_kl"]
-    use_loss = row["defaults"].get("use_loss", {}).get("flag")
-    if rule not in ("always", f"unless {use_loss}"):
-        raise ValueError(f"versions/openrlhf.json: reward_kl {rule!r} is neither 'always' nor 'unless {use_loss}'")
-    return rule != "always"
+    return row.reward_kl is RewardKL.UNLESS_KL_LOSS
 
 
-def _map_kl(v: dict, out: Mapped, row: dict, label: str) -> None:
+def _map_kl(v: dict, out: Mapped, row: RLRange, label: str) -> None:
     estimator, in_loss = v["algo.kl.estimator"], _reward_rule(row) and v["algo.kl.use_loss"]
-    if estimator not in row["estimators"]:
+    if estimator not in row.estimators:
         out.unmapped["algo.kl.estimator"] = (f"{estimator!r} is not an estimator of {label}: "
-                                             f"{', '.join(row['estimators'])}")
-        estimator = next(iter(row["estimators"]))
-    found = table_estimator(row["estimators"][estimator])
+                                             f"{', '.join(row.estimators)}")
+        estimator = next(iter(row.estimators))
+    found = row.estimators[estimator]
     cap = found.cap
     # k2, k3 >= 0: the value cap is klgrpo's clip shaping (loss term); k1 and the reward value are not capped
     shaping = "clip" if cap is not None and in_loss and found.estimator != "k1" else "none"

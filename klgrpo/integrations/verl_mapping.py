@@ -23,13 +23,13 @@ from typing import Any
 
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import FieldMapping, Mapped, drop_unread_kl_keys
-from klgrpo.integrations.versions import NotInRange, Profile, newest, rl_profiles, table_estimator
+from klgrpo.integrations.versions import NotInRange, RewardKL, RLRange, newest, rl_profiles
 
 VERL_VERSION = "0.8.0.dev (v0.7.0-125-gb178a3cd5)"
 ACTOR = "actor_rollout_ref.actor."
 ALGORITHM = "algorithm."
 #: The newest range's KL defaults (verl.json): the table's defaults below.
-_KL = newest("verl")["defaults"]
+_KL = newest("verl").defaults
 
 VERL_FIELDS = (
     FieldMapping(ACTOR + "use_kl_loss", ("kl.placement",), _KL[ACTOR + "use_kl_loss"], "true: the KL enters the loss"),
@@ -80,9 +80,9 @@ VERL_DEFAULTS = {row.field: row.default for row in VERL_FIELDS}
 
 #: When each range puts the KL into the reward (verl.json's reward_kl), as a rule on the config's values.
 REWARD_RULES = {
-    "always": lambda v: True,
-    "whenever actor.use_kl_loss is false": lambda v: not v[ACTOR + "use_kl_loss"],
-    "with algorithm.use_kl_in_reward": lambda v: bool(v[ALGORITHM + "use_kl_in_reward"]),
+    RewardKL.ALWAYS: lambda v: True,
+    RewardKL.UNLESS_KL_LOSS: lambda v: not v[ACTOR + "use_kl_loss"],
+    RewardKL.WITH_USE_KL_IN_REWARD: lambda v: bool(v[ALGORITHM + "use_kl_in_reward"]),
 }
 #: The KL keys of some verl release (verl.json): a config that sets one its range lacks cannot run there.
 KL_KEYS = tuple(dict.fromkeys(key for p in rl_profiles("verl") for key in p.defaults))
@@ -170,22 +170,20 @@ def _check_type(key: str, value: Any, origin: str) -> None:
         raise ConfigError(f"{origin}: {key} must be a finite number, got {value!r}")
 
 
-def map_verl(values: dict[str, Any], origin: str = "config", release: Profile | None = None) -> Mapped:
+def map_verl(values: dict[str, Any], origin: str = "config", release: RLRange | None = None) -> Mapped:
     """verl dotted keys -> klgrpo keys under ``release``'s rules (a range of verl.json; None: the newest); absent
     keys take that range's defaults. NotInRange where the config sets a KL key the range lacks."""
-    row = release.release if release is not None and release.release else newest("verl")
-    label = release.label if release is not None else f"verl {row['from']} or later"
-    if row["reward_kl"] not in REWARD_RULES:
-        raise ValueError(f"versions/verl.json: reward_kl {row['reward_kl']!r} is none of {list(REWARD_RULES)}")
+    row = release or newest("verl")
+    label = row.label
     for key in values:
-        if key in KL_KEYS and key not in row["defaults"]:
+        if key in KL_KEYS and key not in row.defaults:
             raise NotInRange(f"{origin}: {key} is not a key of {label} (klgrpo/integrations/versions/verl.json); "
                              "drop it or pass the release you run, e.g. --version verl==0.4")
     unread, unknown = check_keys(values, origin)
     for key in values:
         if key in VERL_DEFAULTS:
             _check_type(key, values[key], origin)
-    v = {**VERL_DEFAULTS, **row["defaults"], **values}
+    v = {**VERL_DEFAULTS, **row.defaults, **values}
     out = Mapped(unmapped=unknown)
     _not_read(unread, out)
     _map_policy(v, out)
@@ -255,25 +253,24 @@ def _map_advantages(v: dict, out: Mapped) -> None:
 
 
 #: Every KL type name some verl release has (verl.json): another name is no verl KL type at all.
-KL_TYPES = tuple(dict.fromkeys(name for p in rl_profiles("verl") for name in p.release["estimators"]))
+KL_TYPES = tuple(dict.fromkeys(name for p in rl_profiles("verl") for name in p.estimators))
 
 
-def _estimator(name: Any, key: str, out: Mapped, row: dict, label: str,
+def _estimator(name: Any, key: str, out: Mapped, row: RLRange, label: str,
                origin: str) -> tuple[str, str, float] | None:
     """(klgrpo estimator, loss shaping, cap) of the KL type ``name`` in the range's row; None (named in unmapped)
     where klgrpo has no counterpart. A name no verl release has is a ConfigError; one this range lacks, or one
     whose function raises there (``k3+`` before 0.8, ``full``), is a NotInRange: the range cannot run it."""
-    formula = row["estimators"].get(name) if isinstance(name, str) else None
-    if formula is None and name not in KL_TYPES:
+    found = row.estimators.get(name) if isinstance(name, str) else None
+    if found is None and name not in KL_TYPES:
         raise ConfigError(f"{origin}: {key} {name!r} is no KL type of any verl release; verl's are: "
                           f"{', '.join(KL_TYPES)}")
-    if formula is None:
+    if found is None:
         raise NotInRange(f"{origin}: {key} {name!r} is not a KL type of {label} (it has: "
-                         f"{', '.join(row['estimators'])}); pass the release you run, e.g. --version verl==0.8")
-    if formula.startswith("raises"):
-        raise NotInRange(f"{origin}: {key} {name!r}: verl's kl_penalty {formula} in {label} (core_algos.py): "
+                         f"{', '.join(row.estimators)}); pass the release you run, e.g. --version verl==0.8")
+    if found.raises:
+        raise NotInRange(f"{origin}: {key} {name!r}: verl's kl_penalty {found.formula} in {label} (core_algos.py): "
                          "the run stops at its first KL; pick another KL type or the release that has it")
-    found = table_estimator(formula)
     if found.estimator is None:
         out.unmapped[key] = f"{name!r} in {label}: {found.why}"
         return None
@@ -296,8 +293,8 @@ def _part(estimator: tuple[str, str, float], coef: float, placement: str) -> dic
     return part
 
 
-def _map_kl(v: dict, out: Mapped, row: dict, label: str, origin: str) -> None:
-    loss_on, reward_on = bool(v[ACTOR + "use_kl_loss"]), REWARD_RULES[row["reward_kl"]](v)
+def _map_kl(v: dict, out: Mapped, row: RLRange, label: str, origin: str) -> None:
+    loss_on, reward_on = bool(v[ACTOR + "use_kl_loss"]), REWARD_RULES[row.reward_kl](v)
     loss_est = (_estimator(v[ACTOR + "kl_loss_type"], ACTOR + "kl_loss_type", out, row, label, origin) if loss_on
                 else None)
     reward_est = (_estimator(v[ALGORITHM + "kl_penalty"], ALGORITHM + "kl_penalty", out, row, label, origin)

@@ -211,29 +211,13 @@ def _names_a_file(option: str) -> bool:
         return False
 
 
-def _comparable(version: tuple[int, ...]) -> tuple[int, ...]:
-    return version + (0,) * (4 - len(version))  # a post release's fourth part after its release
-
-
 def _check_satisfiable(option: str, framework: str, clauses: list) -> None:
     """Refuse --version clauses for one framework that no release satisfies together (``trl==0.18;trl==0.19``,
     ``trl>=0.20,<0.19``, ``trl==0.18,!=0.18``): each range would allow one clause or another, and the verdict
     would be of a release the user did not name."""
-    from klgrpo.integrations.versions import Constraint, release_label
+    from klgrpo.integrations.versions import release_label, satisfiable
 
-    low, high, excluded = (0,), None, []
-    for clause in clauses:
-        if clause.op == "!=":  # the releases ==X names, taken out
-            excluded.append(Constraint("==", clause.version).interval())
-            continue
-        bounds = clause.interval()
-        low = max(low, bounds[0], key=_comparable)
-        high = bounds[1] if high is None else high if bounds[1] is None else min(high, bounds[1], key=_comparable)
-    empty = high is not None and _comparable(low) >= _comparable(high)
-    for out_low, out_high in excluded:
-        empty = empty or (high is not None and _comparable(out_low) <= _comparable(low)
-                          and _comparable(high) <= _comparable(out_high))
-    if empty:
+    if not satisfiable(clauses):
         said = ",".join(map(str, clauses))
         raise ConfigError(f"--version {option}: no {framework} release satisfies {framework}{said} (its clauses "
                           f"exclude each other); name one release, e.g. --version "

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from klgrpo.errors import ConfigError
-from klgrpo.integrations.versions import Constraint, Profile, constraints, parse_version, release_label
+from klgrpo.integrations.versions import Constraint, ReleaseRange, checked_ranges, constraints, release_label
 
 HERE = Path(__file__).resolve().parent
 #: --version names -> framework (its table: HERE / f"{framework}.json").
@@ -37,20 +37,26 @@ def display_name(framework: str) -> str:
 
 
 @dataclass(frozen=True)
-class Release(Profile):
-    """One release range of a framework of this folder's tables (``release``: its row)."""
+class Release(ReleaseRange):
+    """One release range of a framework of this folder's tables: its defaults and its row (``release``, the
+    fields each framework's reader knows)."""
+
+    defaults: dict[str, Any] = field(default_factory=dict)
+    release: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def label(self) -> str:
-        name = display_name(self.framework)
-        low = release_label(self.low)
-        return f"{name} {low} or later" if self.high is None else f"{name} >= {low}, < {release_label(self.high)}"
+    def name(self) -> str:
+        return display_name(self.framework)
 
 
 @lru_cache(maxsize=None)
 def releases(framework: str) -> tuple[Release, ...]:
-    return tuple(Release(framework, parse_version(row["from"]), parse_version(row["to"]) if row["to"] else None,
-                         dict(row.get("defaults", {})), release=row) for row in table(framework)["ranges"])
+    """The table's ranges, each ``from``/``to`` a release number and each ``to`` the next ``from`` (checked on
+    load: a bad row is one line naming the file and the row)."""
+    def make(index: int, row: dict, low: Any, high: Any) -> Release:
+        return Release(framework, low, high, dict(row.get("defaults", {})), row)
+
+    return checked_ranges(f"klgrpo/apps/explain/{framework}.json", table(framework)["ranges"], make)
 
 
 def allowed(framework: str, clauses: dict[str, list[Constraint]]) -> list[Release]:
@@ -75,7 +81,7 @@ def spans(found: list[Release]) -> list[str]:
     merged: list[Release] = []
     for r in sorted(found, key=lambda r: r.low):
         if merged and merged[-1].high == r.low:
-            merged[-1] = Release(r.framework, merged[-1].low, r.high)
+            merged[-1] = Release(r.framework, merged[-1].low, r.high)  # its label only
         else:
             merged.append(r)
     return [r.label for r in merged]

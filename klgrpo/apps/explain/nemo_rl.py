@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from packaging.version import Version
+
 from klgrpo.apps.explain.frameworks import Release, releases, table
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
@@ -139,7 +141,7 @@ def _map_sampling(v: dict, release: Release, out: Mapped) -> None:
             out.ignored.remove(key)
     if on:
         out.config["rollout.truncation"] = "policy"
-        since = "" if release.low >= (0, 6, 0) else "from NeMo-RL 0.6.0, "
+        since = "" if release.low >= Version("0.6.0") else "from NeMo-RL 0.6.0, "
         out.unmapped["policy.generation"] = (
             f"{', '.join(on)}: a sampling filter; {since}NeMo-RL's policy term scores the filtered distribution and "
             "its KL the full softmax (curr_logprobs_unfiltered; before 0.6.0 not read by explain); klgrpo's "

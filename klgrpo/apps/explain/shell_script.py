@@ -26,7 +26,7 @@ def _spellings(module: str) -> tuple[str, ...]:
 
 
 #: verl's trainer modules of every release (verl.json's entry_points: main_ppo, 0.8's main_ppo_sync); OpenRLHF's.
-VERL_ENTRY_POINTS = tuple(dict.fromkeys(m for p in rl_profiles("verl") for m in p.release["entry_points"]))
+VERL_ENTRY_POINTS = tuple(dict.fromkeys(m for p in rl_profiles("verl") for m in p.entry_points))
 #: SkyRL's trainers (skyrl_train.json's entry_points: skyrl-train's and the renamed skyrl package's main_base).
 SKYRL_ENTRY_POINTS = ("skyrl_train.entrypoints.main_base", "skyrl.train.entrypoints.main_base")
 LAUNCHERS = {"verl": tuple(s for module in VERL_ENTRY_POINTS for s in _spellings(module)),

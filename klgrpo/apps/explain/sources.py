@@ -51,7 +51,9 @@ from klgrpo.integrations.verl_mapping import VERL_DEFAULTS, map_verl
 from klgrpo.integrations.versions import (
     Constraint,
     NotInRange,
-    Profile,
+    ReleaseRange,
+    RLRange,
+    TRLRange,
     newest,
     outside_every_range,
     profiles,
@@ -183,7 +185,7 @@ def load_source(text: str, origin: str, source: str | None = None, call: int | N
     return found, variants[0][1]
 
 
-Variant = tuple[Profile | None, Mapped]
+Variant = tuple[ReleaseRange | None, Mapped]
 
 
 def load_variants(text: str, origin: str, source: str | None = None, call: int | None = None,
@@ -255,7 +257,7 @@ def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Co
     vllm_sampling_params (Unsloth's) may hold a SamplingParams(...) read from the script."""
     adaptive = kind == "adaptive_kl"
     if versions is None or adaptive:
-        candidates: list[Profile | None] = [None]
+        candidates: list[TRLRange | None] = [None]
     else:
         framework = "unsloth" if kind == "unsloth" else "trl"
         # the newest first; clauses that contradict each other: every range
@@ -289,7 +291,7 @@ def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Co
 
 
 def rl_variants(framework: str, origin: str, versions: dict[str, list[Constraint]] | None,
-                mapper: Callable[[Profile | None], Mapped]) -> list[Variant]:
+                mapper: Callable[[RLRange | None], Mapped]) -> list[Variant]:
     """verl's or OpenRLHF's config mapped under each release range ``versions`` allows (the newest first) that
     has every KL key it sets; a version no range holds is one line."""
     if versions is None:
@@ -490,18 +492,17 @@ def _unresolved_note(variable: str, default: Any, framework: str) -> str:
             f"{framework}'s default, {default!r}")
 
 
-def _range_default(profile: Profile | None, name: str, newest: dict[str, Any]) -> Any:
+def _range_default(profile: RLRange | None, name: str, newest: dict[str, Any]) -> Any:
     """The default of ``name`` (the newest name) in the range; where the table has no entry, the newest."""
     entry = (profile.defaults if profile is not None else {}).get(name, newest.get(name))
     return entry["default"] if isinstance(entry, dict) else entry
 
 
-def _verl_from_script(command: shell_script.LaunchCommand, where: str, profile: Profile | None) -> Mapped:
-    row = profile.release if profile is not None and profile.release else newest("verl")
-    if command.module not in row["entry_points"]:
-        label = profile.label if profile is not None else f"verl {row['from']} or later"
-        raise NotInRange(f"{where}: {command.module} is no trainer of {label} (it has: "
-                         f"{', '.join(row['entry_points'])}); pass the release you run, e.g. --version verl==0.8")
+def _verl_from_script(command: shell_script.LaunchCommand, where: str, profile: RLRange | None) -> Mapped:
+    row = profile or newest("verl")
+    if command.module not in row.entry_points:
+        raise NotInRange(f"{where}: {command.module} is no trainer of {row.label} (it has: "
+                         f"{', '.join(row.entry_points)}); pass the release you run, e.g. --version verl==0.8")
     values: dict[str, Any] = {}
     notes: dict[str, str] = {}
     for argument in command.arguments:
@@ -522,7 +523,7 @@ def _verl_from_script(command: shell_script.LaunchCommand, where: str, profile: 
     return mapped
 
 
-def _openrlhf_from_script(command: shell_script.LaunchCommand, where: str, profile: Profile | None) -> Mapped:
+def _openrlhf_from_script(command: shell_script.LaunchCommand, where: str, profile: RLRange | None) -> Mapped:
     arguments = [a for a in command.arguments if a not in _SCRIPT_ARGUMENTS]
     flags = parse_flags(arguments, where)
     notes = {}

@@ -16,7 +16,7 @@ from klgrpo.apps.explain.trl_fields import FIELDS, TRL_FIELDS_VERSION
 from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import Mapped
 from klgrpo.integrations.trl_mapping import ADAPTIVE_KL_DEFAULTS, LOSS_TYPES, TRL_DEFAULTS, map_trl
-from klgrpo.integrations.versions import NotInRange, Profile, unsloth_config_fields
+from klgrpo.integrations.versions import NotInRange, TRLRange, unsloth_config_fields
 
 #: Names of earlier TRL releases that ``trl grpo`` configs still carry -> the 1.16 name.
 EARLIER_NAMES = {"torch_dtype": "dtype"}
@@ -117,7 +117,7 @@ NOT_THE_OBJECTIVE = frozenset((
     "model_name_or_path", "dataset_name", "dataset_config", "learning_rate", "lr_scheduler_type", "warmup_steps"))
 
 
-def known_fields(adaptive: bool, profile: Profile | None = None, unsloth: bool = False) -> set[str]:
+def known_fields(adaptive: bool, profile: TRLRange | None = None, unsloth: bool = False) -> set[str]:
     names = set(FIELDS) | set(EARLIER_NAMES) | set(PARSER_KEYS) | set(LAUNCHER_FIELDS) | set(OLDER_TRAINING_ARGUMENTS)
     if profile is not None:
         names = (names - profile.absent) | profile.removed_since
@@ -127,7 +127,7 @@ def known_fields(adaptive: bool, profile: Profile | None = None, unsloth: bool =
     return names | set(ADAPTIVE_KL_DEFAULTS) if adaptive else names
 
 
-def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: Profile | None = None,
+def check_names_and_types(data: dict, origin: str, adaptive: bool, profile: TRLRange | None = None,
                           unsloth: bool = False) -> None:
     """One line naming every key no TRL dataclass has (each with its closest name), or a value of the wrong type.
     Under a release range (``profile``), a field that range lacks is a :class:`NotInRange` error."""
@@ -229,7 +229,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | None = None,
+def map_trl_config(data: dict, origin: str, adaptive: bool, profile: TRLRange | None = None,
                    unsloth: bool = False) -> Mapped:
     """A ``trl grpo --config`` mapping (or a GRPOConfig call's keywords) -> klgrpo's config; under ``profile``,
     by that release range's fields and defaults (and, for Unsloth, its rewrites and its loss's unweighted KL)."""
@@ -270,7 +270,7 @@ def map_trl_config(data: dict, origin: str, adaptive: bool, profile: Profile | N
     return mapped
 
 
-def _profile_rules(data: dict, profile: Profile) -> dict[str, str]:
+def _profile_rules(data: dict, profile: TRLRange) -> dict[str, str]:
     """Unsloth's rewrites of a dapo / dr_grpo config and its loss's KL, applied to ``data`` in place; the notes."""
     notes = {}
     if not profile.unweighted_kl:

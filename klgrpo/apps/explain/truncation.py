@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from klgrpo.integrations.mapping import Mapped
-from klgrpo.integrations.versions import Profile, parse_version
+from klgrpo.integrations.versions import ReleaseRange, parse_version
 
 TABLE = Path(__file__).with_name("truncation.json")
 
@@ -63,7 +63,7 @@ def _number(value: Any) -> float | int | None:
         return None
 
 
-def _overlaps(profile: Profile | None, low: str, high: str | None) -> bool:
+def _overlaps(profile: ReleaseRange | None, low: str, high: str | None) -> bool:
     """Whether the release range ``profile`` (None: the newest rules) meets [low, high)."""
     if profile is None:
         return high is None
@@ -71,7 +71,7 @@ def _overlaps(profile: Profile | None, low: str, high: str | None) -> bool:
     return (high_v is None or profile.low < high_v) and (profile.high is None or low_v < profile.high)
 
 
-def _within(profile: Profile | None, low: str, high: str | None) -> bool:
+def _within(profile: ReleaseRange | None, low: str, high: str | None) -> bool:
     """Whether every release of ``profile`` lies in [low, high)."""
     if profile is None:
         return high is None
@@ -79,7 +79,7 @@ def _within(profile: Profile | None, low: str, high: str | None) -> bool:
         high is None or profile.high is not None and profile.high <= parse_version(high))
 
 
-def apply(framework: str, mapped: Mapped, settings: dict[str, Any], profile: Profile | None,
+def apply(framework: str, mapped: Mapped, settings: dict[str, Any], profile: ReleaseRange | None,
           sampling_params: dict[str, Any] | None = None, sampling_line: int | None = None) -> Read:
     """``mapped`` with the filters of ``settings`` (the source's values by its own names; ``sampling_params``:
     Unsloth's ``vllm_sampling_params``, which replace them) written into klgrpo's rollout keys, taken out of
@@ -143,7 +143,7 @@ def _unignore(read: Read, name: str) -> None:
         del read.unmapped[name]
 
 
-def _unset_filter(read: Read, rules: dict, settings: dict, profile: Profile | None, values: dict) -> str | None:
+def _unset_filter(read: Read, rules: dict, settings: dict, profile: ReleaseRange | None, values: dict) -> str | None:
     """The risk line of the filters the release applies where the file leaves their fields unset (TRL 0.14 -
     0.17's top_k 50; ROLL's generating_args block: top_p 0.7, top_k 50); where every release of ``profile``
     applies one, klgrpo's key takes its value."""
@@ -181,7 +181,7 @@ def _unset_filter(read: Read, rules: dict, settings: dict, profile: Profile | No
             + (f" ({', '.join(written)} below)" if written else ""))
 
 
-def _risk(rules: dict, on: list[Filter], settings: dict, profile: Profile | None, line: int | None) -> str:
+def _risk(rules: dict, on: list[Filter], settings: dict, profile: ReleaseRange | None, line: int | None) -> str:
     named = ", ".join(f"{f.name} {f.value:g}" for f in on)
     where = f" (line {line})" if line is not None and any(" " in f.name for f in on) else ""
     text = (f"sampling filter {named}{where}: the sampler draws each token from the truncated, renormalised "
