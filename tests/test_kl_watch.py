@@ -28,8 +28,24 @@ def test_drifting_needs_above_and_rising_and_is_announced_once():
     assert sorted(out) == [4, 10]
     assert "step 4" in out[4][0] and "0.3 per token (mean of steps 3-4)" in out[4][0]
     assert "previous window 0.2" in out[4][0] and "kl.warn_above 0.2" in out[4][0] and "drifting" in out[4][0]
-    # the first window can never be "rising": nothing to compare with
-    assert _feed(KLWatch(0.2, 0.0, 2), [0.9, 0.9]) == {}
+    # the first window rises from the reference's KL of 0, as the runaway guard judges it (one window collector)
+    first = _feed(KLWatch(0.2, 0.0, 2), [0.9, 0.9])
+    assert list(first) == [2] and "rising (previous window 0)" in first[2][0]
+
+
+def test_one_window_collector_for_every_judge():
+    """The warning signs, the runaway guard, the controller's reach and explain's bands read the same windows."""
+    from klgrpo.apps.explain import run_logs
+    from klgrpo.run import kl_watch, runaway
+
+    assert runaway.WindowMeans is kl_watch.WindowMeans and run_logs.WindowMeans is kl_watch.WindowMeans
+    windows = kl_watch.WindowMeans(2)
+    done = [w for s, v in enumerate([0.1, 0.3, 0.5, 0.7], 1) if (w := windows.observe(s, v)) is not None]
+    assert [(w.first_step, w.last_step, w.index) for w in done] == [(1, 2, 0), (3, 4, 1)]
+    assert [w.previous for w in done] == [0.0, pytest.approx(0.2)] and done[1].mean == pytest.approx(0.6)
+    resumed = kl_watch.WindowMeans(2)
+    resumed.load_state_dict(windows.state_dict())
+    assert resumed.observe(5, 0.0) is None and resumed.observe(6, 0.0).index == 2
 
 
 def test_not_learning_skips_the_first_window():

@@ -166,3 +166,44 @@ def test_the_panel_by_completion_length_quartile():
     # fewer than 4 completions: no split
     assert not set(m.SAMPLER_QUARTILE_NAMES) & set(_panel([[-0.5, -1.0, 0.0], [-0.1, -2.0, -0.7]],
                                                            [[-0.5, -1.0, 0.0], [-0.1, -2.0, -0.7]]))
+
+
+class _BadLogprobSampler:
+    """kv_loop's tokens with planted impossible log-probs: NaN, positive, or one short."""
+
+    @staticmethod
+    def make(kind):
+        from klgrpo.backends.samplers import KVLoopSampler
+
+        class Bad(KVLoopSampler):
+            def sample(self, model, prompt_ids, prompt_mask, params, pad_id, eos_ids):
+                drawn = super().sample(model, prompt_ids, prompt_mask, params, pad_id, eos_ids)
+                if kind == "nan":
+                    drawn.logp[0, 0] = float("nan")
+                elif kind == "positive":
+                    drawn.logp[0, 0] = 0.5
+                else:
+                    drawn.logp = drawn.logp[:, :-1]
+                return drawn
+
+        return Bad
+
+
+@pytest.mark.parametrize(("kind", "said"), [("nan", "NaN or infinite"), ("positive", "above 0"),
+                                            ("short", "of shape")])
+def test_klgrpo_train_stops_on_impossible_sampler_logprobs(kind, said, tmp_path, tiny_model_dir, addition_file,
+                                                          monkeypatch, capsys):
+    """Through the klgrpo entry point: exit 2, one line naming the sampler, no step taken (no metrics row)."""
+    from klgrpo.apps.cli import main
+    from klgrpo.backends.samplers import SAMPLERS
+    from klgrpo.run.metrics import read_metrics
+    from tests.helpers.configs import make_config
+
+    monkeypatch.setitem(SAMPLERS._items, "kv_loop", _BadLogprobSampler.make(kind))
+    config = tmp_path / "c.yaml"
+    config.write_text(make_config(tiny_model_dir, addition_file, tmp_path / "run", train={"steps": 2},
+                                  rollout={"sampler": "kv_loop"}).to_yaml())
+    assert main(["train", "--config", str(config)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "rollout.sampler kv_loop returned" in err[0] and said in err[0], err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or read_metrics(tmp_path / "run") == []

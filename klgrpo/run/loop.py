@@ -224,7 +224,7 @@ class TrainingRun:
             "eval_after": _accuracies(eval_after),
             "final_kl": last.get(names.RAW_KL),
             "final_replay_kl": last.get(names.KL_REPLAY),
-            "final_beta": step.controller.value,
+            "final_beta": step.beta,
             "final_reward": last.get(names.REWARD),
             "kl_estimator": self.cfg.kl.estimator,
             "kl_placement": self.cfg.kl.placement,
@@ -238,9 +238,8 @@ class TrainingRun:
         """kl_reach (the adaptive controller) and runaway (kl.on_runaway stop or rollback), where they apply."""
         out, cfg = {}, self.cfg
         if self.kl_reach is not None:
-            controller, batch = self.grpo_step.controller, cfg.rollout.prompts_per_step * cfg.rollout.group_size
-            out["kl_reach"] = self.kl_reach.summary(cfg.kl.coef, controller.value, controller.num_updates,
-                                                    run_horizon(cfg), batch)
+            step, batch = self.grpo_step, cfg.rollout.prompts_per_step * cfg.rollout.group_size
+            out["kl_reach"] = self.kl_reach.summary(cfg.kl.coef, step.beta, step.beta_updates, run_horizon(cfg), batch)
         if self.runaway.enabled:
             out["runaway"] = self.runaway.summary()
         return out

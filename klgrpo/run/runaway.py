@@ -36,6 +36,7 @@ from typing import Any
 
 from klgrpo.errors import ConfigError
 from klgrpo.math.kl_control import horizon_to_reach
+from klgrpo.run.kl_watch import WindowMeans
 from klgrpo.store.checkpoint import checkpoints_after, is_complete, remove_checkpoints_after, step_folder
 from klgrpo.train.step_state import StepSnapshot
 
@@ -46,32 +47,6 @@ ROLLED_BACK, STOPPED, WARNED = "rolled_back", "stopped", "warned"
 MEMORY_SHARE = 0.25
 #: Adaptive beta's target band for the KL, in units of kl.target (the step rule's default band).
 REACH_BAND = (0.5, 1.5)
-
-
-class WindowMeans:
-    """Consecutive windows of ``window`` steps (1..W, W+1..2W, ...): ``observe`` returns the window's mean at its
-    end, else None."""
-
-    def __init__(self, window: int):
-        self.window = max(1, int(window))
-        self.values: list[float] = []
-        self.previous = 0.0  # the run starts at the reference: KL 0
-        self.last_end = 0
-
-    def observe(self, step: int, value: float) -> float | None:
-        self.values.append(float(value))
-        if len(self.values) < self.window:
-            return None
-        mean = sum(self.values) / len(self.values)
-        self.values, self.last_end = [], step
-        return mean
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"values": list(self.values), "previous": self.previous, "last_end": self.last_end}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.values = [float(v) for v in state["values"]]
-        self.previous, self.last_end = float(state["previous"]), int(state["last_end"])
 
 
 # ---------------------------------------------------------------------------------------- the in-memory target
@@ -199,15 +174,14 @@ class RunawayGuard:
         """Judge the window that ends at ``step``; act on a runaway."""
         if not self.enabled or kl is None or not math.isfinite(kl):
             return None
-        mean = self.windows.observe(step, kl)
-        if mean is None:
+        window = self.windows.observe(step, kl)
+        if window is None:
             return None
-        previous, self.windows.previous = self.windows.previous, mean
+        mean, previous, first = window.mean, window.previous, window.first_step
         if mean <= self.cfg.runaway_above:
             return HEALTHY
         if mean <= previous:
             return WINDOW_END
-        first = step - self.windows.window + 1
         seen = (f"KL runaway at step {step}: the KL is {mean:.4g} per token (mean of steps {first}-{step}), above "
                 f"kl.runaway_above {self.cfg.runaway_above:g} and rising (previous window {previous:.4g})")
         if self.action == "stop":
@@ -332,10 +306,10 @@ class KLReach:
     def observe(self, step: int, kl: float | None) -> None:
         if kl is None or not math.isfinite(kl):
             return
-        mean = self.windows.observe(step, kl)
-        if mean is None:
+        window = self.windows.observe(step, kl)
+        if window is None:
             return
-        self.last_mean = mean
+        mean = self.last_mean = window.mean
         if self.first_in_band is None and self.in_band(mean):
             self.first_in_band = step
 

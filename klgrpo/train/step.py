@@ -427,6 +427,16 @@ class GRPOStep:
             self.replay.load_state_dict(state["replay"])
         self.completed = int(state["step"])
 
+    @property
+    def beta(self) -> float:
+        """The KL controller's current beta."""
+        return self.controller.value
+
+    @property
+    def beta_updates(self) -> int:
+        """How many times the KL controller has updated beta."""
+        return self.controller.num_updates
+
     def rescale(self, beta_factor: float, lr_factor: float) -> tuple[float, float]:
         """beta x ``beta_factor``; the learning rate, and the schedule it follows from here on, x ``lr_factor``.
         Returns the new beta and the schedule's base learning rate (this step's lr may be a warm-up's 0)."""

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from klgrpo.core.threads import torch_threads
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.verify import categorical, full_kl, masked_kl, montecarlo, optimum, sequence_toy, truncation
+from klgrpo.verify import categorical, full_kl, masked_kl, montecarlo, optimum, sequence_toy, staleness, truncation
 from klgrpo.verify.entropy import EntropyCheck, entropy_rows
 from klgrpo.verify.first_epoch import first_epoch_rows
 from klgrpo.verify.migration import MigrationCheck, migration_rows
@@ -33,6 +33,8 @@ class VerifyReport:
     truncation_bugs: list[truncation.PlantedBug] = field(default_factory=list)  # each must be caught
     masked_kl: list[masked_kl.MaskedKLRow] = field(default_factory=list)  # kl.masked_tokens x every mask
     masked_kl_bugs: list[masked_kl.MaskedKLBug] = field(default_factory=list)
+    staleness: list[staleness.StalenessCheck] = field(default_factory=list)  # mu = the policy K updates back
+    staleness_bugs: list[staleness.StalenessBug] = field(default_factory=list)
     monte_carlo: list[montecarlo.MonteCarloCheck] = field(default_factory=list)
     optimum: list[optimum.OptimumResult] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -41,7 +43,8 @@ class VerifyReport:
     def passed(self) -> bool:
         return all(x.passed for x in self.rows + self.first_epoch + self.migration + self.monte_carlo
                    + self.optimum + self.full_kl + self.entropy + self.sampler_mismatch + self.truncation_values
-                   + self.truncation + self.truncation_bugs + self.masked_kl + self.masked_kl_bugs) and all(
+                   + self.truncation + self.truncation_bugs + self.masked_kl + self.masked_kl_bugs + self.staleness
+                   + self.staleness_bugs) and all(
             v["passed"] for v in self.values + self.full_kl_values)
 
     def as_dict(self) -> dict:
@@ -59,6 +62,8 @@ class VerifyReport:
             "truncation_bugs": [{**asdict(b), "caught": b.passed} for b in self.truncation_bugs],
             "masked_kl": [asdict(r) for r in self.masked_kl],
             "masked_kl_bugs": [{**asdict(b), "caught": b.passed} for b in self.masked_kl_bugs],
+            "staleness": [asdict(r) for r in self.staleness],
+            "staleness_bugs": [{**asdict(b), "caught": b.passed} for b in self.staleness_bugs],
             "monte_carlo": [asdict(m) for m in self.monte_carlo],
             "optimum": [asdict(o) for o in self.optimum],
             "seconds": self.seconds,
@@ -101,6 +106,7 @@ def run_all(samples: int = montecarlo.DEFAULT_SAMPLES, seed: int = 0, monte_carl
         report.sampler_mismatch = sampler_mismatch_rows(cat, toy)
         report.truncation_values, report.truncation, report.truncation_bugs = truncation.truncation_rows()
         report.masked_kl, report.masked_kl_bugs = masked_kl.masked_kl_rows()
+        report.staleness, report.staleness_bugs = staleness.all_staleness_rows(cat, toy)
         t1 = time.perf_counter()
         report.seconds["exact"] = t1 - t0
         if monte_carlo:
@@ -237,15 +243,16 @@ def format_report(report: VerifyReport) -> str:
              format_full_kl(report), format_entropy(report.entropy), format_sampler_mismatch(report.sampler_mismatch),
              truncation.format_truncation(report.truncation_values, report.truncation, report.truncation_bugs),
              masked_kl.format_masked_kl(report.masked_kl, report.masked_kl_bugs),
+             staleness.format_staleness(report.staleness, report.staleness_bugs),
              format_monte_carlo(report.monte_carlo), format_optimum(report.optimum)]
     failed = [r for r in report.rows + report.first_epoch + report.migration + report.full_kl + report.entropy
               + report.sampler_mismatch + report.truncation_values + report.truncation + report.truncation_bugs
-              + report.masked_kl + report.masked_kl_bugs if not r.passed]
+              + report.masked_kl + report.masked_kl_bugs + report.staleness + report.staleness_bugs if not r.passed]
     values = report.values + report.full_kl_values
     total = (len(report.rows) + len(report.first_epoch) + len(report.migration) + len(report.full_kl) + len(values)
              + len(report.entropy) + len(report.sampler_mismatch)
              + len(report.truncation_values) + len(report.truncation) + len(report.truncation_bugs)
-             + len(report.masked_kl) + len(report.masked_kl_bugs)
+             + len(report.masked_kl) + len(report.masked_kl_bugs) + len(report.staleness) + len(report.staleness_bugs)
              + len(report.monte_carlo)
              + len(report.optimum))
     bad = len(failed) + sum(not v["passed"] for v in values) + sum(

@@ -28,7 +28,7 @@ from klgrpo.apps.explain import tracker_logs
 from klgrpo.apps.explain.reading import MAX_BYTES
 from klgrpo.config.schema import KLConfig
 from klgrpo.errors import ConfigError
-from klgrpo.run.kl_watch import DRIFTING, NOT_LEARNING
+from klgrpo.run.kl_watch import WindowMeans, kl_signs
 from klgrpo.train import metric_names as names
 
 #: Logs larger than this are no run of a size explain can summarise in seconds.
@@ -289,20 +289,14 @@ def trajectory(points: list[tuple[int, float]]) -> dict[str, Any]:
 
 def band_windows(points: list[tuple[int, float]], warn_above: float, warn_below: float,
                  window: int) -> list[dict[str, Any]]:
-    """Every complete window of ``window`` logged KL values that lies in a band (the KL watch's rule)."""
-    out, previous = [], None
-    window = max(1, int(window))
-    for index in range(len(points) // window):
-        chunk = points[index * window:(index + 1) * window]
-        mean = sum(value for _, value in chunk) / window
-        bands = []
-        if warn_above > 0 and mean > warn_above and previous is not None and mean > previous:
-            bands.append(DRIFTING)
-        if warn_below > 0 and mean < warn_below and index > 0:
-            bands.append(NOT_LEARNING)
-        out += [{"band": band, "first_step": chunk[0][0], "last_step": chunk[-1][0], "mean": mean}
-                for band in bands]
-        previous = mean
+    """Every complete window of ``window`` logged KL values that lies in a band, judged by the trainer's own
+    window collector and rule (klgrpo.run.kl_watch: WindowMeans, kl_signs)."""
+    out, windows = [], WindowMeans(window)
+    for step, value in points:
+        done = windows.observe(step, value)
+        if done is not None:
+            out += [{"band": band, "first_step": done.first_step, "last_step": done.last_step, "mean": done.mean}
+                    for band in kl_signs(done, warn_above, warn_below)]
     return out
 
 
