@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from packaging.version import Version
 
 TARGET = Path(__file__).resolve().parents[1] / "klgrpo" / "integrations" / "versions"
 PROBE = (-30.0, -2.0, -0.5, 0.0, 0.5, 2.0, 30.0)
@@ -50,13 +51,7 @@ def git(clone: Path, *args: str) -> str:
 
 def release_tags(clone: Path) -> list[str]:
     tags = [t for t in git(clone, "tag").split() if re.fullmatch(r"v\d+(\.\d+)*(\.post\d+)?", t)]
-    return sorted(tags, key=_key)
-
-
-def _key(tag: str) -> tuple[int, ...]:
-    numbers = [int(n) for n in re.findall(r"\d+", tag.split(".post")[0])] + [0, 0, 0]
-    post = int(tag.split(".post")[1]) if ".post" in tag else -1
-    return (*numbers[:3], post)
+    return sorted(tags, key=Version)
 
 
 def functions(source: str, names: tuple[str, ...]) -> dict:

@@ -25,6 +25,8 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+from packaging.version import Version
+
 TARGET = Path(__file__).resolve().parents[1] / "klgrpo" / "integrations" / "versions" / "trl.json"
 CONFIG, TRAINER = "trl/trainer/grpo_config.py", "trl/trainer/grpo_trainer.py"
 #: The GRPOConfig fields whose default decides the KL term, its weight or its aggregation.
@@ -91,10 +93,10 @@ def release(version: str, config: str, trainer: str, where: str) -> dict[str, ob
 
 def from_git(clone: Path) -> list[dict[str, object]]:
     tags = subprocess.run(["git", "-C", str(clone), "tag"], capture_output=True, text=True, check=True).stdout.split()
-    minors = sorted({t for t in tags if re.fullmatch(r"v\d+\.\d+\.0", t)}, key=_key)
+    minors = sorted({t for t in tags if re.fullmatch(r"v\d+\.\d+\.0", t)}, key=Version)
     out = []
     for tag in minors:
-        if _key(tag) < _key("v0.14.0"):
+        if Version(tag) < Version("0.14.0"):
             continue  # GRPOTrainer arrived in 0.14
         show = [subprocess.run(["git", "-C", str(clone), "show", f"{tag}:{path}"], capture_output=True, text=True,
                                check=True).stdout for path in (CONFIG, TRAINER)]
@@ -123,7 +125,7 @@ def _show(clone: Path, ref: str, path: str) -> str:
 def modules_first(clone: Path) -> dict[str, str]:
     """Each of MODULES -> the first minor release whose tree has it (a package folder or a module file)."""
     tags = subprocess.run(["git", "-C", str(clone), "tag"], capture_output=True, text=True, check=True).stdout.split()
-    minors = sorted((t for t in tags if re.fullmatch(r"v\d+\.\d+\.0", t)), key=_key)
+    minors = sorted((t for t in tags if re.fullmatch(r"v\d+\.\d+\.0", t)), key=Version)
     out = {}
     for module in MODULES:
         path = module.replace(".", "/")
@@ -138,16 +140,12 @@ def modules_first(clone: Path) -> dict[str, str]:
 
 def from_wheels(folder: Path) -> list[dict[str, object]]:
     out = []
-    for wheel in sorted(folder.glob("trl-*.whl"), key=lambda p: _key(p.name.split("-")[1])):
+    for wheel in sorted(folder.glob("trl-*.whl"), key=lambda p: Version(p.name.split("-")[1])):
         version = wheel.name.split("-")[1]
         with zipfile.ZipFile(wheel) as archive:
             show = [archive.read(path).decode() for path in (CONFIG, TRAINER)]
         out.append(release(version, *show, f"{wheel.name} {CONFIG}, {TRAINER} (release v{version})"))
     return out
-
-
-def _key(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
 def ranges(releases: list[dict[str, object]]) -> list[dict[str, object]]:
