@@ -37,8 +37,9 @@ def _tau_lines(report):
 
 def test_the_table_holds_every_release_read():
     rows = [r.release for r in releases("prime_rl")]
-    assert [(r["from"], r["to"], r["kl_tau_default"]) for r in rows] == [("0.2.0", "0.5.0", 0.0),
-                                                                          ("0.5.0", None, 0.001)]
+    assert [(r["from"], r["to"], r["kl_tau_default"], r["teacher_tau"]) for r in rows] == [
+        ("0.2.0", "0.5.0", 0.0, True), ("0.5.0", "0.6.0", 0.001, True), ("0.6.0", "0.7.0", 0.001, False),
+        ("0.7.0", None, 0.001, False)]
     read = " ".join(line for r in rows for line in r["read"])
     assert all(f"tag {tag} " in read for tag in ("v0.2", "v0.3.0", "v0.4.0", "v0.5.0", "v0.6.0", "v0.7.0",
                                                 "v0.8.0"))
@@ -75,11 +76,11 @@ def test_the_default_kl_tau_line(tmp_path):
     status, report = _run(tmp_path, source=DATA / "v0.8.0_basic_alphabet-sort_rl.toml",
                           extra=["--version", "prime_rl==0.8.0"])
     assert _tau_lines(report) == [
-        "trainer.loss.kl_tau 0.001 (the default of prime-rl 0.5.0 or later) is no KL to a reference: prime-rl "
-        "0.5.0 or later in the loss: kl_tau x (log pi - log pi_inference)^2 per token beside the policy term, a "
-        "squared log-ratio to the inference (sampler) policy; it keeps each update near the policy that sampled "
-        "the batch, not the policy near its start, and prime-rl's loss has no reference model; set kl.coef > 0 in "
-        "klgrpo for a KL to the reference (its config below has none)"]
+        "trainer.loss.kl_tau 0.001 (prime-rl's default from 0.5.0) is no KL to a reference: in the loss: kl_tau "
+        "x (log pi - log pi_inference)^2 per token beside the policy term, a squared log-ratio to the inference "
+        "(sampler) policy; it keeps each update near the policy that sampled the batch, not the policy near its "
+        "start, and prime-rl's loss has no reference model; set kl.coef > 0 in klgrpo for a KL to the reference "
+        "(its config below has none)"]
     # the group size is read
     assert report["config"]["rollout"]["group_size"] == 16
 
@@ -88,7 +89,7 @@ def test_a_set_kl_tau_by_release(tmp_path):
     text = BASE.replace("[trainer]\n", "[trainer.loss]\nkl_tau = 0.05\n")
     status, report = _run(tmp_path, text, extra=["--version", "prime_rl==0.3.0"])
     assert _tau_lines(report)[0].startswith(
-        "trainer.loss.kl_tau 0.05 is no KL to a reference: prime-rl >= 0.2.0, < 0.5.0 in the advantage: "
+        "trainer.loss.kl_tau 0.05 is no KL to a reference: in the advantage: "
         "importance_ratio x (advantage - kl_tau x (log pi - log pi_inference))")
     status, report = _run(tmp_path, text.replace("0.05", "0.0"), name="b.toml", extra=["--version",
                                                                                       "prime_rl==0.8.0"])
