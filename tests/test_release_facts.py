@@ -1,7 +1,7 @@
-"""Every row of the TRL, verl and OpenRLHF release tables against the facts tools/release_facts.py read again from
-the frameworks' own source at each tag the row names (tests/data/release_facts.json: repository, tag, commit or
-wheel, file and line of each fact), so a row that states another default, estimator, reward rule or field than
-its releases have fails here; nothing is downloaded."""
+"""Every row of the TRL, verl, OpenRLHF and Unsloth release tables against the facts tools/release_facts.py read
+again from the frameworks' own source at each tag or commit the row names (tests/data/release_facts.json:
+repository, tag, commit or wheel, file and line of each fact), so a row that states another default, estimator,
+reward rule, field or TRL pairing than its releases have fails here; nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from klgrpo.integrations.versions import _table
+from klgrpo.integrations.versions import TRLRange, _table, constraints, trl_profiles
 
 FACTS = json.loads((Path(__file__).parent / "data" / "release_facts.json").read_text(encoding="utf-8"))
 
@@ -119,4 +119,48 @@ def test_a_planted_wrong_row_is_named(name, index, plant, said):
     rows = copy.deepcopy(_table(name)["ranges"])
     plant(rows[index])
     found, _ = mismatches(name, rows)
+    assert any(said in line for line in found), found
+
+
+def unsloth_mismatches(rows: list[dict]) -> tuple[list[str], int]:
+    """Each Unsloth row against the commits it names: the __version__ there lies in the row's range; rl.py's
+    replacements write the row's beta and loss_type (null: none written); the TRL pyproject.toml allows holds
+    every TRL range the row pairs with."""
+    out, compared = [], 0
+    for row in rows:
+        named = [sha for text in row["read"] for sha in FACTS["unsloth"]["commits"] if sha in text]
+        paired = [p for p in trl_profiles() if p.allows(constraints(row["trl"]))]
+        for sha in named:
+            fact, compared = FACTS["unsloth"]["commits"][sha], compared + 1
+            where = f"unsloth.json row from {row['from']} at {sha}"
+            if not _in_row(row, fact["version"]["value"]):
+                out.append(f"{where}: __version__ {fact['version']['value']} is outside the row")
+            if "replacements" in fact:
+                written = {name: fact["replacements"].get(name, {}).get("value") for name in row["defaults"]}
+                if written != row["defaults"]:
+                    out.append(f"{where}: defaults {row['defaults']} != the replacements {written}")
+            if "trl" in fact:
+                pin = constraints(fact["trl"]["value"])
+                refused = [p.label for p in paired if not TRLRange("trl", p.low, p.high).allows(pin)]
+                if refused:
+                    out.append(f"{where}: pairs with {refused}, which trl{fact['trl']['value']} rules out")
+    return out, compared
+
+
+def test_every_unsloth_row_states_what_the_commits_it_names_have():
+    found, compared = unsloth_mismatches(_table("unsloth")["ranges"])
+    assert found == []
+    assert compared == len(FACTS["unsloth"]["commits"]) == 9
+
+
+@pytest.mark.parametrize(("index", "plant", "said"), [
+    (1, lambda r: r["defaults"].update(beta=0.01), "row from 2025.6.5 at d7b0653a2a: defaults"),
+    (0, lambda r: r["defaults"].update(loss_type="bnpo"), "row from 2025.2.4 at 623060ba29: defaults"),
+    (0, lambda r: r.update(trl=">=0.14,<0.20"), "row from 2025.2.4 at f331d5e537: pairs with ['TRL >= 0.16.0"),
+    (2, lambda r: r.update({"from": "2025.10.1"}), "at 721eee6a80: __version__ 2025.9.1 is outside the row"),
+])
+def test_a_planted_wrong_unsloth_row_is_named(index, plant, said):
+    rows = copy.deepcopy(_table("unsloth")["ranges"])
+    plant(rows[index])
+    found, _ = unsloth_mismatches(rows)
     assert any(said in line for line in found), found

@@ -2,7 +2,8 @@
 source by the logic of tools/trl_versions.py and tools/rl_versions.py, each with where it was read (repository,
 tag, the tag's commit, file, line), so a test can hold every table row to its sources without a download.
 
-    python tools/release_facts.py --trl TRL_CLONE --verl VERL_CLONE --openrlhf OPENRLHF_CLONE
+    python tools/release_facts.py --trl TRL_CLONE --verl VERL_CLONE --openrlhf OPENRLHF_CLONE \
+        [--trl-wheels DIR] [--unsloth UNSLOTH_CLONE]
 
 For every release tag the clones hold that a table row was read at (``read``), the fixture keeps:
 TRL (each minor release from 0.14): the defaults of GRPOConfig's fields that decide the KL, beta among them (the
@@ -11,7 +12,9 @@ line of trl/trainer/grpo_trainer.py that multiplies it) and, of the fields the r
 those the release has; verl: the trainer config's KL defaults (each key's line of the yaml), when the KL enters
 the reward, each estimator as running the release's kl_penalty names it (the function's line) and the trainer
 modules; OpenRLHF: the KL flags' defaults (each add_argument's line), the reward rule and the estimators of
-compute_approx_kl. Tags a clone lacks are listed as not read.
+compute_approx_kl; Unsloth (hand-read: the commits unsloth.json names): the __version__ there, the GRPOConfig
+defaults rl.py's replacements write, the TRL pyproject.toml allows. Tags no source here holds are listed as not
+read.
 """
 
 from __future__ import annotations
@@ -169,6 +172,47 @@ def held(clone: Path) -> set[str]:
     return set(_git(clone, "tag").split())
 
 
+#: unsloth.json names each commit it read as ``SHA (VERSION)`` (a short sha, the __version__ there).
+_UNSLOTH_COMMIT = re.compile(r"\b([0-9a-f]{10})\b \((\d{4}\.\d+\.\d+)\)")
+_UNSLOTH_FILES = {"unsloth/models/rl.py": "rl", "pyproject.toml": "pyproject"}
+
+
+def unsloth_commits() -> list[tuple[str, str]]:
+    """(short sha, the file read there) for each commit unsloth.json's rows name, in the table's order."""
+    table = json.loads((TABLES / "unsloth.json").read_text(encoding="utf-8"))
+    out = []
+    for row in table["ranges"]:
+        for text in row["read"]:
+            path = next(p for p in _UNSLOTH_FILES if f" {p} " in text)
+            out += [(sha, path) for sha, _ in _UNSLOTH_COMMIT.findall(text)]
+    return list(dict.fromkeys(out))
+
+
+def unsloth_commit(clone: Path, sha: str, path: str) -> dict:
+    """At the commit: Unsloth's __version__ and, in rl.py, the GRPOConfig defaults its ``replacements`` write
+    (beta, loss_type; absent: none written), or, in pyproject.toml, the TRL it allows."""
+    utils = _git(clone, "show", f"{sha}:unsloth/models/_utils.py")
+    version = re.search(r'^__version__ = "([^"]+)"', utils, re.M)
+    source = _git(clone, "show", f"{sha}:{path}")
+    out = {"repo": "unslothai/unsloth", "commit": _commit(clone, sha), "file": path,
+           "version": {"value": version.group(1), "file": "unsloth/models/_utils.py",
+                       "line": _line_of(utils, r'^__version__ = ')}}
+    if path == "pyproject.toml":
+        line = _line_of(source, r'^\s*"trl[>=<!~]')
+        out["trl"] = {"value": re.search(r'"(trl[^"]*)"', source.splitlines()[line - 1]).group(1)[3:], "line": line}
+        return out
+    block = re.search(r"if trainer_file == \"grpo_trainer\":\n\s*replacements = \{([^}]*)\}", source)
+    written = {}
+    if block is not None:
+        start = source[:block.start(1)].count("\n") + 1
+        for offset, line in enumerate(block.group(1).splitlines()):
+            found = re.search(r'"(\w+)"\s*:\s*([^,#]+?)\s*,', line)
+            if found:
+                written[found.group(1)] = {"value": ast.literal_eval(found.group(2)), "line": start + offset}
+    out["replacements"] = written
+    return out
+
+
 def _named_trl_fields() -> set[str]:
     table = json.loads((TABLES / "trl.json").read_text(encoding="utf-8"))
     return {f for row in table["ranges"] for f in row["absent"] + row["removed_since"]}
@@ -179,6 +223,7 @@ def main() -> None:
     parser.add_argument("--trl", type=Path, required=True)
     parser.add_argument("--verl", type=Path, required=True)
     parser.add_argument("--openrlhf", type=Path, required=True)
+    parser.add_argument("--unsloth", type=Path, help="a clone of unslothai/unsloth (unsloth.json's commits)")
     parser.add_argument("--trl-wheels", type=Path, help="a folder of TRL release wheels, for the tags the clone lacks")
     args = parser.parse_args()
     named = _named_trl_fields()
@@ -198,6 +243,10 @@ def main() -> None:
         facts[name] = {"tags": {tag: one for tag, one in found.items() if one is not None},
                        "not_read": [tag for tag, one in found.items() if one is None]}
         print(f"{name}: {len(facts[name]['tags'])} tags read, {len(facts[name]['not_read'])} not read (no source here)")
+    if args.unsloth:
+        read = {sha: unsloth_commit(args.unsloth, sha, path) for sha, path in unsloth_commits()}
+        facts["unsloth"] = {"commits": read}
+        print(f"unsloth: {len(facts['unsloth']['commits'])} commits read")
     TARGET.write_text(json.dumps(facts, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {TARGET}")
 
