@@ -70,16 +70,16 @@ def variants(trainer, batch, data):
 
     from klgrpo.core.loss_api import load_loss_function
     from klgrpo.custom import forward_backward, forward_backward_custom
-    from klgrpo.math.objective import KLTerm, grpo_objective
+    from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, grpo_objective
 
     custom = load_loss_function(f"{EXAMPLE}:compute_grpo_kl_loss_fixed")
     beta = trainer.controller.value
     kl = trainer.grpo_step.kl_term()
 
     def typed(inp):
-        return grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                              kl=KLTerm(coef=inp.beta, estimator=kl.estimator), aggregation=inp.aggregation,
-                              normalizer=inp.normalizer).loss, {}
+        return grpo_objective(ObjectiveInputs(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask),
+                              ObjectiveTerms(kl=KLTerm(coef=inp.beta, estimator=kl.estimator),
+                                             aggregation=inp.aggregation), inp.normalizer).loss, {}
 
     def trainer_step(loss_fn):
         def run():

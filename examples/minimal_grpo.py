@@ -29,7 +29,7 @@ from klgrpo.math.advantages import group_advantages
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import build_controller
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective
 
 
 @dataclass
@@ -106,8 +106,8 @@ def grpo_step(policy, reference, optimizer, controller, rollout, rewards: torch.
     normalizer = Normalizer.of(mask, args.max_new_tokens)  # global counts: sequences, tokens, L_max
     # On-policy: pi_old = pi, so old log-probs are the current ones, detached (the PPO ratio is 1, its gradient not).
     policy_term = PolicyTerm(eps_low=args.eps_low, eps_high=args.eps_high)  # PPO's clip
-    out = grpo_objective(logp, logp.detach(), ref_logp, advantages, mask, kl=kl, policy=policy_term,
-                         aggregation=args.aggregation, normalizer=normalizer)
+    out = grpo_objective(ObjectiveInputs(logp, logp.detach(), ref_logp, advantages, mask),
+                         ObjectiveTerms(kl=kl, aggregation=args.aggregation, policy=policy_term), normalizer)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, grpo_objective
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.penalty import classify_gradient, flat_grad
 
@@ -34,12 +34,13 @@ SETTINGS = [
 def expected_kl_gradient(logp_BT, ref_logp_BT, mask_BT, prob_B, theta, fields) -> torch.Tensor:
     """d/dtheta of sum_b P(b) * (sum over b's tokens of the bridge's KL term), each row through grpo_objective."""
     kl = KLTerm(**{"coef": 1.0, "estimator": "k3", "placement": "loss", "is_correction": "in_graph", **fields})
+    terms = ObjectiveTerms(kl=kl, aggregation="seq_mean_token_sum")
     total = torch.zeros((), dtype=torch.float64)
     for b in range(logp_BT.shape[0]):
         row = slice(b, b + 1)
-        out = grpo_objective(logp_BT=logp_BT[row], old_logp_BT=logp_BT[row].detach(), ref_logp_BT=ref_logp_BT[row],
-                             advantages_B=torch.zeros(1, dtype=torch.float64), mask_BT=mask_BT[row], kl=kl,
-                             aggregation="seq_mean_token_sum", normalizer=Normalizer(1.0, 1.0, 1.0))
+        inputs = ObjectiveInputs(logp_BT=logp_BT[row], old_logp_BT=logp_BT[row].detach(), ref_logp_BT=ref_logp_BT[row],
+                                 advantages_B=torch.zeros(1, dtype=torch.float64), mask_BT=mask_BT[row])
+        out = grpo_objective(inputs, terms, Normalizer(1.0, 1.0, 1.0))
         total = total + prob_B[b].detach() * out.loss
     return flat_grad(total, theta)
 

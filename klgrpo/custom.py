@@ -41,7 +41,7 @@ from klgrpo.core.loss_api import Datum, LossInput, build_datums
 from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.logprobs import token_logprobs
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective
 
 __all__ = ["BUILTIN_LOSSES", "Datum", "LossInput", "builtin_loss", "datum_logprobs", "datums_from_batch",
            "forward_backward", "forward_backward_custom"]
@@ -109,6 +109,8 @@ def builtin_loss(loss_fn: str, loss_fn_config: dict | None = None) -> Callable:
     kl = KLTerm(coef=float(settings["kl_coef"]), estimator=str(settings["kl_estimator"]),
                 is_correction=str(settings["kl_is_correction"]),
                 clamp=float(settings["kl_log_ratio_clamp"]) or None) if with_kl else KLTerm(coef=0.0)
+    terms = ObjectiveTerms(kl=kl, aggregation="seq_mean_token_sum",
+                           policy=PolicyTerm(eps_low=1.0 - low, eps_high=high - 1.0))
 
     def loss(data: list[Datum], logprobs_list: list[Tensor]):
         logp, mask = _padded(logprobs_list)
@@ -116,11 +118,8 @@ def builtin_loss(loss_fn: str, loss_fn_config: dict | None = None) -> Callable:
         advantages = _padded([_field(d, "advantages", i) for i, d in enumerate(data)], logp)[0]
         ref = _padded([_field(d, "ref_logprobs", i) for i, d in enumerate(data)], logp)[0] if with_kl else None
         mask = mask & (_padded([_field(d, "mask", i).float() for i, d in enumerate(data)])[0] > 0)
-        out = grpo_objective(logp, old.detach(), ref, advantages, mask, kl=kl,
-                             policy=PolicyTerm(eps_low=1.0 - low, eps_high=high - 1.0),
-                             aggregation="seq_mean_token_sum",
-                             normalizer=Normalizer(num_sequences=1.0, num_tokens=mask.sum(),
-                                                   max_len=float(mask.shape[1])))
+        out = grpo_objective(ObjectiveInputs(logp, old.detach(), ref, advantages, mask), terms,
+                             Normalizer(num_sequences=1.0, num_tokens=mask.sum(), max_len=float(mask.shape[1])))
         tokens = mask.sum().clamp(min=1)
         metrics = {"clip_fraction": (out.sums.clip_low + out.sums.clip_high) / tokens}
         if with_kl:

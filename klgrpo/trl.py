@@ -63,7 +63,7 @@ from klgrpo.math.aggregation import Normalizer  # noqa: E402
 from klgrpo.math.kl import ESTIMATORS  # noqa: E402
 from klgrpo.math.kl_control import CONTROLLERS, KLController  # noqa: E402
 from klgrpo.math.kl_shaping import SHAPINGS  # noqa: E402
-from klgrpo.math.objective import entropy_threshold  # noqa: E402
+from klgrpo.math.objective import ObjectiveInputs, entropy_threshold  # noqa: E402
 from klgrpo.math.policy_loss import IS_CORRECTIONS  # noqa: E402
 from klgrpo.store.checkpoint import check_checkpoint  # noqa: E402
 
@@ -279,10 +279,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             # -min(r A c, clip(r) A c) = c * -min(r A, clip(r) A), so the KL term stays unweighted, as in TRL
             advantages = advantages * inputs["importance_sampling_ratio"]
         entropy_coef = self.entropy_controller.applied
-        out = mapped_objective(self.klgrpo_config, beta, logps, old_logps, ref_logps, advantages, mask,
-                               self._normalizer(inputs, mask, mode), entropy_BT=entropies, entropy_coef=entropy_coef,
-                               entropy_cut=self._entropy_cut(entropies, mask),
-                               sampling_logp_BT=inputs.get("sampling_per_token_logps"))
+        micro_batch = ObjectiveInputs(logps, old_logps, ref_logps, advantages, mask, entropy_BT=entropies,
+                                      sampling_logp_BT=inputs.get("sampling_per_token_logps"))
+        out = mapped_objective(self.klgrpo_config, beta, micro_batch, self._normalizer(inputs, mask, mode),
+                               entropy_coef=entropy_coef, entropy_cut=self._entropy_cut(entropies, mask))
         loss = out.loss
         if self.aux_loss_enabled:
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0

@@ -18,7 +18,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import drop_unread_kl_keys
 from klgrpo.math import kl, kl_control, policy_loss
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective
 
 CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 
@@ -57,9 +57,10 @@ def test_the_policy_loss_recipe_is_selected_by_name():
         cfg, _ = parse_args(["--loss.policy_loss", "reinforce"])
         assert cfg.loss.policy_loss == "reinforce"
         logp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
-        out = grpo_objective(logp, logp.detach(), None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2),
-                             kl=KLTerm(), policy=PolicyTerm(name="reinforce"), aggregation="token_mean",
-                             normalizer=Normalizer.of(torch.ones(1, 2)))
+        inputs = ObjectiveInputs(logp, logp.detach(), None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2))
+        out = grpo_objective(inputs, ObjectiveTerms(kl=KLTerm(), aggregation="token_mean",
+                                                    policy=PolicyTerm(name="reinforce")),
+                             Normalizer.of(torch.ones(1, 2)))
         assert float(out.loss.detach()) == pytest.approx(-2.0 * (-0.5 - 1.0) / 2)  # -A * mean log pi = 1.5
     finally:
         policy_loss.POLICY_LOSSES.unregister("reinforce")
@@ -76,9 +77,9 @@ def test_the_policy_loss_recipe_gets_its_own_setting_from_the_config_checked_aga
         term = step_plan(cfg).policy
         assert term.params == policy_loss.POLICY_LOSSES.params("reinforce")(scale=2.0)
         logp = torch.tensor([[-0.5, -1.0]], dtype=torch.float64, requires_grad=True)
-        out = grpo_objective(logp, logp.detach(), None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2),
-                             kl=KLTerm(), policy=term, aggregation="token_mean",
-                             normalizer=Normalizer.of(torch.ones(1, 2)))
+        inputs = ObjectiveInputs(logp, logp.detach(), None, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 2))
+        out = grpo_objective(inputs, ObjectiveTerms(kl=KLTerm(), aggregation="token_mean", policy=term),
+                             Normalizer.of(torch.ones(1, 2)))
         assert float(out.loss.detach()) == pytest.approx(3.0)  # -2 * A * mean log pi = -2 * 2 * (-0.75)
         with pytest.raises(ConfigError, match=r"^loss.policy_params.scale must be > 0, got 0$"):
             parse_args([*base, "--loss.policy_params", "{scale: 0}"])[0].validate()

@@ -15,7 +15,7 @@ import torch
 from klgrpo.core.loss_api import LossInput, as_typed, load_loss_function, signature_of
 from klgrpo.errors import ConfigError, DataError
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective
 from klgrpo.math.policy_loss import POLICY_LOSSES
 from klgrpo.run.metrics import read_metrics
 from klgrpo.run.trainer import GRPOTrainer
@@ -71,9 +71,9 @@ def test_typed_loss_that_rebuilds_the_builtin_objective_gives_its_gradient(train
     kl = trainer.grpo_step.kl_term()
 
     def rebuilt(inp: LossInput):
-        out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             kl=KLTerm(coef=inp.beta, estimator=kl.estimator), aggregation=inp.aggregation,
-                             normalizer=inp.normalizer)
+        out = grpo_objective(ObjectiveInputs(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask),
+                             ObjectiveTerms(kl=KLTerm(coef=inp.beta, estimator=kl.estimator),
+                                            aggregation=inp.aggregation), inp.normalizer)
         return out.loss, {}
 
     builtin, sums_builtin = _accumulate(trainer, batch)
@@ -404,10 +404,10 @@ def test_builtin_kl_term_is_proven_under_every_policy_loss(policy_loss):
     from klgrpo.verify.custom_loss import check_row, scaled_loss
 
     def objective(inp: LossInput):
-        out = grpo_objective(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask,
-                             kl=KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"),
-                             policy=PolicyTerm(name=policy_loss), aggregation=inp.aggregation,
-                             normalizer=inp.normalizer)
+        out = grpo_objective(ObjectiveInputs(inp.logp, inp.old_logp, inp.ref_logp, inp.advantages, inp.mask),
+                             ObjectiveTerms(kl=KLTerm(coef=inp.beta, estimator="k3_st", is_correction="detached"),
+                                            aggregation=inp.aggregation, policy=PolicyTerm(name=policy_loss)),
+                             inp.normalizer)
         return out.loss, {}
 
     scaled = scaled_loss(objective)[0]

@@ -14,7 +14,7 @@ from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import sampler_correction
 from klgrpo.errors import KLGRPOError
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective, kl_factor
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective, kl_factor
 from klgrpo.math.sampler_correction import (
     DivergenceMask,
     SamplerCorrection,
@@ -111,11 +111,12 @@ def test_masked_tokens_rule_in_the_loss(mode):
     entropy = torch.tensor([[2.0, 0.0, 3.0, 1.0]], dtype=torch.float64)
     from klgrpo.math.objective import EntropyTerm
 
-    out = grpo_objective(logp, logp.detach(), ref, torch.ones(1, dtype=torch.float64), mask,
-                         kl=KLTerm(coef=0.5, estimator="k3", masked_tokens=mode), policy=PolicyTerm(),
-                         aggregation="token_mean", normalizer=Normalizer.of(mask), entropy_BT=entropy,
-                         entropy=EntropyTerm(top_quantile=0.5), sampler_logp_BT=sampler_logp,
-                         sampler_correction=SamplerCorrection(masks=(DivergenceMask("token_k3", high=0.5),)))
+    inputs = ObjectiveInputs(logp, logp.detach(), ref, torch.ones(1, dtype=torch.float64), mask, entropy_BT=entropy,
+                             sampler_logp_BT=sampler_logp)
+    terms = ObjectiveTerms(kl=KLTerm(coef=0.5, estimator="k3", masked_tokens=mode), aggregation="token_mean",
+                           policy=PolicyTerm(), entropy=EntropyTerm(top_quantile=0.5),
+                           sampler_correction=SamplerCorrection(masks=(DivergenceMask("token_k3", high=0.5),)))
+    out = grpo_objective(inputs, terms, Normalizer.of(mask))
     k3 = math.exp(-0.2) - 1 + 0.2
     kept_kl = {"auto": 3, "drop": 1, "keep": 4}[mode]
     assert out.loss.item() == pytest.approx((-1.0 + 0.5 * kept_kl * k3) / 4, rel=1e-12)

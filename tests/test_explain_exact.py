@@ -19,6 +19,7 @@ from klgrpo.integrations.trl_mapping import map_trl
 from klgrpo.integrations.verl_mapping import map_verl
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
+from klgrpo.math.objective import ObjectiveInputs
 from tests.helpers.one_process import OneProcessAccelerator
 
 F64 = torch.float64
@@ -45,9 +46,9 @@ def _ours(fields_or_mapped, logp, old, ref, adv, mask, normalizer=None, beta=Non
     leaf = logp.clone().requires_grad_(True)
     ent = None if entropy is None else entropy.clone().requires_grad_(True)
     old_logp = leaf.detach() if old is None else old
-    out = mapped_objective(cfg, cfg.kl.coef if beta is None else beta, leaf, old_logp,
-                           ref if cfg.kl.coef else None, adv, mask, normalizer or Normalizer.of(mask, MAX_LEN),
-                           entropy_BT=ent, entropy_coef=entropy_coef)
+    inputs = ObjectiveInputs(leaf, old_logp, ref if cfg.kl.coef else None, adv, mask, entropy_BT=ent)
+    out = mapped_objective(cfg, cfg.kl.coef if beta is None else beta, inputs,
+                           normalizer or Normalizer.of(mask, MAX_LEN), entropy_coef=entropy_coef)
     if ent is None:
         (grad,) = torch.autograd.grad(out.loss, leaf)
         return out.loss.detach(), grad

@@ -16,7 +16,7 @@ from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import kl_estimate
 from klgrpo.math.kl_shaping import shape_kl
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.migration import migration_rows
 from tests.helpers.one_process import OneProcessAccelerator
@@ -72,9 +72,10 @@ def _klgrpo_loss(loss_type, beta, bias_correction, delta, logp, old, ref, adv, m
     leaf = logp.clone().requires_grad_(True)
     kl = KLTerm(coef=beta, estimator="k3", placement="loss", is_correction="in_graph" if bias_correction else "none")
     old_logp = leaf.detach() if old is None else old
-    out = grpo_objective(leaf, old_logp, ref if beta else None, adv, mask, kl=kl,
-                         policy=PolicyTerm(eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=delta),
-                         aggregation=TRL_AGGREGATION[loss_type], normalizer=Normalizer.of(mask, max_len=MAX_LEN))
+    terms = ObjectiveTerms(kl=kl, aggregation=TRL_AGGREGATION[loss_type],
+                           policy=PolicyTerm(eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=delta))
+    out = grpo_objective(ObjectiveInputs(leaf, old_logp, ref if beta else None, adv, mask), terms,
+                         Normalizer.of(mask, max_len=MAX_LEN))
     (grad,) = torch.autograd.grad(out.loss, leaf)
     return out.loss.detach(), grad
 
@@ -125,9 +126,10 @@ def test_verl_dual_clip_table():
     # max = [0.8, 1, 2, 4]; min(., 3) = [0.8, 1, 2, 3]. A = +1: -min(rho, clip) = [-0.5, -1, -1.28, -1.28].
     logp = torch.log(torch.tensor([[0.5, 1.0, 2.0, 4.0]] * 2, dtype=F64))
     mask = torch.ones(2, 4)
-    out = grpo_objective(logp, torch.zeros(2, 4, dtype=F64), None, torch.tensor([-1.0, 1.0], dtype=F64), mask,
-                         kl=KLTerm(), policy=PolicyTerm(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=3.0),
-                         aggregation="seq_mean_token_sum", normalizer=Normalizer(1.0, 8.0, 4.0))
+    inputs = ObjectiveInputs(logp, torch.zeros(2, 4, dtype=F64), None, torch.tensor([-1.0, 1.0], dtype=F64), mask)
+    terms = ObjectiveTerms(kl=KLTerm(), aggregation="seq_mean_token_sum",
+                           policy=PolicyTerm(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip=3.0))
+    out = grpo_objective(inputs, terms, Normalizer(1.0, 8.0, 4.0))
     assert float(out.loss) == pytest.approx((0.8 + 1 + 2 + 3) + (-0.5 - 1 - 1.28 - 1.28), rel=1e-14)
 
 

@@ -121,14 +121,14 @@ def test_the_flat_fields_reach_the_surrogate_as_its_settings():
     old = logp + 0.3 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
     adv, mask = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64), torch.ones(3, 4)
     cases = (("sapo", {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0}, sapo_surrogate,
-              {"temperature_pos": 0.5, "temperature_neg": 2.0}),
+              SapoParams(temperature_pos=0.5, temperature_neg=2.0)),
              ("vespo", {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 2.0, "vespo_lambda_neg": 1.5},
-              vespo_surrogate, {"k_pos": 1.5, "lambda_pos": 2.5, "k_neg": 2.0, "lambda_neg": 1.5}))
-    for name, flat, fn, keywords in cases:
+              vespo_surrogate, VespoParams(k_pos=1.5, lambda_pos=2.5, k_neg=2.0, lambda_neg=1.5)))
+    for name, flat, fn, params in cases:
         cfg = GRPOConfig.from_dict({**BASE, "loss": {"policy_loss": name, **flat}})
         term = policy_term(cfg.loss)
         got = term.surrogate(logp, old, adv, mask).loss_BT
-        torch.testing.assert_close(got, fn(logp, old, adv, mask, **keywords).loss_BT, rtol=0, atol=0)
+        torch.testing.assert_close(got, fn(logp, old, adv, mask, params=params).loss_BT, rtol=0, atol=0)
         default = PolicyTerm(name=name).surrogate(logp, old, adv, mask).loss_BT
         assert (got - default).abs().max() > 1e-3
 

@@ -17,7 +17,7 @@ from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import controller_fields, entropy_term, kl_term, policy_term, sampler_correction
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl_control import CONTROLLERS
-from klgrpo.math.objective import ObjectiveOut, grpo_objective
+from klgrpo.math.objective import ObjectiveInputs, ObjectiveOut, ObjectiveTerms, grpo_objective
 
 
 @dataclass(frozen=True)
@@ -101,17 +101,13 @@ def render_table(rows: tuple[FieldMapping, ...], source: str) -> str:
     return "\n".join(lines)
 
 
-def mapped_objective(cfg: GRPOConfig, beta: float, logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None,
-                     advantages: Tensor, mask_BT: Tensor, normalizer: Normalizer, *, entropy_BT: Tensor | None = None,
-                     entropy_coef: float | None = None, entropy_cut: Tensor | None = None,
-                     sampling_logp_BT: Tensor | None = None, sampler_logp_BT: Tensor | None = None) -> ObjectiveOut:
-    """klgrpo's objective of one micro-batch under the mapped ``cfg`` at beta ``beta``: the one place the TRL
-    bridge and the exactness tests of ``klgrpo explain`` call it. ``entropy_coef`` is the bonus's applied
-    coefficient (None: ``loss.entropy_coef``); the entropy arguments as grpo_objective's; ``sampler_logp_BT``:
+def mapped_objective(cfg: GRPOConfig, beta: float, inputs: ObjectiveInputs, normalizer: Normalizer, *,
+                     entropy_coef: float | None = None, entropy_cut: Tensor | None = None) -> ObjectiveOut:
+    """klgrpo's objective of one micro-batch (``inputs``) under the mapped ``cfg`` at beta ``beta``: the one place
+    the TRL bridge and the exactness tests of ``klgrpo explain`` call it. ``entropy_coef`` is the bonus's applied
+    coefficient (None: ``loss.entropy_coef``); ``entropy_cut`` as grpo_objective's; ``inputs.sampler_logp_BT``:
     the sampler's log-probs, weighted per ``rollout.sampler_correction``."""
     coef = cfg.loss.entropy_coef if entropy_coef is None else entropy_coef
-    return grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages, mask_BT, kl=kl_term(cfg.kl, beta),
-                          policy=policy_term(cfg.loss), aggregation=cfg.loss.aggregation, normalizer=normalizer,
-                          entropy_BT=entropy_BT, entropy=entropy_term(cfg.loss, coef), entropy_cut=entropy_cut,
-                          sampling_logp_BT=sampling_logp_BT, sampler_logp_BT=sampler_logp_BT,
-                          sampler_correction=sampler_correction(cfg.rollout))
+    terms = ObjectiveTerms(kl=kl_term(cfg.kl, beta), aggregation=cfg.loss.aggregation, policy=policy_term(cfg.loss),
+                           entropy=entropy_term(cfg.loss, coef), sampler_correction=sampler_correction(cfg.rollout))
+    return grpo_objective(inputs, terms, normalizer, entropy_cut=entropy_cut)

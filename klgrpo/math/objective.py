@@ -44,7 +44,7 @@ micro-batches and divides once per step by global counts; nothing here syncs wit
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -110,11 +110,12 @@ class PolicyTerm:
     params: Any = None
 
     def _settings(self) -> dict:
-        """The keywords of this surrogate beyond the clip: ppo_clip's guards and the loss's own settings."""
+        """The keywords of this surrogate beyond the clip: ppo_clip's guards, and ``params``, the loss's own
+        settings (an instance of its registered dataclass), for a loss that declared some."""
         guards = {k: v for k, v in (("delta", self.delta), ("dual_clip", self.dual_clip)) if v is not None}
         declared = POLICY_LOSSES.params(self.name)
         params = self.params if self.params is not None else (declared() if declared is not None else None)
-        return guards if params is None else {**guards, **asdict(params)}
+        return guards if params is None else {**guards, "params": params}
 
     def surrogate(self, logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor):
         return POLICY_LOSSES[self.name](logp_BT, old_logp_BT, advantages, mask_BT, self.eps_low, self.eps_high,
@@ -267,50 +268,76 @@ def kl_factor(masked_tokens: str, factors: SamplerFactors | None, policy_keep_BT
     return policy_keep_BT if sampler is None else sampler * policy_keep_BT
 
 
-def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | None, advantages_B: Tensor,
-                   mask_BT: Tensor, *, kl: KLTerm, policy: PolicyTerm = PolicyTerm(), aggregation: str,
-                   normalizer: Normalizer, full_kl_BT: Tensor | None = None, row_weights_B: Tensor | None = None,
-                   metrics: bool = True, entropy_BT: Tensor | None = None, entropy: EntropyTerm = EntropyTerm(),
-                   entropy_cut: Tensor | None = None, sampling_logp_BT: Tensor | None = None,
-                   sampler_logp_BT: Tensor | None = None,
-                   sampler_correction: SamplerCorrection = SamplerCorrection()) -> ObjectiveOut:
-    """Loss of one micro-batch (module docstring). ``ref_logp_BT`` is None when no reference exists.
+@dataclass(frozen=True, eq=False)  # tensors: == between two micro-batches means nothing
+class ObjectiveInputs:
+    """The tensors of one micro-batch that :func:`grpo_objective` reads, [B, T] per token and [B] per sequence.
 
-    ``policy``: the surrogate and its clip; ``kl``: how the KL enters (beta included); ``aggregation`` (an
-    AGGREGATIONS name) and ``normalizer``: how per-token terms become the loss. ``full_kl_BT``: math.full_kl's
-    exact per-position KL, read only for ``kl.estimator`` "full" (loss only). ``row_weights_B`` multiplies each
-    sequence's per-token loss (None: 1; verify-kl's oracles pass the sequences' probabilities to take
-    expectations by enumeration). ``metrics=False`` leaves ``sums`` None. ``entropy_BT``: the policy's per-token
-    entropy, in the graph (when ``entropy`` needs it); ``entropy_cut``: the top-entropy threshold when the caller
-    pools more tokens (None: :func:`entropy_threshold` of these); ``sampling_logp_BT``: the sampling policy's
-    log-probs for the off-policy mask (None: ``old_logp_BT``); ``sampler_logp_BT``: the sampler's own log-probs
-    mu of the tokens, which ``sampler_correction`` (when on) turns into the factor v on the policy term and u on
-    the KL term (None: no sampler log-probs, no factor)."""
+    ``ref_logp_BT`` is None when no reference exists. ``full_kl_BT``: math.full_kl's exact per-position KL, read
+    only for ``kl.estimator`` "full" (loss only). ``entropy_BT``: the policy's per-token entropy, in the graph
+    (when the EntropyTerm needs it). ``sampling_logp_BT``: the sampling policy's log-probs for the off-policy mask
+    (None: ``old_logp_BT``). ``sampler_logp_BT``: the sampler's own log-probs mu of the tokens, which the
+    SamplerCorrection (when on) turns into the factor v on the policy term and u on the KL term (None: no sampler
+    log-probs, no factor). ``row_weights_B`` multiplies each sequence's per-token loss (None: 1; verify-kl's oracles
+    pass the sequences' probabilities to take expectations by enumeration)."""
+
+    logp_BT: Tensor
+    old_logp_BT: Tensor
+    ref_logp_BT: Tensor | None
+    advantages_B: Tensor
+    mask_BT: Tensor
+    full_kl_BT: Tensor | None = None
+    entropy_BT: Tensor | None = None
+    sampling_logp_BT: Tensor | None = None
+    sampler_logp_BT: Tensor | None = None
+    row_weights_B: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ObjectiveTerms:
+    """The plan's terms of the objective, at this step: ``kl`` how the KL enters (beta included), ``aggregation``
+    (an AGGREGATIONS name) how per-token terms become the loss, ``policy`` the surrogate and its clip, ``entropy``
+    the bonus and the top-entropy mask, ``sampler_correction`` the factor from the sampler's log-probs."""
+
+    kl: KLTerm
+    aggregation: str
+    policy: PolicyTerm = PolicyTerm()
+    entropy: EntropyTerm = EntropyTerm()
+    sampler_correction: SamplerCorrection = SamplerCorrection()
+
+
+def grpo_objective(inputs: ObjectiveInputs, terms: ObjectiveTerms, normalizer: Normalizer, *, metrics: bool = True,
+                   entropy_cut: Tensor | None = None) -> ObjectiveOut:
+    """Loss of one micro-batch (module docstring): ``inputs`` its tensors, ``terms`` the plan's terms,
+    ``normalizer`` the step's global counts the aggregation divides by. ``metrics=False`` leaves ``sums`` None.
+    ``entropy_cut``: the top-entropy threshold when the caller pools more tokens (None: :func:`entropy_threshold`
+    of these)."""
+    kl, aggregation, logp_BT, old_logp_BT = terms.kl, terms.aggregation, inputs.logp_BT, inputs.old_logp_BT
     if kl.estimator == FULL_KL and kl.in_reward:
         raise ValueError(f"kl.estimator full enters the loss only, not kl.placement {kl.placement}")
-    mask = mask_BT.to(torch.float32)
-    advantages, reward_kl_penalty = _kl_in_reward(old_logp_BT, ref_logp_BT, advantages_B, mask, kl)
-    pg = policy.surrogate(logp_BT, old_logp_BT, advantages, mask)
-    masks = _policy_masks(logp_BT, old_logp_BT if sampling_logp_BT is None else sampling_logp_BT, advantages_B,
-                          mask, policy, entropy_BT, entropy, entropy_cut)
+    mask = inputs.mask_BT.to(torch.float32)
+    advantages, reward_kl_penalty = _kl_in_reward(old_logp_BT, inputs.ref_logp_BT, inputs.advantages_B, mask, kl)
+    pg = terms.policy.surrogate(logp_BT, old_logp_BT, advantages, mask)
+    sampling_logp_BT = old_logp_BT if inputs.sampling_logp_BT is None else inputs.sampling_logp_BT
+    masks = _policy_masks(logp_BT, sampling_logp_BT, inputs.advantages_B, mask, terms.policy, inputs.entropy_BT,
+                          terms.entropy, entropy_cut)
     policy_BT = pg.loss_BT * masks.keep_BT if masks.keep_BT is not None else pg.loss_BT
-    factors = (sampler_factors(old_logp_BT, sampler_logp_BT, mask, sampler_correction)
-               if sampler_logp_BT is not None and sampler_correction.on else None)
+    factors = (sampler_factors(old_logp_BT, inputs.sampler_logp_BT, mask, terms.sampler_correction)
+               if inputs.sampler_logp_BT is not None and terms.sampler_correction.on else None)
     per_token = policy_BT if factors is None else policy_BT * factors.product
     loss_kl_penalty, kl_sums, token_kl = None, None, None
-    if ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
-        penalty = kl_penalty_terms(logp_BT, old_logp_BT, ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
-                                   full_kl_BT=full_kl_BT)
+    if inputs.ref_logp_BT is not None and (metrics or (kl.in_loss and kl.coef > 0)):
+        penalty = kl_penalty_terms(logp_BT, old_logp_BT, inputs.ref_logp_BT, mask, kl, ratio_BT=pg.ratio_BT,
+                                   full_kl_BT=inputs.full_kl_BT)
         u = kl_factor(kl.masked_tokens, factors, masks.keep_BT)
         per_token, loss_kl_penalty = _kl_in_loss(per_token, penalty, u, mask, kl, aggregation, normalizer, metrics)
         kl_sums, token_kl = _kl_monitors(penalty, mask, kl) if metrics else (None, None)
-    if row_weights_B is not None:
-        per_token = per_token * row_weights_B.detach().unsqueeze(-1)
+    if inputs.row_weights_B is not None:
+        per_token = per_token * inputs.row_weights_B.detach().unsqueeze(-1)
     loss = aggregate(per_token, mask, aggregation, normalizer)
     bonus = None
-    if entropy.coef != 0.0:
-        bonus = entropy_bonus(entropy_BT, masks.acted_BT, row_weights_B, normalizer)
-        loss = loss - entropy.coef * bonus
+    if terms.entropy.coef != 0.0:
+        bonus = entropy_bonus(inputs.entropy_BT, masks.acted_BT, inputs.row_weights_B, normalizer)
+        loss = loss - terms.entropy.coef * bonus
     if not metrics:
         return ObjectiveOut(loss=loss, sums=None)
     sums = ObjectiveSums(
@@ -318,7 +345,7 @@ def grpo_objective(logp_BT: Tensor, old_logp_BT: Tensor, ref_logp_BT: Tensor | N
         policy_abs=aggregate(policy_BT.detach().abs(), mask, aggregation, normalizer),
         clip_low=(pg.clipped_low_BT.float() * mask).sum(), clip_high=(pg.clipped_high_BT.float() * mask).sum(),
         reward_kl_penalty=reward_kl_penalty, loss_kl_penalty=loss_kl_penalty, **(kl_sums or {}),
-        **_entropy_sums(entropy_BT, masks, mask, entropy, bonus))
+        **_entropy_sums(inputs.entropy_BT, masks, mask, terms.entropy, bonus))
     return ObjectiveOut(loss=loss, sums=sums, token_kl=token_kl)
 
 

@@ -61,8 +61,9 @@ from klgrpo.math.registry import Registry
 IS_CORRECTIONS = ("in_graph", "detached", "none")
 
 #: ``loss.policy_loss`` name -> surrogate ``fn(logp_BT, old_logp_BT, advantages, mask_BT, eps_low, eps_high,
-#: **guards, **settings) -> SurrogateOut``; the guards (delta, dual_clip) reach only a surrogate that takes them
-#: (ppo_clip), a loss's own settings (``register(name, params=...)``) reach it as keywords of the same names.
+#: **guards, params=settings) -> SurrogateOut``; the guards (delta, dual_clip) reach only a surrogate that takes
+#: them (ppo_clip), a loss's own settings (``register(name, params=...)``) reach it as ONE keyword, ``params``, an
+#: instance of the dataclass it registered (a loss without settings gets no ``params``).
 #: Registration order is the order the config lists them in; ppo_clip, the default, first.
 POLICY_LOSSES: Registry = Registry("policy loss")
 
@@ -153,12 +154,11 @@ def cispo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, ma
 
 @POLICY_LOSSES.register("sapo", params=SapoParams)
 def sapo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
-                   eps_low: float = 0.2, eps_high: float = 0.2, *, temperature_pos: float = 1.0,
-                   temperature_neg: float = 1.05) -> SurrogateOut:
+                   eps_low: float = 0.2, eps_high: float = 0.2, *, params: SapoParams = SapoParams()) -> SurrogateOut:
     """SAPO (module docstring): -(4 / tau) sigmoid(tau (rho - 1)) A per token; nothing is clipped."""
     ratio = _ratio(logp_BT, old_logp_BT)
     adv = _per_token(advantages).to(ratio.dtype)
-    tau = torch.where(adv > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    tau = torch.where(adv > 0, params.temperature_pos, params.temperature_neg).to(ratio.dtype)
     loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     none = torch.zeros_like(loss, dtype=torch.bool)
     return SurrogateOut(loss_BT=loss, ratio_BT=ratio, clipped_low_BT=none, clipped_high_BT=none)
@@ -169,26 +169,25 @@ VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
 
 
 @torch.no_grad()
-def vespo_weight(log_ratio_BT: Tensor, advantages: Tensor, mask_BT: Tensor, k_pos: float, lambda_pos: float,
-                 k_neg: float, lambda_neg: float) -> Tensor:
+def vespo_weight(log_ratio_BT: Tensor, advantages: Tensor, mask_BT: Tensor, params: VespoParams) -> Tensor:
     """phi(w_i) of VESPO (module docstring), detached: [B, 1] for per-sequence advantages, else [B, T];
     a non-finite phi becomes 0."""
     mask = mask_BT.to(log_ratio_BT.dtype)
     log_w = (log_ratio_BT.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
     nonneg = _per_token(advantages) >= 0
-    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    k = torch.where(nonneg, params.k_pos, params.k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, params.lambda_pos, params.lambda_neg).to(log_w.dtype).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @POLICY_LOSSES.register("vespo", params=VespoParams)
 def vespo_surrogate(logp_BT: Tensor, old_logp_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
-                    eps_low: float = 0.2, eps_high: float = 0.2, *, k_pos: float = 2.0, lambda_pos: float = 3.0,
-                    k_neg: float = 3.0, lambda_neg: float = 2.0) -> SurrogateOut:
+                    eps_low: float = 0.2, eps_high: float = 0.2, *,
+                    params: VespoParams = VespoParams()) -> SurrogateOut:
     """VESPO (module docstring): -sg(phi(w_i)) A log pi per token."""
     dtype = torch.promote_types(_compute_dtype(logp_BT), _compute_dtype(old_logp_BT))
     log_ratio = logp_BT.to(dtype) - old_logp_BT.to(dtype).detach()
-    phi = vespo_weight(log_ratio.detach(), advantages, mask_BT, k_pos, lambda_pos, k_neg, lambda_neg)
+    phi = vespo_weight(log_ratio.detach(), advantages, mask_BT, params)
     loss = -phi * _per_token(advantages).to(dtype) * logp_BT.to(dtype)
     none = torch.zeros_like(loss, dtype=torch.bool)
     return SurrogateOut(loss_BT=loss, ratio_BT=torch.exp(log_ratio), clipped_low_BT=none, clipped_high_BT=none)

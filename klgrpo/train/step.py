@@ -41,7 +41,7 @@ from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl_control import EntropyController, KLController, KLObservation
-from klgrpo.math.objective import KLTerm, grpo_objective, reward_kl
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, grpo_objective, reward_kl
 from klgrpo.store.checkpoint import SHARDS_DIR, load_trainer_state, rng_state, set_rng_state, write_checkpoint_files
 from klgrpo.store.state_io import to_device
 from klgrpo.train import metric_names as names
@@ -267,13 +267,13 @@ class GRPOStep:
                                                 kept_sets=True)
         old = batch.old_logp[sl] if batch.old_logp is not None else logp.detach()
         with torch.set_grad_enabled(self.loss_fn is None):
-            out = grpo_objective(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl],
-                                 policy=plan.policy, kl=kl, aggregation=plan.aggregation,
-                                 normalizer=batch.normalizer, full_kl_BT=full_kl,
-                                 entropy_BT=entropy if plan.entropy_in_loss else None,
-                                 entropy=plan.entropy_term(self.entropy_controller.applied),
-                                 sampler_logp_BT=_rows(batch.rollout.sampler_logp, sl),
-                                 sampler_correction=plan.sampler_correction)
+            inputs = ObjectiveInputs(logp, old, ref, batch.advantages[sl], batch.loss_mask[sl], full_kl_BT=full_kl,
+                                     entropy_BT=entropy if plan.entropy_in_loss else None,
+                                     sampler_logp_BT=_rows(batch.rollout.sampler_logp, sl))
+            terms = ObjectiveTerms(kl=kl, aggregation=plan.aggregation, policy=plan.policy,
+                                   entropy=plan.entropy_term(self.entropy_controller.applied),
+                                   sampler_correction=plan.sampler_correction)
+            out = grpo_objective(inputs, terms, batch.normalizer)
         if self.loss_fn is None:
             return out.loss, out, logp, entropy, {}
         rollout, prompt = batch.rollout, slice(0, batch.rollout.prompt_len)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.logprobs import token_logprobs_and_entropy
-from klgrpo.math.objective import EntropyTerm, KLTerm, grpo_objective
+from klgrpo.math.objective import EntropyTerm, KLTerm, ObjectiveInputs, ObjectiveTerms, grpo_objective
 from klgrpo.verify import categorical, sequence_toy
 from klgrpo.verify.penalty import flat_grad
 
@@ -58,9 +58,10 @@ def bonus_gradient(theta: Tensor, logits_BTV: Tensor, tokens_BT: Tensor, mask_BT
     logp, entropy = token_logprobs_and_entropy(logits_BTV, tokens_BT)
     tokens = (weights_B.detach() * mask_BT.to(weights_B.dtype).sum(-1)).sum()
     norm = Normalizer(num_sequences=1.0, num_tokens=tokens, max_len=float(mask_BT.shape[-1]))
-    out = grpo_objective(logp, logp.detach(), None, torch.zeros(len(weights_B), dtype=logp.dtype), mask_BT,
-                         kl=KLTerm(coef=0.0), aggregation="token_mean", normalizer=norm, row_weights_B=weights_B,
-                         metrics=False, entropy_BT=entropy, entropy=EntropyTerm(coef=1.0))
+    inputs = ObjectiveInputs(logp, logp.detach(), None, torch.zeros(len(weights_B), dtype=logp.dtype), mask_BT,
+                             entropy_BT=entropy, row_weights_B=weights_B)
+    terms = ObjectiveTerms(kl=KLTerm(coef=0.0), aggregation="token_mean", entropy=EntropyTerm(coef=1.0))
+    out = grpo_objective(inputs, terms, norm, metrics=False)
     return -flat_grad(out.loss, theta) * float(tokens)
 
 

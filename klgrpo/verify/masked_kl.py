@@ -29,7 +29,15 @@ from klgrpo.math import sampler_correction as correction_module
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.math.objective import KL_MASKED_TOKENS, EntropyTerm, KLTerm, PolicyTerm, grpo_objective
+from klgrpo.math.objective import (
+    KL_MASKED_TOKENS,
+    EntropyTerm,
+    KLTerm,
+    ObjectiveInputs,
+    ObjectiveTerms,
+    PolicyTerm,
+    grpo_objective,
+)
 from klgrpo.math.sampler_correction import DivergenceMask, SamplerCorrection
 from klgrpo.verify import sequence_toy
 from klgrpo.verify.penalty import WIDE_CLIP
@@ -225,16 +233,19 @@ def trainer_loss(toy: Toy, problem, mask: Mask, rule: str, estimator: str, place
                       max_len=float(toy.mask.shape[-1]))
     kl = KLTerm(coef=coef, estimator=estimator, placement=placement, is_correction="detached",
                 masked_tokens=rule)
-    out = grpo_objective(
-        logp, logp.detach(), toy.ref_logp, -torch.ones(toy.mask.shape[0], dtype=torch.float64), toy.mask, kl=kl,
-        policy=PolicyTerm(eps_low=WIDE_CLIP, eps_high=WIDE_CLIP,
-                          off_policy_mask=OFF_POLICY_DELTA if mask.off_policy else None),
-        aggregation="seq_mean_token_sum", normalizer=norm, row_weights_B=toy.mu_weights, metrics=False,
+    inputs = ObjectiveInputs(
+        logp, logp.detach(), toy.ref_logp, -torch.ones(toy.mask.shape[0], dtype=torch.float64), toy.mask,
         full_kl_BT=toy.full_kl(theta, problem.ref_theta) if estimator == FULL_KL else None,
         entropy_BT=toy.entropy(theta) if mask.top_entropy else None,
+        sampling_logp_BT=toy.mu_logp if mask.off_policy else None, sampler_logp_BT=toy.mu_logp,
+        row_weights_B=toy.mu_weights)
+    terms = ObjectiveTerms(
+        kl=kl, aggregation="seq_mean_token_sum",
+        policy=PolicyTerm(eps_low=WIDE_CLIP, eps_high=WIDE_CLIP,
+                          off_policy_mask=OFF_POLICY_DELTA if mask.off_policy else None),
         entropy=EntropyTerm(top_quantile=TOP_ENTROPY if mask.top_entropy else 1.0),
-        sampling_logp_BT=toy.mu_logp if mask.off_policy else None,
-        sampler_logp_BT=toy.mu_logp, sampler_correction=mask.correction)
+        sampler_correction=mask.correction)
+    out = grpo_objective(inputs, terms, norm, metrics=False)
     return out.loss
 
 

@@ -7,10 +7,10 @@ or both), built by the objective's single KL implementation (``kl_penalty_terms`
 Carlo check and the optimum search all go through it: a bug planted in the objective's KL term fails them.
 
 Exact expected gradient (docs/kl_math.md, "Exact tests"): with ``weights_B = q(y).detach()`` over every outcome y
-(q = pi on-policy, q = mu = pi_old off-policy), passed as grpo_objective's ``row_weights_B``, autograd of
+(q = pi on-policy, q = mu = pi_old off-policy), passed as the objective's ``ObjectiveInputs.row_weights_B``, autograd of
 ``sum_y q(y) L(y)`` is E_q[grad L(y)] exactly.
 
-Samplings: what grpo_objective receives as ``old_logp`` (the rollout policy) and ``kl.is_correction``:
+Samplings: what grpo_objective receives as ``old_logp_BT`` (the rollout policy) and ``kl.is_correction``:
 
     sampling              old_logp     is_correction   loss placement          reward placement
     on_policy             sg(logp)     none            k(l), no weight         PPO ratio pi/sg(pi)
@@ -40,7 +40,7 @@ from torch import Tensor
 from klgrpo.math.advantages import kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import DEFAULT_LOG_RATIO_CLAMP, ESTIMATORS, PLACEMENTS, SAMPLINGS
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective, reward_kl
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, PolicyTerm, grpo_objective, reward_kl
 from klgrpo.math.sampler_correction import SamplerCorrection
 
 #: eps_low = eps_high for the surrogate: the clip never binds, so the PPO loss is the plain ratio-weighted
@@ -93,11 +93,11 @@ def penalty_objective(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, wei
     advantages_B = torch.zeros_like(weights_B)  # task advantages 0: only the penalty is left
     if kl.in_reward and reward_mode == "sequence_score":
         advantages_B = kl_penalized_scores(advantages_B, reward_kl(old_logp_BT, ref_logp_BT, kl), mask_BT, kl.coef)
-    out = grpo_objective(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, kl=kl,
-                         policy=PolicyTerm(eps_low=eps, eps_high=eps, delta=delta, dual_clip=dual_clip),
-                         aggregation=aggregation, normalizer=norm, row_weights_B=weights_B, metrics=False,
-                         full_kl_BT=full_kl_BT, sampler_logp_BT=sampler_logp_BT,
-                         sampler_correction=sampler_correction)
+    inputs = ObjectiveInputs(logp_BT, old_logp_BT, ref_logp_BT, advantages_B, mask_BT, full_kl_BT=full_kl_BT,
+                             sampler_logp_BT=sampler_logp_BT, row_weights_B=weights_B)
+    terms = ObjectiveTerms(kl=kl, aggregation=aggregation, sampler_correction=sampler_correction,
+                           policy=PolicyTerm(eps_low=eps, eps_high=eps, delta=delta, dual_clip=dual_clip))
+    out = grpo_objective(inputs, terms, norm, metrics=False)
     return out.loss
 
 

@@ -11,7 +11,15 @@ import torch
 import klgrpo.math.objective as objective
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.kl import ESTIMATORS
-from klgrpo.math.objective import KLTerm, PolicyTerm, grpo_objective, kl_penalty_terms, reward_kl
+from klgrpo.math.objective import (
+    KLTerm,
+    ObjectiveInputs,
+    ObjectiveTerms,
+    PolicyTerm,
+    grpo_objective,
+    kl_penalty_terms,
+    reward_kl,
+)
 from klgrpo.math.policy_loss import IS_CORRECTIONS
 from klgrpo.verify import categorical, sequence_toy
 
@@ -62,8 +70,8 @@ def test_grpo_objective_loss_is_pg_plus_beta_kl_by_hand():
     # KL k3 detached: beta * w * k3 = 0.04 * 1.25 * (log 2 - 0.5), gradient beta * w * (1 - r) = 0.04 * 1.25 * 0.5
     logp, ref, old = _one_token()
     kl = KLTerm(coef=0.04, estimator="k3", is_correction="detached")
-    out = grpo_objective(logp, old, ref, torch.tensor([0.5], dtype=F64), torch.ones(1, 1), kl=kl,
-                         aggregation="token_mean", normalizer=Normalizer.of(torch.ones(1, 1)))
+    out = grpo_objective(ObjectiveInputs(logp, old, ref, torch.tensor([0.5], dtype=F64), torch.ones(1, 1)),
+                         ObjectiveTerms(kl=kl, aggregation="token_mean"), Normalizer.of(torch.ones(1, 1)))
     assert float(out.loss.detach()) == pytest.approx(-0.6 + 0.04 * 1.25 * (LOG2 - 0.5), rel=1e-14)
     out.loss.backward()
     assert float(logp.grad) == pytest.approx(0.04 * 1.25 * 0.5, rel=1e-14)
@@ -74,9 +82,9 @@ def test_reward_kl_reads_the_rollout_policy():
     logp, ref, old = _one_token()
     kl = KLTerm(coef=0.1, estimator="k1", placement="reward")
     assert float(reward_kl(old, ref, kl)) == pytest.approx(math.log(0.4 / 0.25), rel=1e-14)
-    out = grpo_objective(logp, old, ref, torch.tensor([0.0], dtype=F64), torch.ones(1, 1), kl=kl,
-                         policy=PolicyTerm(eps_low=1e9, eps_high=1e9), aggregation="token_mean",
-                         normalizer=Normalizer.of(torch.ones(1, 1)))
+    out = grpo_objective(ObjectiveInputs(logp, old, ref, torch.tensor([0.0], dtype=F64), torch.ones(1, 1)),
+                         ObjectiveTerms(kl=kl, aggregation="token_mean", policy=PolicyTerm(eps_low=1e9, eps_high=1e9)),
+                         Normalizer.of(torch.ones(1, 1)))
     # loss = -rho * A_t = 1.25 * 0.1 * log 1.6
     assert float(out.loss.detach()) == pytest.approx(1.25 * 0.1 * math.log(1.6), rel=1e-14)
 
@@ -84,8 +92,8 @@ def test_reward_kl_reads_the_rollout_policy():
 def test_sequence_score_mode_leaves_the_advantages_alone():
     logp, ref, old = _one_token()
     kl = KLTerm(coef=0.1, estimator="k1", placement="reward", reward_mode="sequence_score")
-    out = grpo_objective(logp, old, ref, torch.tensor([0.0], dtype=F64), torch.ones(1, 1), kl=kl,
-                         aggregation="token_mean", normalizer=Normalizer.of(torch.ones(1, 1)))
+    out = grpo_objective(ObjectiveInputs(logp, old, ref, torch.tensor([0.0], dtype=F64), torch.ones(1, 1)),
+                         ObjectiveTerms(kl=kl, aggregation="token_mean"), Normalizer.of(torch.ones(1, 1)))
     assert float(out.loss.detach()) == 0.0  # the caller put the KL into the score (advantages.kl_penalized_scores)
     # the metric still reports the penalty the score carries: beta * k1(l_old) = 0.1 * log 1.6
     assert float(out.sums.reward_kl_penalty) == pytest.approx(0.1 * math.log(1.6), rel=1e-14)
@@ -105,8 +113,8 @@ def _kl_grad(estimator, is_correction, l, dtype, shaping="none"):
     old = torch.tensor([[-2.75]], dtype=dtype)
     kl = KLTerm(coef=1.0, estimator=estimator, is_correction=is_correction, clamp=CLAMP, shaping=shaping,
                 clip_threshold=10.0)
-    out = grpo_objective(logp, old, ref, torch.zeros(1, dtype=dtype), torch.ones(1, 1), kl=kl,
-                         aggregation="token_mean", normalizer=Normalizer.of(torch.ones(1, 1)))
+    out = grpo_objective(ObjectiveInputs(logp, old, ref, torch.zeros(1, dtype=dtype), torch.ones(1, 1)),
+                         ObjectiveTerms(kl=kl, aggregation="token_mean"), Normalizer.of(torch.ones(1, 1)))
     (g,) = torch.autograd.grad(out.loss, logp)
     return float(g), out
 

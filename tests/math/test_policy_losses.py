@@ -12,6 +12,7 @@ from klgrpo.config.schema import GRPOConfig, all_field_paths
 from klgrpo.errors import ConfigError
 from klgrpo.math.aggregation import Normalizer, aggregate
 from klgrpo.math.policy_loss import POLICY_LOSSES, clipped_surrogate
+from klgrpo.math.policy_params import SapoParams, VespoParams
 
 F64 = torch.float64
 LN = math.log
@@ -129,7 +130,7 @@ def test_sapo_values_and_gradient_by_hand():
     # gradient -4 sigma'(2) * 2 * (-1) = 8 s (1 - s), s = sigmoid(2).
     logp = _leaf([[1.0], [2.0]])
     out = POLICY_LOSSES["sapo"](logp, torch.zeros(2, 1, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64),
-                                torch.ones(2, 1), temperature_pos=1.0, temperature_neg=2.0)
+                                torch.ones(2, 1), params=SapoParams(temperature_pos=1.0, temperature_neg=2.0))
     s = 1 / (1 + math.exp(-2))
     torch.testing.assert_close(out.loss_BT, torch.tensor([[-2.0], [2 * s]], dtype=F64), rtol=0, atol=1e-7)
     (grad,) = torch.autograd.grad(out.loss_BT.sum(), logp)
@@ -144,7 +145,7 @@ def test_vespo_values_and_gradient_by_hand():
     logp = _leaf([[2.0, 1.0, 9.0], [1.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     out = POLICY_LOSSES["vespo"](logp, torch.zeros(2, 3, dtype=F64), torch.tensor([1.0, -1.0], dtype=F64), mask,
-                                 k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+                                 params=VespoParams(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0))
     phi = 4 * math.exp(-3)
     (grad,) = torch.autograd.grad((out.loss_BT * mask).sum(), logp)
     expected = torch.tensor([[-phi, -phi, 0.0], [1.0, 1.0, 1.0]], dtype=F64)

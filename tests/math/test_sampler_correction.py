@@ -19,7 +19,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.integrations.mapping import mapped_objective
 from klgrpo.integrations.trl_mapping import map_trl
 from klgrpo.math.aggregation import Normalizer
-from klgrpo.math.objective import KLTerm, grpo_objective
+from klgrpo.math.objective import KLTerm, ObjectiveInputs, ObjectiveTerms, grpo_objective
 from klgrpo.math.sampler_correction import SAMPLER_CORRECTIONS, SamplerCorrection, mismatch_per_token, sampler_weight
 from tests.helpers.one_process import OneProcessAccelerator
 
@@ -118,8 +118,8 @@ def _ours(fields: dict, mode: str, clip_min, clip_max, logp, mu, ref, adv, mask)
     cfg.rollout.sampler_correction = mode
     cfg.rollout.sampler_correction_min, cfg.rollout.sampler_correction_max = clip_min or 0.0, clip_max or 0.0
     leaf = logp.clone().requires_grad_(True)
-    out = mapped_objective(cfg, 0.0, leaf, leaf.detach(), None, adv, mask, Normalizer.of(mask, MAX_LEN),
-                           sampler_logp_BT=mu)
+    out = mapped_objective(cfg, 0.0, ObjectiveInputs(leaf, leaf.detach(), None, adv, mask, sampler_logp_BT=mu),
+                           Normalizer.of(mask, MAX_LEN))
     (grad,) = torch.autograd.grad(out.loss, leaf)
     return out.loss.detach(), grad
 
@@ -153,8 +153,9 @@ def test_the_kl_term_is_weighted_too():
     zero = torch.zeros(B, dtype=F64)
     for mode in MODES:
         correction = SamplerCorrection(mode, None, 3.0)
-        got = grpo_objective(logp, logp, ref, zero, mask, kl=kl, aggregation="seq_mean_token_sum", normalizer=norm,
-                             sampler_logp_BT=mu, sampler_correction=correction).loss
+        got = grpo_objective(ObjectiveInputs(logp, logp, ref, zero, mask, sampler_logp_BT=mu),
+                             ObjectiveTerms(kl=kl, aggregation="seq_mean_token_sum", sampler_correction=correction),
+                             norm).loss
         l_BT = logp - ref
         k3 = torch.expm1(-l_BT) + l_BT  # k3 value, on-policy weight 1
         weight = sampler_weight(logp, mu, mask, correction)
@@ -164,11 +165,12 @@ def test_the_kl_term_is_weighted_too():
 def test_none_and_no_sampler_logprobs_leave_the_loss_alone():
     logp, mu, ref, adv, mask = _inputs(seed=3)
     norm, kl = Normalizer.of(mask, MAX_LEN), KLTerm(coef=0.1)
-    plain = grpo_objective(logp, logp, ref, adv, mask, kl=kl, aggregation="token_mean", normalizer=norm).loss
-    for extra in ({"sampler_logp_BT": mu}, {"sampler_correction": SamplerCorrection("token_mask")}):
-        same = grpo_objective(logp, logp, ref, adv, mask, kl=kl, aggregation="token_mean", normalizer=norm,
-                              **extra).loss
-        assert same == plain
+    terms = ObjectiveTerms(kl=kl, aggregation="token_mean")
+    plain = grpo_objective(ObjectiveInputs(logp, logp, ref, adv, mask), terms, norm).loss
+    with_mu = grpo_objective(ObjectiveInputs(logp, logp, ref, adv, mask, sampler_logp_BT=mu), terms, norm).loss
+    assert with_mu == plain
+    masking = ObjectiveTerms(kl=kl, aggregation="token_mean", sampler_correction=SamplerCorrection("token_mask"))
+    assert grpo_objective(ObjectiveInputs(logp, logp, ref, adv, mask), masking, norm).loss == plain
 
 
 def test_the_mismatch_per_token_by_hand():
