@@ -14,7 +14,7 @@ from klgrpo.errors import ConfigError
 from klgrpo.math.kl import ESTIMATORS
 from klgrpo.run.metrics import read_metrics
 from klgrpo.run.trainer import GRPOTrainer
-from klgrpo.train.replay import CACHE_FILE, ReplayAnchor, ReplayCache
+from klgrpo.train.replay import CACHE_FILE, AnchorModels, ReplayAnchor, ReplayCache
 from tests.test_trainer import _final_state, _train_rows, make_config, quiet
 
 REPLAY = {"coef": 1.0, "num_prompts": 6, "completions_per_prompt": 2, "batch_size": 5}
@@ -73,7 +73,7 @@ def _naive_kl_per_row(policy, reference_model, cache: ReplayCache, i: int) -> li
 
 def test_full_kl_equals_naive_exact_kl(tiny_model_dir, addition_file, subtraction_file, tmp_path):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "r")
-    anchor = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "r", log=quiet)
+    anchor = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "r", log=quiet)
     assert anchor.cache.size == 12 and anchor.cache.ref_logsoftmax is not None
     _perturb(model)
     rows = _peek_rows(anchor)
@@ -92,7 +92,7 @@ def test_recompute_mode_equals_cached_mode(tiny_model_dir, addition_file, subtra
     results = []
     for budget in (2**30, 0):
         cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / f"b{budget}")
-        anchor = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / f"b{budget}", log=quiet,
+        anchor = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / f"b{budget}", log=quiet,
                                     cache_budget_bytes=budget)
         assert (anchor.cache.ref_logsoftmax is None) == (budget == 0)
         _perturb(model)
@@ -104,7 +104,7 @@ def test_recompute_mode_equals_cached_mode(tiny_model_dir, addition_file, subtra
 
 def test_zero_kl_and_zero_gradient_at_the_reference(tiny_model_dir, addition_file, subtraction_file, tmp_path):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "z")
-    anchor = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "z", log=quiet)
+    anchor = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "z", log=quiet)
     metrics = anchor.accumulate_gradients(model)
     # float64 throughout: only batch-shape rounding (~1e-16 in the logits) separates the two forwards.
     assert abs(metrics["kl/replay"]) < 1e-13
@@ -113,7 +113,7 @@ def test_zero_kl_and_zero_gradient_at_the_reference(tiny_model_dir, addition_fil
 
 def test_gradient_reaches_the_policy_only(tiny_model_dir, addition_file, subtraction_file, tmp_path):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "g")
-    anchor = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "g", log=quiet)
+    anchor = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "g", log=quiet)
     _perturb(model)
     anchor.accumulate_gradients(model)
     assert all(p.grad is not None for p in model.parameters())
@@ -128,7 +128,7 @@ def test_micro_batches_do_not_change_value_or_gradient(tiny_model_dir, addition_
     for micro in (0, 2):
         cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / f"m{micro}")
         cfg = cfg.override({"train.micro_batch_size": micro})
-        anchor = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / f"m{micro}", log=quiet)
+        anchor = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / f"m{micro}", log=quiet)
         _perturb(model)
         m = anchor.accumulate_gradients(model)
         out.append((m["kl/replay"], torch.cat([p.grad.reshape(-1) for p in model.parameters()])))
@@ -172,7 +172,7 @@ def test_sampled_estimators_by_exact_enumeration(estimator):
 
 def test_cache_written_once_and_reused(tiny_model_dir, addition_file, subtraction_file, tmp_path, monkeypatch):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "c")
-    first = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "c", log=quiet)
+    first = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "c", log=quiet)
     assert (tmp_path / "c" / CACHE_FILE).exists()
     rng = torch.get_rng_state()
 
@@ -180,7 +180,7 @@ def test_cache_written_once_and_reused(tiny_model_dir, addition_file, subtractio
         raise AssertionError("the cache must be reused, not resampled")
 
     monkeypatch.setattr("klgrpo.train.replay.generate_groups", no_sampling)
-    second = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "c", log=quiet)
+    second = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "c", log=quiet)
     assert torch.equal(first.cache.input_ids, second.cache.input_ids)
     assert torch.equal(first.cache.ref_logsoftmax, second.cache.ref_logsoftmax)
     assert torch.equal(torch.get_rng_state(), rng)
@@ -190,28 +190,28 @@ def test_cache_written_once_and_reused(tiny_model_dir, addition_file, subtractio
         if changed_ref is not ref:
             _perturb(changed_ref.model, 0.2)
         with pytest.raises(AssertionError, match="reused, not resampled"):
-            ReplayAnchor.build(changed_cfg, model, tok, changed_ref, tmp_path / "c", log=quiet)
+            ReplayAnchor.build(changed_cfg, AnchorModels(model, tok, changed_ref), tmp_path / "c", log=quiet)
 
 
 def test_sampling_leaves_the_global_rng_alone(tiny_model_dir, addition_file, subtraction_file, tmp_path):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "s")
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "s", log=quiet)
+    ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "s", log=quiet)
     assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_cycling_is_deterministic_and_resumable(tiny_model_dir, addition_file, subtraction_file, tmp_path):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "d")
-    a = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "d", log=quiet)
+    a = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "d", log=quiet)
     batches = [a.sampler.next_indices() for _ in range(5)]
     assert all(len(b) == 5 for b in batches)
     flat = [i for b in batches for i in b]
     assert sorted(flat[:12]) == list(range(12))  # an epoch visits every cached sequence once
-    b = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "d", log=quiet)
+    b = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "d", log=quiet)
     assert [b.sampler.next_indices() for _ in range(2)] == batches[:2]
     state = b.state_dict()
-    c = ReplayAnchor.build(cfg, model, tok, ref, tmp_path / "d", log=quiet)
+    c = ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), tmp_path / "d", log=quiet)
     c.load_state_dict(state)
     assert [c.sampler.next_indices() for _ in range(3)] == batches[2:]
     bad = dict(state, cache_rows=99)
@@ -221,12 +221,13 @@ def test_cycling_is_deterministic_and_resumable(tiny_model_dir, addition_file, s
 
 def test_settings_errors_name_the_field(tiny_model_dir, addition_file, subtraction_file, tmp_path):
     cfg, model, tok, ref = _setup(tiny_model_dir, addition_file, subtraction_file, tmp_path / "e")
+    models = AnchorModels(model, tok, ref)
     with pytest.raises(ConfigError, match="kl.replay.source"):
-        ReplayAnchor.build(cfg.override({"kl.replay.source": ""}), model, tok, ref, tmp_path / "e", log=quiet)
+        ReplayAnchor.build(cfg.override({"kl.replay.source": ""}), models, tmp_path / "e", log=quiet)
     with pytest.raises(ConfigError, match="kl.replay.estimator"):
-        ReplayAnchor.build(cfg.override({"kl.replay.estimator": "k9"}), model, tok, ref, tmp_path / "e", log=quiet)
+        ReplayAnchor.build(cfg.override({"kl.replay.estimator": "k9"}), models, tmp_path / "e", log=quiet)
     with pytest.raises(ConfigError, match="kl.monitor"):
-        ReplayAnchor.build(cfg, model, tok, None, tmp_path / "e", log=quiet)
+        ReplayAnchor.build(cfg, AnchorModels(model, tok, None), tmp_path / "e", log=quiet)
 
 
 def test_trainer_logs_replay_and_resumes_identically(tiny_model_dir, addition_file, subtraction_file, tmp_path):

@@ -15,7 +15,7 @@ import torch
 from klgrpo.apps.demo.assets import DemoSettings, ModelSizes, prepare_demo_assets
 from klgrpo.apps.demo.sft import SFTSettings
 from klgrpo.store.state_io import folder_lock
-from klgrpo.train.replay import CACHE_FILE, ReplayAnchor
+from klgrpo.train.replay import CACHE_FILE, AnchorModels, ReplayAnchor
 from tests.test_replay import _setup, subtraction_file  # noqa: F401 (a fixture)
 
 TINY_DEMO = DemoSettings(model=ModelSizes(hidden=16, layers=1, heads=2, intermediate=32, max_positions=16),
@@ -78,7 +78,7 @@ def test_replay_cache_asked_for_at_once_is_sampled_once(tiny_model_dir, addition
     def build(log):
         with lock:
             cfg, model, tok, ref = next(turn)
-        return ReplayAnchor.build(cfg, model, tok, ref, run, log=log)
+        return ReplayAnchor.build(cfg, AnchorModels(model, tok, ref), run, log=log)
 
     logs, anchors = _contend(run, build, "waiting for another process to write")
     assert sum("sampled" in line for lines in logs for line in lines) == 1, logs

@@ -22,7 +22,7 @@ from klgrpo.train.building import run_dir_for, seed_everything
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.step import GRPOStep
-from klgrpo.train.step_build import build_step
+from klgrpo.train.step_build import GivenParts, build_step
 
 
 class GRPOTrainer:
@@ -52,9 +52,8 @@ class GRPOTrainer:
         seed_everything(cfg.train.seed + self.dist.rank)  # rank 0 samples exactly as a single process would
         self.run_dir = Path(self.dist.gather_objects(str(run_dir_for(cfg)))[0])  # rank 0's name (it has a timestamp)
         eval_sets = eval_sets if eval_sets is not None else load_eval_sets(cfg)
-        self.grpo_step: GRPOStep = build_step(cfg, self.dist, self.engine, self.run_dir, model=model,
-                                              tokenizer=tokenizer, train_dataset=train_dataset, loss_fn=loss_fn,
-                                              log=log)
+        given = GivenParts(model=model, tokenizer=tokenizer, train_dataset=train_dataset, loss_fn=loss_fn)
+        self.grpo_step: GRPOStep = build_step(cfg, self.dist, self.engine, self.run_dir, given, log=log)
         self.run = TrainingRun(self.grpo_step, self.run_dir, eval_sets, cfg, self.dist, log=log)
 
     # ---------------------------------------------------------------------------------- the live objects

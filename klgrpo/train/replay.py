@@ -100,6 +100,16 @@ class ReplayCache:
                    prompt_len=int(d["prompt_len"]), meta=d["meta"])
 
 
+@dataclass(frozen=True)
+class AnchorModels:
+    """The run's loaded models the anchor is built from: ``policy`` (the cache goes to its device), its
+    ``tokenizer`` (the replay prompts), ``reference`` (samples the completions and scores them)."""
+
+    policy: Any
+    tokenizer: Any
+    reference: Any
+
+
 class ReplayAnchor:
     """coef * KL(pi || ref) on cached reference completions of replay prompts; see the module docstring."""
 
@@ -121,14 +131,14 @@ class ReplayAnchor:
 
     # ------------------------------------------------------------------------------------------- build
     @classmethod
-    def build(cls, cfg, model, tokenizer, reference, run_dir: str | Path, *, log: Callable[[str], None] = print,
+    def build(cls, cfg, models: AnchorModels, run_dir: str | Path, *, log: Callable[[str], None] = print,
               cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, sampler: Sampler | str = AUTO,
               write_now: bool = True) -> "ReplayAnchor":
         """Load ``<run_dir>/replay_cache.*`` when it matches these settings and this reference; else sample
         the completions from the reference once, with ``sampler`` (the run's), and write the cache, or with
         ``write_now=False`` keep it for ``write_cache`` (a folder that holds files is written only once the run
         has opened it: it may be another run's, which nothing may change unasked)."""
-        r = cfg.kl.replay
+        r, model, reference = cfg.kl.replay, models.policy, models.reference
         _check_settings(cfg, reference)
         device = next(model.parameters()).device
         meta = {"source": str(r.source), "prompt_column": r.prompt_column, "num_prompts": r.num_prompts,
@@ -145,7 +155,8 @@ class ReplayAnchor:
             cache, unwritten = _load_cache(path, meta, reference, device, log), None
             if cache is None:
                 t0 = time.perf_counter()
-                cache = _sample_cache(cfg, meta, model, tokenizer, reference, device, cache_budget_bytes, sampler)
+                cache = _sample_cache(cfg, meta, model, models.tokenizer, reference, device, cache_budget_bytes,
+                                      sampler)
                 if write_now:
                     save_state(path.parent, CACHE_STEM, cache.to_dict())
                 else:

@@ -3,6 +3,7 @@ policy and its sampler (backends/), the reference (core/), then what trains the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,25 +37,38 @@ def needs_reference(cfg: GRPOConfig) -> bool:
     return cfg.kl.coef > 0 or cfg.kl.monitor or cfg.kl.controller != "fixed" or cfg.kl.replay.coef > 0
 
 
-def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path, *, model=None, tokenizer=None,
-               train_dataset=None, loss_fn=None, log: Callable = print) -> GRPOStep:
+@dataclass(frozen=True)
+class GivenParts:
+    """What the caller hands in instead of what the config names (GRPOTrainer's arguments); None: built from the
+    config. ``model`` a loaded policy (with ``tokenizer``, or the one at model.name_or_path), ``train_dataset``
+    the prompts (instead of data.source), ``loss_fn`` a custom loss (instead of loss.function)."""
+
+    model: Any = None
+    tokenizer: Any = None
+    train_dataset: Any = None
+    loss_fn: Callable | None = None
+
+
+def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path, given: GivenParts = GivenParts(),
+               *, log: Callable = print) -> GRPOStep:
     """The step of a run whose folder is ``run_dir`` (the replay anchor's cache lives there)."""
     main_log = log if dist.is_main else None
-    dataset = train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
-                                            columns=cfg.data.columns, split=cfg.data.split,
-                                            limit=cfg.data.limit or None)
+    dataset = given.train_dataset or load_prompts(cfg.data.source, prompt_column=cfg.data.prompt_column,
+                                                  columns=cfg.data.columns, split=cfg.data.split,
+                                                  limit=cfg.data.limit or None)
     prompt_order = PromptSampler(len(dataset), cfg.rollout.prompts_per_step, cfg.train.seed, shuffle=cfg.data.shuffle)
-    loss_fn = resolve_loss_function(cfg.loss.function, loss_fn, warn=warn if dist.is_main else None)  # None: built-in
+    # None: the built-in objective
+    loss_fn = resolve_loss_function(cfg.loss.function, given.loss_fn, warn=warn if dist.is_main else None)
     # Reward models' configs are checked here; their weights load after the memory check below.
     rewards = RewardComputer(reward_specs(cfg.rewards.functions),
                              trust_remote_code=cfg.model.trust_remote_code)
     device = resolve_device(cfg.model.device)
     if dist.device is not None and cfg.model.device == "auto":
         device = dist.device
-    if model is None:
+    if given.model is None:
         check_checkpoint(cfg.model.name_or_path, "model.name_or_path")
     check_checkpoint(cfg.kl.reference, "kl.reference")
-    tokenizer, model = load_policy(cfg.model, device, main_log, model, tokenizer)
+    tokenizer, model = load_policy(cfg.model, device, main_log, given.model, given.tokenizer)
     rollout_tokens = cfg.rollout.prompts_per_step // dist.world_size * cfg.rollout.group_size * \
         cfg.rollout.max_new_tokens  # one process's rollout: what auto's choice on the CPU is measured by
     sampler, why = pick_sampler(cfg.rollout.sampler, model, cfg.model.fast_path, cfg.rollout.generate_cache,
@@ -137,12 +151,12 @@ def _trainable_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir:
     # One process: rank 0 alone adds the anchor's gradient. Under an engine every rank computes the same anchor loss
     # (a sharded model needs every rank in its forward) and its gradient is taken once.
     if cfg.kl.replay.coef > 0 and (dist.is_main or engine.kind != "single"):
-        from klgrpo.train.replay import ReplayAnchor
+        from klgrpo.train.replay import AnchorModels, ReplayAnchor
 
         # A new or empty folder gets the cache now, under its lock, so the ranks of a run share one cache (the replay
         # batch must be the same on every rank); one that holds files only once the run has opened it (GRPOStep.start).
         fresh = not run_dir.is_dir() or not any(run_dir.iterdir())
-        replay = ReplayAnchor.build(cfg, model, parts["tokenizer"], reference, run_dir, log=log,
+        replay = ReplayAnchor.build(cfg, AnchorModels(model, parts["tokenizer"], reference), run_dir, log=log,
                                     sampler=parts["sampler"], write_now=fresh)
     if engine.kind != "single":
         train_forward, optimizer = engine.prepare(model, optimizer)
