@@ -95,8 +95,10 @@ def test_an_openrlhf_tensorboard_folder(tmp_path, capsys):
     assert main(["--run", str(tmp_path / "tb"), "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["kind"] == "openrlhf" and summary["kl"]["metric"] == "train/kl" and summary["beta"] is None
-    # window means 0.5 (the first: no band) then 2^-10 < warn_below 0.01 from the second window on: not learning
-    assert summary["bands"]["windows"] == [{"band": "not_learning", "first_step": 21, "last_step": 40,
+    # window means 0.5 (the first, above warn_above 0.2 and risen from the reference's 0: drifting, as the trainer's
+    # watch and runaway guard judge it) then 2^-10 < warn_below 0.01 from the second window on: not learning
+    assert summary["bands"]["windows"] == [{"band": "drifting", "first_step": 1, "last_step": 20, "mean": 0.5},
+                                           {"band": "not_learning", "first_step": 21, "last_step": 40,
                                             "mean": 0.0009765625}]
     assert summary["reward"]["metric"] == "train/reward" and summary["clip_ratio"]["metric"] == "train/ppo_clip_ratio"
     assert summary["entropy"]["metric"] == "train/entropy_loss"
