@@ -157,7 +157,7 @@ class RolloutConfig(Settings):
     sampler_correction_max: float = _f(3.0, "upper bound of the sampler correction's ratio (TRL's "
                                             "vllm_importance_sampling_clip_max; 0: none)", low=0,
                                        at_low="0: no upper bound")
-    warn_ess_below: float = _f(0.5, "warning sign: a console line and a tracker text entry when a window's "
+    warn_ess_below: float = _f(0.9, "warning sign: a console line and a tracker text entry when a window's "
                                     "(kl.warn_window steps) mean sampler/ess, the normalised effective sample size of "
                                     "the sequences' sampler-to-trainer weights, is below this: the sampler has "
                                     "drifted (1: no drift; 0: off)", low=0, high=1, at_low="0: off")
