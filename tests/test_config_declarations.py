@@ -24,7 +24,7 @@ BASE = {"data": {"source": "x.jsonl"}, "model": {"name_or_path": "m"}}
 LOWER_BOUNDS = {
     "rollout.top_k": (0, True, "0 turns top-k off"), "optim.warmup_steps": (0, True, "0: no warm-up"),
     "rollout.sampler_correction_min": (0, True, ""), "rollout.sampler_correction_max": (0, True, "0: no upper bound"),
-    "rollout.vllm.memory_fraction": (0, False, ""),
+    "rollout.vllm.memory_fraction": (0, False, ""), "rollout.warn_chi2_above": (0, True, "0: off"),
     "optim.weight_decay": (0, True, ""), "train.save_every": (0, True, "0 saves only at the end"),
     "train.keep_checkpoints": (0, True, "0 keeps all"), "train.max_wall_seconds": (0, True, "0: no limit"),
     "train.micro_batch_size": (0, True, "0: the whole batch"), "train.torch_threads": (0, True, "0: torch's default"),
@@ -70,6 +70,8 @@ RANGES = {
     "kl.runaway_lr_factor": (0, False, 1, True, ""),
     # added with its declaration: min-p's share of the largest probability, below 1 (1 keeps only ties)
     "rollout.min_p": (0, True, 1, False, ""),
+    # added with its declaration: the sampler warning's ESS band, a share of the batch
+    "rollout.warn_ess_below": (0, True, 1, True, "0: off"),
 }
 #: Other settings a field needs to be valid at its bound (a cross-field check would refuse it otherwise).
 AT_BOUND_WITH = {"kl.log_ratio_clamp": {"kl.estimator": "k1"}}
