@@ -81,6 +81,42 @@ EXPECTED = {
                                                                {"clip"}),
     ("nemo_rl", "v0.7.0_examples_configs_recipes_llm_dapo-qwen2.5-7b.v2.yaml"): ("nemo_rl==0.7.0", "zero", "zero",
                                                                                  "fixed at 0", {"beta0"}),
+    # slime 0.2.4: --use-kl-loss 0.001 without --kl-loss-type: k1 (the default from 0.2.0), no weight -> zero per
+    # token; 32 x 8 samples over --global-batch-size 256: one update.
+    ("slime", "v0.2.4_scripts_run-gpt-oss-20B.sh"): ("slime==0.2.4", "zero", "neither", "fixed at 0.001",
+                                                     {"seqmean", "zero_kl"}),
+    # low_var_kl at 0.001: k3 clamped at 10, no weight -> forward, clipped.
+    ("slime", "v0.3.1_slime_plugins_rollout_buffer_rollout_buffer_example.sh"): (
+        "slime==0.3.1", "forward", "neither", "fixed at 0.001", {"forward", "clip", "seqmean"}),
+    # gspo with --kl-loss-coef 0, and scripts without --use-kl-loss: no KL term.
+    ("slime", "v0.1.0_scripts_run-glm4.5-355B-A32B.sh"): ("slime==0.1.0", "zero", "zero", "fixed at 0", {"beta0"}),
+    ("slime", "v0.3.1_scripts_run-qwen3-next-80B-A3B.sh"): ("slime==0.3.1", "zero", "zero", "fixed at 0", {"beta0"}),
+    ("slime", "v0.3.1_examples_geo3k_vlm_run_geo3k_qwen35.sh"): ("slime==0.3.1", "zero", "zero", "fixed at 0",
+                                                                 {"beta0"}),
+    # ROLL: use_kl_loss -> k3 clamped at 10, no weight: forward; top_p < 1 in actor_infer -> truncated.
+    ("roll", "v0.1.0_examples_docs_examples_example_grpo.yaml"): ("roll==0.1.0", "forward", "neither", "fixed at 0.001",
+                                                                  {"forward", "clip", "truncated"}),
+    ("roll", "v0.2.0_examples_docs_examples_example_reinforce_pp.yaml"): (
+        "roll==0.2.0", "forward", "neither", "fixed at 0.001", {"forward", "clip", "seqmean", "truncated"}),
+    ("roll", "v0.3.0_examples_docs_examples_example_gspo.yaml"): (
+        "roll==0.3.0", "forward", "neither", "fixed at 0.001", {"forward", "clip", "seqmean", "truncated"}),
+    ("roll", "v0.3.0_examples_qwen2_5-vl-3B-rlvr_fsdp2_rlvr_fsdp2_offload.yaml"): (
+        "roll==0.3.0", "forward", "neither", "fixed at 0.01", {"forward", "clip", "seqmean", "truncated"}),
+    ("roll", "v0.2.0_examples_qwen3-30BA3B-rlvr_megatron_rlvr_config.yaml"): ("roll==0.2.0", "zero", "zero",
+                                                                              "fixed at 0", {"beta0", "truncated"}),
+    # SkyRL: use_kl_loss (default true) -> kl_loss_coef x k3 clamped at 10, no weight: forward; 1024 / 256
+    # mini-batches -> off-policy; grpo's std + 1e-6 -> the epsilon risk.
+    ("skyrl_train", "skyrl_train-v0.2.0_skyrl-train_examples_search_run_search.sh"): (
+        None, "forward", "neither", "fixed at 0.001", {"forward", "clip", "offpolicy", "eps"}),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_gsm8k_run_gsm8k.sh"): (
+        None, "forward", "neither", "fixed at 0.001", {"forward", "clip", "offpolicy", "eps"}),
+    # rloo: k3 in the reward summed into the sequence score -> neither; several mini-batches per batch.
+    ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_algorithms_rloo_run_rloo.sh"): (
+        None, "neither", "neither", "fixed at 0.001", {"reward_offpolicy", "neither_kl"}),
+    ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_gsm8k_run_32b_gsm8k.sh"): (
+        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_algorithms_cispo_run_cispo_gsm8k.sh"): (
+        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
 }
 REFUSED_AT = {
     ("prime_rl", "v0.3.0_configs_deepscaler_stage1.toml"): ("prime_rl==0.6.0", "inference_gpu_ids"),
