@@ -192,3 +192,14 @@ def test_fresh_file_refused_on_a_release_it_cannot_run_on(framework, name, tmp_p
     status, report, err = _explain(DATA / framework / name, version, tmp_path, capsys)
     assert status == 2 and report is None
     assert len(err.strip().splitlines()) == 1 and key in err, err
+
+
+def test_slime_gspo_writes_klgrpo_gspo(tmp_path, capsys):
+    """slime's gspo clips the sequence ratio exp(mean_t (log pi - log pi_old)): klgrpo's gspo, not ppo_clip."""
+    status, report, err = _explain(DATA / "slime" / "v0.1.0_scripts_run-glm4.5-355B-A32B.sh", "slime==0.1.0",
+                                   tmp_path, capsys)
+    assert status == 0, err
+    assert report["config"]["loss"]["policy_loss"] == "gspo"
+    status, report, err = _explain(DATA / "slime" / "v0.2.4_scripts_run-gpt-oss-20B.sh", "slime==0.2.4",
+                                   tmp_path, capsys)
+    assert report["config"]["loss"]["policy_loss"] == "ppo_clip"  # grpo
