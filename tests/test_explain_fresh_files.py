@@ -59,6 +59,64 @@ EXPECTED = {
     ("prime_rl", "v0.8.0_configs_debug_algo_opd.toml"): ("refused", "prime_rl==0.8.0", "orchestrator.algo.type"),
     ("prime_rl", "v0.8.0_configs_debug_algo_mixed_grpo_opd.toml"): ("refused", "prime_rl==0.8.0",
                                                                     "orchestrator.train.source.algo.type"),
+    # NeMo-RL 0.2.1's 24K recipe inherits grpo-deepscaler-1.5b-8K.yaml (beside it, as in the repository): 128
+    # prompts x 8 generations over train_global_batch_size 64 = 16 updates per step -> off-policy (the reader took
+    # grpo_math_1B's 512 / 512 and missed it); its own beta 1e-4; k3 without a weight at 0.2.1 -> forward.
+    ("nemo_rl", "v0.2.1/grpo_deepscaler-1.5b-24K.yaml"): ("nemo_rl==0.2.1", "forward", "neither", "fixed at 0.0001",
+                                                          {"forward", "offpolicy"}),
+    ("nemo_rl", "v0.2.1/grpo-deepscaler-1.5b-8K.yaml"): ("nemo_rl==0.2.1", "zero", "zero", "fixed at 0", {"beta0"}),
+    ("nemo_rl", "v0.2.1_examples_configs_recipes_llm_grpo-gemma3-1b-it-1n8g-fsdp2tp1.yaml"): (
+        "nemo_rl==0.2.1", "forward", "neither", "fixed at 0.01", {"forward"}),
+    # GSPO recipe at 0.4.0: beta 0 -> no KL term.
+    ("nemo_rl", "v0.4.0_examples_configs_recipes_llm_grpo-gspo-deepscaler-1.5b-8K.yaml"): (
+        "nemo_rl==0.4.0", "zero", "zero", "fixed at 0", {"beta0"}),
+    # ProRL v2 at 0.6.0: k2 in the loss, no weight: (logp - ref) grad logp -> reverse; output clamp 10 -> clip.
+    ("nemo_rl", "v0.6.0_examples_configs_prorlv2.yaml"): ("nemo_rl==0.6.0", "reverse", "neither", "fixed at 0.0001",
+                                                          {"clip"}),
+    # at 0.7.0 the weight exp(logp - logp.detach()) is in the graph: grad E_pi[k2], k2 no KL's estimate -> neither;
+    # with k3 the same weight gives grad E_pi[k3] = grad KL(pi||ref) -> reverse.
+    ("nemo_rl", "v0.7.0_examples_configs_prorlv2.v2.yaml"): ("nemo_rl==0.7.0", "neither", "neither",
+                                                             "fixed at 0.0001", {"clip", "neither_kl"}),
+    ("nemo_rl", "v0.7.0_examples_configs_grpo_math_8B.yaml"): ("nemo_rl==0.7.0", "reverse", "neither", "fixed at 0.01",
+                                                               {"clip"}),
+    ("nemo_rl", "v0.7.0_examples_configs_recipes_llm_dapo-qwen2.5-7b.v2.yaml"): ("nemo_rl==0.7.0", "zero", "zero",
+                                                                                 "fixed at 0", {"beta0"}),
+    # slime 0.2.4: --use-kl-loss 0.001 without --kl-loss-type: k1 (the default from 0.2.0), no weight -> zero per
+    # token; 32 x 8 samples over --global-batch-size 256: one update.
+    ("slime", "v0.2.4_scripts_run-gpt-oss-20B.sh"): ("slime==0.2.4", "zero", "neither", "fixed at 0.001",
+                                                     {"seqmean", "zero_kl"}),
+    # low_var_kl at 0.001: k3 clamped at 10, no weight -> forward, clipped.
+    ("slime", "v0.3.1_slime_plugins_rollout_buffer_rollout_buffer_example.sh"): (
+        "slime==0.3.1", "forward", "neither", "fixed at 0.001", {"forward", "clip", "seqmean"}),
+    # gspo with --kl-loss-coef 0, and scripts without --use-kl-loss: no KL term.
+    ("slime", "v0.1.0_scripts_run-glm4.5-355B-A32B.sh"): ("slime==0.1.0", "zero", "zero", "fixed at 0", {"beta0"}),
+    ("slime", "v0.3.1_scripts_run-qwen3-next-80B-A3B.sh"): ("slime==0.3.1", "zero", "zero", "fixed at 0", {"beta0"}),
+    ("slime", "v0.3.1_examples_geo3k_vlm_run_geo3k_qwen35.sh"): ("slime==0.3.1", "zero", "zero", "fixed at 0",
+                                                                 {"beta0"}),
+    # ROLL: use_kl_loss -> k3 clamped at 10, no weight: forward; top_p < 1 in actor_infer -> truncated.
+    ("roll", "v0.1.0_examples_docs_examples_example_grpo.yaml"): ("roll==0.1.0", "forward", "neither", "fixed at 0.001",
+                                                                  {"forward", "clip", "truncated"}),
+    ("roll", "v0.2.0_examples_docs_examples_example_reinforce_pp.yaml"): (
+        "roll==0.2.0", "forward", "neither", "fixed at 0.001", {"forward", "clip", "seqmean", "truncated"}),
+    ("roll", "v0.3.0_examples_docs_examples_example_gspo.yaml"): (
+        "roll==0.3.0", "forward", "neither", "fixed at 0.001", {"forward", "clip", "seqmean", "truncated"}),
+    ("roll", "v0.3.0_examples_qwen2_5-vl-3B-rlvr_fsdp2_rlvr_fsdp2_offload.yaml"): (
+        "roll==0.3.0", "forward", "neither", "fixed at 0.01", {"forward", "clip", "seqmean", "truncated"}),
+    ("roll", "v0.2.0_examples_qwen3-30BA3B-rlvr_megatron_rlvr_config.yaml"): ("roll==0.2.0", "zero", "zero",
+                                                                              "fixed at 0", {"beta0", "truncated"}),
+    # SkyRL: use_kl_loss (default true) -> kl_loss_coef x k3 clamped at 10, no weight: forward; 1024 / 256
+    # mini-batches -> off-policy; grpo's std + 1e-6 -> the epsilon risk.
+    ("skyrl_train", "skyrl_train-v0.2.0_skyrl-train_examples_search_run_search.sh"): (
+        None, "forward", "neither", "fixed at 0.001", {"forward", "clip", "offpolicy", "eps"}),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_gsm8k_run_gsm8k.sh"): (
+        None, "forward", "neither", "fixed at 0.001", {"forward", "clip", "offpolicy", "eps"}),
+    # rloo: k3 in the reward summed into the sequence score -> neither; several mini-batches per batch.
+    ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_algorithms_rloo_run_rloo.sh"): (
+        None, "neither", "neither", "fixed at 0.001", {"reward_offpolicy", "neither_kl"}),
+    ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_gsm8k_run_32b_gsm8k.sh"): (
+        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_algorithms_cispo_run_cispo_gsm8k.sh"): (
+        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
 }
 REFUSED_AT = {
     ("prime_rl", "v0.3.0_configs_deepscaler_stage1.toml"): ("prime_rl==0.6.0", "inference_gpu_ids"),
@@ -67,6 +125,14 @@ REFUSED_AT = {
     ("prime_rl", "v0.8.0_configs_debug_algo_rae.toml"): ("prime_rl==0.6.0", "orchestrator.algo"),
     ("prime_rl", "v0.8.0_examples_advanced_qwen3-30b-a3b_math.toml"): ("prime_rl==0.4.0", "deployment"),
     ("prime_rl", "v0.8.0_configs_debug_algo_opd.toml"): ("prime_rl==0.6.0", "orchestrator.algo"),
+    # NeMo-RL: a loss_fn key of a later release (the inherited 8K file's ratio_clip_min, 0.2.0 on)
+    ("nemo_rl", "v0.2.1/grpo_deepscaler-1.5b-24K.yaml"): ("nemo_rl==0.1.0", "loss_fn.ratio_clip_min"),
+    ("nemo_rl", "v0.2.1_examples_configs_recipes_llm_grpo-gemma3-1b-it-1n8g-fsdp2tp1.yaml"): (
+        "nemo_rl==0.1.0", "loss_fn.ratio_clip_min"),
+    ("nemo_rl", "v0.6.0_examples_configs_prorlv2.yaml"): ("nemo_rl==0.4.0", "loss_fn.reference_policy_kl_type"),
+    ("nemo_rl", "v0.7.0_examples_configs_prorlv2.v2.yaml"): ("nemo_rl==0.4.0", "loss_fn.reference_policy_kl_type"),
+    ("nemo_rl", "v0.7.0_examples_configs_recipes_llm_dapo-qwen2.5-7b.v2.yaml"): ("nemo_rl==0.1.0",
+                                                                                 "loss_fn.ratio_clip_max"),
 }
 
 
@@ -90,7 +156,8 @@ def _listed(framework: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("framework", [f for f in FRAMEWORKS if (DATA / f).is_dir()])
 def test_every_file_is_listed_with_its_origin_and_a_free_licence(framework):
     listed = _listed(framework)
-    files = {p.name for p in (DATA / framework).iterdir() if p.name not in ("SOURCES", "README.md")}
+    files = {str(p.relative_to(DATA / framework)) for p in (DATA / framework).rglob("*")
+             if p.is_file() and p.name not in ("SOURCES", "README.md")}  # a recipe's defaults: file beside it
     assert set(listed) == files == {name for fw, name in EXPECTED if fw == framework}
     assert len(files) >= 5
     for name, (_, repository, path, commit, licence) in listed.items():
@@ -125,3 +192,14 @@ def test_fresh_file_refused_on_a_release_it_cannot_run_on(framework, name, tmp_p
     status, report, err = _explain(DATA / framework / name, version, tmp_path, capsys)
     assert status == 2 and report is None
     assert len(err.strip().splitlines()) == 1 and key in err, err
+
+
+def test_slime_gspo_writes_klgrpo_gspo(tmp_path, capsys):
+    """slime's gspo clips the sequence ratio exp(mean_t (log pi - log pi_old)): klgrpo's gspo, not ppo_clip."""
+    status, report, err = _explain(DATA / "slime" / "v0.1.0_scripts_run-glm4.5-355B-A32B.sh", "slime==0.1.0",
+                                   tmp_path, capsys)
+    assert status == 0, err
+    assert report["config"]["loss"]["policy_loss"] == "gspo"
+    status, report, err = _explain(DATA / "slime" / "v0.2.4_scripts_run-gpt-oss-20B.sh", "slime==0.2.4",
+                                   tmp_path, capsys)
+    assert report["config"]["loss"]["policy_loss"] == "ppo_clip"  # grpo

@@ -76,7 +76,8 @@ REAL = {
     # generation_logp) in the graph, klgrpo's in_graph: reverse; the rest inherited (k3, 0.01, clamp 10).
     "v0.7.0_grpo-dapomath17k-dsv3-megatron.yaml": ("nemo_rl==0.7.0", "reverse", "neither", "fixed at 0.01", {"clip"},
                                                    {"coef": 0.01, "estimator": "k3", "is_correction": "in_graph"}),
-    # a recipe at beta 0.001 (it inherits another recipe: named; the rest read as grpo_math_1B.yaml's).
+    # a recipe at beta 0.001 (it inherits another recipe, not stored here: named; the rest read as
+    # grpo_math_1B.yaml's; tests/test_explain_fresh_files.py reads such a chain with its parent beside it).
     "v0.7.0_grpo-deepscaler-1.5b-16K.yaml": ("nemo_rl==0.7.0", "reverse", "neither", "fixed at 0.001", {"clip"},
                                              {"coef": 0.001, "estimator": "k3", "is_correction": "in_graph"}),
 }
@@ -121,7 +122,7 @@ def test_the_recipe_names_the_config_it_inherits(tmp_path):
     status, report = _run(tmp_path, source=DATA / "v0.7.0_grpo-deepscaler-1.5b-16K.yaml",
                           extra=["--version", "nemo_rl==0.7.0"])
     assert report["unmapped"]["defaults"].startswith("grpo-deepscaler-1.5b-8K.yaml: the config it inherits is not "
-                                                     "read")
+                                                     "beside the file, not read")
     status, report = _run(tmp_path, source=DATA / "v0.7.0_grpo-dapomath17k-dsv3-megatron.yaml",
                           extra=["--version", "nemo_rl==0.7.0"])
     assert "defaults" not in report["unmapped"]  # grpo_math_1B.yaml: the defaults explain takes

@@ -103,6 +103,7 @@ def run_demo(argv: list[str] | CommandLine, resume: str | None = None, print_con
         assets = prepare_demo_assets(seed=seed, log=lambda m: say(f"      {m}"))
     cfg, note = demo_args(command, assets, seed, user)
     if print_config:
+        cfg.validate()  # the resolved demo config as train would check it: a refused one is not printed
         print(cfg.to_yaml())
         return 0
     from klgrpo.run.trainer import GRPOTrainer

@@ -22,9 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klgrpo report: {run_dir} is not a folder; pass a run folder (runs/<name>), which holds "
               f"{METRICS_FILE}.", file=sys.stderr)
         return 2
-    if not (run_dir / METRICS_FILE).is_file():
-        print(f"klgrpo report: {run_dir / METRICS_FILE} does not exist; a run folder holds {METRICS_FILE} "
-              f"from its first logged step on.", file=sys.stderr)
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        what = "is not a regular file (a FIFO, a device or a folder)" if metrics.exists() else "does not exist"
+        print(f"klgrpo report: {metrics} {what}; a run folder holds {METRICS_FILE} from its first logged step "
+              f"on.", file=sys.stderr)
         return 2
     try:
         if not args.no_plots:
@@ -53,6 +55,11 @@ def _check_plot_paths(run_dir: Path) -> None:
     from klgrpo.store.checkpoint import CHECKPOINTS_DIR
     from klgrpo.store.run_folder import CONFIG_FILE, SUMMARY_FILE
 
+    plots = run_dir / PLOTS_DIR
+    if plots.is_symlink() and not plots.resolve().is_relative_to(run_dir.resolve()):
+        # the plots would replace same-named files of a folder that is not the run's
+        raise KLGRPOError(f"{plots} is a symbolic link to {plots.resolve()}, outside the run folder; report "
+                          f"redraws its plots only inside the run: remove the link, or pass --no-plots")
     inputs = [run_dir / name for name in (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE, CHECKPOINTS_DIR)]
     for name in PLOT_FILES:
         plot = run_dir / PLOTS_DIR / name

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
         if not cfg.model.name_or_path:
             return _run_demo(command, cfg, opts)
         if opts["print_config"]:
-            _check_sampler_installed(cfg)  # a config this environment cannot run is not printed as if it could
+            cfg.validate()  # a config that train would refuse (or this environment cannot run) is not printed
             print(cfg.to_yaml())
             return 0
         if os.environ.get("RANK", "0") == "0":  # seconds of imports: say so first, once under torchrun

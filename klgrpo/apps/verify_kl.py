@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p = command_parser("verify-kl", "Every registered estimator x placement x sampling, by enumeration on a "
                                     "categorical and on a toy sequence model, by Monte Carlo, and by where "
                                     "exact-gradient ascent ends; or a summary of a training run's KL dumps.")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE (never over the run's "
+                                                  "dumps or the --loss file; an existing FILE only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="let --json replace an existing file")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help=f"Monte Carlo samples per check (default {DEFAULT_SAMPLES}; 0 skips Monte Carlo)")
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
@@ -46,9 +48,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_json_path(args) -> None:
+    """--json is checked before the work, by the rule of every command's outputs (klgrpo/apps/outputs.py): never
+    onto or into an input (the run's kl_dumps/, the --loss file), an existing file only with --overwrite. Its
+    folder may be new (it is created when the results are written)."""
+    from klgrpo.apps.outputs import overlap
+    from klgrpo.core.kl_dump import DUMP_DIR
+    from klgrpo.errors import ConfigError
+
+    inputs = {}
+    if args.from_run:
+        inputs["--from-run"] = Path(args.from_run) / DUMP_DIR
+    if args.loss and Path(args.loss.rpartition(":")[0]).is_file():
+        inputs["--loss"] = args.loss.rpartition(":")[0]
+    path = Path(args.json)
+    if (why := overlap(path, inputs)) is not None:
+        raise ConfigError(f"--json {path} {why}; pass another path")
+    if path.is_dir():
+        raise ConfigError(f"--json {path} is a folder; pass a file name (e.g. results.json)")
+    if (path.exists() or path.is_symlink()) and not args.overwrite:
+        raise ConfigError(f"--json {path} exists; pass another path, or --overwrite to replace it")
+
+
 def _write_json(path: str, obj: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+    from klgrpo.apps.outputs import write_text_file
+    from klgrpo.errors import ConfigError
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--json {path}: cannot create its folder ({exc.strerror or exc}); pass a writable "
+                          f"path") from None
+    write_text_file(path, json.dumps(obj, indent=2) + "\n", "--json")
 
 
 def _or_error(work):
@@ -68,10 +99,25 @@ def _show(text: str, json_path: str | None, payload) -> None:
         _write_json(json_path, payload())
 
 
+def _regular_dumps(run_dir: str) -> None:
+    """Every dump is a regular file, judged from its stat: opening a FIFO for reading waits for a writer."""
+    from klgrpo.errors import ConfigError
+    from klgrpo.verify.from_run import find_dumps
+
+    for path in find_dumps(run_dir):
+        if not path.is_file():
+            raise ConfigError(f"KL dump {path} is not a regular file (a FIFO, a device or a folder); remove it, "
+                              f"or point --from-run at a run folder whose kl_dumps/ holds the run's dumps")
+
+
 def _from_run(run_dir: str, json_path: str | None) -> int:
     from klgrpo.verify.from_run import analyse_run, format_stats
 
-    stats = _or_error(lambda: analyse_run(run_dir))
+    def analyse():
+        _regular_dumps(run_dir)
+        return analyse_run(run_dir)
+
+    stats = _or_error(analyse)
     if stats is None:
         return 2
     _show(format_stats(stats), json_path, lambda: {"run_dir": str(run_dir), "dumps": [asdict(s) for s in stats]})
@@ -99,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.samples < 0:
         print("klgrpo verify-kl: --samples must be >= 0 (0 skips the Monte Carlo check)", file=sys.stderr)
+        return 2
+    if args.json and _or_error(lambda: _check_json_path(args) or True) is None:
         return 2
     if args.from_run:
         return _from_run(args.from_run, args.json)

@@ -439,7 +439,8 @@ class GRPOConfig(Settings):
             raise ConfigError(f"config file {path} is a folder; pass --config a YAML file (a run folder's is "
                               f"{path / 'config.yaml'})")
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file to --config")
+            what = "is not a regular file (a FIFO or a device)" if path.exists() else "does not exist"
+            raise ConfigError(f"config file {path} {what}; pass an existing YAML file to --config")
         try:
             data = safe_load_bounded(path.read_text(encoding="utf-8"), f"config file {path}") or {}
         except yaml.YAMLError as exc:

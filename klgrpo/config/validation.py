@@ -168,20 +168,28 @@ def divergence_masks(rollout) -> tuple[DivergenceMask, ...]:
              "rollout.divergence_threshold is set but rollout.divergence_mask is empty: name the masks it bounds "
              "(e.g. --rollout.divergence_mask seq_mean_k3)")
         return ()
+    for name in names:  # an unknown name is named first: a threshold for it cannot be right either
+        need(name in DIVERGENCE_MASKS, f"rollout.divergence_mask: unknown mask {_short(name)}; choose from "
+                                       f"{', '.join(DIVERGENCE_MASKS)}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    need(not twice, f"rollout.divergence_mask names {', '.join(twice)} twice: name each mask once")
     entries = [t.strip() for t in rollout.divergence_threshold.split(",")]
     need(rollout.divergence_threshold.strip() != "" and len(entries) in (1, len(names)),
-         f"rollout.divergence_threshold {rollout.divergence_threshold!r} must give one bound, or one per mask of "
-         f"rollout.divergence_mask ({len(names)}: {', '.join(names)})")
+         f"rollout.divergence_threshold {_short(rollout.divergence_threshold)} must give one bound, or one per "
+         f"mask of rollout.divergence_mask ({len(names)}: {', '.join(names)})")
     bounds = entries * len(names) if len(entries) == 1 else entries
     return tuple(_divergence_mask(name, entry) for name, entry in zip(names, bounds))
 
 
+def _short(text: str, limit: int = 60) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters (a pasted blob is not echoed whole)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def _divergence_mask(name: str, entry: str) -> DivergenceMask:
-    need(name in DIVERGENCE_MASKS, f"rollout.divergence_mask: unknown mask {name!r}; choose from "
-                                   f"{', '.join(DIVERGENCE_MASKS)}")
     ratio = name.endswith("k1")
     low_text, sep, high_text = entry.partition("_")
-    need(ratio == bool(sep), f"rollout.divergence_threshold {entry!r} for {name}: "
+    need(ratio == bool(sep), f"rollout.divergence_threshold {_short(entry)} for {name}: "
                              + ("give the ratio bounds as LOW_HIGH, e.g. 0.5_2.0" if ratio
                                 else "give one upper bound, e.g. 0.01 (LOW_HIGH is for the k1 masks)"))
     low, high = (_bound(low_text, name), _bound(high_text, name)) if ratio else (None, _bound(entry, name))
@@ -198,8 +206,8 @@ def _bound(text: str, name: str) -> float | None:
         value = float(text)
     except ValueError:
         value = math.nan
-    need(math.isfinite(value) and value > 0, f"rollout.divergence_threshold: {text!r} for {name} is not a positive "
-                                             f"number")
+    need(math.isfinite(value) and value > 0,
+         f"rollout.divergence_threshold: {_short(text)} for {name} is not a positive number")
     return value
 
 

@@ -84,9 +84,46 @@ def _flag(v: dict, key: str, origin: str) -> bool:
     return value
 
 
+#: The base config whose values at each release are the table's defaults.
+BASE = "grpo_math_1B.yaml"
+#: How many ``defaults:`` files a chain may follow (NeMo-RL's recipes use one or two).
+MAX_INHERITED = 8
+
+
+def inherited(values: dict[str, Any], origin: str) -> tuple[dict[str, Any], list[str]]:
+    """The file's keys over those of the config its ``defaults:`` names (OmegaConf's merge: the file wins), that
+    file's own ``defaults:`` followed in turn, up to the base (grpo_math_1B.yaml, the table's defaults) or a file
+    not beside it; returns the merged keys and the files read."""
+    from pathlib import Path
+
+    from klgrpo.apps.explain.reading import load_yaml, read_text
+
+    merged, read = dict(values), []
+    here = Path(origin).parent if origin != "<stdin>" else None
+    while here is not None and isinstance(merged.get("defaults"), str) and len(read) < MAX_INHERITED:
+        base = merged["defaults"]
+        parent = here / base
+        if base.endswith(BASE) or not parent.is_file():
+            break
+        text, where = read_text(str(parent))
+        data = load_yaml(text, where)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} (the defaults of {origin}) is no YAML mapping")
+        parent_values = flatten(data)
+        parent_values.pop("defaults", None)
+        merged = {**parent_values, **{k: v for k, v in merged.items() if k != "defaults"}}
+        if data.get("defaults") is not None:
+            merged["defaults"] = data["defaults"]
+        read.append(base)
+        here = parent.parent
+    return merged, read
+
+
 def map_nemo_rl(values: dict[str, Any], origin: str, release: Release | None = None) -> Mapped:
-    """NeMo-RL's dotted keys -> klgrpo keys under ``release``'s rules (None: the newest); keys the file leaves
-    unset take grpo_math_1B.yaml's values at that release (what a recipe inherits)."""
+    """NeMo-RL's dotted keys -> klgrpo keys under ``release``'s rules (None: the newest); a recipe's ``defaults:``
+    file beside it is read (:func:`inherited`); keys left unset take grpo_math_1B.yaml's values at that release
+    (what the chain inherits last)."""
+    values, read = inherited(values, origin)
     release = release or newest()
     row = release.release or {}
     label = release.label
@@ -101,6 +138,11 @@ def map_nemo_rl(values: dict[str, Any], origin: str, release: Release | None = N
     v = {**row["defaults"], **values}
     out = Mapped()
     _name_the_rest(values, out)
+    if read:
+        missing = out.unmapped.get("defaults")
+        out.unmapped["defaults"] = (f"inherits {' <- '.join(read)} (read beside the file); " + (
+            f"then {missing}" if missing else
+            f"the keys the chain leaves unset take examples/configs/{BASE}'s values at the release"))
     prompts = int(_number(v, "grpo.num_prompts_per_step", origin) or 0)
     group = int(_number(v, "grpo.num_generations_per_prompt", origin) or 0)
     batch = _number(v, "policy.train_global_batch_size", origin) or 1
@@ -166,9 +208,10 @@ def _name_the_rest(values: dict[str, Any], out: Mapped) -> None:
                 out.unmapped[key] = "not read by the mapping: check that it does not change the objective"
         elif key == "defaults":
             base = str(values[key])
-            if not base.endswith("grpo_math_1B.yaml"):
-                out.unmapped[key] = (f"{base}: the config it inherits is not read; the keys it leaves unset take "
-                                     "examples/configs/grpo_math_1B.yaml's values at the release")
+            if not base.endswith(BASE):
+                out.unmapped[key] = (f"{base}: the config it inherits is not beside the file, not read; the keys "
+                                     "it leaves unset take examples/configs/grpo_math_1B.yaml's values at the "
+                                     "release (put the file beside it for the exact verdict)")
         elif group not in table("nemo_rl")["groups"]:
             out.unmapped[key] = "not a NeMo-RL group explain knows: check that it does not change the objective"
         elif group not in ("loss_fn", "grpo") and key != "policy.train_global_batch_size":

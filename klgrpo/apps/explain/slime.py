@@ -125,10 +125,14 @@ def map_slime(flags: dict[str, Any], origin: str, release: Release | None = None
                 "iteration (train.num_iterations): the off-policy verdict holds for slime's later steps")
     eps = _number(v, "eps-clip", origin)
     out.config.update({
-        "loss.policy_loss": "ppo_clip", "loss.eps_low": eps,
+        # gspo's ratio is the sequence's exp(mean_t (log pi - log pi_old)) (policy_loss_function): klgrpo's gspo
+        "loss.policy_loss": "gspo" if estimator == "gspo" else "ppo_clip", "loss.eps_low": eps,
         "loss.eps_high": _number(v, "eps-clip-high", origin) if "eps-clip-high" in v else eps,
         "loss.aggregation": "token_mean" if v.get("calculate-per-token-loss") is True else "seq_mean_token_mean",
         "loss.advantage_scale": "none" if v.get("disable-grpo-std-normalization") is True else "group"})
+    if estimator == "cispo":
+        out.unmapped["advantage-estimator"] = ("cispo: slime's compute_cispo_loss is not mapped (the config below "
+                                               "has ppo_clip); the KL verdict does not depend on it")
     _map_kl(v, flags, row, label, estimator, origin, out)
     return out
 

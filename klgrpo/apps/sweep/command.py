@@ -404,7 +404,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.jobs < 1:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1")
     if args.config and not Path(args.config).is_file():
-        raise SweepError(f"--config {args.config}: no such file")
+        what = "not a regular file (a folder, a FIFO or a device)" if Path(args.config).exists() else "no such file"
+        raise SweepError(f"--config {args.config}: {what}")
     if args.output_dir is not None:
         check_sweep_folder(args.output_dir)
     misplaced = [a for a in extra if a.split("=")[0] in _SWEEP_OPTIONS]
@@ -456,7 +457,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.output_dir or Path("runs") / f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     if args.dry_run:
-        for run in plan_runs(cells, seeds, out):
+        runs = plan_runs(cells, seeds, out)
+        try:  # the commands printed are ones the sweep would run: a run it would refuse is refused here too
+            check_run_configs(runs, args.config, extra)
+        except KLGRPOError as exc:
+            print(f"klgrpo sweep: error: {exc}", file=sys.stderr)
+            return 2
+        for run in runs:
             print(" ".join(run_argv(run, args.config, extra)))
         return 0
     try:
