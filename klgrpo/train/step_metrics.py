@@ -239,10 +239,15 @@ def sampler_metrics(old_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tenso
             m.SAMPLER_LOGP_DIFF_SIGNED: signed_sum / tokens,
             m.SAMPLER_KL_K1: -signed_sum / tokens, m.SAMPLER_KL_K3: kl_sum / tokens,
             m.SAMPLER_CHI2_TOKEN: chi2_sum / tokens, m.SAMPLER_CHI2_SEQ: chi2_seq_sum / seqs,
-            m.SAMPLER_ESS: r_sum ** 2 / (seqs * r2_sum) if r2_sum > 0 else 1.0,
+            m.SAMPLER_ESS: normalised_ess(r_sum, r2_sum, seqs),
             m.SAMPLER_PPL_RATIO: ppl_sum / seqs, m.SAMPLER_RATIO_P01: r01, m.SAMPLER_RATIO_P50: r50,
             m.SAMPLER_RATIO_P99: r99, m.SAMPLER_RATIO_MAX: r_max,
             m.SAMPLER_MASKED_TOKEN_FRAC: changed_tokens / tokens, m.SAMPLER_MASKED_SEQ_FRAC: changed_seqs / seqs}
+
+
+def normalised_ess(r_sum: float, r2_sum: float, sequences: float) -> float:
+    """(sum R)^2 / (N sum R^2) of N sequence weights R: 1 when they are equal (and with no weights at all)."""
+    return r_sum ** 2 / (sequences * r2_sum) if r2_sum > 0 and sequences > 0 else 1.0
 
 
 def length_quartiles(lengths_B: Tensor, dist: Distributed) -> Tensor | None:
@@ -273,7 +278,7 @@ def _sampler_by_length(mask: Tensor, kl_BT: Tensor, r: Tensor, big_r: Tensor, ro
         tokens = max(tokens, 1.0)
         out[m.sampler_quartile(q, "kl_k3")] = kl / tokens
         out[m.sampler_quartile(q, "chi2_token")] = chi2 / tokens
-        out[m.sampler_quartile(q, "ess")] = r_sum ** 2 / (seqs * r2_sum) if r2_sum > 0 and seqs > 0 else 1.0
+        out[m.sampler_quartile(q, "ess")] = normalised_ess(r_sum, r2_sum, seqs)
         out[m.sampler_quartile(q, "masked_token_frac")] = changed_tokens / tokens
     return out
 
