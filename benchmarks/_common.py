@@ -7,16 +7,28 @@ klgrpo and TRL load the very same files through transformers' own loading code.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
+
 
 #: Model shapes. tiny = the demo's Llama; small = 4x wider, 2x deeper; tiny_qwen_vocab = tiny with Qwen's 151,936
 #: vocabulary (the output layer dominates, as in real models' log-prob and entropy passes); qwen0.5b =
 #: Qwen2.5-0.5B's shape (docs/benchmarks.md, "GPU"), random init, bf16, for a GPU (it runs on a CPU too, slowly).
+def scratch_folder(prefix: str) -> Path:
+    """A new temporary folder, removed when the process ends however it returns: a benchmark's runs of a real
+    model write checkpoints of GBs, and none may be left behind to fill the disk."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 MODEL_SHAPES = {
     "tiny": {"family": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 4, "intermediate": 256},
     "small": {"family": "llama", "hidden": 256, "layers": 4, "heads": 4, "kv_heads": 4, "intermediate": 1024},

@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -140,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="", help="work folder (default: a new temporary one)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="klgrpo-kill-"))
+    from _common import scratch_folder
+
+    work = Path(args.work) if args.work else scratch_folder("klgrpo-kill-")
     work.mkdir(parents=True, exist_ok=True)
     config = write_config(work, args.steps, args.report_to, args.hidden, args.layers, args.save_every)
     env = tracker_env(work)

@@ -59,14 +59,15 @@ _MODULES: dict = {}
 def _module_at(rev: str):
     """klgrpo/math/logprobs.py as git revision ``rev`` had it, imported under another name."""
     import importlib.util
-    import tempfile
+
+    from benchmarks._common import scratch_folder
 
     if rev in _MODULES:
         return _MODULES[rev]
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(["git", "show", f"{rev}:klgrpo/math/logprobs.py"], cwd=root, capture_output=True,
                             text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "logprobs_at_rev.py"
+    path = scratch_folder("klgrpo-logprobs-at-rev-") / "logprobs_at_rev.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("logprobs_at_rev", path)
     module = importlib.util.module_from_spec(spec)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import resource
 import sys
-import tempfile
 import tracemalloc
 from pathlib import Path
 
@@ -42,13 +41,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from _common import write_prompts
+    from _common import scratch_folder, write_prompts
 
     from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
     from klgrpo.config.schema import GRPOConfig
     from klgrpo.run import trainer as trainer_module
 
-    work = Path(tempfile.mkdtemp(prefix="klgrpo-mem-"))
+    work = scratch_folder("klgrpo-mem-")
     model = save_tiny_model_and_tokenizer(work / "model", seed=0, hidden=32, layers=1, heads=2, intermediate=64)
     cfg = GRPOConfig.from_dict({
         "model": {"name_or_path": str(model), "dtype": "float32", "device": "cpu"},

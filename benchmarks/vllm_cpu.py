@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from benchmarks._common import MODEL_SHAPES, machine_info, median, save_model, write_prompts  # noqa: E402
+from benchmarks._common import MODEL_SHAPES, machine_info, median, save_model, scratch_folder, write_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -51,7 +50,7 @@ def run(args) -> dict:
     from klgrpo.core.rollout import SamplingParams, generate_groups
     from klgrpo.math.sampler_correction import mismatch_per_token
 
-    root = Path(tempfile.mkdtemp(prefix="vllm-cpu-bench-"))
+    root = scratch_folder("vllm-cpu-bench-")
     folder = save_model(args.shape, root / "model")
     prompts = [json.loads(line)["prompt"] for line in write_prompts(root).read_text().splitlines()][:args.prompts]
     tokenizer = AutoTokenizer.from_pretrained(folder)

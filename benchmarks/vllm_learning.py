@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from benchmarks._common import machine_info  # noqa: E402
+from benchmarks._common import machine_info, scratch_folder  # noqa: E402
 
 SAMPLERS = ("kv_loop", "vllm")
 #: the demo's model resized so each attention head has 64 dimensions
@@ -70,7 +69,7 @@ def run(args) -> dict:
     settings = DemoSettings(model=ModelSizes(hidden=HIDDEN, heads=HEADS))
     if args.sft_max_steps is not None:
         settings = replace(settings, sft=replace(settings.sft, max_steps=args.sft_max_steps))
-    root = Path(tempfile.mkdtemp(prefix="vllm-learning-"))
+    root = scratch_folder("vllm-learning-")
     runs = []
     for seed in args.seeds:
         assets = prepare_demo_assets(seed=seed, cache_dir=args.cache_dir, log=lambda *_: None, settings=settings)

