@@ -13,6 +13,7 @@ uninterrupted run's, no .tmp_step_* / .trash_step_* folder left, and no stop tha
 
     PYTHONPATH=$PWD python benchmarks/kill_resume.py --kills 10 --steps 40
     PYTHONPATH=$PWD python benchmarks/kill_resume.py --signal term --runs 20 --kills 1 --report-to tensorboard
+    PYTHONPATH=$PWD python benchmarks/kill_resume.py --max-staleness 1 --kills 5 --steps 20   # generating ahead
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def command(config: Path, run: Path) -> list[str]:
 
 
 def write_config(work: Path, steps: int, report_to: list[str], hidden: int = 32, layers: int = 1,
-                 save_every: int = 1) -> Path:
+                 save_every: int = 1, max_staleness: int = 0) -> Path:
     from _common import write_prompts
 
     from klgrpo.apps.demo.model import save_tiny_model_and_tokenizer
@@ -67,11 +68,12 @@ def write_config(work: Path, steps: int, report_to: list[str], hidden: int = 32,
     config.write_text(json.dumps({
         "model": {"name_or_path": str(model), "dtype": "float32", "device": "cpu"},
         "data": {"source": str(write_prompts(work))},
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4},
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 4, "max_staleness": max_staleness,
+                    **({"sampler": "kv_loop", "sampler_correction": "token_mask"} if max_staleness else {})},
         "rewards": {"functions": [{"name": "format", "kwargs": {"pattern": "0"}}]},
         "kl": {"coef": 0.1, "controller": "adaptive", "target": 0.01, "horizon": 100},
         "optim": {"lr": 1e-2}, "train": {"steps": steps, "save_every": save_every, "keep_checkpoints": 2,
-                                         "num_iterations": 2, "torch_threads": 1},
+                                         "num_iterations": 1 if max_staleness else 2, "torch_threads": 1},
         "logging": {"progress": False, "tensorboard": "tensorboard" in report_to, "plots": False,
                     "report_to": report_to, "project": "kill-resume"},
     }))
@@ -137,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=1,
                         help="checkpoint every N steps (SIGTERM saves the last complete step in any case)")
     parser.add_argument("--work", default="", help="work folder (default: a new temporary one)")
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="rollout.max_staleness: generation while training, batches issued ahead (K)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     from _common import scratch_folder
 
     work = Path(args.work) if args.work else scratch_folder("klgrpo-kill-")
     work.mkdir(parents=True, exist_ok=True)
-    config = write_config(work, args.steps, args.report_to, args.hidden, args.layers, args.save_every)
+    config = write_config(work, args.steps, args.report_to, args.hidden, args.layers, args.save_every,
+                          args.max_staleness)
     env = tracker_env(work)
     reference = work / "uninterrupted"
     subprocess.run(command(config, reference), check=True, env=env, capture_output=True)

@@ -64,6 +64,8 @@ SMALL = {
     "benchmarks/old_logprobs.py": (["--model", "{tiny}", "--rounds", "1", "--steps", "2", "--prompts", "2",
                                     "--group", "2", "--new-tokens", "4", "--threads", "1"], (),
                                    "rollout.old_logprobs sampler saves"),
+    "benchmarks/staleness.py": (["--model", "{tiny}", "--new-tokens", "4", "--steps", "3", "--seeds", "2",
+                                 "--group", "2", "--prompts", "2"], (), "K=1 / K=0 steps per second"),
     "benchmarks/sampler_panel.py": (["--model", "{tiny}", "--steps", "2", "--window", "1", "--prompts", "2",
                                      "--group", "2", "--threads", "1"], (), "sampler panel goals met in"),
     "benchmarks/gpu_vs_trl.py": (["--tiny", "--steps", "2", "--root", "{tmp}/gvt", "--json", "{tmp}/gvt.json"],

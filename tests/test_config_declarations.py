@@ -25,6 +25,8 @@ LOWER_BOUNDS = {
     "rollout.top_k": (0, True, "0 turns top-k off"), "optim.warmup_steps": (0, True, "0: no warm-up"),
     "rollout.sampler_correction_min": (0, True, ""), "rollout.sampler_correction_max": (0, True, "0: no upper bound"),
     "rollout.vllm.memory_fraction": (0, False, ""), "rollout.warn_chi2_above": (0, True, "0: off"),
+    "rollout.max_staleness": (0, True, "0: generate, then update"),
+    "rollout.generation_threads": (0, True, "0: half of torch's threads"),
     "optim.weight_decay": (0, True, ""), "train.save_every": (0, True, "0 saves only at the end"),
     "train.keep_checkpoints": (0, True, "0 keeps all"), "train.max_wall_seconds": (0, True, "0: no limit"),
     "train.micro_batch_size": (0, True, "0: the whole batch"), "train.torch_threads": (0, True, "0: torch's default"),

@@ -49,7 +49,8 @@ def _is_documented_in_docs(name: str, documented: set[str]) -> bool:
 def logged(tiny_model_dir, addition_file, tmp_path_factory):
     """Every name two short runs log with the optional metrics switched on: the KL in the loss and the reward,
     the clip shaping, the replay anchor, an evaluation set, a reward model and a custom loss that returns a
-    metric; then the entropy bonus, the top-entropy and the off-policy masks under truncated sampling (top-p)."""
+    metric; then the entropy bonus, the top-entropy and the off-policy masks under truncated sampling (top-p);
+    then a step generated ahead (rollout.max_staleness)."""
     tokenizer = rm_tokenizer()
     reward_model = save_reward_model(tmp_path_factory.mktemp("rm"), build_reward_model(tokenizer), tokenizer)
     replay_file = write_jsonl(tmp_path_factory.mktemp("replay") / "sub.jsonl",
@@ -76,7 +77,11 @@ def logged(tiny_model_dir, addition_file, tmp_path_factory):
                                     "off_policy_mask_threshold": 0.05}, rollout={"top_p": 0.9})
     entropy_run = GRPOTrainer(entropy_cfg, log=quiet)
     entropy_run.train()
-    rows = [*read_metrics(trainer.run_dir), *read_metrics(entropy_run.run_dir)]
+    # generation while training logs the batch's staleness
+    ahead = make_config(tiny_model_dir, addition_file, out / "ahead", train={"steps": 1},
+                        rollout={"max_staleness": 1, "sampler": "kv_loop"})
+    GRPOTrainer(ahead, log=quiet).train()
+    rows = [*read_metrics(trainer.run_dir), *read_metrics(entropy_run.run_dir), *read_metrics(out / "ahead")]
     return {k for row in rows for k in row} - {"step", "wall_time"}
 
 

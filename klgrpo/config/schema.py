@@ -179,6 +179,16 @@ class RolloutConfig(Settings):
     divergence_threshold: str = _f("", "rollout.divergence_mask's bounds, comma-separated, one per mask (one entry: "
                                        "every mask's): LOW_HIGH ratio bounds for the k1 masks (e.g. 0.5_2.0; "
                                        "either side may be empty), the upper bound for k2 and k3 (e.g. 0.01)")
+    max_staleness: int = _f(0, "generation while training: a generation process of its own draws the next batches "
+                               "while the trainer updates, batch t from the weights K updates back (a fixed lag, "
+                               "reproducible at a seed; docs/kl_guide.md, Generating while training); K = 0: "
+                               "generate, then update (the default). One process, on the CPU, with rollout.sampler "
+                               "kv_loop or generate; the stale samples are the sampler's, so set "
+                               "rollout.sampler_correction",
+                            low=0, at_low="0: generate, then update")
+    generation_threads: int = _f(0, "with rollout.max_staleness > 0, the generation process's torch threads; the "
+                                    "trainer keeps the rest of torch's threads (0: half of them)", low=0,
+                                 at_low="0: half of torch's threads")
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 

@@ -147,6 +147,7 @@ class StepPlan:
     sampler_correction: SamplerCorrection = SamplerCorrection()  # the sampler-mismatch weight (rollout.*)
     trains_kept_sets: bool = False  # rollout.truncation policy with a filter on: pi_S, pi_old_S and ref_S
     old_from_sampler: bool = False  # rollout.old_logprobs sampler: pi_old is the sampler's log-probs mu
+    max_staleness: int = 0        # rollout.max_staleness: batch t drawn from the weights K updates back
 
     @property
     def with_entropy(self) -> bool:
@@ -176,4 +177,4 @@ def step_plan(cfg: GRPOConfig) -> StepPlan:
                     sync_every=cfg.kl.sync_every, sync_alpha=cfg.kl.sync_alpha, seed=t.seed,
                     sampler_correction=sampler_correction(r),
                     trains_kept_sets=r.truncation == "policy" and sampling.filters.truncates,
-                    old_from_sampler=r.old_logprobs == "sampler")
+                    old_from_sampler=r.old_logprobs == "sampler", max_staleness=r.max_staleness)

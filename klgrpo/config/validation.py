@@ -147,6 +147,7 @@ def _check_rollout_and_update(cfg: GRPOConfig) -> None:
 
     _check_sampler_correction(r, loss, cfg.kl)
     _check_old_logprobs(r, cfg.model.dtype)
+    _check_staleness(r, t)
     if r.sampler == VLLMServerSampler.name:
         check_vllm_server(r.vllm)
 
@@ -209,6 +210,25 @@ def _bound(text: str, name: str) -> float | None:
     need(math.isfinite(value) and value > 0,
          f"rollout.divergence_threshold: {_short(text)} for {name} is not a positive number")
     return value
+
+
+#: the samplers a generation process of its own can run (rollout.max_staleness > 0)
+PIPELINED_SAMPLERS = ("auto", "kv_loop", "generate")
+
+
+def _check_staleness(r, t) -> None:
+    """rollout.max_staleness > 0: one generated batch per update, on a sampler the generation process runs."""
+    if r.max_staleness == 0:
+        need(r.generation_threads == 0, "rollout.generation_threads is set but rollout.max_staleness is 0: set "
+                                        "rollout.max_staleness (e.g. 1) to generate while training, or leave "
+                                        "rollout.generation_threads at 0")
+        return
+    need(t.num_iterations == 1,
+         f"rollout.max_staleness {r.max_staleness} with train.num_iterations {t.num_iterations}: generating ahead "
+         f"draws one batch per update; set train.num_iterations 1 or rollout.max_staleness 0")
+    need(r.sampler in PIPELINED_SAMPLERS,
+         f"rollout.max_staleness {r.max_staleness}: rollout.sampler {r.sampler} does not run in a generation process "
+         f"of klgrpo's; use rollout.sampler kv_loop or generate, or rollout.max_staleness 0")
 
 
 def _check_old_logprobs(r, dtype: str) -> None:

@@ -14,12 +14,13 @@ import torch
 from torch import Tensor
 
 from klgrpo.backends.samplers import SamplingParams, resolve_sampler
-from klgrpo.backends.sampling import SamplingFilters
+from klgrpo.backends.sampling import SampledRollout, SamplingFilters
 from klgrpo.errors import ConfigError, KLGRPOError
 from klgrpo.math.truncation import settled_counts
 
-__all__ = ["PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "compiling_sampler",
-           "completion_mask_from_ids", "encode_prompts", "eos_token_ids", "generate_groups", "warm_up_sampler"]
+__all__ = ["EncodedPrompts", "PromptTooLong", "RolloutBatch", "SamplingParams", "batch_widths", "compiling_sampler",
+           "completion_mask_from_ids", "encode_groups", "encode_prompts", "eos_token_ids", "generate_groups",
+           "grouped_batch", "sample_encoded", "warm_up_sampler"]
 
 
 class PromptTooLong(ConfigError):
@@ -159,38 +160,77 @@ def check_sampler_logprobs(logp: Tensor, completion_ids: Tensor, completion_mask
                           f"sampler's model and dtype, or set rollout.sampler kv_loop)")
 
 
-@torch.no_grad()
-def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
-    """Sample ``params.group_size`` completions for each prompt with ``params.sampler``; returns the padded batch
-    with its masks."""
-    p = params
-    texts = encode_prompts(tokenizer, prompts, p.system_prompt, p.as_chat)
+@dataclass
+class EncodedPrompts:
+    """A rollout's prompts as a sampler takes them: each distinct prompt once, left-padded (``ids``, ``mask`` [N,
+    P]), with what turns the sampler's completions into the batch (the prompts as given, the EOS and pad ids)."""
+
+    prompts: list
+    ids: Tensor
+    mask: Tensor
+    eos_ids: list[int]
+    pad_id: int
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+
+def encode_groups(model, tokenizer, prompts: list, params: SamplingParams) -> EncodedPrompts:
+    """The prompts of one rollout encoded for a sampler on ``model``'s device; PromptTooLong where one does not fit
+    the model's context with ``params.max_new_tokens``."""
+    texts = encode_prompts(tokenizer, prompts, params.system_prompt, params.as_chat)
     enc = tokenizer(texts, return_tensors="pt", padding=True)
-    if (over := _overflow(model, enc["attention_mask"].sum(-1).tolist(), p.max_new_tokens)) is not None:
-        raise PromptTooLong(*over[:2], p.max_new_tokens, over[2])
+    if (over := _overflow(model, enc["attention_mask"].sum(-1).tolist(), params.max_new_tokens)) is not None:
+        raise PromptTooLong(*over[:2], params.max_new_tokens, over[2])
     device = next(model.parameters()).device
-    unique_ids, unique_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    prompt_ids = unique_ids.repeat_interleave(p.group_size, dim=0)
-    prompt_mask = unique_mask.repeat_interleave(p.group_size, dim=0)
-    prompt_len = prompt_ids.shape[1]
-    eos_ids = eos_token_ids(model, tokenizer)
-    sampler, opened = resolve_sampler(p.sampler, model, prompt_len + p.max_new_tokens, p)
+    return EncodedPrompts(prompts=list(prompts), ids=enc["input_ids"].to(device),
+                          mask=enc["attention_mask"].to(device), eos_ids=eos_token_ids(model, tokenizer),
+                          pad_id=tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def sample_encoded(model, encoded: EncodedPrompts, params: SamplingParams) -> tuple[SampledRollout, str]:
+    """(``params.sampler``'s draw for ``encoded``, the name of the sampler that drew it: transformers' generate
+    where the one named cannot reproduce the call), the model in eval mode while it runs."""
+    sampler, opened = resolve_sampler(params.sampler, model, encoded.width + params.max_new_tokens, params)
     was_training = model.training
     model.eval()
     try:
-        sampled = sampler.sample(model, unique_ids, unique_mask, p, tokenizer.pad_token_id, eos_ids)
+        sampled = sampler.sample(model, encoded.ids, encoded.mask, params, encoded.pad_id, encoded.eos_ids)
     finally:
         model.train(was_training)
         if opened:  # a sampler named for this call alone (not a run's): closed with it
             sampler.close()
-    completion_ids, sampler_logp = sampled.completion_ids, sampled.logp
+    return sampled, sampler.name or str(params.sampler)
+
+
+@torch.no_grad()
+def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> RolloutBatch:
+    """Sample ``params.group_size`` completions for each prompt with ``params.sampler``; returns the padded batch
+    with its masks."""
+    encoded = encode_groups(model, tokenizer, prompts, params)
+    sampled, sampler_name = sample_encoded(model, encoded, params)
+    return grouped_batch(model, tokenizer, encoded, sampled, params.group_size, sampler_name)
+
+
+def grouped_batch(model, tokenizer, encoded: EncodedPrompts, sampled: SampledRollout, group_size: int,
+                  sampler_name: str) -> RolloutBatch:
+    """The padded batch of ``sampled``'s completions of ``encoded``: G rows a prompt, masks through the first EOS,
+    the decoded texts, the sampler's log-probs checked (``check_sampler_logprobs``, naming ``sampler_name``) and 0
+    after EOS, its kept sets settled."""
+    device = encoded.ids.device
+    prompt_ids = encoded.ids.repeat_interleave(group_size, dim=0)
+    prompt_mask = encoded.mask.repeat_interleave(group_size, dim=0)
+    prompt_len, eos_ids = prompt_ids.shape[1], encoded.eos_ids
+    completion_ids, sampler_logp = sampled.completion_ids.to(device), sampled.logp
     if completion_ids.shape[1] == 0:  # every row stopped at once: keep one (masked) column
         completion_ids = torch.full((prompt_ids.shape[0], 1), tokenizer.pad_token_id, device=device,
                                     dtype=prompt_ids.dtype)
         sampler_logp = None if sampler_logp is None else torch.zeros(completion_ids.shape, device=device)
     completion_mask, truncated = completion_mask_from_ids(completion_ids, eos_ids)
     if sampler_logp is not None:
-        check_sampler_logprobs(sampler_logp, completion_ids, completion_mask, sampler.name or str(p.sampler))
+        check_sampler_logprobs(sampler_logp, completion_ids, completion_mask, sampler_name)
         sampler_logp = sampler_logp.to(device, torch.float32).masked_fill(~completion_mask, 0.0)
     kept_count = sampled.kept_count if sampled.filters.truncates else None
     if kept_count is not None:  # a set as large as the vocabulary is no truncation: 0 says so, cheaply
@@ -211,8 +251,8 @@ def generate_groups(model, tokenizer, prompts: list, params: SamplingParams) -> 
         completion_mask=completion_mask,
         truncated=truncated,
         prompt_len=prompt_len,
-        group_size=p.group_size,
-        prompts=[prompt for prompt in prompts for _ in range(p.group_size)],
+        group_size=group_size,
+        prompts=[prompt for prompt in encoded.prompts for _ in range(group_size)],
         completions=completions,
         sampler_logp=sampler_logp,
         filters=sampled.filters,

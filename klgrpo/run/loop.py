@@ -92,7 +92,7 @@ class TrainingRun:
                     self.lock.config_after_resume(self.log)
             return self._train(summary_extras)
         finally:
-            self.grpo_step.sampler.close()  # an engine it holds goes with the run (a later use starts another)
+            self.grpo_step.close()  # its sampler's engine and generation process go with the run
             if self.lock is not None:
                 self.lock.release()
 

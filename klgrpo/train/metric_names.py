@@ -82,6 +82,9 @@ def sampler_quartile(quartile: int, name: str) -> str:
 
 
 SAMPLER_QUARTILE_NAMES = tuple(sampler_quartile(q, n) for q in range(1, 5) for n in SAMPLER_BY_LENGTH)
+#: rollout.max_staleness > 0: how many optimizer updates old the weights that drew the step's batch were
+ROLLOUT_STALENESS_MEAN = "rollout/staleness_mean"
+ROLLOUT_STALENESS_MAX = "rollout/staleness_max"
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "train/skipped_steps"
@@ -270,13 +273,19 @@ GLOSSARY: dict[str, str] = {
                                f"shortest quarter of the step's completions, ranked by length over every process; "
                                f"logged with 4 or more completions)"
        for q in range(1, 5) for n in SAMPLER_BY_LENGTH},
+    ROLLOUT_STALENESS_MEAN: "with rollout.max_staleness > 0, the mean over the step's completions of how many "
+                            "optimizer updates old the weights that drew them were (min(step - 1, K) under the "
+                            "fixed lag: each batch comes from one version)",
+    ROLLOUT_STALENESS_MAX: "with rollout.max_staleness > 0, the largest staleness among the step's completions "
+                           "(never above rollout.max_staleness: an older batch is refused)",
     GRAD_NORM: "global L2 norm of the gradient over the trainable parameters, before clipping",
     LR: "learning rate of this optimizer step",
     SKIPPED_STEPS: "steps skipped so far because the loss or the gradient norm was NaN or infinite (the "
                    "optimizer, scheduler and KL controller did not move on them); the run stops after "
                    "train.max_skipped_steps in a row",
     # timing
-    TIME_GENERATE: "wall seconds spent sampling the step's completions",
+    TIME_GENERATE: "wall seconds spent sampling the step's completions (with rollout.max_staleness > 0: waiting "
+                   "for the generation process, the part of its time the update did not hide)",
     TIME_REWARD: "wall seconds spent in the reward functions (the reward models' time is time/reward_model)",
     TIME_REWARD_MODEL: "wall seconds the reward models spent scoring the step's completions (logged when "
                        "rewards.functions has a reward model)",

@@ -35,8 +35,16 @@ from klgrpo.core.full_kl import completion_logprobs_and_full_kl
 from klgrpo.core.kept_sets import kept_set_pass
 from klgrpo.core.loss_api import LossInput, call_loss
 from klgrpo.core.rewards import RewardComputer
-from klgrpo.core.rollout import PromptTooLong, SamplingParams, compiling_sampler, generate_groups, warm_up_sampler
-from klgrpo.errors import ConfigError
+from klgrpo.core.rollout import (
+    PromptTooLong,
+    SamplingParams,
+    compiling_sampler,
+    encode_groups,
+    generate_groups,
+    grouped_batch,
+    warm_up_sampler,
+)
+from klgrpo.errors import ConfigError, KLGRPOError
 from klgrpo.math.advantages import group_advantages, kl_penalized_scores
 from klgrpo.math.aggregation import Normalizer
 from klgrpo.math.full_kl import FULL_KL
@@ -49,6 +57,7 @@ from klgrpo.train.building import seed_everything
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
+from klgrpo.train.pipeline import IssuedBatch, shared_weights
 from klgrpo.train.step_metrics import StepSums, kept_set_metrics, sampler_metrics, step_metrics
 from klgrpo.train.step_state import (
     StepSnapshot,
@@ -95,6 +104,9 @@ class GRPOStep:
     guard: NonFiniteGuard
     replay: Any = None
     loss_fast_path: bool = True
+    #: rollout.max_staleness > 0: the generation process (train/pipeline.py) and the batches handed to it
+    pipeline: Any = None
+    issued: list[IssuedBatch] = field(default_factory=list)
     completed: int = 0
     #: how many times this process's step changed the policy's weights (optimizer steps, loads): the version a
     #: sampler holding its own copy compares with its own (``Sampler.sync_weights``)
@@ -140,21 +152,19 @@ class GRPOStep:
         return self.plan.kl_term(self.controller.value)
 
     def make_batch(self) -> StepBatch:
-        """Sample the next prompts' groups, score them, and compute the reference log-probs and advantages."""
+        """Sample the next prompts' groups (or, generating ahead, take the batch drawn for this step), score them,
+        and compute the reference log-probs and advantages."""
         plan, timings = self.plan, {}
-        indices = self.prompt_order.next_indices()  # the same global indices on every rank
-        local = indices[self.dist.local_slice(len(indices))]
-        rows = [self.dataset[i] for i in local]
-        prompts = [r["prompt"] for r in rows]
-        with _timed(timings, names.TIME_GENERATE), self._weights_for_sampling():
-            try:
-                rollout = generate_groups(self.model, self.tokenizer, prompts, self.sampling_params())
-            except PromptTooLong as exc:  # said in the run's terms: which row of which file, and the remedy
-                raise ConfigError(
-                    f"prompt {int(local[exc.index])} of {plan.data_source} has {exc.tokens} tokens: with "
-                    f"rollout.max_new_tokens={exc.max_new_tokens} it needs {exc.tokens + exc.max_new_tokens} "
-                    f"positions, more than the model's context of {exc.limit} (max_position_embeddings); shorten "
-                    f"or drop that prompt (data.limit, or a filtered file) or lower rollout.max_new_tokens") from None
+        if self.pipeline is not None:
+            with _timed(timings, names.TIME_GENERATE):  # the wait for the generation process: what it did not hide
+                rows, rollout = self._drawn_ahead(timings)
+        else:
+            indices = self.prompt_order.next_indices()  # the same global indices on every rank
+            local = indices[self.dist.local_slice(len(indices))]
+            rows = [self.dataset[i] for i in local]
+            with _timed(timings, names.TIME_GENERATE), self._weights_for_sampling(), self._prompt_named(local):
+                rollout = generate_groups(self.model, self.tokenizer, [r["prompt"] for r in rows],
+                                          self.sampling_params())
         with _timed(timings, names.TIME_REWARD):
             columns = {k: [r[k] for r in rows for _ in range(plan.sampling.group_size)]
                        for k in rows[0] if k != "prompt"}
@@ -193,6 +203,65 @@ class GRPOStep:
                                                num_tokens=self.dist.sum(loss_mask.sum().to(torch.float32)),
                                                max_len=float(plan.sampling.max_new_tokens)),
                          ref_logp=ref_logp, old_logp=old_logp, kept_sets=kept_sets, timings=timings)
+
+    @contextmanager
+    def _prompt_named(self, local) -> Iterator[None]:
+        """A prompt too long for the model, said in the run's terms: which row of which file, and the remedy."""
+        try:
+            yield
+        except PromptTooLong as exc:
+            raise ConfigError(
+                f"prompt {int(local[exc.index])} of {self.plan.data_source} has {exc.tokens} tokens: with "
+                f"rollout.max_new_tokens={exc.max_new_tokens} it needs {exc.tokens + exc.max_new_tokens} "
+                f"positions, more than the model's context of {exc.limit} (max_position_embeddings); shorten "
+                f"or drop that prompt (data.limit, or a filtered file) or lower rollout.max_new_tokens") from None
+
+    # ----------------------------------------------------------------------- generating ahead (max_staleness)
+    def issue_ahead(self) -> None:
+        """rollout.max_staleness K: hand the generation process every batch up to this step's + K not issued yet,
+        drawn from the weights as they are now: batch t + K from those after t updates. The last steps issue
+        batches beyond train.steps too: the final checkpoint holds them, so a resume with more steps continues as
+        the longer run would have."""
+        index = self.completed + len(self.issued)
+        while index <= self.completed + self.plan.max_staleness:
+            indices = self.prompt_order.next_indices()
+            local = [int(i) for i in indices[self.dist.local_slice(len(indices))]]
+            params = self.sampling_params()
+            with self._prompt_named(local):
+                encoded = encode_groups(self.model, self.tokenizer, [self.dataset[i]["prompt"] for i in local],
+                                        params)
+            self.pipeline.submit(index, encoded, params, self.weights_version, lambda: shared_weights(self.model))
+            self.issued.append(IssuedBatch(index=index, drawn_at=self.completed, local=local, encoded=encoded))
+            index += 1
+
+    def _drawn_ahead(self, timings: dict) -> tuple[list, Any]:
+        """(the dataset rows, the rollout) of the batch issued for this step, waited for; one drawn more than
+        rollout.max_staleness updates back is refused."""
+        if not self.issued or self.issued[0].index != self.completed:
+            raise KLGRPOError(f"no batch was issued for step {self.completed + 1} (rollout.max_staleness): report "
+                              f"this")
+        item = self.issued.pop(0)
+        staleness = self.completed - item.drawn_at
+        if not 0 <= staleness <= self.plan.max_staleness:
+            raise KLGRPOError(f"the batch for step {self.completed + 1} was drawn {staleness} updates back, beyond "
+                              f"rollout.max_staleness {self.plan.max_staleness}: it is not trained on")
+        timings[names.ROLLOUT_STALENESS_MEAN] = timings[names.ROLLOUT_STALENESS_MAX] = float(staleness)
+        return [self.dataset[i] for i in item.local], self._collected(item)
+
+    def _collected(self, item: IssuedBatch):
+        """``item``'s rollout, waited for where it is still in the generation process."""
+        if item.rollout is None:
+            sampled, sampler_name = self.pipeline.result(item.index)
+            item.rollout = grouped_batch(self.model, self.tokenizer, item.encoded, sampled,
+                                         self.plan.sampling.group_size, sampler_name)
+            item.encoded = None
+        return item.rollout
+
+    def close(self) -> None:
+        """Release what the step holds for sampling: the generation process, the sampler's engine."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.sampler.close()
 
     def _weights_for_sampling(self):
         """The context sampling runs in. A sampler with its own copy of the weights (vLLM) gets them pushed one
@@ -357,8 +426,10 @@ class GRPOStep:
         the KL the controller observed. ``rollback()`` undoes a call that did not return."""
         t0 = time.perf_counter()
         self.stop_gate.reset()  # a caller of train_step() alone never released the previous step's
+        if self.pipeline is not None:
+            self.issue_ahead()  # never undone: what it issued is drawn the same whenever it is taken
         self._started = (self.prompt_order.state_dict(), rng_state(), self.batch,
-                         self.batch.iterations_done if self.batch else 0)
+                         self.batch.iterations_done if self.batch else 0, list(self.issued))
         generated = self.batch is None
         if generated:
             self.batch = self.make_batch()
@@ -390,7 +461,8 @@ class GRPOStep:
     def _undo_unfinished(self) -> None:
         if self._started is None:
             return
-        order, rng, batch, iterations_done = self._started
+        order, rng, batch, iterations_done, issued = self._started
+        self.issued = issued
         self.prompt_order.load_state_dict(order)
         set_rng_state(rng)
         self.batch = batch
@@ -408,7 +480,8 @@ class GRPOStep:
                 "controller": self.controller.state_dict(), "sampler": self.prompt_order.state_dict(),
                 "entropy_controller": self.entropy_controller.state_dict(),
                 "pending_batch": self.batch, "replay": self.replay.state_dict() if self.replay else None,
-                "guard": self.guard.state_dict(), "step": self.completed}
+                "guard": self.guard.state_dict(), "step": self.completed,
+                "issued": [(self._collected(item), item.state())[1] for item in self.issued]}
 
     def load_state_dict(self, state: dict[str, Any], same_layout: bool = True) -> None:
         """Restore ``state_dict()``'s output; ``same_layout=False`` (another world size) drops a half-used batch,
@@ -423,9 +496,23 @@ class GRPOStep:
         batch = state.get("pending_batch")
         self.batch = to_device(batch, self.device) if batch is not None and same_layout else None
         self.guard.load_state_dict(state.get("guard"))
+        self._load_issued(state.get("issued") or [], same_layout)
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
         self.completed = int(state["step"])
+
+    def _load_issued(self, issued: list[dict], same_layout: bool) -> None:
+        """The batches a checkpoint had issued ahead, in place of what the generation process holds now (dropped).
+        A run without rollout.max_staleness, or another process layout, cannot take them: refused, since the
+        prompt order has moved past them."""
+        if self.pipeline is not None:
+            self.pipeline.drain()
+        if issued and (self.pipeline is None or not same_layout):
+            raise ConfigError(f"the checkpoint holds {len(issued)} batch(es) drawn ahead with rollout.max_staleness "
+                              f"> 0; resume it with rollout.max_staleness set as it was, on as many processes")
+        self.issued = [IssuedBatch.from_state(item) for item in issued]
+        for item in self.issued:
+            item.rollout = to_device(item.rollout, self.device)
 
     @property
     def beta(self) -> float:

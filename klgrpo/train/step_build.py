@@ -15,6 +15,7 @@ from klgrpo.backends.samplers import pick_sampler
 from klgrpo.config.entries import reward_specs
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import build_entropy_controller, build_kl_controller, step_plan
+from klgrpo.config.validation import PIPELINED_SAMPLERS
 from klgrpo.core.data import PromptSampler, dataset_prompts, load_prompts
 from klgrpo.core.forward import uses_fast_forward
 from klgrpo.core.loss_api import resolve_loss_function
@@ -27,6 +28,7 @@ from klgrpo.train.building import build_optimizer, make_scheduler
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
+from klgrpo.train.pipeline import RolloutPipeline, split_threads
 from klgrpo.train.step import GRPOStep
 from klgrpo.train.step_memory import check_step_memory
 
@@ -90,7 +92,31 @@ def build_step(cfg: GRPOConfig, dist: Distributed, engine: Engine, run_dir: Path
     rewards.load_models(scoring)
     return _trainable_step(cfg, dist, engine, run_dir, log, device=device, dataset=dataset,
                            prompt_order=prompt_order, rewards=rewards, loss_fn=loss_fn, tokenizer=tokenizer,
-                           model=model, sampler=sampler, reference=reference)
+                           model=model, sampler=sampler, reference=reference,
+                           pipeline=_generation_process(cfg, dist, engine, model, sampler, device, main_log))
+
+
+def _generation_process(cfg: GRPOConfig, dist: Distributed, engine: Engine, model, sampler, device: torch.device,
+                        log: Callable | None):
+    """rollout.max_staleness > 0: the run's generation process (train/pipeline.py), given its share of torch's
+    threads (the trainer keeps the rest); None otherwise. Refused in one line where it cannot run yet."""
+    ahead = cfg.rollout.max_staleness
+    if ahead == 0:
+        return None
+    where = ("a run of one process" if dist.world_size == 1 and engine.kind == "single" else
+             f"this run has {dist.world_size} processes ({engine.kind})")
+    if dist.world_size > 1 or engine.kind != "single" or device.type != "cpu":
+        raise ConfigError(f"rollout.max_staleness {ahead}: generation while training runs in a one-process run on "
+                          f"the CPU so far ({where}, device {device.type}); set rollout.max_staleness 0")
+    if sampler.name not in PIPELINED_SAMPLERS:
+        raise ConfigError(f"rollout.max_staleness {ahead}: the run's sampler {sampler.name} does not run in a "
+                          f"generation process of klgrpo's; set rollout.sampler kv_loop or generate")
+    trainer_threads, generation_threads = split_threads(torch.get_num_threads(), cfg.rollout.generation_threads)
+    if log:
+        log(f"generation while training (rollout.max_staleness {ahead}): a generation process with "
+            f"{generation_threads} torch thread(s) draws batch t from the weights {ahead} update(s) back; the "
+            f"trainer keeps {trainer_threads}")
+    return RolloutPipeline(model, sampler.name, generation_threads, cfg.train.seed, trainer_threads)
 
 
 def check_old_logprobs_source(old_logprobs: str, sampler, dtype: torch.dtype) -> None:
