@@ -62,6 +62,7 @@ def one_run(ahead: int, new_tokens: int, seed: int, out: Path, args) -> dict:
     return {"steps_per_second": len(gaps) / sum(gaps), "step_seconds_mean": statistics.fmean(gaps),
             "step_seconds_max": max(gaps), "generate_wait_mean": statistics.fmean(r[names.TIME_GENERATE]
                                                                                    for r in rows[1:]),
+            "update_seconds_mean": statistics.fmean(r[names.TIME_UPDATE] for r in rows[1:]),
             "final_reward": rows[-1][names.REWARD], "rewards": [r[names.REWARD] for r in rows],
             "staleness": [r.get(names.ROLLOUT_STALENESS_MEAN, 0.0) for r in rows]}
 
@@ -109,14 +110,15 @@ def run(args) -> dict:
 def table(result: dict) -> str:
     lines = [f"{result['model']}: {result['prompts']} prompts x G {result['group']}, {result['steps']} steps, "
              f"{result['seeds']} seed(s), {result['threads']} threads in all",
-             "| new tokens | K | steps/s (mean over seeds) | slowest step s | wait for generation s | final reward |",
-             "|---" * 6 + "|"]
+             "| new tokens | K | steps/s (mean over seeds) | slowest step s | wait for generation s | update s | "
+             "final reward |", "|---" * 7 + "|"]
     for length, r in result["lengths"].items():
         for k in ("k0", "k1"):
             runs = r["runs"][k]
             lines.append(f"| {length} | {k[1]} | {statistics.fmean(x['steps_per_second'] for x in runs):.4f} | "
                          f"{max(x['step_seconds_max'] for x in runs):.1f} | "
                          f"{statistics.fmean(x['generate_wait_mean'] for x in runs):.1f} | "
+                         f"{statistics.fmean(x['update_seconds_mean'] for x in runs):.1f} | "
                          f"{statistics.fmean(x['final_reward'] for x in runs):.3f} |")
         lines.append(f"{length} tokens: K=1 / K=0 steps per second {r['speedup_mean']:.2f}x (worst seed "
                      f"{r['speedup_min']:.2f}x); final reward K=1 - K=0 {r['reward_diff_mean']:+.3f} "

@@ -55,6 +55,9 @@ def test_eval_errors_are_one_line(trained_run, tiny_model_dir, capsys):
     run, _ = trained_run
     assert cli(["eval", str(tiny_model_dir)]) == 2
     assert "no config for" in capsys.readouterr().err
+    assert cli(["eval", str(run / "checkpoints" / "step_9")]) == 2  # a typo in the path: said as such
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "step_9': no such folder" in err
     assert cli(["eval", str(run / "checkpoints" / "step_1"), "--set", "mul"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--set mul: no such set" in err and "add, add_exact" in err
