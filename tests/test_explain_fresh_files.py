@@ -117,6 +117,15 @@ EXPECTED = {
         None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
     ("skyrl_train", "skyrl-v0.3.0_examples_train_algorithms_cispo_run_cispo_gsm8k.sh"): (
         None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+    # examples' own entry modules: DAPO's main_dapo (USE_KL_LOSS=false: no KL), the fully asynchronous trainer
+    # (use_kl_loss true at the default 0.001: k3 unweighted, forward; 4 mini-batches: off-policy), and on-policy
+    # distillation, which trains towards a teacher: refused.
+    ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_algorithms_dapo_run_dapo_gsm8k.sh"): (
+        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_fully_async_fully_async_run_gsm8k.sh"): (
+        None, "forward", "neither", "fixed at 0.001", {"forward", "clip", "offpolicy", "eps"}),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_on_policy_distillation_run_on_policy_distill_math_qwen3_1.7b.sh"): (
+        "refused", None, "SkyRL's example of distillation"),
 }
 REFUSED_AT = {
     ("prime_rl", "v0.3.0_configs_deepscaler_stage1.toml"): ("prime_rl==0.6.0", "inference_gpu_ids"),

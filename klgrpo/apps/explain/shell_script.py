@@ -1,6 +1,7 @@
 """A verl, OpenRLHF, SkyRL or slime launch script, read as text (never run): the arguments of its ``python3 -m
 verl.trainer.main_ppo`` (or another trainer module of a verl release: 0.8's ``main_ppo_sync``),
-``openrlhf.cli.train_ppo_ray``, ``skyrl_train.entrypoints.main_base`` or slime's ``train.py`` command.
+``openrlhf.cli.train_ppo_ray``, ``skyrl_train.entrypoints.main_base`` (or an example's own entry module, such as
+``examples.train.algorithms.dapo.main_dapo``) or slime's ``train.py`` command.
 
 What the reader follows: line continuations, comments, ``NAME=value`` and ``export NAME=value`` assignments with
 literal values (substituted where the command uses ``$NAME`` / ``${NAME}``), bash arrays (``ARGS=( ... )`` used
@@ -33,6 +34,10 @@ LAUNCHERS = {"verl": tuple(s for module in VERL_ENTRY_POINTS for s in _spellings
              "openrlhf": ("openrlhf.cli.train_ppo_ray", "openrlhf/cli/train_ppo_ray.py"),
              "skyrl_train": tuple(s for module in SKYRL_ENTRY_POINTS for s in _spellings(module)),
              "slime": ("train.py", "train_async.py")}
+#: SkyRL's examples run entry modules of their own (``-m examples.train.algorithms.dapo.main_dapo``): subclasses of
+#: its BasePPOExp that read SkyRL's config. One counts as SkyRL's launcher where the script also sets SkyRL's keys.
+SKYRL_EXAMPLE_ENTRY = re.compile(r"^(?:\w+\.)*examples(?:\.\w+)*\.main_\w+$")
+SKYRL_MARKERS = ("trainer.algorithm.", "generator.n_samples_per_prompt", "trainer.policy.model.path")
 #: A script runs slime's train.py when it also holds one of slime's own flags (train.py alone is anyone's).
 SLIME_MARKERS = ("--advantage-estimator", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type", "--kl-coef",
                  "--rollout-batch-size", "--n-samples-per-prompt", "--rm-type", "--rollout-function-path")
@@ -60,11 +65,19 @@ def launchers_in(text: str, slime_flags: bool | None = None) -> set[str]:
     """The frameworks whose launcher module the text names (cheap: no tokenising); slime's train.py counts where
     ``slime_flags`` (default: the text itself holds one of slime's flags)."""
     found = {name for name, modules in LAUNCHERS.items() if any(module in text for module in modules)}
+    if _example_entries(text) and any(marker in text for marker in SKYRL_MARKERS):
+        found.add("skyrl_train")
     if slime_flags is None:
         slime_flags = any(marker in text for marker in SLIME_MARKERS)
     if not slime_flags:
         found.discard("slime")
     return found
+
+
+def _example_entries(text: str) -> list[str]:
+    """The ``-m examples....main_*`` modules the text runs."""
+    words = text.split()
+    return [module for flag, module in zip(words, words[1:]) if flag == "-m" and SKYRL_EXAMPLE_ENTRY.match(module)]
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:
@@ -160,6 +173,10 @@ def commands(text: str, origin: str) -> list[LaunchCommand]:
 def _command(framework: str, number: int, tokens: list[str], variables: dict, arrays: dict) -> LaunchCommand | None:
     modules = LAUNCHERS[framework]
     starts = [i for i, token in enumerate(tokens) if any(token.endswith(m) for m in modules)]
+    if framework == "skyrl_train" and not starts:  # an example's own entry module
+        starts = [i for i, token in enumerate(tokens[1:], 1)
+                  if tokens[i - 1] == "-m" and SKYRL_EXAMPLE_ENTRY.match(token)]
+        modules = tuple(tokens[i] for i in starts[:1])
     if not starts:  # the module named inside another word (an echo, a JSON argument): no launch
         return None
     named = max((m for m in modules if tokens[starts[0]].endswith(m)), key=len)  # main_ppo_sync, not main_ppo

@@ -23,8 +23,9 @@ AGGREGATIONS = {"token_mean": "token_mean", "sequence_mean": "seq_mean_token_mea
                 "seq_mean_token_sum_norm": "constant"}
 ESTIMATORS = {"k1": "k1", "k2": "k2", "k3": "k3", "abs": None}
 #: trainer.algorithm keys that shape the policy term or the samples, named when set.
-NOT_MAPPED = ("dynamic_sampling.type", "use_tis", "tis_imp_ratio_cap", "off_policy_correction.tis_ratio_type",
-              "use_entropy_loss", "advantage_batch_normalize", "zero_variance_filter", "overlong_buffer_len")
+NOT_MAPPED = ("dynamic_sampling.type", "use_tis", "tis_imp_ratio_cap", "off_policy_correction.",
+              "use_entropy_loss", "advantage_batch_normalize", "zero_variance_filter", "overlong_buffer_len",
+              "overlong_buffer.")
 #: Keys this mapping reads.
 READ = {A + name for name in (
     "advantage_estimator", "kl_ctrl.type", "kl_ctrl.kl_target", "kl_ctrl.horizon", "kl_estimator_type",

@@ -484,7 +484,27 @@ def _skyrl_from_script(command: shell_script.LaunchCommand, where: str,
     mapped = _skyrl(values, where, release)
     for key, why in notes.items():
         mapped.unmapped.setdefault(key, why)
+    if command.module not in shell_script.SKYRL_ENTRY_POINTS:
+        _skyrl_example_entry(command.module, where, mapped)
     return mapped
+
+
+def _skyrl_example_entry(module: str, where: str, mapped: Mapped) -> None:
+    """An example's own entry module: a subclass of SkyRL's BasePPOExp on SkyRL's config, so the keys read as
+    SkyRL's; what its code changes is named, and one that does not train RL against a reference is refused."""
+    name = module.rsplit(".", 1)[-1]
+    if "sft" in name or "distill" in name:
+        raise ConfigError(f"{where} runs {module}, SkyRL's example of {'distillation' if 'distill' in name else 'SFT'}"
+                          f", not RL against a reference model: klgrpo explain reads SkyRL's RL trainers")
+    mapped.unmapped[f"-m {module}"] = ("the example's own entry module (a subclass of SkyRL's BasePPOExp): the keys "
+                                       "read as SkyRL's; what its code changes in the trainer (an extra penalty, a "
+                                       "custom loss or advantage) is not read")
+    if "async" in name:
+        mapped.off_policy = True
+        mapped.unmapped["trainer.fully_async.max_staleness_steps"] = (
+            "an asynchronous trainer: batches drawn by a policy up to that many updates old (older ones are kept, "
+            "with a warning), and SkyRL's KL loss is not weighted for it; klgrpo's rollout.max_staleness with "
+            "rollout.sampler_correction weights the KL term by pi / mu")
 
 
 def _unresolved_note(variable: str, default: Any, framework: str) -> str:
