@@ -128,6 +128,9 @@ EXPECTED = {
         "refused", None, "SkyRL's example of distillation"),
 }
 REFUSED_AT = {
+    # slime: a flag its release declares that another does not (klgrpo/apps/explain/slime_flags.json)
+    ("slime", "v0.2.4_scripts_run-gpt-oss-20B.sh"): ("slime==0.3.1", "--train-memory-margin-bytes is not a flag"),
+    ("slime", "v0.3.1_examples_geo3k_vlm_run_geo3k_qwen35.sh"): ("slime==0.1.0", "--multimodal-keys is not a flag"),
     ("prime_rl", "v0.3.0_configs_deepscaler_stage1.toml"): ("prime_rl==0.6.0", "inference_gpu_ids"),
     ("prime_rl", "v0.4.0_examples_wordle_rl.toml"): ("prime_rl==0.8.0", "inference_gpu_ids"),
     ("prime_rl", "v0.6.0_configs_hendrycks_math_rl.toml"): ("prime_rl==0.4.0", "orchestrator.group_size"),

@@ -52,6 +52,28 @@ def test_the_table_holds_every_release_read():
     assert rows[0]["defaults"]["kl-loss-type"] == "kl" and rows[1]["defaults"]["kl-loss-type"] == "k1"
 
 
+def test_the_flag_table_agrees_with_the_hand_read_one():
+    """slime_flags.json (generated from slime's argument files) against slime.json (read by hand): the releases
+    are the table's, and --use-unbiased-kl exists exactly where slime.json says unbiased_kl."""
+    import json
+
+    from klgrpo.apps.explain.slime import _flag_releases
+    from klgrpo.integrations.versions.clauses import parse_version
+
+    table = _flag_releases()
+    releases_read = list(table["read"])
+    assert releases_read == sorted(releases_read, key=parse_version) and len(releases_read) == 9
+    assert all(set(r) <= set(releases_read) and r == sorted(r, key=parse_version) for r in table["flags"].values())
+    rows = [r.release for r in releases("slime")]
+    for release in releases_read:
+        row = next(r for r in reversed(rows) if parse_version(r["from"]) <= parse_version(release))
+        assert (release in table["flags"]["use-unbiased-kl"]) == row["unbiased_kl"], release
+    for flag in ("use-kl-loss", "kl-loss-coef", "advantage-estimator", "n-samples-per-prompt"):
+        assert table["flags"][flag] == releases_read, flag  # slime's KL flags: every release
+    assert "lr" not in table["flags"] and not any(f.startswith("sglang-") for f in table["flags"])  # not its own
+    assert json.loads(json.dumps(table)) == table
+
+
 REAL = {
     # grpo, --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl: a KL term at 0, none
     "v0.2.0_run-qwen3-4B.sh": ("zero", "fixed at 0", {"beta0"}),
@@ -100,7 +122,7 @@ def test_the_unbiased_kl_by_release(tmp_path, capsys):
     assert report["gradient"]["token_on_policy"] == "reverse" and report["config"]["kl"]["is_correction"] == \
         "in_graph"
     assert main([str(tmp_path / "run.sh"), "--version", "slime==0.2.0"]) == 2
-    assert "--use-unbiased-kl is not a flag of slime >= 0.2.0, < 0.2.1" in capsys.readouterr().err
+    assert "--use-unbiased-kl is not a flag of slime 0.2.0 (slime 0.2.1 to 0.3.1 declare it)" in capsys.readouterr().err
 
 
 def test_top_p_is_replayed_from_0_3_1_and_top_k_never(tmp_path):

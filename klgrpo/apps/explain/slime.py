@@ -9,7 +9,10 @@ pi / pi_old in the graph; ``--kl-coef`` is the reward KL of REINFORCE++, and grp
 
 from __future__ import annotations
 
+import json
 import math
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from klgrpo.apps.explain.frameworks import Release, releases, table
@@ -29,6 +32,38 @@ READ = ("advantage-estimator", "use-kl-loss", "kl-loss-coef", "kl-coef", "kl-los
 #: Flags that change the objective and are not mapped: named when given.
 NOT_MAPPED = ("normalize-advantages", "use-tis", "custom-advantage-function-path", "custom-loss-function-path",
               "loss-type", "entropy-coef", "gamma", "use-rollout-logprobs", "eps-clip-c")
+
+
+@lru_cache(maxsize=None)
+def _flag_releases() -> dict[str, Any]:
+    """slime_flags.json (tools/slime_flags.py): each of slime's own flags -> the releases that declare it."""
+    return json.loads((Path(__file__).with_name("slime_flags.json")).read_text(encoding="utf-8"))
+
+
+def check_flags_at_releases(flags: list[str], clauses: list, origin: str) -> None:
+    """With ``--version`` clauses for slime: refused in one line where no slime release they allow declares every
+    slime flag the script passes (such a run stops at argparse's "unrecognized arguments"). Flags that are not
+    slime's own (Megatron's, SGLang's) are not judged; releases the table does not know are not judged."""
+    if not clauses:
+        return
+    from klgrpo.integrations.versions.clauses import specifier_set
+
+    table = _flag_releases()
+    allowed = [r for r in table["read"] if specifier_set(clauses).contains(r, prereleases=True)]
+    if not allowed:
+        return
+    own = [name for name in dict.fromkeys(flags) if name in table["flags"]]
+    for release in allowed:
+        if all(release in table["flags"][name] for name in own):
+            return
+    release = allowed[-1]
+    missing = next(name for name in own if release not in table["flags"][name])
+    having = table["flags"][missing]
+    span = having[0] if len(having) == 1 else f"{having[0]} to {having[-1]}"
+    from klgrpo.integrations.versions import NotInRange
+
+    raise NotInRange(f"{origin}: --{missing} is not a flag of slime {release} (slime {span} declare it): the run "
+                     f"would stop at its first line; pass the release you run, e.g. --version slime=={having[-1]}")
 
 
 def is_slime_command(arguments: list[str]) -> bool:

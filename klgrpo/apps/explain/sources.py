@@ -423,6 +423,8 @@ def _from_script(text: str, origin: str, source: str | None, line: int | None,
         return command.framework, table_variants("skyrl_train", where, versions,
                                                  lambda release: _skyrl_from_script(command, where, release))
     if command.framework == "slime":
+        slime.check_flags_at_releases([a[2:].split("=", 1)[0] for a in command.arguments if a.startswith("--")],
+                                      (versions or {}).get("slime", []), where)
         return command.framework, table_variants("slime", where, versions,
                                                  lambda release: _slime_from_script(command, where, release))
     mapper = _verl_from_script if command.framework == "verl" else _openrlhf_from_script
