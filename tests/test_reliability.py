@@ -564,8 +564,10 @@ def test_a_checkpoint_missing_weights_is_refused_and_the_older_one_used(tiny_mod
     for name, p in trainer.model.named_parameters():
         if name in expected:
             assert torch.equal(p.detach(), expected[name]), name
+    # the resume kept it aside (checkpoints/damaged_step_2), and it is still refused when named
+    assert not (run / "checkpoints" / "step_2").exists()
     with pytest.raises(KLGRPOError, match="lacks .* weights"):
-        GRPOTrainer(cfg.override({"train.steps": 3}), log=quiet).resume(str(run / "checkpoints" / "step_2"))
+        GRPOTrainer(cfg.override({"train.steps": 3}), log=quiet).resume(str(run / "checkpoints" / "damaged_step_2"))
 
 
 def test_resume_refuses_a_run_without_config_yaml_and_a_finished_run(tiny_model_dir, addition_file, tmp_path,

@@ -17,13 +17,14 @@ import torch
 
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.config.terms import run_horizon
+from klgrpo.errors import warn
 from klgrpo.run.evaluation import evaluate_sets
 from klgrpo.run.kl_watch import EntropyWatch, KLWatch, SamplerWatch
 from klgrpo.run.metrics import MetricsLogger
 from klgrpo.run.runaway import ROLLED_BACK, STOPPED, KLReach, RunawayGuard
 from klgrpo.run.tally import StepTally
 from klgrpo.store.checkpoint import LINEAGE_KEY, checkpoint_writer, is_sharded, step_folder
-from klgrpo.store.resume import load_resumable_checkpoint
+from klgrpo.store.resume import load_resumable_checkpoint, set_aside
 from klgrpo.store.run_folder import SUMMARY_FILE, open_run_folder, resolve_auto_resume
 from klgrpo.train import metric_names as names
 from klgrpo.train.building import base_model_path
@@ -272,14 +273,22 @@ class TrainingRun:
     def resume(self, resume: str) -> None:
         """Continue from ``resume`` ("latest": the newest checkpoint that loads; a corrupt newest one is named and
         skipped for an older one)."""
-        ckpt = self.load_checkpoint(resume)
+        ckpt, damaged = self._load_resumable(resume)
+        if damaged:  # every rank has read what it needs before rank 0 renames anything
+            self.dist.barrier()
+            for moved in set_aside(damaged) if self.dist.is_main else ():
+                warn(f"kept the checkpoint that did not load as {moved}: the steps after {ckpt.name} are trained "
+                     f"again and write their own")
         self.log(f"resumed from {ckpt} at step {self.grpo_step.completed}")
 
     def load_checkpoint(self, checkpoint: str | Path) -> Path:
         """The step's state and the run's own from ``checkpoint`` ("latest", or one folder of this run's, whose
         checksums must hold: store/resume.py); returns the folder loaded."""
-        ckpt, _ = load_resumable_checkpoint(self.run_dir, str(checkpoint), load=self._load)
-        return ckpt
+        return self._load_resumable(checkpoint)[0]
+
+    def _load_resumable(self, checkpoint: str | Path) -> tuple[Path, list[Path]]:
+        ckpt, _, damaged = load_resumable_checkpoint(self.run_dir, str(checkpoint), load=self._load)
+        return ckpt, damaged
 
     def _load(self, folder: Path) -> dict[str, Any]:
         state = self.grpo_step.load(folder)
