@@ -422,6 +422,22 @@ def test_a_version_spec_no_file_can_be_named_by_is_one_line(tmp_path, capsys, sp
     assert len(err) < 400 and "--version trl==" in err, err
 
 
+@pytest.mark.parametrize("spec, said", [
+    ("trl==\uff10.\uff11\uff18", "--version 'trl==\uff10.\uff11\uff18': version '\uff10.\uff11\uff18' is no release number"),
+    ("trl>=", "--version 'trl>=': version '' is no release number"),
+    ("trl==0.5", "--version trl==0.5 is outside every TRL release range klgrpo knows (0.14.0 and later"),
+    ("{nul}", "--version {nul}: is a binary file: pass a project file that pins the release"),
+])
+def test_a_version_spec_that_is_no_release_is_said_as_the_versions(tmp_path, capsys, spec, said):
+    """Full-width digits, an empty version, a release older than every table row, a binary file: each line
+    names --version (and is no verdict on another release)."""
+    (tmp_path / "train.py").write_text(TRL_SCRIPT)
+    (tmp_path / "req.txt").write_bytes(b"trl==0.18\x00\n")
+    spec, said = (x.replace("{nul}", str(tmp_path / "req.txt")) for x in (spec, said))
+    err = _one_line_refusal(capsys, [str(tmp_path / "train.py"), "--version", spec])
+    assert said in err, err
+
+
 def _notebook(path, *cells):
     path.write_text(json.dumps({"cells": list(cells), "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     return str(path)

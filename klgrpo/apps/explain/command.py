@@ -191,12 +191,22 @@ def _stated_by(option: str) -> dict[str, Any]:
             raise ConfigError(f"--version {option[:40]}... is {len(option)} characters and names no file: pass a "
                               "release spec of a few clauses (e.g. --version trl==0.18 or 'unsloth==2025.9.1;"
                               "trl==0.22') or a file that pins it (setup.py, requirements.txt)")
-        rest, own = split_option(option)
-        clauses = {**(parse_option(rest) if rest else {}), **own}
+        try:
+            rest, own = split_option(option)
+            clauses = {**(parse_option(rest) if rest else {}), **own}
+        except ConfigError as exc:  # a clause's own complaint, said as --version's
+            text = str(exc)
+            raise ConfigError(text if text.startswith("--version") else f"--version {option!r}: {text}") from None
         for framework, said in clauses.items():
             _check_satisfiable(option, framework, said)
         return clauses
-    found = stated_in(read_text(option)[0])
+    try:
+        text = read_text(option)[0]
+    except ConfigError as exc:  # its reason, not what explain's input files may be
+        reason = str(exc).split(";")[0].removeprefix(f"{option}:").strip()
+        raise ConfigError(f"--version {option}: {reason}: pass a project file that pins the release (setup.py, "
+                          "pyproject.toml, requirements.txt) or a spec such as trl==0.18") from None
+    found = stated_in(text)
     if not found:
         raise ConfigError(f"--version {option}: the file pins no TRL, Unsloth, verl or OpenRLHF release (trl==X, "
                           "verl==X, trl @ git+...@TAG or a commit explain knows); pass --version trl==X")

@@ -57,6 +57,8 @@ from klgrpo.integrations.versions import (
     newest,
     outside_every_range,
     profiles,
+    release_label,
+    trl_profiles,
     unsloth_config_fields,
 )
 
@@ -260,7 +262,12 @@ def trl_variants(data: dict, origin: str, kind: str, versions: dict[str, list[Co
         candidates: list[TRLRange | None] = [None]
     else:
         framework = "unsloth" if kind == "unsloth" else "trl"
-        # the newest first; clauses that contradict each other: every range
+        if versions.get("trl") and not profiles("trl", versions):  # a TRL release no range of the table holds
+            first = release_label(trl_profiles()[0].low)
+            raise ConfigError(f"{origin}: --version trl{','.join(map(str, versions['trl']))} is outside every TRL "
+                              f"release range klgrpo knows ({first} and later, klgrpo/integrations/versions/"
+                              f"trl.json); pass --version trl==X with a release from {first} on")
+        # the newest first; Unsloth clauses that contradict the TRL ones: every range
         candidates = list(reversed(profiles(framework, versions) or profiles(framework, {})))
     out: list[Variant] = []
     missing: list[NotInRange] = []
