@@ -423,7 +423,8 @@ def test_a_version_spec_no_file_can_be_named_by_is_one_line(tmp_path, capsys, sp
 
 
 @pytest.mark.parametrize("spec, said", [
-    ("trl==\uff10.\uff11\uff18", "--version 'trl==\uff10.\uff11\uff18': version '\uff10.\uff11\uff18' is no release number"),
+    ("trl==\uff10.\uff11\uff18",
+     "--version 'trl==\uff10.\uff11\uff18': version '\uff10.\uff11\uff18' is no release number"),
     ("trl>=", "--version 'trl>=': version '' is no release number"),
     ("trl==0.5", "--version trl==0.5 is outside every TRL release range klgrpo knows (0.14.0 and later"),
     ("{nul}", "--version {nul}: is a binary file: pass a project file that pins the release"),

@@ -212,6 +212,8 @@ def _bound(text: str, name: str) -> float | None:
     return value
 
 
+#: the largest train.steps: torch counts steps in 64-bit integers
+MAX_STEPS = 2**63 - 1
 #: the samplers a generation process of its own can run (rollout.max_staleness > 0)
 PIPELINED_SAMPLERS = ("auto", "kv_loop", "generate")
 
@@ -379,6 +381,9 @@ def check_finite_and_ranges(cfg: GRPOConfig) -> None:
     seed = cfg.train.seed
     need(isinstance(seed, int) and 0 <= seed <= 2**32 - 1,
          f"train.seed must be an integer in [0, 4294967295] (numpy's seed range), got {seed!r}")
+    # a step count is a 64-bit integer to torch (the scheduler's, the checkpoint's tensors): a larger one is a typo
+    need(cfg.train.steps <= MAX_STEPS, f"train.steps must be at most {MAX_STEPS} (a 64-bit count), got "
+                                       f"{cfg.train.steps}: give the number of optimizer steps to run")
     k = cfg.kl
     check_report_to(active_trackers(cfg))
     need(not (k.warn_above > 0 and k.warn_below >= k.warn_above),

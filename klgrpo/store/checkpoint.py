@@ -234,8 +234,8 @@ def verify_checksums(checkpoint: Path) -> None:
         if not path.is_file():
             raise StateFileError(f"{path} is missing (it is listed in {STATE_FILE})")
         if file_sha256(path) != digest:
-            raise StateFileError(f"{path} cannot be read as saved: its sha256 differs from the one in {STATE_FILE} "
-                                 f"(a disk error, a cut copy or an edit)")
+            raise StateFileError(f"{path} cannot be read as saved: its sha256 checksum differs from the one in "
+                                 f"{STATE_FILE} (a disk error, a cut copy or an edit)")
     unlisted = [p for p in _weights_files(checkpoint) if p.relative_to(checkpoint).as_posix() not in sums]
     if unlisted:
         raise StateFileError(f"{unlisted[0]} is not listed in {STATE_FILE} (it was not saved with the checkpoint)")

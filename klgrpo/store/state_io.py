@@ -156,8 +156,8 @@ def load_state(folder: Path, stem: str) -> Any:
     if token != data.get("token"):
         raise StateFileError(f"{weights} and {doc} were not written together (a save was cut short)")
     if "sha256" in data and file_sha256(weights) != data["sha256"]:
-        raise StateFileError(f"{weights} cannot be read as saved: its sha256 differs from the one in {doc.name} "
-                             f"(a disk error, a cut copy or an edit)")
+        raise StateFileError(f"{weights} cannot be read as saved: its sha256 checksum differs from the one in "
+                             f"{doc.name} (a disk error, a cut copy or an edit)")
     try:
         return _decode(data["tree"], tensors, doc)
     except RecursionError:
