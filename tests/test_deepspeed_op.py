@@ -115,7 +115,7 @@ def test_a_deepspeed_launch_on_the_cpu_builds_the_op_before_accelerate_starts(mo
     import torch
 
     from klgrpo.train import deepspeed_op
-    from klgrpo.train.engine import Engine
+    from klgrpo.train.engine import start_engine
 
     def over_budget(**_):
         raise OpBuildError("DeepSpeed's shared-memory op did not compile within 2 s")
@@ -124,4 +124,4 @@ def test_a_deepspeed_launch_on_the_cpu_builds_the_op_before_accelerate_starts(mo
     monkeypatch.setattr(deepspeed_op, "ensure_shm_op", over_budget)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(OpBuildError, match="did not compile within 2 s"):
-        Engine()
+        start_engine()

@@ -8,7 +8,7 @@ import torch
 
 from klgrpo.config.schema import GRPOConfig
 from klgrpo.errors import ConfigError
-from klgrpo.train.engine import Engine
+from klgrpo.train.engine import Engine, FSDP2Engine, start_engine
 
 
 def test_one_process_is_plain_torch():
@@ -16,7 +16,8 @@ def test_one_process_is_plain_torch():
     model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     twin.load_state_dict(model.state_dict())
     opt, twin_opt = torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.AdamW(twin.parameters(), lr=0.1)
-    engine = Engine()
+    engine = start_engine()  # no launcher: one plain process
+    assert type(engine) is Engine
     assert (engine.kind, engine.world_size, engine.shards_parameters) == ("single", 1, False)
     assert engine.prepare(model, opt) == (model, opt)
     x = torch.randn(5, 4)
@@ -37,8 +38,8 @@ def test_one_process_is_plain_torch():
 
 
 def test_sharded_engine_refuses_compile_and_takes_reference_sync():
-    engine = Engine()
-    engine.kind = "fsdp2"  # what `accelerate launch --config_file examples/accelerate/fsdp2.yaml` selects
+    # what `accelerate launch --config_file examples/accelerate/fsdp2.yaml` selects
+    engine = FSDP2Engine(accelerator=None)
     engine.check(GRPOConfig.from_dict({"kl": {"sync_every": 10}}))  # checkpointed (tests/test_distributed.py)
     with pytest.raises(ConfigError, match="train.compile with fsdp2"):
         engine.check(GRPOConfig.from_dict({"train": {"compile": True}}))

@@ -49,7 +49,7 @@ def test_threads_and_seeds():
 
 @pytest.mark.parametrize("override, words", [
     ({"train.num_iterations": 2}, "train.num_iterations 2"),
-    ({"rollout.sampler": "vllm_server"}, "rollout.sampler vllm_server"),
+    ({"rollout.sampler": "vllm"}, "rollout.sampler vllm does not draw ahead"),
     ({"rollout.max_staleness": 0, "rollout.generation_threads": 2}, "rollout.generation_threads is set"),
 ])
 def test_settings_it_cannot_run_are_refused_in_one_line(tiny_model_dir, addition_file, tmp_path, override, words):
@@ -242,3 +242,54 @@ def test_a_rollback_in_memory_replays_the_same_batches(tiny_model_dir, addition_
         step.close()
     strip = (lambda rows: [{k: v for k, v in r.items() if not k.startswith(DROP)} for r in rows])
     assert strip(first) == strip(again) and first[-1]["grad_norm"] > 0
+
+
+def test_the_server_pipeline_sends_each_version_once_before_its_batches(tiny_model_dir, monkeypatch):
+    """vllm_server's thread, against a client that records its calls: version 0 sent once before batches 0 and 1,
+    version 1 before batch 2, each from the copy taken when the batch was issued (not the live weights), and each
+    request seeded from (train.seed, batch)."""
+    from transformers import AutoModelForCausalLM
+
+    from klgrpo.backends import vllm_server
+    from klgrpo.backends.sampling import SamplingParams
+    from klgrpo.backends.weights import named_whole_weights
+    from klgrpo.core.rollout import EncodedPrompts
+    from klgrpo.train.pipeline import ServerPipeline, shared_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    calls = []
+
+    def sync(self, frozen, version=0):
+        calls.append(("sync", version, {n: t.clone() for n, t in named_whole_weights(frozen)}))
+        return True
+
+    def generate(self, ids, mask, params, pad_id, eos_ids, vocab=None, seed=None):
+        calls.append(("generate", seed))
+        rows = ids.shape[0] * params.group_size
+        return torch.ones(rows, 2, dtype=torch.long), torch.full((rows, 2), -0.5)
+
+    monkeypatch.setattr(vllm_server.ServerClient, "sync", sync)
+    monkeypatch.setattr(vllm_server.ServerClient, "generate", generate)
+    sampler = vllm_server.VLLMServerSampler("http://127.0.0.1:9", timeout_s=5)
+    pipeline = ServerPipeline(model, sampler, seed=3)
+    encoded = EncodedPrompts(prompts=["a"], ids=torch.ones(1, 3, dtype=torch.long), mask=torch.ones(1, 3),
+                             eos_ids=[2], pad_id=0)
+    params = SamplingParams(group_size=2, max_new_tokens=2)
+    try:
+        start = {n: t.clone() for n, t in shared_weights(model).items()}
+        for index, version in ((0, 0), (1, 0)):
+            pipeline.submit(index, encoded, params, version, lambda: shared_weights(model))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the live weights move on: what was sent for version 0 must not
+        pipeline.submit(2, encoded, params, 1, lambda: shared_weights(model))
+        drawn = [pipeline.result(i)[0] for i in range(3)]
+    finally:
+        pipeline.close()
+    assert [c[:2] for c in calls] == [("sync", 0), ("generate", batch_seed(3, 0) % 2 ** 31),
+                                      ("generate", batch_seed(3, 1) % 2 ** 31), ("sync", 1),
+                                      ("generate", batch_seed(3, 2) % 2 ** 31)]
+    assert all(torch.equal(calls[0][2][n], start[n]) for n in start)
+    assert all(torch.equal(calls[3][2][n], start[n] + 1.0) for n in start)
+    assert [d.weights_version for d in drawn] == [0, 0, 1]
+

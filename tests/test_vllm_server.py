@@ -171,6 +171,40 @@ def test_sampler_logprobs_are_the_trainers_after_each_reload(server, tmp_path, m
     assert all(r[m.SAMPLER_LOGP_DIFF_MAX] > 10 * LOGP_ATOL for r in stale[1:])
 
 
+def test_batches_drawn_ahead_on_the_server_come_from_the_weights_one_update_back(server, tmp_path, model_dir,
+                                                                                addition_file):
+    """rollout.max_staleness 1 through the server: batches 0 and 1 from the starting weights, batch t from those
+    after t - 1 updates (sent from the copy taken when it was issued), while the trainer updated; the server's
+    log-probs of each batch are the trainer's at exactly those weights, and not at the current ones."""
+    import copy
+
+    from klgrpo.core.forward import completion_logprobs
+
+    cfg = _config(tmp_path, model_dir, addition_file, "ahead", server[1], steps=4, max_staleness=1,
+                  sampler_correction="token_mask")
+    trainer = GRPOTrainer(cfg, log=quiet)
+    step = trainer.grpo_step
+    weights, batches, make, update = [], [], step.make_batch, step.update
+    step.make_batch = lambda: batches.append(make()) or batches[-1]
+    step.update = lambda batch, dump_kl=None: (weights.append(copy.deepcopy(step.model.state_dict())),
+                                               update(batch, dump_kl))[1]
+    trainer.train()
+    probe = copy.deepcopy(step.model)
+    for t, batch in enumerate(batches):
+        rollout, mask = batch.rollout, batch.rollout.completion_mask
+
+        def diff(state):
+            probe.load_state_dict(state)
+            with torch.no_grad():
+                return ((completion_logprobs(probe, rollout, 1.0)[0] - rollout.sampler_logp).abs() * mask).max()
+
+        assert diff(weights[max(0, t - 1)]) < LOGP_ATOL, t
+        if t >= 2:
+            assert diff(weights[t]) > 10 * LOGP_ATOL, t
+    rows = read_metrics(tmp_path / "ahead")
+    assert [r[m.ROLLOUT_STALENESS_MEAN] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_a_server_killed_mid_run_ends_in_one_line_with_the_last_checkpoint_loadable(
         server, tmp_path, model_dir, addition_file, monkeypatch):
     """Runs last: it kills the module's server, at the third rollout (steps 1 and 2 done and saved)."""

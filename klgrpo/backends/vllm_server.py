@@ -375,9 +375,12 @@ class ServerClient:
             self._nccl.update_named_params(announced, named_whole_weights(model))
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params, pad_id: int, eos_ids: list[int],
-                 vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
+                 vocab_size: int | None = None, seed: int | None = None) -> tuple[Tensor, Tensor]:
+        """(completion ids, their log-probs) of the prompts; ``seed`` the request's (None: drawn from the run's
+        torch generator, so a resume draws the same)."""
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # from the run's generator: a resume draws the same
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))
         body = {"model": self.model_name, "prompt": prompts, "n": params.group_size,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "min_p": params.min_p, "max_tokens": params.max_new_tokens, "logprobs": 0, "return_token_ids": True,

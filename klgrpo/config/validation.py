@@ -215,7 +215,7 @@ def _bound(text: str, name: str) -> float | None:
 #: the largest train.steps: torch counts steps in 64-bit integers
 MAX_STEPS = 2**63 - 1
 #: the samplers a generation process of its own can run (rollout.max_staleness > 0)
-PIPELINED_SAMPLERS = ("auto", "kv_loop", "generate")
+PIPELINED_SAMPLERS = ("auto", "kv_loop", "generate", "vllm_server")
 
 
 def _check_staleness(r, t) -> None:
@@ -229,8 +229,8 @@ def _check_staleness(r, t) -> None:
          f"rollout.max_staleness {r.max_staleness} with train.num_iterations {t.num_iterations}: generating ahead "
          f"draws one batch per update; set train.num_iterations 1 or rollout.max_staleness 0")
     need(r.sampler in PIPELINED_SAMPLERS,
-         f"rollout.max_staleness {r.max_staleness}: rollout.sampler {r.sampler} does not run in a generation process "
-         f"of klgrpo's; use rollout.sampler kv_loop or generate, or rollout.max_staleness 0")
+         f"rollout.max_staleness {r.max_staleness}: rollout.sampler {r.sampler} does not draw ahead; use "
+         f"rollout.sampler kv_loop, generate or vllm_server, or rollout.max_staleness 0")
 
 
 def _check_old_logprobs(r, dtype: str) -> None:

@@ -20,7 +20,7 @@ from klgrpo.run.evaluation import load_eval_sets
 from klgrpo.run.loop import TrainingRun
 from klgrpo.train.building import run_dir_for, seed_everything
 from klgrpo.train.distributed import Distributed
-from klgrpo.train.engine import Engine
+from klgrpo.train.engine import start_engine
 from klgrpo.train.step import GRPOStep
 from klgrpo.train.step_build import GivenParts, build_step
 
@@ -44,7 +44,7 @@ class GRPOTrainer:
         if cfg.train.torch_threads:
             torch.set_num_threads(cfg.train.torch_threads)
         self.dist = Distributed(cfg.train.dist_timeout_s)
-        self.engine = Engine()  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
+        self.engine = start_engine()  # DDP / FSDP2 / DeepSpeed from `accelerate launch`, or nothing
         self.engine.check(cfg)
         if cfg.rollout.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "

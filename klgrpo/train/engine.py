@@ -1,10 +1,11 @@
 """Model and optimizer preparation on accelerate: DDP, FSDP2 or DeepSpeed ZeRO, chosen by ``accelerate launch``.
 
-One plain process (no launcher) prepares nothing: the model, optimizer and backward are torch's own. Under a
-launcher ``Engine`` builds one ``accelerate.Accelerator`` from the launcher's environment (the config file's
-``distributed_type``, ``fsdp_config``, ``deepspeed_config``) and routes through it: ``prepare`` (wrap / shard
-model and optimizer), ``backward``, ``step`` (clip + optimizer step), the full state dict for checkpoints and
-the full weights for sampling.
+One plain process (no launcher) prepares nothing: ``Engine``'s model, optimizer and backward are torch's own. Under
+a launcher ``start_engine`` builds one ``accelerate.Accelerator`` from the launcher's environment (the config
+file's ``distributed_type``, ``fsdp_config``, ``deepspeed_config``) and the engine of that kind (``DDPEngine``,
+``FSDP2Engine``, ``DeepSpeedEngine``: each overrides what it does differently) routes through it: ``prepare``
+(wrap / shard model and optimizer), ``backward``, ``step`` (clip + optimizer step), the full state dict for
+checkpoints and the full weights for sampling.
 
 Gradients are SUMMED across ranks, not averaged: each rank's loss is already normalised by the global token /
 sequence counts, so the single-process gradient is the sum of the ranks' gradients. DDP, FSDP2's
@@ -48,107 +49,69 @@ def launched_by_accelerate() -> bool:
             or _env_flag("ACCELERATE_USE_DEEPSPEED"))
 
 
+def start_engine() -> "Engine":
+    """The engine of this process: one of ``accelerate launch``'s (its environment says which), else one plain
+    process's."""
+    return _accelerated_engine() if launched_by_accelerate() else Engine()
+
+
+def _accelerated_engine() -> "Engine":
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from klgrpo.train.deepspeed_config import check_deepspeed_settings
+
+    check_deepspeed_settings()  # every process alike, before a process group exists: no rank left waiting
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and _env_flag("ACCELERATE_USE_DEEPSPEED"):  # its process group compiles a C++ op on first use
+        from klgrpo.train.deepspeed_op import ensure_shm_op
+
+        ensure_shm_op(log=lambda line: print(line, file=sys.stderr, flush=True))
+    acc = Accelerator(cpu=on_cpu)
+    if acc.distributed_type == DistributedType.MULTI_CPU:
+        _restore_cpu_engine(acc)
+    kind = acc.distributed_type
+    if kind == DistributedType.FSDP:
+        if acc.state.fsdp_plugin.fsdp_version != 2:
+            raise ConfigError("the accelerate config's fsdp_config.fsdp_version is 1; klgrpo supports FSDP2 "
+                              "only: set fsdp_version: 2 (see examples/accelerate/fsdp2.yaml)")
+        return FSDP2Engine(acc)
+    if kind == DistributedType.DEEPSPEED:
+        return DeepSpeedEngine(acc)
+    return Engine() if kind == DistributedType.NO else DDPEngine(acc)
+
+
 class Engine:
-    """Which engine runs (``kind``: single, ddp, fsdp2, deepspeed) and the calls that differ between them."""
+    """One plain process: the model, optimizer and backward are torch's own. Each engine of a launcher is a
+    subclass (``DDPEngine``, ``FSDP2Engine``, ``DeepSpeedEngine``) that overrides the calls it does differently;
+    ``kind`` names it in messages."""
 
-    def __init__(self):
-        self.accelerator = None
-        self.kind = "single"
-        self._ds_engine = None
-        if launched_by_accelerate():
-            self._start_accelerator()
+    kind = "single"
+    #: Parameters live in shards (FSDP2, ZeRO-3): a forward needs every rank, and klgrpo's fast path, which reads
+    #: the weights directly, cannot run on them outside ``full_weights``.
+    shards_parameters = False
+    #: The loss forward must go through the engine's module (its hooks gather shards or reduce gradients), so
+    #: klgrpo's log-prob fast path, which reads the weights directly, is off for it (and for a sharded reference);
+    #: sampling runs inside ``full_weights``. (DDP's wrapper hides the model, so the capability check
+    #: ``teacher_forcing_model`` already refuses it.)
+    fast_path_outside_loss_only = False
+    zero_stage = 0
 
-    # ------------------------------------------------------------------------------------------ set-up
-    def _start_accelerator(self) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedType
-
-        from klgrpo.train.deepspeed_config import check_deepspeed_settings
-
-        check_deepspeed_settings()  # every process alike, before a process group exists: no rank left waiting
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu and _env_flag("ACCELERATE_USE_DEEPSPEED"):  # its process group compiles a C++ op on first use
-            from klgrpo.train.deepspeed_op import ensure_shm_op
-
-            ensure_shm_op(log=lambda line: print(line, file=sys.stderr, flush=True))
-        acc = Accelerator(cpu=on_cpu)
-        if acc.distributed_type == DistributedType.MULTI_CPU:
-            _restore_cpu_engine(acc)
-        self.accelerator = acc
-        kind = acc.distributed_type
-        if kind == DistributedType.FSDP:
-            if acc.state.fsdp_plugin.fsdp_version != 2:
-                raise ConfigError("the accelerate config's fsdp_config.fsdp_version is 1; klgrpo supports FSDP2 "
-                                  "only: set fsdp_version: 2 (see examples/accelerate/fsdp2.yaml)")
-            self.kind = "fsdp2"
-        elif kind == DistributedType.DEEPSPEED:
-            self.kind = "deepspeed"
-        elif kind == DistributedType.NO:
-            self.kind = "single"
-        else:
-            self.kind = "ddp"
+    def __init__(self, accelerator=None):
+        self.accelerator = accelerator
 
     @property
     def world_size(self) -> int:
-        return self.accelerator.num_processes if self.accelerator is not None else 1
-
-    @property
-    def zero_stage(self) -> int:
-        if self.kind != "deepspeed":
-            return 0
-        return int(self.accelerator.state.deepspeed_plugin.zero_stage)
-
-    @property
-    def shards_parameters(self) -> bool:
-        """Parameters live in shards (FSDP2, ZeRO-3): a forward needs every rank, and klgrpo's fast path, which
-        reads the weights directly, cannot run on them outside ``full_weights``."""
-        return self.kind == "fsdp2" or self.zero_stage == 3
-
-    @property
-    def fast_path_outside_loss_only(self) -> bool:
-        """The loss forward must go through the engine's module (its hooks gather shards or reduce gradients), so
-        klgrpo's log-prob fast path, which reads the weights directly, is off for it (and for a sharded reference);
-        sampling runs inside ``full_weights``. (DDP's wrapper hides the model, so the capability check
-        ``teacher_forcing_model`` already refuses it.)"""
-        return self.shards_parameters or self.kind == "deepspeed"
+        return 1
 
     def check(self, cfg) -> None:
         """Settings this engine cannot honour, as one line each."""
-        if self.zero_stage == 3 and cfg.kl.sync_every:
-            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with DeepSpeed ZeRO-3: the reference's synced "
-                              "weights cannot be checkpointed; set kl.sync_every: 0 or use "
-                              "examples/accelerate/fsdp2.yaml")
-        if self.kind == "deepspeed" and cfg.train.sharded_checkpoints:
-            raise ConfigError("train.sharded_checkpoints with DeepSpeed: not supported; set "
-                              "train.sharded_checkpoints: false")
-        if self.kind != "single" and cfg.train.compile:
-            raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
-        if self.kind == "deepspeed":
-            if cfg.kl.replay.coef > 0:
-                raise ConfigError("kl.replay with DeepSpeed is not supported; set kl.replay.coef: 0 or use "
-                                  "examples/accelerate/fsdp2.yaml")
-            self._configure_deepspeed(cfg)
-
-    def _configure_deepspeed(self, cfg) -> None:
-        """klgrpo's settings win over the DeepSpeed config's: clipping (DeepSpeed clips, not klgrpo), and the
-        batch-size fields DeepSpeed insists on although klgrpo feeds it no data loader."""
-        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["gradient_clipping"] = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else 0.0
-        ds["gradient_accumulation_steps"] = 1
-        ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size or cfg.rollout.group_size
-        ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * self.world_size
-        ds["zero_allow_untested_optimizer"] = True  # klgrpo's torch AdamW
 
     # --------------------------------------------------------------------------------------- preparing
     def prepare(self, model, optimizer):
         """(what the loss's forward runs, the optimizer to step). ``model`` stays the module itself for
         sampling, evaluation and checkpoints: FSDP2 shards it in place, DDP and DeepSpeed wrap it."""
-        if self.kind == "single":
-            return model, optimizer
-        wrapped, optimizer = self.accelerator.prepare(model, optimizer)
-        if self.kind == "deepspeed":
-            self._ds_engine = wrapped
-        return wrapped, optimizer
+        return model, optimizer
 
     def prepare_reference(self, reference) -> None:
         """A frozen copy is sharded like the policy under FSDP2 / ZeRO-3 (a full copy per rank otherwise); the
@@ -158,18 +121,226 @@ class Engine:
         if not self.shards_parameters or reference is None:
             return
         reference.fast_path = False  # its forward must run the sharded module's hooks (also the LoRA policy's)
-        if not isinstance(reference, FrozenCopyReference):
-            return
-        model = reference.model
-        if self.kind == "fsdp2":
-            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+        if isinstance(reference, FrozenCopyReference):
+            reference.model = reference.forward_model = self._shard_frozen(reference.model)
 
-            model = fsdp2_prepare_model(self.accelerator, model)  # in place; no optimizer to remap
-        else:
-            model = self._deepspeed_inference_engine(model)
-        reference.model = reference.forward_model = model
+    def _shard_frozen(self, model):
+        """A frozen model (the reference) sharded as the policy is."""
+        return model
 
-    def _deepspeed_inference_engine(self, model):
+    def sync_reference(self, reference, model, alpha: float) -> None:
+        """kl.sync_every's ``reference.sync(model, alpha)``."""
+        reference.sync(model, alpha)
+
+    # ------------------------------------------------------------------------------------------ a step
+    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False, last: bool = True) -> None:
+        """loss.backward() leaving the SUM over ranks of each rank's gradient in .grad (see the module doc);
+        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once. ``last``:
+        no other backward follows before ``step`` (DeepSpeed reduces the accumulated gradients only then)."""
+        loss.backward()
+
+    def step(self, model, optimizer, max_norm: float, allow=None) -> tuple[Tensor, bool]:
+        """Clip the gradient to ``max_norm`` (inf: measure only) and step, unless ``allow(norm)`` is False (the
+        trainer's guard against a non-finite step). Returns the gradient norm before clipping (the same number
+        on every rank) and whether the optimizer stepped."""
+        norm = self._clip(model, max_norm)
+        if allow is not None and not allow(norm):
+            return norm, False
+        optimizer.step()
+        return norm, True
+
+    def _clip(self, model, max_norm: float) -> Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    @contextmanager
+    def full_weights(self, model):
+        """Every rank enters: inside, ``model`` holds its full weights as ordinary tensors and its forward runs
+        no collective, so ranks may sample prompts of different lengths for different numbers of steps (and
+        rank 0 alone may evaluate)."""
+        yield model
+
+    def whole_weights(self, model) -> Iterator[tuple[str, Tensor]]:
+        """Every rank iterates it in step: the policy's (name, whole tensor) one parameter gathered at a time, for
+        a sampler that holds its own copy of the weights (vLLM): the whole model is never gathered on a rank."""
+        return named_whole_weights(model)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def full_state_dict(self, model) -> dict[str, Tensor] | None:
+        """Every rank calls this. The full (unsharded) state dict for rank 0's save_pretrained, or None where
+        the module's own state dict is already full (one process, DDP)."""
+        return None
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        """Every rank calls this. The optimizer state in the single-process layout (full tensors, parameters
+        numbered in order), so a checkpoint resumes on any number of processes."""
+        return getattr(optimizer, "optimizer", optimizer).state_dict()
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        """The inverse of ``optimizer_state_dict`` (each rank keeps its shard of every full tensor)."""
+        getattr(optimizer, "optimizer", optimizer).load_state_dict(state)
+
+    def save_sharded(self, folder: Path, model, optimizer) -> None:
+        save_sharded(folder, model, optimizer)
+
+    def load_sharded(self, folder: Path, model, optimizer) -> None:
+        load_sharded(folder, model, optimizer)
+
+    def load_adapter(self, model, ckpt: Path) -> None:
+        """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
+        from klgrpo.backends.lora import load_adapter_weights
+
+        load_adapter_weights(model, ckpt)
+
+    def load_model_file(self, model, path: Path, device) -> None:
+        """Load a full safetensors state dict into ``model``: every weight must be in the file, except the second
+        name of a tied weight (save_pretrained writes it once); a missing or unknown name is a ConfigError."""
+        from safetensors.torch import load_file
+
+        weights = load_file(str(path), device=str(device))
+        check_weight_names(model, weights.keys(), path, fix="resume from an intact checkpoint of this run")
+        self._load_full_state(model, weights)
+
+    def _load_full_state(self, model, weights: dict[str, Tensor]) -> None:
+        model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked by the caller)
+
+
+class _LaunchedEngine(Engine):
+    """An engine of ``accelerate launch``: one ``accelerate.Accelerator`` built from the launcher's environment,
+    through which the model and optimizer are prepared, the loss backpropagated and the gradient clipped."""
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    def check(self, cfg) -> None:
+        if cfg.train.compile:
+            raise ConfigError(f"train.compile with {self.kind}: not supported; set train.compile: false")
+
+    def prepare(self, model, optimizer):
+        return self.accelerator.prepare(model, optimizer)
+
+    def backward(self, loss: Tensor, *, same_on_every_rank: bool = False, last: bool = True) -> None:
+        self.accelerator.backward(loss * (1.0 if same_on_every_rank else float(self.world_size)))
+
+    def _clip(self, model, max_norm: float) -> Tensor:
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+class DDPEngine(_LaunchedEngine):
+    """DistributedDataParallel: every rank holds the whole model; DDP averages the gradients."""
+
+    kind = "ddp"
+
+
+class FSDP2Engine(_LaunchedEngine):
+    """FSDP2 (torch's ``fully_shard``, through accelerate): parameters, gradients and AdamW moments in shards."""
+
+    kind = "fsdp2"
+    shards_parameters = True
+    fast_path_outside_loss_only = True
+
+    def _shard_frozen(self, model):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(self.accelerator, model)  # in place; no optimizer to remap
+
+    def sync_reference(self, reference, model, alpha: float) -> None:
+        """Both models resharded first (a unit kept gathered after its forward holds full tensors where the other
+        holds shards), then each rank mixes its own shards, which are laid out alike."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in (model, getattr(reference, "model", model)):
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
+        reference.sync(model, alpha)
+
+    @contextmanager
+    def full_weights(self, model):
+        """Each FSDP unit unsharded, with resharding after forward off."""
+        with _fsdp2_unsharded(model):
+            yield model
+
+    def whole_weights(self, model) -> Iterator[tuple[str, Tensor]]:
+        return named_whole_weights(model, _whole_dtensor)  # each DTensor's full_tensor
+
+    def full_state_dict(self, model) -> dict[str, Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Gathered on rank 0's CPU only (the other ranks get {}).
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        state = super().optimizer_state_dict(optimizer)
+        return {**state, "state": {i: {k: _full(v) for k, v in s.items()} for i, s in state["state"].items()}}
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if state.get("state"):
+            params = [p for group in inner.param_groups for p in group["params"]]
+            state = {**state, "state": {i: {k: _shard_like(v, params[int(i)]) for k, v in s.items()}
+                                        for i, s in state["state"].items()}}
+        inner.load_state_dict(state)
+
+    def load_adapter(self, model, ckpt: Path) -> None:
+        _load_sharded_adapter(model, ckpt)
+
+    def _load_full_state(self, model, weights: dict[str, Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+class DeepSpeedEngine(_LaunchedEngine):
+    """DeepSpeed ZeRO (stage 1-3, from the accelerate config's deepspeed_config): DeepSpeed's engine wraps the
+    model and clips and steps in one call."""
+
+    kind = "deepspeed"
+    fast_path_outside_loss_only = True
+
+    def __init__(self, accelerator):
+        super().__init__(accelerator)
+        self._ds_engine = None
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.accelerator.state.deepspeed_plugin.zero_stage)
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.zero_stage == 3
+
+    def check(self, cfg) -> None:
+        if self.zero_stage == 3 and cfg.kl.sync_every:
+            raise ConfigError(f"kl.sync_every={cfg.kl.sync_every} with DeepSpeed ZeRO-3: the reference's synced "
+                              "weights cannot be checkpointed; set kl.sync_every: 0 or use "
+                              "examples/accelerate/fsdp2.yaml")
+        if cfg.train.sharded_checkpoints:
+            raise ConfigError("train.sharded_checkpoints with DeepSpeed: not supported; set "
+                              "train.sharded_checkpoints: false")
+        super().check(cfg)
+        if cfg.kl.replay.coef > 0:
+            raise ConfigError("kl.replay with DeepSpeed is not supported; set kl.replay.coef: 0 or use "
+                              "examples/accelerate/fsdp2.yaml")
+        self._configure(cfg)
+
+    def _configure(self, cfg) -> None:
+        """klgrpo's settings win over the DeepSpeed config's: clipping (DeepSpeed clips, not klgrpo), and the
+        batch-size fields DeepSpeed insists on although klgrpo feeds it no data loader."""
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["gradient_clipping"] = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else 0.0
+        ds["gradient_accumulation_steps"] = 1
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.micro_batch_size or cfg.rollout.group_size
+        ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] * self.world_size
+        ds["zero_allow_untested_optimizer"] = True  # klgrpo's torch AdamW
+
+    def prepare(self, model, optimizer):
+        wrapped, optimizer = super().prepare(model, optimizer)
+        self._ds_engine = wrapped
+        return wrapped, optimizer
+
+    def _shard_frozen(self, model):
         """ZeRO-3 partitioning of a frozen model (no optimizer), from the run's DeepSpeed config."""
         import copy
 
@@ -185,148 +356,43 @@ class Engine:
         engine.eval()
         return engine
 
-    def sync_reference(self, reference, model, alpha: float) -> None:
-        """kl.sync_every's ``reference.sync(model, alpha)``. FSDP2: both models resharded first (a unit kept
-        gathered after its forward holds full tensors where the other holds shards), then each rank mixes its
-        own shards, which are laid out alike."""
-        if self.kind == "fsdp2":
-            from torch.distributed.fsdp import FSDPModule
-
-            for module in (model, getattr(reference, "model", model)):
-                for unit in module.modules():
-                    if isinstance(unit, FSDPModule):
-                        unit.reshard()
-        reference.sync(model, alpha)
-
-    # ------------------------------------------------------------------------------------------ a step
     def backward(self, loss: Tensor, *, same_on_every_rank: bool = False, last: bool = True) -> None:
-        """loss.backward() leaving the SUM over ranks of each rank's gradient in .grad (see the module doc);
-        ``same_on_every_rank``: a loss every rank computes identically, whose gradient is taken once. ``last``:
-        no other backward follows before ``step`` (DeepSpeed reduces the accumulated gradients only then)."""
-        if self.kind == "single":
-            loss.backward()
-            return
-        scale = 1.0 if same_on_every_rank else float(self.world_size)
-        if self.kind == "deepspeed":
-            # Its config says one micro-batch per step (gradient_accumulation_steps 1), so without this every
-            # backward is a boundary, and ZeRO-2 then keeps only part of the step's gradient (tested on CPUs).
-            self._ds_engine.set_gradient_accumulation_boundary(last)
-            # accelerate's backward would also run the DeepSpeed step; the step waits for ``step`` below.
-            self._ds_engine.backward(loss * scale)
-            return
-        self.accelerator.backward(loss * scale)
+        # Its config says one micro-batch per step (gradient_accumulation_steps 1), so without this every
+        # backward is a boundary, and ZeRO-2 then keeps only part of the step's gradient (tested on CPUs).
+        self._ds_engine.set_gradient_accumulation_boundary(last)
+        # accelerate's backward would also run the DeepSpeed step; the step waits for ``step`` below.
+        self._ds_engine.backward(loss * (1.0 if same_on_every_rank else float(self.world_size)))
 
     def step(self, model, optimizer, max_norm: float, allow=None) -> tuple[Tensor, bool]:
-        """Clip the gradient to ``max_norm`` (inf: measure only) and step, unless ``allow(norm)`` is False (the
-        trainer's guard against a non-finite step). Returns the gradient norm before clipping (the same number
-        on every rank) and whether the optimizer stepped. DeepSpeed clips and steps in one call, so there the
-        step is always taken (DeepSpeed's own loss scaler skips overflowing fp16 steps)."""
-        if self.kind == "deepspeed":  # clipping is DeepSpeed's ("gradient_clipping" of its config)
-            self._ds_engine.step()
-            norm = self._ds_engine.get_global_grad_norm()
-            return torch.as_tensor(float("nan") if norm is None else float(norm)), True
-        if self.kind == "single":
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        else:
-            norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if allow is not None and not allow(norm):
-            return norm, False
-        optimizer.step()
-        return norm, True
+        """DeepSpeed clips ("gradient_clipping" of its config) and steps in one call, so the step is always
+        taken (DeepSpeed's own loss scaler skips overflowing fp16 steps)."""
+        self._ds_engine.step()
+        norm = self._ds_engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else float(norm)), True
 
     @contextmanager
     def full_weights(self, model):
-        """Every rank enters: inside, ``model`` holds its full weights as ordinary tensors and its forward runs
-        no collective, so ranks may sample prompts of different lengths for different numbers of steps (and
-        rank 0 alone may evaluate). FSDP2: each FSDP unit unsharded, with resharding after forward off; ZeRO-3:
-        parameters gathered with DeepSpeed's partitioning hooks removed, so klgrpo's KV loop may sample."""
-        if self.kind == "fsdp2":
-            context = _fsdp2_unsharded(model)
-        elif self.zero_stage == 3:
-            context = _zero3_gathered(self._ds_engine)
-        else:
-            context = nullcontext()
-        with context:
+        """ZeRO-3: parameters gathered with DeepSpeed's partitioning hooks removed, so klgrpo's KV loop may
+        sample."""
+        with _zero3_gathered(self._ds_engine) if self.zero_stage == 3 else nullcontext():
             yield model
 
     def whole_weights(self, model) -> Iterator[tuple[str, Tensor]]:
-        """Every rank iterates it in step: the policy's (name, whole tensor) one parameter gathered at a time
-        (FSDP2: each DTensor's full_tensor; ZeRO-3: DeepSpeed's GatheredParameters, one parameter each), for a
-        sampler that holds its own copy of the weights (vLLM): the whole model is never gathered on a rank."""
-        if self.kind == "fsdp2":
-            return named_whole_weights(model, _whole_dtensor)
-        if self.zero_stage == 3:
+        if self.zero_stage == 3:  # DeepSpeed's GatheredParameters, one parameter each
             return named_whole_weights(model, _whole_zero3)
         return named_whole_weights(model)
 
-    # ------------------------------------------------------------------------------------- checkpoints
     def full_state_dict(self, model) -> dict[str, Tensor] | None:
-        """Every rank calls this. The full (unsharded) state dict for rank 0's save_pretrained, or None where
-        the module's own state dict is already full (one process, DDP)."""
-        if self.kind in ("single", "ddp"):
-            return None
-        if self.kind == "deepspeed":
-            return self.accelerator.get_state_dict(self._ds_engine)  # ZeRO-3: needs zero3_save_16bit_model
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # Gathered on rank 0's CPU only (the other ranks get {}).
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.accelerator.get_state_dict(self._ds_engine)  # ZeRO-3: needs zero3_save_16bit_model
 
     def optimizer_state_dict(self, optimizer) -> dict:
-        """Every rank calls this. The optimizer state in the single-process layout (full tensors, parameters
-        numbered in order), so a checkpoint resumes on any number of processes."""
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if self.kind == "deepspeed":
-            return _zero_optimizer_state(self._ds_engine)
-        state = inner.state_dict()
-        if self.kind != "fsdp2":
-            return state
-        return {**state, "state": {i: {k: _full(v) for k, v in s.items()} for i, s in state["state"].items()}}
+        return _zero_optimizer_state(self._ds_engine)
 
     def load_optimizer_state(self, optimizer, state: dict) -> None:
-        """The inverse of ``optimizer_state_dict`` (each rank keeps its shard of every full tensor)."""
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if self.kind == "deepspeed":
-            _load_zero_optimizer_state(self._ds_engine, state)
-            return
-        if self.kind == "fsdp2" and state.get("state"):
-            params = [p for group in inner.param_groups for p in group["params"]]
-            state = {**state, "state": {i: {k: _shard_like(v, params[int(i)]) for k, v in s.items()}
-                                        for i, s in state["state"].items()}}
-        inner.load_state_dict(state)
+        _load_zero_optimizer_state(self._ds_engine, state)
 
-    def save_sharded(self, folder: Path, model, optimizer) -> None:
-        save_sharded(folder, model, optimizer)
-
-    def load_sharded(self, folder: Path, model, optimizer) -> None:
-        load_sharded(folder, model, optimizer)
-
-    def load_adapter(self, model, ckpt: Path) -> None:
-        """Load a checkpoint's trainable LoRA adapter into the live PeftModel."""
-        if self.kind == "fsdp2":
-            _load_sharded_adapter(model, ckpt)
-            return
-        from klgrpo.backends.lora import load_adapter_weights
-
-        load_adapter_weights(model, ckpt)
-
-    def load_model_file(self, model, path: Path, device) -> None:
-        """Load a full safetensors state dict into ``model``: every weight must be in the file, except the second
-        name of a tied weight (save_pretrained writes it once); a missing or unknown name is a ConfigError."""
-        from safetensors.torch import load_file
-
-        weights = load_file(str(path), device=str(device))
-        check_weight_names(model, weights.keys(), path, fix="resume from an intact checkpoint of this run")
-        if self.kind == "deepspeed":
-            _load_into_zero(self._ds_engine, model, weights, self.zero_stage)
-            return
-        if self.kind != "fsdp2":
-            model.load_state_dict(weights, strict=False)  # strict=False for the tied names only (checked above)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    def _load_full_state(self, model, weights: dict[str, Tensor]) -> None:
+        _load_into_zero(self._ds_engine, model, weights, self.zero_stage)
 
 
 def _load_into_zero(ds_engine, model, weights: dict[str, Tensor], zero_stage: int) -> None:

@@ -1,13 +1,18 @@
-"""Generation while training (rollout.max_staleness K > 0): a generation process of its own draws the next batches
-while the trainer updates, each batch b from the weights of update max(0, b - K), a fixed lag.
+"""Generation while training (rollout.max_staleness K > 0): the next batches are drawn while the trainer updates,
+each batch b from the weights of update max(0, b - K), a fixed lag.
 
     trainer, before step t     issue batch t + K (the prompts drawn and encoded here, the weights after t updates
-                               sent once per version); wait for batch t, drawn K updates back (t < K: from the start)
-    generation process         its own copy of the policy and its own torch threads (rollout.generation_threads);
-                               for each batch: the weights of its version put in, the random state seeded from
-                               (train.seed, b), the sampler's draw sent back
+                               copied once per version); wait for batch t, drawn K updates back (t < K: from the
+                               start)
+    GenerationProcess          kv_loop and generate: a process of its own with its own copy of the policy and its
+                               own torch threads (rollout.generation_threads); for each batch: the weights of its
+                               version put in, the random state seeded from (train.seed, b), the sampler's draw
+                               sent back. The weights cross as shared-memory tensors, never through the disk.
+    ServerPipeline             vllm_server: a thread of the trainer's that sends each batch's weights (from the
+                               copy taken when it was issued) and its request, seeded from (train.seed, b), to the
+                               server, which is a process of its own already
 
-The weights cross as shared-memory tensors (torch.multiprocessing), never through the disk. Every rollout carries the
+``open_pipeline`` picks one for the run's sampler. Every rollout carries the
 update count it was drawn at, and a batch more than K updates old is refused, never trained on. Because batch b's
 draw depends only on (the weights after b - K updates, the seed, b), a run is reproducible at a seed; a checkpoint
 holds the batches already issued (their rollouts, waited for), so a resume draws nothing twice and loses nothing.
@@ -79,7 +84,15 @@ def split_threads(total: int, generation_threads: int) -> tuple[int, int]:
     return max(1, total - generation), generation
 
 
-class RolloutPipeline:
+def open_pipeline(model, sampler, threads: int, seed: int, trainer_threads: int | None = None):
+    """The run's pipeline for its ``sampler`` (a Sampler): the server's thread for vllm_server, else a
+    generation process of ``threads`` torch threads (this process keeps ``trainer_threads``)."""
+    if sampler.name == "vllm_server":
+        return ServerPipeline(model, sampler, seed)
+    return GenerationProcess(model, sampler.name, threads, seed, trainer_threads)
+
+
+class GenerationProcess:
     """The generation process of one run and the batches handed to it, in the order issued.
 
     ``model`` is the policy (its architecture and dtype are copied; LoRA comes merged), ``sampler`` the name of
@@ -180,6 +193,85 @@ class RolloutPipeline:
         for q in (self.jobs, self.results):
             q.close()
             q.cancel_join_thread()
+
+
+class ServerPipeline:
+    """vllm_server's batches issued ahead: one thread of this process sends each batch's weights (when its version
+    is new to the server; the folder transfer, from the copy ``submit`` took) and then its request, in the order
+    issued; the server draws while the trainer updates. Same interface as ``GenerationProcess``."""
+
+    def __init__(self, model, sampler, seed: int):
+        import threading
+
+        self.model, self.sampler, self.seed = model, sampler, seed
+        self.jobs: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self.sent_version: int | None = None
+        self.in_flight: list[int] = []
+        self.thread = threading.Thread(target=self._work, name="klgrpo-server-requests", daemon=True)
+        self.thread.start()
+
+    def submit(self, index: int, encoded: EncodedPrompts, params: SamplingParams, version: int,
+               weights: Callable[[], dict[str, Tensor]]) -> None:
+        sent = None
+        if version != self.sent_version:
+            sent = weights()
+            self.sent_version = version
+        self.jobs.put((index, version, encoded, params, sent))
+        self.in_flight.append(index)
+
+    def _work(self) -> None:
+        from klgrpo.backends.vllm_sampler import vllm_filters
+        from klgrpo.backends.vllm_server import vocab_size
+
+        client = self.sampler.client
+        while (job := self.jobs.get()) is not None:
+            index, version, encoded, params, sent = job
+            try:
+                if sent is not None:
+                    client.sync(FrozenWeights(sent), version)
+                ids, logp = client.generate(encoded.ids, encoded.mask, params, encoded.pad_id, encoded.eos_ids,
+                                            vocab_size(self.model), seed=batch_seed(self.seed, index) % (2 ** 31))
+                sampled = SampledRollout(ids, logp, vllm_filters(params), version)
+                self.results.put(("done", index, (sampled, self.sampler.name)))
+            except BaseException as exc:  # noqa: BLE001 - said by the trainer, which stops with it
+                self.results.put(("error", index, f"{type(exc).__name__}: {first_line(exc)}"))
+
+    def result(self, index: int) -> tuple[SampledRollout, str]:
+        if index not in self.in_flight:
+            raise KLGRPOError(f"the vLLM server's requests never held batch {index}")
+        while True:
+            kind, got, value = self.results.get()
+            self.in_flight.remove(got)
+            if kind == "error":
+                raise KLGRPOError(f"the vLLM server's batch {got} failed: {value}")
+            if got == index:
+                return value
+
+    def drain(self) -> None:
+        while self.in_flight:
+            _kind, got, _value = self.results.get()
+            self.in_flight.remove(got)
+
+    def close(self) -> None:
+        """Stop the thread once the request in progress has its answer (the client's timeout bounds it)."""
+        self.jobs.put(None)
+        self.thread.join(timeout=self.sampler.timeout_s + 5)
+        self.in_flight.clear()
+
+
+class FrozenWeights:
+    """Weights copied at one version, as a model looks to the code that sends a model's weights (its state dict
+    and parameters): what the server is sent while the trainer's own weights move on."""
+
+    def __init__(self, weights: dict[str, Tensor]):
+        self._weights = weights
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, Tensor]:
+        return dict(self._weights)
+
+    def parameters(self) -> Iterator[Tensor]:
+        return iter(self._weights.values())
 
 
 @contextmanager

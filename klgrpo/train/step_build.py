@@ -28,7 +28,7 @@ from klgrpo.train.building import build_optimizer, make_scheduler
 from klgrpo.train.distributed import Distributed
 from klgrpo.train.engine import Engine
 from klgrpo.train.guard import NonFiniteGuard
-from klgrpo.train.pipeline import RolloutPipeline, split_threads
+from klgrpo.train.pipeline import open_pipeline, split_threads
 from klgrpo.train.step import GRPOStep
 from klgrpo.train.step_memory import check_step_memory
 
@@ -105,18 +105,29 @@ def _generation_process(cfg: GRPOConfig, dist: Distributed, engine: Engine, mode
         return None
     where = ("a run of one process" if dist.world_size == 1 and engine.kind == "single" else
              f"this run has {dist.world_size} processes ({engine.kind})")
-    if dist.world_size > 1 or engine.kind != "single" or device.type != "cpu":
-        raise ConfigError(f"rollout.max_staleness {ahead}: generation while training runs in a one-process run on "
-                          f"the CPU so far ({where}, device {device.type}); set rollout.max_staleness 0")
+    on_server = sampler.name == "vllm_server"
+    if dist.world_size > 1 or engine.kind != "single" or (device.type != "cpu" and not on_server):
+        raise ConfigError(f"rollout.max_staleness {ahead}: generation while training runs in a one-process run, "
+                          f"on the CPU or with rollout.sampler vllm_server, so far ({where}, device {device.type}); "
+                          f"set rollout.max_staleness 0")
     if sampler.name not in PIPELINED_SAMPLERS:
-        raise ConfigError(f"rollout.max_staleness {ahead}: the run's sampler {sampler.name} does not run in a "
-                          f"generation process of klgrpo's; set rollout.sampler kv_loop or generate")
+        raise ConfigError(f"rollout.max_staleness {ahead}: the run's sampler {sampler.name} does not draw ahead; "
+                          f"set rollout.sampler kv_loop, generate or vllm_server")
+    if sampler.name == "vllm_server":
+        if cfg.rollout.vllm.weight_transfer != "folder":
+            raise ConfigError(f"rollout.max_staleness {ahead} with rollout.vllm.weight_transfer "
+                              f"{cfg.rollout.vllm.weight_transfer}: batches issued ahead send the weights of their "
+                              f"own version from a copy, through the folder; set rollout.vllm.weight_transfer folder")
+        if log:
+            log(f"generation while training (rollout.max_staleness {ahead}): the vLLM server draws batch t from the "
+                f"weights {ahead} update(s) back while the trainer updates")
+        return open_pipeline(model, sampler, 0, cfg.train.seed)
     trainer_threads, generation_threads = split_threads(torch.get_num_threads(), cfg.rollout.generation_threads)
     if log:
         log(f"generation while training (rollout.max_staleness {ahead}): a generation process with "
             f"{generation_threads} torch thread(s) draws batch t from the weights {ahead} update(s) back; the "
             f"trainer keeps {trainer_threads}")
-    return RolloutPipeline(model, sampler.name, generation_threads, cfg.train.seed, trainer_threads)
+    return open_pipeline(model, sampler, generation_threads, cfg.train.seed, trainer_threads)
 
 
 def check_old_logprobs_source(old_logprobs: str, sampler, dtype: torch.dtype) -> None:
