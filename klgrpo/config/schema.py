@@ -182,8 +182,8 @@ class RolloutConfig(Settings):
     max_staleness: int = _f(0, "generation while training: a generation process of its own draws the next batches "
                                "while the trainer updates, batch t from the weights K updates back (a fixed lag, "
                                "reproducible at a seed; docs/kl_guide.md, Generating while training); K = 0: "
-                               "generate, then update (the default). One process, on the CPU, with rollout.sampler "
-                               "kv_loop or generate; the stale samples are the sampler's, so set "
+                               "generate, then update (the default). One process, with rollout.sampler kv_loop or "
+                               "generate on the CPU, or vllm_server; the stale samples are the sampler's, so set "
                                "rollout.sampler_correction",
                             low=0, at_low="0: generate, then update")
     generation_threads: int = _f(0, "with rollout.max_staleness > 0, the generation process's torch threads; the "
