@@ -181,7 +181,8 @@ def test_batches_drawn_ahead_on_the_server_come_from_the_weights_one_update_back
     from klgrpo.core.forward import completion_logprobs
 
     cfg = _config(tmp_path, model_dir, addition_file, "ahead", server[1], steps=4, max_staleness=1,
-                  sampler_correction="token_mask")
+                  sampler_correction="token_mask").override(  # a reward most groups split on: the weights move
+        {"rewards.functions": [{"name": "format", "kwargs": {"pattern": "[0-4]"}}]})
     trainer = GRPOTrainer(cfg, log=quiet)
     step = trainer.grpo_step
     weights, batches, make, update = [], [], step.make_batch, step.update
@@ -190,17 +191,17 @@ def test_batches_drawn_ahead_on_the_server_come_from_the_weights_one_update_back
                                                update(batch, dump_kl))[1]
     trainer.train()
     probe = copy.deepcopy(step.model)
-    for t, batch in enumerate(batches):
-        rollout, mask = batch.rollout, batch.rollout.completion_mask
 
-        def diff(state):
-            probe.load_state_dict(state)
-            with torch.no_grad():
-                return ((completion_logprobs(probe, rollout, 1.0)[0] - rollout.sampler_logp).abs() * mask).max()
+    def diff(batch, state):
+        probe.load_state_dict(state)
+        rollout = batch.rollout
+        with torch.no_grad():
+            logp = completion_logprobs(probe, rollout, 1.0)[0]
+        return float(((logp - rollout.sampler_logp).abs() * rollout.completion_mask).max())
 
-        assert diff(weights[max(0, t - 1)]) < LOGP_ATOL, t
-        if t >= 2:
-            assert diff(weights[t]) > 10 * LOGP_ATOL, t
+    assert all(diff(batch, weights[max(0, t - 1)]) < LOGP_ATOL for t, batch in enumerate(batches))
+    # a planted mistake, the batches scored as drawn from the current weights, is told apart where they moved
+    assert max(diff(batches[t], weights[t]) for t in (2, 3)) > 10 * LOGP_ATOL
     rows = read_metrics(tmp_path / "ahead")
     assert [r[m.ROLLOUT_STALENESS_MEAN] for r in rows] == [0.0, 1.0, 1.0, 1.0]
 
