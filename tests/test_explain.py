@@ -274,3 +274,24 @@ def test_trls_reward_model_is_listed_as_klgrpos_entry(tmp_path):
     assert (entry["kind"], entry["model"], entry["label"], entry["dtype"]) == ("reward model", "org/reward-model",
                                                                                "single logit", "the policy's")
     assert "{model: PATH}" in report["unmapped"]["reward_model_name_or_path"]
+
+
+def test_every_risk_id_is_documented_and_every_report_pairs_ids_with_lines(tmp_path):
+    """The ids a program reads (risk_ids in the JSON): each one explain can give is listed in docs/explain.md,
+    and a report holds one id per risk line, in order."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "".join((root / "klgrpo/apps/explain" / f).read_text()
+                   for f in ("report.py", "slime.py", "prime_rl.py", "truncation.py"))
+    given = set(re.findall(r'add\("(\w+)"', code)) | set(re.findall(r'[(\[]\("(\w+)",', code))
+    given |= {"neither_kl", "zero_kl"}  # the token verdict's own id
+    row = next(line for line in (root / "docs/explain.md").read_text().splitlines() if line.startswith("| `risk_ids`"))
+    assert given and given == set(re.findall(r"`(\w+)`", row)) - {"risk_ids"}
+    script = tmp_path / "train.py"
+    script.write_text("from trl import GRPOConfig\nc = GRPOConfig(beta=0.0, top_k=0, top_p=0.9)\n")
+    out = tmp_path / "r.json"
+    assert main([str(script), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["risk_ids"]) == len(report["risks"]) >= 2 and "beta_zero" in report["risk_ids"]

@@ -107,8 +107,8 @@ def map_prime_rl(values: dict[str, Any], origin: str, release: Release | None = 
     if tau > 0:
         # worded by the release the default came in, not the range's label: ranges with the same rule agree
         unset = "" if LOSS + "kl_tau" in values else f" (prime-rl's default from {row['kl_tau_since']})"
-        out.source_risks = [
+        out.source_risks = [("kl_tau",
             f"{LOSS}kl_tau {tau:g}{unset} is no KL to a reference: {row['kl_tau']}; it keeps each update "
             "near the policy that sampled the batch, not the policy near its start, and prime-rl's loss has no "
-            "reference model; set kl.coef > 0 in klgrpo for a KL to the reference (its config below has none)"]
+            "reference model; set kl.coef > 0 in klgrpo for a KL to the reference (its config below has none)")]
     return out

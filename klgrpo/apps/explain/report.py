@@ -72,7 +72,9 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
     }
     if mapped.rewards:
         report["rewards"] = list(mapped.rewards)
-    report["risks"] = risks(cfg, parts, report, mapped.off_policy) + list(getattr(mapped, "source_risks", ()))
+    found = risks(cfg, parts, report, mapped.off_policy) + list(getattr(mapped, "source_risks", ()))
+    report["risks"] = [line for _, line in found]
+    report["risk_ids"] = [risk_id for risk_id, _ in found]  # what a program reads: the lines are for people
     return report
 
 
@@ -94,45 +96,53 @@ def controller_rule(cfg: GRPOConfig) -> str:
     return rule if kl.controller == "fixed" else f"{rule}; KL measured as {kl.kl_measure}"
 
 
-def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[str]:
-    """One line per risk, each naming the change that fixes it."""
+def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[tuple[str, str]]:
+    """(id, line) per risk, each line naming the change that fixes it; the ids are what a program reads in
+    explain's JSON (``risk_ids``), the lines what a person reads."""
     loss, out = cfg.loss, []
     gradient = report["gradient"]
     live = [p for p in parts if p.coef > 0]
+
+    def add(risk_id: str, line: str) -> None:
+        out.append((risk_id, line))
+
     if not live:
-        out.append("beta is 0: no KL term and no reference model, nothing keeps the policy near its start; set "
-                   "kl.coef > 0 (TRL: beta, e.g. 0.001-0.04)")
+        add("beta_zero", "beta is 0: no KL term and no reference model, nothing keeps the policy near its start; "
+                         "set kl.coef > 0 (TRL: beta, e.g. 0.001-0.04)")
     if gradient["token_on_policy"] == "forward":
-        out.append("the KL gradient follows the forward KL(ref||pi): k3 without the in-graph importance weight; set "
-                   "kl.is_correction in_graph (TRL: use_bias_correction_kl true) or kl.estimator k3_st")
+        add("forward_kl", "the KL gradient follows the forward KL(ref||pi): k3 without the in-graph importance "
+                          "weight; set kl.is_correction in_graph (TRL: use_bias_correction_kl true) or kl.estimator "
+                          "k3_st")
     elif live and gradient["token_on_policy"] in ("neither", "zero"):
-        out.append(f"the KL gradient follows {gradient['token_on_policy']} KL at the token level; "
-                   f"{_estimator_advice(live)}")
+        add(f"{gradient['token_on_policy']}_kl", f"the KL gradient follows {gradient['token_on_policy']} KL at the "
+                                                 f"token level; {_estimator_advice(live)}")
     if off_policy and any(p.placement in ("reward", "both") for p in live):
-        out.append("KL in the reward with several updates per batch: it is read at the rollout policy, so later "
-                   f"updates follow {gradient.get('token_off_policy', 'neither')} KL; set train.num_iterations 1 "
-                   "with one update per batch, or put the KL in the loss (kl.placement loss, k3 in_graph)")
+        add("reward_kl_off_policy", "KL in the reward with several updates per batch: it is read at the rollout "
+                                    f"policy, so later updates follow {gradient.get('token_off_policy', 'neither')} "
+                                    "KL; set train.num_iterations 1 with one update per batch, or put the KL in the "
+                                    "loss (kl.placement loss, k3 in_graph)")
     elif off_policy and gradient.get("token_off_policy") not in (None, "reverse") and live:
-        out.append(f"off-policy updates follow {gradient['token_off_policy']} KL: set kl.is_correction in_graph "
-                   "(k3) or detached (k3_st)")
+        add("off_policy", f"off-policy updates follow {gradient['token_off_policy']} KL: set kl.is_correction "
+                          "in_graph (k3) or detached (k3_st)")
     for p in live:
         if p.shaping == "clip":
-            out.append(f"the KL is clipped at {p.clip_threshold:g} per token: tokens above it get zero KL "
-                       "gradient (count them in kl/shaping_clip_frac); raise kl.clip_threshold or set kl.shaping "
-                       "none")
+            add("kl_clipped", f"the KL is clipped at {p.clip_threshold:g} per token: tokens above it get zero KL "
+                              "gradient (count them in kl/shaping_clip_frac); raise kl.clip_threshold or set "
+                              "kl.shaping none")
         if p.shaping == "length_normalized":
-            out.append("kl.shaping length_normalized divides each token's KL by its completion's length: long "
-                       "completions are barely regularised; set kl.shaping none")
+            add("length_normalized", "kl.shaping length_normalized divides each token's KL by its completion's "
+                                     "length: long completions are barely regularised; set kl.shaping none")
         if p.shaping == "sigmoid":
-            out.append(f"kl.shaping sigmoid gates the KL by sigmoid(KL - {p.shaping_target:g}): its gradient "
-                       "follows neither KL; set kl.shaping none")
+            add("sigmoid_shaping", f"kl.shaping sigmoid gates the KL by sigmoid(KL - {p.shaping_target:g}): its "
+                                   "gradient follows neither KL; set kl.shaping none")
     if live and loss.aggregation == "seq_mean_token_mean":
-        out.append("loss.aggregation seq_mean_token_mean divides each completion's KL by its length, so the "
-                   f"sequence-level gradient follows {gradient['sequence_on_policy']} KL; use token_mean or "
-                   "seq_mean_token_sum (TRL: loss_type dapo)")
+        add("seq_mean_token_mean", "loss.aggregation seq_mean_token_mean divides each completion's KL by its length, "
+                                   f"so the sequence-level gradient follows {gradient['sequence_on_policy']} KL; use "
+                                   "token_mean or seq_mean_token_sum (TRL: loss_type dapo)")
     if loss.advantage_scale != "none" and loss.std_eps < 1e-4:
-        out.append(f"advantage epsilon {loss.std_eps:g}: a group whose rewards differ by float noise gets "
-                   "advantages of order 1 ((r - mean) / (std + eps)); set loss.std_eps 1e-4 or more")
+        add("advantage_epsilon", f"advantage epsilon {loss.std_eps:g}: a group whose rewards differ by float noise "
+                                 "gets advantages of order 1 ((r - mean) / (std + eps)); set loss.std_eps 1e-4 or "
+                                 "more")
     return out
 
 

@@ -183,10 +183,10 @@ def _map_kl(v: dict, flags: dict, row: dict, label: str, adv: str, origin: str, 
     reward_coef = _number(v, "kl-coef", origin)
     reward_on = reward_coef > 0 and adv == "reinforce_plus_plus"
     if reward_coef > 0 and adv in ("grpo", "gspo", "cispo"):
-        out.source_risks.append(
+        out.source_risks.append(("kl_coef_ignored",
             f"--kl-coef {reward_coef:g} is silently ignored: {label}'s {adv} advantages (get_grpo_returns) broadcast "
             "each sample's reward alone and never read the KL that --kl-coef weighs (only reinforce_plus_plus and "
-            "ppo do); for a KL to the reference use --use-kl-loss with --kl-loss-coef (klgrpo: kl.coef)")
+            "ppo do); for a KL to the reference use --use-kl-loss with --kl-loss-coef (klgrpo: kl.coef)"))
     unbiased = v.get("use-unbiased-kl") is True and row["unbiased_kl"]
     if loss_on:
         out.config.update({"kl.coef": loss_coef, "kl.estimator": estimator, "kl.placement": "loss",

@@ -32,7 +32,7 @@ class Read(Mapped):
     """A mapped source config with risk lines of the source's own (its sampling filters; a framework's term that
     klgrpo's risks do not see, such as prime-rl's kl_tau): report.explain appends them."""
 
-    source_risks: list[str] = field(default_factory=list)
+    source_risks: list[tuple[str, str]] = field(default_factory=list)  # (id, line), as report.risks
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,9 @@ def apply(framework: str, mapped: Mapped, settings: dict[str, Any], profile: Rel
     unset = _unset_filter(read, rules, settings, profile, values)
     if on:
         read.config["rollout.truncation"] = "policy"
-        read.source_risks.append(_risk(rules, on, settings, profile, sampling_line))
+        read.source_risks.append(("truncated_sampling", _risk(rules, on, settings, profile, sampling_line)))
     if unset is not None:
-        read.source_risks.append(unset)
+        read.source_risks.append(("filter_default", unset))
     return read
 
 
