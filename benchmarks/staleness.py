@@ -11,12 +11,14 @@ with the paired differences' mean and 95% interval (t, n - 1 degrees of freedom)
 batches trained to the same reward.
 
     .venv/bin/python benchmarks/staleness.py --out benchmarks/results/staleness_cpu.json
+    .venv-vllm/bin/python benchmarks/staleness.py --sampler vllm_server      # through klgrpo's vLLM server
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,12 +42,14 @@ def one_run(ahead: int, new_tokens: int, seed: int, out: Path, args) -> dict:
     from klgrpo.run.trainer import GRPOTrainer
     from klgrpo.train import metric_names as names
 
+    server = ({"sampler": "vllm_server", "vllm": {"server_url": args.server_url, "server_timeout": 600,
+                                                  "weights_dir": str(out.parent / f"{out.name}-weights")}}
+              if args.sampler == "vllm_server" else {"sampler": "kv_loop"})
     cfg = GRPOConfig.from_dict({
-        "model": {"name_or_path": args.model, "dtype": "float32", "device": "cpu"},
+        "model": {"name_or_path": args.model, "dtype": "float32", "device": args.device},
         "data": args.data_settings,
         "rollout": {"group_size": args.group, "prompts_per_step": args.prompts, "max_new_tokens": new_tokens,
-                    "sampler": "kv_loop", "max_staleness": ahead,
-                    "sampler_correction": "token_truncate" if ahead else "none"},
+                    "max_staleness": ahead, "sampler_correction": "token_truncate" if ahead else "none", **server},
         "rewards": {"functions": [{"name": "numeric_match"}]},
         "kl": {"coef": 0.04, "estimator": "k3_st", "placement": "loss"},
         "optim": {"lr": 2e-5, "max_grad_norm": 1.0},
@@ -83,6 +87,56 @@ def run(args) -> dict:
                               "system_prompt": "Answer with only the final number."}
     else:  # a local model folder (the small mode's tiny model): the benchmarks' addition prompts
         args.data_settings = {"source": str(write_prompts(work / "prompts"))}
+    if args.sampler == "vllm_server" and not args.server_url:
+        server, args.server_url = start_server(args.model, work, args.device)
+        try:
+            return _measure(args, work)
+        finally:
+            server.terminate()
+            server.wait(60)
+    return _measure(args, work)
+
+
+def start_server(model: str, work: Path, device: str):
+    """(the process, the URL) of klgrpo's vLLM server for ``model`` on this machine (a package: GGUF model is
+    written out as a folder first), once it answers."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    folder = Path(model)
+    if model.startswith("package:"):
+        import torch
+
+        from klgrpo.backends.hf import load_causal_lm, load_tokenizer
+        from klgrpo.config.schema import ModelConfig
+
+        folder = work / "server-model"
+        load_causal_lm(model, ModelConfig(), torch.device("cpu"), torch.float32).save_pretrained(folder)
+        load_tokenizer(model).save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(work / "server.log", "w")
+    extra = ["--", "--gpu-memory-utilization", "0.3"] if device == "cuda" else []
+    proc = subprocess.Popen([sys.executable, "-m", "klgrpo.backends.vllm_server_main", "--model", str(folder),
+                             "--port", str(port), "--dtype", "float32", *extra], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the vLLM server exited ({proc.returncode}); its log: {work / 'server.log'}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=5).read()
+            return proc, url
+        except OSError:
+            time.sleep(2)
+    proc.terminate()
+    raise SystemExit("the vLLM server did not answer within 900 s")
+
+
+def _measure(args, work: Path) -> dict:
     lengths = {}
     for new_tokens in args.new_tokens:
         runs = {0: [], 1: []}
@@ -103,13 +157,15 @@ def run(args) -> dict:
             "reward_diff_mean": mean, "reward_diff_low": low, "reward_diff_high": high,
             "reward_within_interval": low <= 0.0 <= high,
         }
-    return {"machine": machine_info(), "model": args.model, "group": args.group, "prompts": args.prompts,
-            "steps": args.steps, "seeds": args.seeds, "threads": args.threads, "lengths": lengths}
+    return {"machine": machine_info(), "model": args.model, "sampler": args.sampler, "device": args.device,
+            "group": args.group, "prompts": args.prompts, "steps": args.steps, "seeds": args.seeds,
+            "threads": args.threads, "lengths": lengths}
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['model']}: {result['prompts']} prompts x G {result['group']}, {result['steps']} steps, "
-             f"{result['seeds']} seed(s), {result['threads']} threads in all",
+    lines = [f"{result['model']} ({result.get('sampler', 'kv_loop')}): {result['prompts']} prompts x G "
+             f"{result['group']}, {result['steps']} steps, {result['seeds']} seed(s), {result['threads']} threads in "
+             "all",
              "| new tokens | K | steps/s (mean over seeds) | slowest step s | wait for generation s | update s | "
              "final reward |", "|---" * 7 + "|"]
     for length, r in result["lengths"].items():
@@ -135,6 +191,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in all (K = 1 splits them)")
+    parser.add_argument("--sampler", choices=("kv_loop", "vllm_server"), default="kv_loop",
+                        help="vllm_server: klgrpo's vLLM server (started here unless --server-url) draws the batches")
+    parser.add_argument("--server-url", default="", help="a running server of the same model (vllm_server)")
+    parser.add_argument("--device", default="cpu", help="the trainer's device (cuda: a vLLM server shares the GPU)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     result = run(args)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,22 @@ def test_batches_drawn_ahead_on_the_server_come_from_the_weights_one_update_back
     assert max(diff(batches[t], weights[t]) for t in (2, 3)) > 10 * LOGP_ATOL
     rows = read_metrics(tmp_path / "ahead")
     assert [r[m.ROLLOUT_STALENESS_MEAN] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_the_staleness_benchmark_runs_through_the_server_in_its_small_mode(server, model_dir):
+    """benchmarks/staleness.py --sampler vllm_server against the module's server: K = 0 and K = 1 paired, the
+    K = 1 batches one update old after the first, the table printed."""
+    import argparse
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import staleness
+
+    args = argparse.Namespace(model=str(model_dir), new_tokens=[4], group=2, prompts=2, steps=3, seeds=1, threads=2,
+                              sampler="vllm_server", server_url=server[1], device="cpu", out=None)
+    result = staleness.run(args)
+    runs = result["lengths"]["4"]["runs"]
+    assert [r["staleness"] for r in runs["k1"]] == [[0.0, 1.0, 1.0]] and runs["k0"][0]["staleness"] == [0.0] * 3
+    assert "4 tokens: K=1 / K=0 steps per second" in staleness.table(result)
 
 
 def test_a_server_killed_mid_run_ends_in_one_line_with_the_last_checkpoint_loadable(
