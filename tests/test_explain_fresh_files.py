@@ -128,6 +128,13 @@ EXPECTED = {
         "refused", None, "SkyRL's example of distillation"),
 }
 REFUSED_AT = {
+    # SkyRL: a Hydra key the release's config lacks (klgrpo/apps/explain/skyrl_train_keys.json): the search recipe's
+    # generator.sampling_params.stop came in 0.2.0; the renamed package's generator.inference_engine.* is no
+    # skyrl-train release's
+    ("skyrl_train", "skyrl_train-v0.2.0_skyrl-train_examples_search_run_search.sh"): (
+        "skyrl_train==0.1.0", "generator.sampling_params.stop is not a key of skyrl-train 0.1.0's config"),
+    ("skyrl_train", "skyrl-v0.3.0_examples_train_gsm8k_run_gsm8k.sh"): (
+        "skyrl_train==0.4.0", "generator.inference_engine.num_engines is not a key of skyrl-train 0.4.0's config"),
     # slime: a flag its release declares that another does not (klgrpo/apps/explain/slime_flags.json)
     ("slime", "v0.2.4_scripts_run-gpt-oss-20B.sh"): ("slime==0.3.1", "--train-memory-margin-bytes is not a flag"),
     ("slime", "v0.3.1_examples_geo3k_vlm_run_geo3k_qwen35.sh"): ("slime==0.1.0", "--multimodal-keys is not a flag"),

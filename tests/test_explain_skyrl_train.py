@@ -144,3 +144,23 @@ def test_sampling_filters_and_validation_only_ones(tmp_path):
     assert (report["config"]["rollout"]["top_p"], report["config"]["rollout"]["min_p"]) == (0.9, 0.05)
     status, report = _run(tmp_path, ONE_UPDATE + "generator.eval_sampling_params.top_p=0.5\n", name="b.txt")
     assert not [r for r in report["risks"] if r.startswith("sampling filter")]
+
+
+def test_the_key_table_agrees_with_the_hand_read_one():
+    """skyrl_train_keys.json (generated from each release's ppo_base_config.yaml) against what skyrl_train.json and
+    its reader say by hand: use_kl_estimator_k3 and use_abs_kl gone in 0.4.0, the KL keys in every release; a key of
+    a defaults-list subtree is never judged."""
+    from klgrpo.apps.explain.skyrl_train import _has_key, _key_table
+
+    table = _key_table()
+    releases = list(table["read"])
+    assert releases == ["0.1.0", "0.2.0", "0.3.0", "0.4.0"]
+    for key in ("trainer.algorithm.use_kl_estimator_k3", "trainer.algorithm.use_abs_kl"):
+        assert table["keys"][key] == ["0.1.0", "0.2.0", "0.3.0"], key
+    for key in ("trainer.algorithm.use_kl_loss", "trainer.algorithm.kl_loss_coef",
+                "trainer.algorithm.kl_estimator_type", "generator.n_samples_per_prompt", "trainer.train_batch_size",
+                "trainer.policy_mini_batch_size"):
+        assert table["keys"][key] == releases, key
+    assert _has_key("trainer.policy.megatron_config.tensor_model_parallel_size", "0.4.0")  # a defaults target
+    assert not _has_key("trainer.algorithm.no_such_key", "0.4.0")
+

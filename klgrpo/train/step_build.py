@@ -126,7 +126,8 @@ def _generation_process(cfg: GRPOConfig, dist: Distributed, engine: Engine, mode
     if log:
         log(f"generation while training (rollout.max_staleness {ahead}): a generation process with "
             f"{generation_threads} torch thread(s) draws batch t from the weights {ahead} update(s) back; the "
-            f"trainer keeps {trainer_threads}")
+            f"trainer keeps {trainer_threads} (both share this machine's cores: the generation is hidden, the "
+            f"update slower; docs/benchmarks.md section 12 measures what that nets)")
     return open_pipeline(model, sampler, generation_threads, cfg.train.seed, trainer_threads)
 
 

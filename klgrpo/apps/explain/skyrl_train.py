@@ -11,7 +11,10 @@ the sequence's score before the group normalisation (verl's placement).
 
 from __future__ import annotations
 
+import json
 import math
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from klgrpo.apps.explain.frameworks import Release, releases, table
@@ -178,6 +181,47 @@ def _map_kl(v: dict, row: dict, label: str, origin: str, out: Mapped) -> None:
             "token verdict is the same, the KL's weighting of long completions differs")
     if not on and coef > 0:
         out.unmapped[A + "kl_loss_coef"] = f"{coef:g} with use_kl_loss and use_kl_in_reward false: no KL term"
+
+
+@lru_cache(maxsize=None)
+def _key_table() -> dict[str, Any]:
+    """skyrl_train_keys.json (tools/skyrl_keys.py): each Hydra config key -> the skyrl-train releases that have it."""
+    return json.loads((Path(__file__).with_name("skyrl_train_keys.json")).read_text(encoding="utf-8"))
+
+
+def _has_key(key: str, release: str) -> bool:
+    table = _key_table()
+    if release in table["keys"].get(key, ()):
+        return True
+    parts = key.split(".")  # inside a subtree whose contents are free at that release
+    return any(release in table["open"].get(".".join(parts[:i]), ()) for i in range(1, len(parts)))
+
+
+def check_keys_at_releases(keys: list[str], clauses: list, origin: str) -> None:
+    """With ``--version`` clauses for skyrl_train: refused in one line where no release they allow has every key
+    the script overrides without ``+`` (Hydra's struct config stops such a run at once). Releases the key table does
+    not know are not judged."""
+    if not clauses:
+        return
+    from klgrpo.integrations.versions.clauses import specifier_set
+
+    allowed = [r for r in _key_table()["read"] if specifier_set(clauses).contains(r, prereleases=True)]
+    if not allowed:
+        return
+    missing = {release: next((k for k in keys if not _has_key(k, release)), None) for release in allowed}
+    if any(key is None for key in missing.values()):
+        return
+    release = allowed[-1]
+    key = missing[release]
+    having = _key_table()["keys"].get(key, [])
+    where = (f"skyrl-train {having[0] if len(having) == 1 else having[0] + ' to ' + having[-1]} have it; pass the "
+             f"release you run, e.g. --version skyrl_train=={having[-1]}" if having else
+             f"no skyrl-train release has it: add it with +{key}=... or, for the renamed package skyrl, leave "
+             "--version out")
+    from klgrpo.integrations.versions import NotInRange
+
+    raise NotInRange(f"{origin}: {key} is not a key of skyrl-train {release}'s config, so Hydra stops the run at "
+                     f"once ({where})")
 
 
 def entry_points() -> tuple[str, ...]:

@@ -427,6 +427,8 @@ def _from_script(text: str, origin: str, source: str | None, line: int | None,
         raise ConfigError(f"{origin}: line {command.line} launches {command.framework}, not {source}")
     where = f"{origin}: line {command.line}"
     if command.framework == "skyrl_train":
+        overridden = [a.split("=", 1)[0] for a in command.arguments if "=" in a and not a.startswith(("+", "~", "-"))]
+        skyrl_train.check_keys_at_releases(overridden, (versions or {}).get("skyrl_train", []), where)
         return command.framework, table_variants("skyrl_train", where, versions,
                                                  lambda release: _skyrl_from_script(command, where, release))
     if command.framework == "slime":
