@@ -92,7 +92,36 @@ def open_pipeline(model, sampler, threads: int, seed: int, trainer_threads: int 
     return GenerationProcess(model, sampler.name, threads, seed, trainer_threads)
 
 
-class GenerationProcess:
+class _InOrder:
+    """The batches handed over and not yet taken back (``in_flight``, in the order issued), and their answers read
+    in that order (``_next``: one (kind, batch, value) message, "done" or "error")."""
+
+    what = "the generation"
+
+    def result(self, index: int) -> tuple[SampledRollout, str]:
+        """(batch ``index``'s draw, the name of the sampler that drew it), waited for; the batches before it that
+        are still in flight are waited for too (they are drawn in order)."""
+        if index not in self.in_flight:
+            raise KLGRPOError(f"{self.what} was never given batch {index}")
+        while True:
+            kind, got, value = self._next()
+            self.in_flight.remove(got)
+            if kind == "error":
+                raise KLGRPOError(f"{self.what} failed on batch {got}: {value}")
+            if got == index:
+                return value
+
+    def drain(self) -> None:
+        """Wait for every batch in flight and drop it (a rollback or a load replaces what was issued)."""
+        while self.in_flight:
+            _kind, got, _value = self._next()
+            self.in_flight.remove(got)
+
+    def _next(self):
+        raise NotImplementedError
+
+
+class GenerationProcess(_InOrder):
     """The generation process of one run and the batches handed to it, in the order issued.
 
     ``model`` is the policy (its architecture and dtype are copied; LoRA comes merged), ``sampler`` the name of
@@ -134,25 +163,11 @@ class GenerationProcess:
                        "eos_ids": list(encoded.eos_ids), "weights": sent})
         self.in_flight.append(index)
 
-    def result(self, index: int) -> tuple[SampledRollout, str]:
-        """(batch ``index``'s draw, the name of the sampler that drew it), waited for; the batches before it that
-        are still in flight are waited for too (the process works in order)."""
-        if index not in self.in_flight:
-            raise KLGRPOError(f"the generation process was never given batch {index}")
-        while True:
-            kind, got, value = self._next()
-            self.in_flight.remove(got)
-            if kind == "error":
-                raise KLGRPOError(f"the generation process failed on batch {got}: {value}")
-            if got == index:
-                sampled, name = value
-                return _owned(sampled), name
+    what = "the generation process"
 
-    def drain(self) -> None:
-        """Wait for every batch in flight and drop it (a rollback or a load replaces what was issued)."""
-        while self.in_flight:
-            _kind, got, _value = self._next()
-            self.in_flight.remove(got)
+    def result(self, index: int) -> tuple[SampledRollout, str]:
+        sampled, name = super().result(index)
+        return _owned(sampled), name
 
     def _next(self):
         waited, limit = 0.0, START_TIMEOUT_S if not self._started else math.inf
@@ -195,10 +210,12 @@ class GenerationProcess:
             q.cancel_join_thread()
 
 
-class ServerPipeline:
+class ServerPipeline(_InOrder):
     """vllm_server's batches issued ahead: one thread of this process sends each batch's weights (when its version
     is new to the server; the folder transfer, from the copy ``submit`` took) and then its request, in the order
     issued; the server draws while the trainer updates. Same interface as ``GenerationProcess``."""
+
+    what = "the vLLM server's requests"
 
     def __init__(self, model, sampler, seed: int):
         import threading
@@ -237,21 +254,8 @@ class ServerPipeline:
             except BaseException as exc:  # noqa: BLE001 - said by the trainer, which stops with it
                 self.results.put(("error", index, f"{type(exc).__name__}: {first_line(exc)}"))
 
-    def result(self, index: int) -> tuple[SampledRollout, str]:
-        if index not in self.in_flight:
-            raise KLGRPOError(f"the vLLM server's requests never held batch {index}")
-        while True:
-            kind, got, value = self.results.get()
-            self.in_flight.remove(got)
-            if kind == "error":
-                raise KLGRPOError(f"the vLLM server's batch {got} failed: {value}")
-            if got == index:
-                return value
-
-    def drain(self) -> None:
-        while self.in_flight:
-            _kind, got, _value = self.results.get()
-            self.in_flight.remove(got)
+    def _next(self):
+        return self.results.get()
 
     def close(self) -> None:
         """Stop the thread once the request in progress has its answer (the client's timeout bounds it)."""

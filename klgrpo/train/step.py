@@ -245,6 +245,7 @@ class GRPOStep:
         if not 0 <= staleness <= self.plan.max_staleness:
             raise KLGRPOError(f"the batch for step {self.completed + 1} was drawn {staleness} updates back, beyond "
                               f"rollout.max_staleness {self.plan.max_staleness}: it is not trained on")
+        # logged with the batch's timings (its own metrics, written once when it is generated)
         timings[names.ROLLOUT_STALENESS_MEAN] = timings[names.ROLLOUT_STALENESS_MAX] = float(staleness)
         return [self.dataset[i] for i in item.local], self._collected(item)
 
@@ -481,7 +482,7 @@ class GRPOStep:
                 "entropy_controller": self.entropy_controller.state_dict(),
                 "pending_batch": self.batch, "replay": self.replay.state_dict() if self.replay else None,
                 "guard": self.guard.state_dict(), "step": self.completed,
-                "issued": [(self._collected(item), item.state())[1] for item in self.issued]}
+                "issued": self._issued_state()}
 
     def load_state_dict(self, state: dict[str, Any], same_layout: bool = True) -> None:
         """Restore ``state_dict()``'s output; ``same_layout=False`` (another world size) drops a half-used batch,
@@ -500,6 +501,12 @@ class GRPOStep:
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
         self.completed = int(state["step"])
+
+    def _issued_state(self) -> list[dict]:
+        """The batches issued ahead, each waited for: a checkpoint holds their rollouts, never a batch in flight."""
+        for item in self.issued:
+            self._collected(item)
+        return [item.state() for item in self.issued]
 
     def _load_issued(self, issued: list[dict], same_layout: bool) -> None:
         """The batches a checkpoint had issued ahead, in place of what the generation process holds now (dropped).
