@@ -293,3 +293,11 @@ def test_the_server_pipeline_sends_each_version_once_before_its_batches(tiny_mod
     assert all(torch.equal(calls[3][2][n], start[n] + 1.0) for n in start)
     assert [d.weights_version for d in drawn] == [0, 0, 1]
 
+
+
+def test_staleness_without_a_correction_is_warned(tiny_model_dir, addition_file, tmp_path):
+    """The KL term's samples are the stale policy's: with no sampler correction its gradient follows neither KL."""
+    bare = _config(tiny_model_dir, addition_file, tmp_path / "run").override({"rollout.sampler_correction": "none"})
+    assert any("rollout.max_staleness 1 with rollout.sampler_correction none" in w for w in bare.validate())
+    corrected = _config(tiny_model_dir, addition_file, tmp_path / "run")  # token_mask
+    assert not any("rollout.max_staleness" in w for w in corrected.validate())

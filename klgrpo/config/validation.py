@@ -349,6 +349,13 @@ def _warnings(cfg: GRPOConfig) -> list[str]:
             f"the rollout's KL in the reward; use num_iterations=1 or kl.placement=loss for the exact gradient")
     if k.shaping == "clip" and k.estimator in ("k1", "k1_st"):
         warnings.append("kl.shaping=clip on a signed estimator clips only from above; negative k1 values pass")
+    if r.max_staleness > 0 and (k.coef > 0 or k.controller != "fixed") and r.sampler_correction == "none" and \
+            r.old_logprobs != "sampler":
+        warnings.append(
+            f"rollout.max_staleness {r.max_staleness} with rollout.sampler_correction none: the batches are the "
+            f"policy's of up to {r.max_staleness} update(s) back, and nothing weights the KL term for it, so its "
+            "gradient follows neither KL (`klgrpo verify-kl`, Stale samples); set rollout.sampler_correction "
+            "sequence_mask (exact while its bounds do not bind) or token_mask")
     if r.truncation == "ignore" and (r.top_p < 1.0 or r.top_k > 0 or r.min_p > 0.0):
         warnings.append(
             f"rollout.truncation ignore with top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: the sampler draws "
