@@ -37,7 +37,8 @@ def _run(tmp_path, text, name="cfg.yaml", extra=(), source=None):
 
 
 def _sampling(report):
-    return [r for r in report["risks"] if r.startswith(("sampling filter", "top_k unset"))]
+    return [line for risk_id, line in zip(report["risk_ids"], report["risks"])
+            if risk_id in ("truncated_sampling", "filter_default")]
 
 
 def test_which_values_truncate():
