@@ -493,7 +493,7 @@ HUGE = "\\boxed{" + "1+" * 500_000 + "1}"  # a million characters: the parse alo
 
 
 def test_math_verify_scores_an_uncomparable_answer_0_in_bounded_time_without_the_librarys_log(caplog, capfd):
-    """Each bad row: scored 0.0, counted as timed out, within timeout_s + 1 s; none of math-verify's own
+    """Each bad row: scored 0.0, counted as timed out, in bounded time; none of math-verify's own
     "Timeout during parsing: <the whole text>" / "Timeout during comparison" lines, on a logger or stderr."""
     import logging
     import time
@@ -505,7 +505,9 @@ def test_math_verify_scores_an_uncomparable_answer_0_in_bounded_time_without_the
     scores = fn(["p"] * 3, [TOWER, HUGE, "\\boxed{4}"], answer=["4"] * 3, timeout_s=1)
     took = time.monotonic() - started
     assert list(scores) == [0.0, 0.0, 1.0] and scores.timed_out == [True, True, False]
-    assert took < 2 * (1 + 1), took  # two bad rows, each under timeout_s + 1 s
+    # unbounded, the tower's comparison never ends: 12 s tells bounded apart with room for a loaded machine (the
+    # limit's own arithmetic, timeout_s + 1 s per row, is checked on a fake clock below)
+    assert took < 12, took
     assert [r for r in caplog.records if r.name.startswith(("math_verify", "latex2sympy2_extended"))] == []
     out, err = capfd.readouterr()
     assert "Timeout" not in out + err and "1+1+1" not in out + err
