@@ -153,6 +153,30 @@ REFUSED_AT = {
     ("nemo_rl", "v0.7.0_examples_configs_recipes_llm_dapo-qwen2.5-7b.v2.yaml"): ("nemo_rl==0.1.0",
                                                                                  "loss_fn.ratio_clip_max"),
 }
+# ROLL refuses none of its files at another release: its loader (dacite's from_dict, not strict) drops a key the
+# release's dataclasses lack (klgrpo/apps/explain/roll_keys.json), and none of these files puts a mapping under a
+# plain-valued field. file: (--version, a key of the file that release lacks (None: it lacks none the file's own
+# release has), token verdict, sequence verdict, beta, risks)
+ROLL_ELSEWHERE = {
+    # 0.1.0 is the first release read: at 0.3.0, reward_norm / reward_shift / reward_scale are no fields (0.1.1
+    # replaced them; null / false here, nothing lost); loss_agg_mode seq-mean-token-sum is set: no seqmean risk
+    "v0.1.0_examples_docs_examples_example_grpo.yaml": ("roll==0.3.0", "reward_norm", "forward", "neither",
+                                                        "fixed at 0.001", {"forward", "clip", "truncated"}),
+    # 0.1.0 has no norm_mean_type / norm_std_type (0.1.1 on; ~ here, what 0.1.0 does without them); no KL term
+    "v0.2.0_examples_qwen3-30BA3B-rlvr_megatron_rlvr_config.yaml": ("roll==0.1.0", "norm_mean_type", "zero", "zero",
+                                                                    "fixed at 0", {"beta0", "truncated"}),
+    # every key these files have at their own release is a key of 0.1.0's config too (their dataset_dir,
+    # interleave_probs, flash_attn and validation.eval_steps are no release's fields)
+    "v0.2.0_examples_docs_examples_example_reinforce_pp.yaml": ("roll==0.1.0", None, "forward", "neither",
+                                                                "fixed at 0.001",
+                                                                {"forward", "clip", "seqmean", "truncated"}),
+    "v0.3.0_examples_docs_examples_example_gspo.yaml": ("roll==0.1.0", None, "forward", "neither", "fixed at 0.001",
+                                                        {"forward", "clip", "seqmean", "truncated"}),
+    # no loss_agg_mode: 0.1.0's default seq-mean-token-sum, no seqmean risk
+    "v0.3.0_examples_qwen2_5-vl-3B-rlvr_fsdp2_rlvr_fsdp2_offload.yaml": ("roll==0.1.0", None, "forward", "neither",
+                                                                        "fixed at 0.01",
+                                                                        {"forward", "clip", "truncated"}),
+}
 
 
 def _kinds(risk_ids: list[str]) -> set[str]:
@@ -211,6 +235,18 @@ def test_fresh_file_refused_on_a_release_it_cannot_run_on(framework, name, tmp_p
     status, report, err = _explain(DATA / framework / name, version, tmp_path, capsys)
     assert status == 2 and report is None
     assert len(err.strip().splitlines()) == 1 and key in err, err
+
+
+@pytest.mark.parametrize("name", sorted(ROLL_ELSEWHERE))
+def test_roll_file_at_another_release_runs_without_the_keys_it_lacks(name, tmp_path, capsys):
+    version, key, token, sequence, beta, risks = ROLL_ELSEWHERE[name]
+    status, report, err = _explain(DATA / "roll" / name, version, tmp_path, capsys)
+    assert status == 0, err
+    assert (report["gradient"]["token_on_policy"], report["gradient"]["sequence_on_policy"]) == (token, sequence)
+    assert report["controller"] == beta and _kinds(report["risk_ids"]) == risks, report["risk_ids"]
+    if key is not None:  # dropped by ROLL, set to what the release does without it: listed as ignored
+        assert key in report["ignored"]
+    assert not [k for k, why in report["unmapped"].items() if "dacite" in why]  # nothing the verdict reads lost
 
 
 def test_slime_gspo_writes_klgrpo_gspo(tmp_path, capsys):

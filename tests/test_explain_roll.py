@@ -11,20 +11,27 @@ Each expected verdict is derived by hand from ROLL's source (l = log pi - log re
   token, and per sequence under token-mean (seq-mean-token-mean weighs each sequence's score terms by 1 / its
   length: "neither"); mse (k2) in the reward: E[k2 s] is neither KL's gradient;
 - init_kl_coef without add_token_level_kl adds nothing (compute_token_reward's beta stays 0);
-- a generating_args block samples at top_p 0.7 / top_k 50 where it leaves them unset (GeneratingArguments).
+- a generating_args block samples at top_p 0.7 / top_k 50 where it leaves them unset (GeneratingArguments);
+- keys per release (roll_keys.json): ROLL's loader, dacite's from_dict without strict, drops a key the release's
+  dataclasses lack without a word (the run goes on without it) and its type check stops a run that puts a mapping
+  where the release's field is a plain value.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
-from klgrpo.apps.explain import main
+from klgrpo.apps.explain import main, roll
 from klgrpo.apps.explain.frameworks import releases
 from klgrpo.config.schema import GRPOConfig
+from klgrpo.integrations.versions import NotInRange
+from klgrpo.integrations.versions.clauses import constraints
 
 DATA = Path(__file__).resolve().parent / "data" / "explain_roll"
 #: explain's risk ids (its JSON's risk_ids) -> the short names the expectations below use
@@ -176,3 +183,94 @@ def test_refusals(tmp_path, capsys):
     path.write_text(BASE.replace("grpo", "gigpo"))
     assert main([str(path), "--version", "roll==0.1.0"]) == 2
     assert "adv_estimator 'gigpo' is none of ROLL >= 0.1.0, < 0.1.1's" in capsys.readouterr().err
+
+
+TAGS = ["0.1.0", "0.1.1", "0.1.3", "0.2.0", "0.2.1", "0.3.0"]
+
+
+def test_the_key_table_agrees_with_the_hand_read_one():
+    """roll_keys.json (generated from each tag's config dataclasses by tools/roll_keys.py) against roll.json and the
+    reader: the same tags; every key the mapping reads and every default of a range a key of each release of the
+    range, but for 0.1.0's clip range and normalisation types; the worker groups dataclasses; rewards free."""
+    table = roll._key_table()
+    rows = releases("roll")
+    read = {m for row in rows for line in row.release["read"] for m in re.findall(r"\bv(\d+\.\d+\.\d+)\b", line)}
+    assert list(table["read"]) == sorted(read, key=Version) == TAGS
+    # 0.1.0's RLVRConfig has pg_clip alone and reward_norm / reward_shift / reward_scale where 0.1.1 has the norm
+    # types: roll.json's 0.1.0 defaults for those five are what 0.1.0's code does without them
+    late = {"use_pg_clip_range", "pg_clip_low", "pg_clip_high", "norm_mean_type", "norm_std_type"}
+    for row in rows:
+        tags = [t for t in TAGS if Version(t) >= row.low and (row.high is None or Version(t) < row.high)]
+        for key in {*roll.READ, *row.defaults}:
+            lacking = [t for t in tags if not roll._has_key(key, t)]
+            assert lacking == (["0.1.0"] if key in late and row.low == Version("0.1.0") else []), key
+    for key in roll.OBJECTIVE:
+        expected = {"reward_norm": TAGS[:1], "reward_shift": TAGS[:1], "reward_scale": TAGS[:1],
+                    "train_infer_correction": TAGS[3:], "use_opd": TAGS[4:], "is_pure_opd": TAGS[4:]}
+        assert table["keys"][key] == expected.get(key, TAGS), key
+    for group in ("actor_train", "actor_infer", "reference", "validation", "critic"):
+        assert table["nested"][group] == TAGS, group
+    assert table["open"]["rewards"] == table["open"]["hydra"] == table["open"]["defaults"] == TAGS
+    assert not any(key.split(".")[0] in roll.AGENTIC for key in table["keys"])
+    for key in ("actor_train.model_args.dtype", "max_steps", "actor_infer.generating_args.top_p",
+                "actor_train.strategy_args.strategy_config.tensor_model_parallel_size", "rewards.math.worker_cls"):
+        assert all(roll._has_key(key, t) for t in TAGS), key
+    assert not any(roll._has_key("no_such_key", t) for t in TAGS)
+
+
+def test_a_key_the_release_lacks_is_dropped_not_refused(tmp_path):
+    """A made-up key: accepted at every release and listed as ignored (ROLL drops it and runs on). A key of a later
+    release (use_pg_clip_range with pg_clip_low / pg_clip_high, 0.1.1 on): 0.1.0 drops it, and so does its verdict
+    (pg_clip both sides), named; 0.1.1 and 0.3.0 read it."""
+    for tag in TAGS:
+        status, report = _run(tmp_path, BASE + "no_such_key: 1\n", extra=["--version", f"roll=={tag}"])
+        assert status == 0 and "no_such_key" in report["ignored"], tag
+    text = (BASE + "use_kl_loss: true\nkl_loss_coef: 0.01\n"
+            "use_pg_clip_range: true\npg_clip_low: 0.1\npg_clip_high: 0.3\n")
+    status, report = _run(tmp_path, text, extra=["--version", "roll==0.1.0"])
+    assert status == 0
+    assert (report["config"]["loss"]["eps_low"], report["config"]["loss"]["eps_high"]) == (0.2, 0.2)
+    for key in ("use_pg_clip_range", "pg_clip_low", "pg_clip_high"):
+        assert report["unmapped"][key] == ("not a field of ROLL 0.1.0's config: its loader (dacite's from_dict, not "
+                                           "strict) drops it without a word, so the run, and the verdict here, go "
+                                           "on without it")
+    for tag in ("0.1.1", "0.3.0"):
+        status, report = _run(tmp_path, text, extra=["--version", f"roll=={tag}"])
+        assert (report["config"]["loss"]["eps_low"], report["config"]["loss"]["eps_high"]) == (0.1, 0.3)
+        assert not [k for k, why in report["unmapped"].items() if "dacite" in why], tag
+    # set to what 0.1.0 does without it: nothing lost, listed as ignored
+    status, report = _run(tmp_path, BASE + "use_pg_clip_range: false\n", extra=["--version", "roll==0.1.0"])
+    assert "use_pg_clip_range" in report["ignored"] and "use_pg_clip_range" not in report["unmapped"]
+
+
+def test_a_mapping_under_a_plain_field_is_refused(tmp_path, capsys):
+    """A made-up key under max_steps (an int in every release): dacite's type check stops the run at every release,
+    one line; without --version, or in a config of the distillation launcher (no type check), not judged."""
+    text = BASE + "max_steps:\n  no_such_key: 1\n"
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    for tag in TAGS:
+        assert main([str(path), "--version", f"roll=={tag}"]) == 2, tag
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1
+        assert (f"max_steps.no_such_key is not a key of ROLL {tag}'s config: max_steps is a plain value there, not a "
+                "mapping, so its loader (dacite's type check) stops the run at once (no ROLL release read has it)"
+                in err), err
+    assert main([str(path), "--json", str(tmp_path / "o.json")]) == 0
+    path.write_text(text + "is_pure_opd: true\n")
+    assert main([str(path), "--version", "roll==0.3.0", "--json", str(tmp_path / "p.json")]) == 0
+
+
+def test_refused_at_the_earlier_release_and_taken_at_the_later(monkeypatch):
+    """ROLL's history read has no field that turned from a plain value into a dataclass: the check on a table where
+    x is a plain value at 0.1.0 and a dataclass holding y at 0.3.0."""
+    table = {"read": {"0.1.0": "", "0.3.0": ""}, "keys": {"x": ["0.1.0", "0.3.0"], "x.y": ["0.3.0"]},
+             "nested": {"x": ["0.3.0"]}, "open": {}}
+    monkeypatch.setattr(roll, "_key_table", lambda: table)
+    with pytest.raises(NotInRange, match=r"^f: x.y is not a key of ROLL 0.1.0's config: x is a plain value there, "
+                                         r"not a mapping, .* \(ROLL 0.3.0 have it; pass the release you run, e.g. "
+                                         r"--version roll==0.3.0\)$"):
+        roll.check_keys_at_releases(["x.y"], constraints("==0.1.0"), "f")
+    roll.check_keys_at_releases(["x.y"], constraints("==0.3.0"), "f")
+    roll.check_keys_at_releases(["x.y"], constraints(">=0.1.0"), "f")  # a release they allow takes it
+

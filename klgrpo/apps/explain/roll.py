@@ -7,12 +7,22 @@ controller's beta (``init_kl_coef``; adaptive with ``target_kl``) x ``kl_penalty
 from each token's reward after the response-level normalisation, summed to the end (klgrpo's reward_to_go).
 ``init_kl_coef`` alone (its default is 0.2) loads the reference and logs the KL but adds none. A
 ``generating_args`` block samples with top_p 0.7 and top_k 50 where it leaves them unset.
+
+Keys per release (``roll_keys.json``, tools/roll_keys.py): ROLL's loader (dacite's ``from_dict``, not strict) drops
+a key its release's dataclasses lack without a word, so explain does too (naming those the verdict would read), and
+refuses, with ``--version``, only a mapping under a field the release holds as a plain value: dacite's type check
+stops such a run.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
+
+from packaging.version import Version
 
 from klgrpo.apps.explain.frameworks import Release, releases
 from klgrpo.apps.explain.nemo_rl import flatten
@@ -35,8 +45,11 @@ READ = ("init_kl_coef", "target_kl", "kl_horizon", "kl_penalty", "add_token_leve
 #: Top-level keys that change the objective and are not mapped: named when set to something other than off.
 OBJECTIVE = ("advantage_clip", "difficulty_mask", "max_len_mask", "error_max_len_clip", "difficulty_loss_weight",
              "length_loss_weight", "entropy_loss_coef", "importance_sampling", "use_reward_scaling", "use_reward_norm",
-             "whiten_rewards", "add_len_reward", "rl_loss_coef", "train_infer_correction", "use_opd", "is_pure_opd")
+             "whiten_rewards", "add_len_reward", "rl_loss_coef", "train_infer_correction", "use_opd", "is_pure_opd",
+             "reward_norm", "reward_shift", "reward_scale")
 AGENTIC = ("custom_envs", "train_env_manager", "val_env_manager")
+#: The on-policy distillation launcher's keys: it builds the config with dacite's type check off (not judged).
+DISTILL = ("is_pure_opd", "pure_opd_pipeline_type", "teacher", "student_train", "student_infer")
 
 
 def is_roll(data: dict) -> bool:
@@ -70,12 +83,13 @@ def map_roll(values: dict[str, Any], origin: str, release: Release | None = None
     if set(values) & set(AGENTIC) or any(k.split(".")[0] in AGENTIC for k in values):
         raise ConfigError(f"{origin}: a ROLL agentic pipeline config ({', '.join(AGENTIC)}); explain reads ROLL's "
                           "RLVR pipeline (examples/*rlvr*)")
+    out = Mapped()
+    values = _drop_missing(values, release, out)
     v = {**row["defaults"], **values}
     estimator = v["adv_estimator"]
     if estimator not in row["adv_estimators"]:
         raise NotInRange(f"{origin}: adv_estimator {estimator!r} is none of {label}'s "
                          f"({', '.join(row['adv_estimators'])}); pass the release you run, e.g. --version roll==0.3.0")
-    out = Mapped()
     _name_the_rest(values, out)
     group = int(_number(v, "num_return_sequences_in_group", origin))
     epochs = int(_number(v, "ppo_epochs", origin))
@@ -92,6 +106,30 @@ def map_roll(values: dict[str, Any], origin: str, release: Release | None = None
     _map_kl(v, label, origin, out)
     _map_sampling(out)
     return out
+
+
+def _drop_missing(values: dict[str, Any], release: Release, out: Mapped) -> dict[str, Any]:
+    """The file's keys without those of the mapping (READ) or of the objective (OBJECTIVE) that no release of the
+    range has: ROLL drops them (dacite, not strict) and so does the verdict; named where set to something other
+    than the range's default or off."""
+    tags = [t for t in _key_table()["read"]
+            if Version(t) >= release.low and (release.high is None or Version(t) < release.high)]
+    if not tags:
+        return values
+    kept = {}
+    for key, value in values.items():
+        watched = key in READ or key.split(".")[0] in OBJECTIVE
+        if not watched or any(_judge(key, tag) is None for tag in tags):
+            kept[key] = value
+            continue
+        default = release.defaults.get(key, None)
+        if value != default and value not in (False, None, 0, 0.0, "", "none"):
+            span = tags[0] if len(tags) == 1 else f"{tags[0]} to {tags[-1]}"
+            out.unmapped[key] = (f"not a field of ROLL {span}'s config: its loader (dacite's from_dict, not strict) "
+                                 "drops it without a word, so the run, and the verdict here, go on without it")
+        else:
+            out.ignored.append(key)
+    return kept
 
 
 def _name_the_rest(values: dict[str, Any], out: Mapped) -> None:
@@ -184,3 +222,63 @@ def _map_sampling(out: Mapped) -> None:
     for key in ("actor_infer.generating_args.top_p", "actor_infer.generating_args.top_k"):
         if key in out.ignored:
             out.ignored.remove(key)
+
+
+@lru_cache(maxsize=None)
+def _key_table() -> dict[str, Any]:
+    """roll_keys.json (tools/roll_keys.py): each RLVR config key -> the ROLL releases whose dataclasses have it."""
+    return json.loads((Path(__file__).with_name("roll_keys.json")).read_text(encoding="utf-8"))
+
+
+def _judge(key: str, release: str) -> tuple[str, str] | None:
+    """None where ``release``'s config has ``key`` (or it lies in a field whose contents are free); ("dropped",
+    path): its shortest path the dataclasses lack (dacite drops it); ("refused", path): a mapping under ``path``,
+    a plain value there (dacite's type check stops the run)."""
+    table = _key_table()
+    parts = key.split(".")
+    for end in range(1, len(parts) + 1):
+        path = ".".join(parts[:end])
+        if release in table["open"].get(path, ()):
+            return None
+        if release not in table["keys"].get(path, ()):
+            return "dropped", path
+        if end < len(parts) and release not in table["nested"].get(path, ()):
+            return "refused", path
+    return None
+
+
+def _has_key(key: str, release: str) -> bool:
+    return _judge(key, release) is None
+
+
+def check_keys_at_releases(keys: list[str], clauses: list, origin: str) -> None:
+    """With ``--version`` clauses for roll: refused in one line where every release they allow stops on the file's
+    keys, a mapping under a field that release holds as a plain value (dacite's type check: WrongTypeError). A key
+    the release's dataclasses lack is not refused: ROLL drops it (``_drop_missing`` names those the verdict reads).
+    Releases the key table does not know, and the distillation launcher's configs, are not judged."""
+    if not clauses or any(key.split(".")[0] in DISTILL for key in keys):
+        return
+    from klgrpo.integrations.versions.clauses import specifier_set
+
+    allowed = [r for r in _key_table()["read"] if specifier_set(clauses).contains(r, prereleases=True)]
+    if not allowed:
+        return
+    refused = {release: _refused(keys, release) for release in allowed}
+    if any(found is None for found in refused.values()):
+        return
+    release = allowed[-1]
+    key, path = refused[release]
+    having = [r for r in _key_table()["read"] if _has_key(key, r)]
+    where = (f"ROLL {having[0] if len(having) == 1 else having[0] + ' to ' + having[-1]} have it; pass the release "
+             f"you run, e.g. --version roll=={having[-1]}" if having else "no ROLL release read has it")
+    raise NotInRange(f"{origin}: {key} is not a key of ROLL {release}'s config: {path} is a plain value there, not a "
+                     f"mapping, so its loader (dacite's type check) stops the run at once ({where})")
+
+
+def _refused(keys: list[str], release: str) -> tuple[str, str] | None:
+    """The first key ``release`` refuses, with the plain-valued path it lies under."""
+    for key in keys:
+        judged = _judge(key, release)
+        if judged is not None and judged[0] == "refused":
+            return key, judged[1]
+    return None

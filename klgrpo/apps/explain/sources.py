@@ -244,6 +244,7 @@ def load_variants(text: str, origin: str, source: str | None = None, call: int |
         if shape != "mapping":
             raise ConfigError(f"{origin}: a ROLL config is a YAML mapping (actor_train:, actor_infer:, ...)")
         flat = roll.flatten(data)
+        roll.check_keys_at_releases(list(flat), (versions or {}).get("roll", []), origin)
         return source, table_variants("roll", origin, versions, lambda r: truncation.apply(
             "roll", roll.map_roll(flat, origin, r), flat, r or roll.newest()))
     if source == "klgrpo":
