@@ -105,7 +105,7 @@ def test_real_file_verdict(name, tmp_path, capsys):
 def test_kl_coef_is_silently_ignored_under_grpo(tmp_path):
     status, report = _run(tmp_path, _script("--advantage-estimator grpo\n--kl-coef 0.05"))
     assert report["gradient"]["token_on_policy"] == "zero"
-    line = next(r for r in report["risks"] if r.startswith("--kl-coef"))
+    line = report["risks"][report["risk_ids"].index("kl_coef_ignored")]
     assert line.startswith("--kl-coef 0.05 is silently ignored: slime 0.3.1 or later's grpo advantages "
                            "(get_grpo_returns) broadcast each sample's reward alone")
     # reinforce_plus_plus reads it: the KL in the reward, summed to the end
@@ -128,11 +128,11 @@ def test_the_unbiased_kl_by_release(tmp_path, capsys):
 def test_top_p_is_replayed_from_0_3_1_and_top_k_never(tmp_path):
     text = _script("--use-kl-loss\n--kl-loss-coef 0.01\n--rollout-top-p 0.9\n--rollout-top-k 20")
     status, report = _run(tmp_path, text, extra=["--version", "slime==0.3.1"])
-    line = next(r for r in report["risks"] if r.startswith("sampling filter"))
+    line = report["risks"][report["risk_ids"].index("truncated_sampling")]
     assert line.startswith("sampling filter --rollout-top-k 20: ")
     assert report["unmapped"]["--rollout-top-p"].startswith("0.9: slime replays the sampler's top-p nucleus")
     status, report = _run(tmp_path, text, extra=["--version", "slime==0.3.0"])
-    line = next(r for r in report["risks"] if r.startswith("sampling filter"))
+    line = report["risks"][report["risk_ids"].index("truncated_sampling")]
     assert line.startswith("sampling filter --rollout-top-p 0.9, --rollout-top-k 20: ")
     assert (report["config"]["rollout"]["top_p"], report["config"]["rollout"]["top_k"]) == (0.9, 20)
 
