@@ -125,10 +125,16 @@ def test_script_runs_in_its_small_mode(script, tmp_path):
 
         save_tiny_model_and_tokenizer(tiny, seed=0, hidden=32, layers=1, heads=2, intermediate=64, max_positions=128)
     argv = [a.replace("{tiny}", str(tiny)).replace("{tmp}", str(tmp_path / "work")) for a in args]
+    # the script's temporary folders in a folder of their own: what it leaves there it leaves in a user's /tmp
+    # (real-model runs write GBs of checkpoints each)
+    scratch = tmp_path / "system-tmp"
+    scratch.mkdir()
     done = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(scratch)))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert expected in done.stdout, done.stdout[-3000:]
+    left = sorted(p.name for p in scratch.iterdir())
+    assert not left, f"{script} left {left} in the temporary folder"
 
 
 @pytest.mark.slow

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +60,20 @@ class Launch:
     """A running launcher; ``finish`` waits for it (SIGTERM, then SIGKILL of its group, past ``timeout``)."""
 
     def __init__(self, command: list[str], env: dict | None = None, cwd: Path = ROOT):
-        self.proc = subprocess.Popen(command, env=env or launch_env(), cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        # the launcher's own temporary folders (torch elastic's torchelastic_* logs, never removed by it; the
+        # compile cache) go to a folder of this launch's, removed when it has finished
+        self.scratch = tempfile.mkdtemp(prefix="klgrpo-launch-")
+        self.proc = subprocess.Popen(command, env={**(env or launch_env()), "TMPDIR": self.scratch}, cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
 
     def finish(self, timeout: float) -> Finished:
+        try:
+            return self._finish(timeout)
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _finish(self, timeout: float) -> Finished:
         try:
             out, _ = self.proc.communicate(timeout=timeout)
             return Finished(self.proc.returncode, out, time.time(), False)
