@@ -30,7 +30,8 @@ DATA = Path(__file__).resolve().parent / "data" / "explain_real"
 FRAMEWORKS = ("slime", "prime_rl", "nemo_rl", "roll", "skyrl_train")
 #: Risk lines by their opening words.
 #: explain's risk ids (its JSON's risk_ids) -> the short names the expectations below use
-RISKS = {"beta_zero": "beta0", "forward_kl": "forward", "off_policy": "offpolicy", "reward_kl_off_policy":
+RISKS = {"beta_zero": "beta0", "kl_off": "kloff",
+         "forward_kl": "forward", "off_policy": "offpolicy", "reward_kl_off_policy":
          "reward_offpolicy", "kl_clipped": "clip", "seq_mean_token_mean": "seqmean", "advantage_epsilon": "eps",
          "truncated_sampling": "truncated", "filter_default": "top_k50", "kl_tau": "kl_tau", "zero_kl": "zero_kl",
          "neither_kl": "neither_kl"}
@@ -103,7 +104,7 @@ EXPECTED = {
     ("roll", "v0.3.0_examples_qwen2_5-vl-3B-rlvr_fsdp2_rlvr_fsdp2_offload.yaml"): (
         "roll==0.3.0", "forward", "neither", "fixed at 0.01", {"forward", "clip", "seqmean", "truncated"}),
     ("roll", "v0.2.0_examples_qwen3-30BA3B-rlvr_megatron_rlvr_config.yaml"): ("roll==0.2.0", "zero", "zero",
-                                                                              "fixed at 0", {"beta0", "truncated"}),
+                                                                              "fixed at 0", {"kloff", "truncated"}),
     # SkyRL: use_kl_loss (default true) -> kl_loss_coef x k3 clamped at 10, no weight: forward; 1024 / 256
     # mini-batches -> off-policy; grpo's std + 1e-6 -> the epsilon risk.
     ("skyrl_train", "skyrl_train-v0.2.0_skyrl-train_examples_search_run_search.sh"): (
@@ -114,14 +115,14 @@ EXPECTED = {
     ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_algorithms_rloo_run_rloo.sh"): (
         None, "neither", "neither", "fixed at 0.001", {"reward_offpolicy", "neither_kl"}),
     ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_gsm8k_run_32b_gsm8k.sh"): (
-        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+        None, "zero", "zero", "fixed at 0", {"kloff", "eps"}),
     ("skyrl_train", "skyrl-v0.3.0_examples_train_algorithms_cispo_run_cispo_gsm8k.sh"): (
-        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+        None, "zero", "zero", "fixed at 0", {"kloff", "eps"}),
     # examples' own entry modules: DAPO's main_dapo (USE_KL_LOSS=false: no KL), the fully asynchronous trainer
     # (use_kl_loss true at the default 0.001: k3 unweighted, forward; 4 mini-batches: off-policy), and on-policy
     # distillation, which trains towards a teacher: refused.
     ("skyrl_train", "skyrl_train-v0.4.0_skyrl-train_examples_algorithms_dapo_run_dapo_gsm8k.sh"): (
-        None, "zero", "zero", "fixed at 0", {"beta0", "eps"}),
+        None, "zero", "zero", "fixed at 0", {"kloff", "eps"}),
     ("skyrl_train", "skyrl-v0.3.0_examples_train_fully_async_fully_async_run_gsm8k.sh"): (
         None, "forward", "neither", "fixed at 0.001", {"forward", "clip", "offpolicy", "eps"}),
     ("skyrl_train", "skyrl-v0.3.0_examples_train_on_policy_distillation_run_on_policy_distill_math_qwen3_1.7b.sh"): (
@@ -164,7 +165,7 @@ ROLL_ELSEWHERE = {
                                                         "fixed at 0.001", {"forward", "clip", "truncated"}),
     # 0.1.0 has no norm_mean_type / norm_std_type (0.1.1 on; ~ here, what 0.1.0 does without them); no KL term
     "v0.2.0_examples_qwen3-30BA3B-rlvr_megatron_rlvr_config.yaml": ("roll==0.1.0", "norm_mean_type", "zero", "zero",
-                                                                    "fixed at 0", {"beta0", "truncated"}),
+                                                                    "fixed at 0", {"kloff", "truncated"}),
     # every key these files have at their own release is a key of 0.1.0's config too (their dataset_dir,
     # interleave_probs, flash_attn and validation.eval_steps are no release's fields)
     "v0.2.0_examples_docs_examples_example_reinforce_pp.yaml": ("roll==0.1.0", None, "forward", "neither",

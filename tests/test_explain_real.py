@@ -31,7 +31,8 @@ from klgrpo.apps.explain import main
 DATA = Path(__file__).resolve().parent / "data" / "explain_real"
 #: Risk lines by their opening words.
 #: explain's risk ids (its JSON's risk_ids) -> the short names the expectations below use
-RISKS = {"beta_zero": "beta0", "forward_kl": "forward", "off_policy": "offpolicy", "reward_kl_off_policy":
+RISKS = {"beta_zero": "beta0", "kl_off": "kloff",
+         "forward_kl": "forward", "off_policy": "offpolicy", "reward_kl_off_policy":
          "reward_offpolicy", "kl_clipped": "clip", "seq_mean_token_mean": "seqmean", "advantage_epsilon": "eps",
          "truncated_sampling": "truncated", "filter_default": "top_k50"}
 
@@ -101,14 +102,14 @@ EXPECTED = {
     "verl_v0.8.0_remax_run_qwen2.5_math_7b_sync_fsdp.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0"}),
     # verl 0.9.0's GDPO: +algorithm.gdpo_reward_keys (a key added by the script, named, not fatal); use_kl_loss
     # False and use_kl_in_reward at 0.9's default false: kl_loss_coef 0.001 is set but no KL term runs: zero.
-    "verl_v0.9.0_gdpo_run_qwen3_8b_fsdp.sh": ("verl==0.9.0", "verl", "zero", "zero", "fixed at 0", {"beta0"}),
+    "verl_v0.9.0_gdpo_run_qwen3_8b_fsdp.sh": ("verl==0.9.0", "verl", "zero", "zero", "fixed at 0", {"kloff"}),
     # verl's GMPO DAPO script: no KL (use_kl_loss False, use_kl_in_reward False, both coefficients 0); it trains
     # with rollout.top_p=1.0 and top_k=-1 (off) and sets val_kwargs.top_p=0.7, validation only: no sampling risk.
     "verl_gmpo_test_dapo_7b_math.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0", "eps"}),
     # gae without any KL (use_kl_loss False, use_kl_in_reward False): zero.
-    "verl_ppo_run_gemma.sh": (None, "verl", "zero", "zero", "fixed at 0", {"beta0"}),
+    "verl_ppo_run_gemma.sh": (None, "verl", "zero", "zero", "fixed at 0", {"kloff"}),
     # The Hydra trainer config (defaults: list): verl's defaults, no KL anywhere.
-    "verl_ppo_trainer.yaml": (None, "verl", "zero", "zero", "fixed at 0", {"beta0"}),
+    "verl_ppo_trainer.yaml": (None, "verl", "zero", "zero", "fixed at 0", {"kloff"}),
     # OpenRLHF reinforce_baseline + k2 in the loss: reverse per token, clamped at 10; no group std.
     "openrlhf_train_reinforce_baseline_hybrid_engine.sh": (None, "openrlhf", "reverse", "neither", "fixed at 1e-05",
                                                            {"clip"}),

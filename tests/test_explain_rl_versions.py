@@ -252,3 +252,19 @@ def test_an_unknown_verl_key_is_listed_while_others_are_known(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(tmp_path / "bad.txt")]) == 2
     assert "unknown verl key 'algorithm.gdpo_reward_keys'" in capsys.readouterr().err
+
+
+def test_a_coefficient_the_switches_leave_unread_is_said_so_not_beta_0(tmp_path):
+    """verl reads kl_loss_coef only with use_kl_loss and kl_ctrl.kl_coef only with use_kl_in_reward: a file that
+    sets them with both off trains without a KL, and explain names the switches and the values, not "beta is 0"."""
+    text = ("actor_rollout_ref.actor.use_kl_loss=false\nactor_rollout_ref.actor.kl_loss_coef=0.05\n"
+            "algorithm.use_kl_in_reward=false\nalgorithm.kl_ctrl.kl_coef=0.02\n")
+    status, report = _run(tmp_path, text, extra=["--version", "verl==0.9.0"])
+    assert status == 0 and report["gradient"]["token_on_policy"] == "zero" and report["config"]["kl"]["coef"] == 0
+    assert "kl_off" in report["risk_ids"] and "beta_zero" not in report["risk_ids"]
+    line = report["risks"][report["risk_ids"].index("kl_off")]
+    assert "actor_rollout_ref.actor.kl_loss_coef 0.05 and algorithm.kl_ctrl.kl_coef 0.02 are never read" in line
+    # both coefficients at 0: nothing is left unread, and beta is 0 is the right line
+    status, report = _run(tmp_path, text.replace("0.05", "0").replace("0.02", "0"), name="zero.txt",
+                          extra=["--version", "verl==0.9.0"])
+    assert "beta_zero" in report["risk_ids"] and "kl_off" not in report["risk_ids"]

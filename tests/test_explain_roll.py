@@ -35,7 +35,8 @@ from klgrpo.integrations.versions.clauses import constraints
 
 DATA = Path(__file__).resolve().parent / "data" / "explain_roll"
 #: explain's risk ids (its JSON's risk_ids) -> the short names the expectations below use
-RISKS = {"beta_zero": "beta0", "forward_kl": "forward", "kl_clipped": "clip", "seq_mean_token_mean": "seqmean",
+RISKS = {"beta_zero": "beta0", "kl_off": "kloff",
+         "forward_kl": "forward", "kl_clipped": "clip", "seq_mean_token_mean": "seqmean",
          "truncated_sampling": "truncated", "filter_default": "default_filters", "neither_kl": "neither",
          "off_policy": "offpolicy", "reward_kl_off_policy": "reward_offpolicy"}
 #: A minimal RLVR config: ROLL's worker groups, GRPO, 8 samples a prompt.
@@ -68,7 +69,7 @@ def test_the_table_holds_every_release_read():
 REAL = {
     # reinforce, no KL term: use_kl_loss and add_token_level_kl false; init_kl_coef at its default 0.2 only loads
     # the reference; actor_infer samples at top_p 0.99, top_k 100.
-    "v0.3.0_qwen2.5-7B-rlvr_megatron_rlvr_config.yaml": ("zero", "zero", "fixed at 0", {"beta0", "truncated"}),
+    "v0.3.0_qwen2.5-7B-rlvr_megatron_rlvr_config.yaml": ("zero", "zero", "fixed at 0", {"kloff", "truncated"}),
     # grpo with k3 in the loss at 0.01 (init_kl_coef 0): forward, clipped, seq-mean-token-mean; top_p 0.99 / 100.
     "v0.3.0_qwen3-vl-4B-rlvr_megatron_rlvr_megatron_80G.yaml": ("forward", "neither", "fixed at 0.01",
                                                                 {"forward", "clip", "seqmean", "truncated"}),

@@ -23,7 +23,8 @@ from klgrpo.apps.explain.frameworks import releases
 
 DATA = Path(__file__).resolve().parent / "data" / "explain_skyrl"
 #: explain's risk ids (its JSON's risk_ids) -> the short names the expectations below use
-RISKS = {"beta_zero": "beta0", "forward_kl": "forward", "kl_clipped": "clip", "neither_kl": "neither",
+RISKS = {"beta_zero": "beta0", "kl_off": "kloff",
+         "forward_kl": "forward", "kl_clipped": "clip", "neither_kl": "neither",
          "off_policy": "offpolicy", "reward_kl_off_policy": "reward_offpolicy", "advantage_epsilon": "eps",
          "truncated_sampling": "truncated", "zero_kl": "zero"}
 ONE_UPDATE = "trainer.train_batch_size=256\ntrainer.policy_mini_batch_size=256\n"
@@ -129,7 +130,7 @@ def test_refusals_and_named_settings(tmp_path, capsys):
         assert main([str(path)]) == 2
         assert said in capsys.readouterr().err
     status, report = _run(tmp_path, ONE_UPDATE + "trainer.algorithm.use_kl_loss=false\n")
-    assert report["gradient"]["token_on_policy"] == "zero" and _kinds(report["risk_ids"]) == {"beta0", "eps"}
+    assert report["gradient"]["token_on_policy"] == "zero" and _kinds(report["risk_ids"]) == {"kloff", "eps"}
     assert report["unmapped"]["trainer.algorithm.kl_loss_coef"].endswith("no KL term")
 
 

@@ -23,7 +23,8 @@ from klgrpo.apps.explain.frameworks import releases
 
 DATA = Path(__file__).resolve().parent / "data" / "explain_slime"
 #: explain's risk ids (its JSON's risk_ids) -> the short names the expectations below use
-RISKS = {"beta_zero": "beta0", "forward_kl": "forward", "kl_clipped": "clip", "seq_mean_token_mean": "seqmean",
+RISKS = {"beta_zero": "beta0", "kl_off": "kloff",
+         "forward_kl": "forward", "kl_clipped": "clip", "seq_mean_token_mean": "seqmean",
          "kl_coef_ignored": "kl_coef_ignored", "truncated_sampling": "truncated", "off_policy": "offpolicy"}
 
 
@@ -144,3 +145,14 @@ def test_refusals(tmp_path, capsys):
         path.write_text(_script(flags))
         assert main([str(path), "--version", "slime==0.3.1"]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_a_kl_coefficient_slime_never_reads_is_no_beta_0(tmp_path):
+    """--kl-loss-coef without --use-kl-loss, and --kl-coef under grpo: no KL term, said as what is unread."""
+    status, report = _run(tmp_path, _script("--advantage-estimator grpo\n--kl-loss-coef 0.05"))
+    assert report["gradient"]["token_on_policy"] == "zero" and report["risk_ids"].count("kl_off") == 1
+    assert "beta_zero" not in report["risk_ids"]
+    assert "--kl-loss-coef 0.05 without --use-kl-loss is never read" in report["risks"][report["risk_ids"].index(
+        "kl_off")]
+    status, report = _run(tmp_path, _script("--advantage-estimator grpo\n--kl-coef 0.05"), name="b.sh")
+    assert "kl_coef_ignored" in report["risk_ids"] and "beta_zero" not in report["risk_ids"]

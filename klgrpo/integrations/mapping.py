@@ -46,6 +46,8 @@ class Mapped:
                 rewards.functions)
     defaults    the release range's defaults the verdict took for objective fields the source leaves unset
                 (TRL's use_bias_correction_kl, beta, ...): where they differ between ranges, explain says so
+    kl_off      where a KL coefficient above 0 is set (or defaulted) and the source's own switches leave it unread:
+                which, in a phrase (explain says so instead of "beta is 0")
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -56,6 +58,7 @@ class Mapped:
     source_runtime: set[str] = field(default_factory=set)
     rewards: list[dict[str, Any]] = field(default_factory=list)
     defaults: dict[str, Any] = field(default_factory=dict)
+    kl_off: str = ""
 
     def nested(self) -> dict[str, dict[str, Any]]:
         """``config`` as the nested mapping a klgrpo YAML holds ({"kl": {"coef": ...}, ...})."""

@@ -326,6 +326,12 @@ def _map_kl(v: dict, out: Mapped, row: RLRange, label: str, origin: str) -> None
             f"({v[ALGORITHM + 'kl_penalty']}, beta {v[ALGORITHM + 'kl_ctrl.kl_coef']}) beside its loss KL "
             f"({v[ACTOR + 'kl_loss_type']}, beta {v[ACTOR + 'kl_loss_coef']}) is left out of the config below; "
             "the verdict includes both")
+    unread = [f"{key} {float(v[key]):g}" for key in (ACTOR + "kl_loss_coef", ALGORITHM + "kl_ctrl.kl_coef")
+              if float(v[key]) > 0]
+    if not parts and unread:
+        switches = ACTOR + "use_kl_loss" + (f" and {ALGORITHM}use_kl_in_reward are" if
+                                            row.reward_kl == RewardKL.WITH_USE_KL_IN_REWARD else " is")
+        out.kl_off = f"{switches} false, so {' and '.join(unread)} {'are' if len(unread) > 1 else 'is'} never read"
     main = parts[0] if parts else {"coef": 0.0, "estimator": "k1", "placement": "loss", "is_correction": "none",
                                    "reward_mode": "reward_to_go", "shaping": "none",
                                    "clip_threshold": LOW_VAR_KL_CAP}

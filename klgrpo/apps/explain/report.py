@@ -72,7 +72,10 @@ def explain(source: str, mapped: Mapped) -> dict[str, Any]:
     }
     if mapped.rewards:
         report["rewards"] = list(mapped.rewards)
-    found = risks(cfg, parts, report, mapped.off_policy) + list(getattr(mapped, "source_risks", ()))
+    source = list(getattr(mapped, "source_risks", ()))
+    found = risks(cfg, parts, report, mapped.off_policy, mapped.kl_off) + source
+    if any(risk_id in SAYS_NO_KL for risk_id, _ in source):  # the source's line says why, beta 0 would not
+        found = [(risk_id, line) for risk_id, line in found if risk_id != "beta_zero"]
     report["risks"] = [line for _, line in found]
     report["risk_ids"] = [risk_id for risk_id, _ in found]  # what a program reads: the lines are for people
     return report
@@ -96,7 +99,11 @@ def controller_rule(cfg: GRPOConfig) -> str:
     return rule if kl.controller == "fixed" else f"{rule}; KL measured as {kl.kl_measure}"
 
 
-def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[tuple[str, str]]:
+#: the sources' own risk ids that say why a set KL coefficient adds nothing (explain then says no "beta is 0")
+SAYS_NO_KL = ("kl_coef_ignored",)
+
+
+def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool, kl_off: str = "") -> list[tuple[str, str]]:
     """(id, line) per risk, each line naming the change that fixes it; the ids are what a program reads in
     explain's JSON (``risk_ids``), the lines what a person reads."""
     loss, out = cfg.loss, []
@@ -106,7 +113,10 @@ def risks(cfg: GRPOConfig, parts, report: dict, off_policy: bool) -> list[tuple[
     def add(risk_id: str, line: str) -> None:
         out.append((risk_id, line))
 
-    if not live:
+    if not live and kl_off:
+        add("kl_off", f"no KL term: {kl_off}; nothing keeps the policy near its start: turn the source's KL on "
+                      "(klgrpo: kl.coef > 0)")
+    elif not live:
         add("beta_zero", "beta is 0: no KL term and no reference model, nothing keeps the policy near its start; "
                          "set kl.coef > 0 (TRL: beta, e.g. 0.001-0.04)")
     if gradient["token_on_policy"] == "forward":

@@ -204,6 +204,11 @@ def _map_kl(v: dict, label: str, origin: str, out: Mapped) -> None:
             f"klgrpo has one KL term: ROLL's reward KL ({penalty}, beta {beta:g}"
             + (", adaptive" if target is not None else "") + ") beside its loss KL (k3, "
             f"{loss['coef']:g}) is left out of the config below; the verdict includes both")
+    unread = [f"{key} {_number(v, key, origin):g}" for key in ("kl_loss_coef", "init_kl_coef")
+              if _number(v, key, origin) > 0]
+    if not loss_on and not (reward_on and beta > 0) and unread:
+        out.kl_off = (f"use_kl_loss and add_token_level_kl are false, so {' and '.join(unread)} "
+                      f"{'add' if len(unread) > 1 else 'adds'} no KL (ROLL's defaults where unset)")
     if not reward_on and beta > 0:
         out.unmapped["init_kl_coef"] = (
             f"{beta:g} without add_token_level_kl: ROLL loads the reference and logs its KL (critic/kl) but adds "

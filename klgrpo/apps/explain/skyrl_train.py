@@ -181,6 +181,7 @@ def _map_kl(v: dict, row: dict, label: str, origin: str, out: Mapped) -> None:
             "token verdict is the same, the KL's weighting of long completions differs")
     if not on and coef > 0:
         out.unmapped[A + "kl_loss_coef"] = f"{coef:g} with use_kl_loss and use_kl_in_reward false: no KL term"
+        out.kl_off = f"{A}use_kl_loss and {A}use_kl_in_reward are false, so {A}kl_loss_coef {coef:g} is never read"
 
 
 @lru_cache(maxsize=None)

@@ -188,6 +188,8 @@ def _map_kl(v: dict, flags: dict, row: dict, label: str, adv: str, origin: str, 
             "each sample's reward alone and never read the KL that --kl-coef weighs (only reinforce_plus_plus and "
             "ppo do); for a KL to the reference use --use-kl-loss with --kl-loss-coef (klgrpo: kl.coef)"))
     unbiased = v.get("use-unbiased-kl") is True and row["unbiased_kl"]
+    if not loss_on and not reward_on and loss_coef > 0:
+        out.kl_off = f"--kl-loss-coef {loss_coef:g} without --use-kl-loss is never read"
     if loss_on:
         out.config.update({"kl.coef": loss_coef, "kl.estimator": estimator, "kl.placement": "loss",
                            "kl.is_correction": "in_graph" if unbiased else "none",
