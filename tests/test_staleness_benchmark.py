@@ -47,3 +47,5 @@ def test_the_docs_quote_the_record():
     update = {k: statistics.fmean(x["update_seconds_mean"] for x in RECORD["lengths"]["64"]["runs"][k])
               for k in ("k0", "k1")}
     assert f"the update takes {update['k1']:.1f} s instead of {update['k0']:.1f} s" in flat
+    ratios = [x for r in RECORD["lengths"].values() for x in r["speedups"]]
+    assert f"ratios spread from {min(ratios):.2f}x to {max(ratios):.2f}x" in flat
